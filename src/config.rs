@@ -1,0 +1,357 @@
+//! Configuration: serde types that reject nonsense at load time.
+//!
+//! Every field has a default, so an empty file (or no file) is a valid configuration for the
+//! embedded pipe mode. Durations take units (`"250ms"`, `"24h"`, `"7d"`).
+
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Keys longer than this are rejected unless a subscriber says otherwise.
+pub const DEFAULT_MAX_KEY_BYTES: usize = 1024;
+
+/// Errors found while loading or validating a configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid config: `{field}` {problem}")]
+    Invalid { field: String, problem: String },
+}
+
+fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Where shard files live. The CLI flag `--data-dir` wins over this.
+    pub data_dir: Option<PathBuf>,
+    /// Storage engine settings.
+    pub ledger: LedgerConfig,
+    /// Settings for subscribers that are not listed in `subscriber`.
+    pub defaults: SubscriberSettings,
+    /// Accept messages for subscribers that are not listed, using `defaults`.
+    pub allow_unknown_subscribers: bool,
+    /// Subscriber used by pipe mode when an input line names none.
+    pub default_subscriber: String,
+    /// Explicitly configured subscribers.
+    #[serde(rename = "subscriber")]
+    pub subscribers: Vec<SubscriberConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            data_dir: None,
+            ledger: LedgerConfig::default(),
+            defaults: SubscriberSettings::default(),
+            allow_unknown_subscribers: true,
+            default_subscriber: "default".to_string(),
+            subscribers: Vec::new(),
+        }
+    }
+}
+
+/// Storage engine settings. See `docs/design.md` for how they interact.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LedgerConfig {
+    /// Number of shards (one redb file and one writer thread each). Default: number of cores.
+    /// Fixed when a data directory is created; a different value later is an error.
+    pub shards: Option<NonZeroUsize>,
+    /// Most messages in one commit. A batch grows while the previous commit's fsync runs.
+    pub max_batch: NonZeroUsize,
+    /// How long a writer waits for more messages before committing a batch that is not full.
+    #[serde(with = "humantime_serde")]
+    pub max_linger: Duration,
+    /// Claims in an active generation before it is sealed into a sorted table.
+    pub generation_max_claims: NonZeroUsize,
+    /// Age at which a non-empty active generation is sealed even when not full.
+    #[serde(with = "humantime_serde")]
+    pub generation_max_age: Duration,
+    /// Sealed generations smaller than this are merged with a neighbour.
+    pub merge_max_claims: NonZeroUsize,
+    /// Sealed generations per subscriber and shard above which merging starts.
+    pub merge_trigger_generations: NonZeroUsize,
+    /// redb page cache per shard, in MiB. The OS page cache serves the rest.
+    pub cache_mib: NonZeroUsize,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        LedgerConfig {
+            shards: None,
+            max_batch: nz(16_384),
+            max_linger: Duration::ZERO,
+            generation_max_claims: nz(1 << 19),
+            generation_max_age: Duration::from_secs(3600),
+            merge_max_claims: nz(1 << 23),
+            merge_trigger_generations: nz(8),
+            cache_mib: nz(32),
+        }
+    }
+}
+
+fn nz(n: usize) -> NonZeroUsize {
+    NonZeroUsize::new(n).unwrap_or(NonZeroUsize::MIN)
+}
+
+/// Where a subscriber's idempotency key comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "source", rename_all = "snake_case", deny_unknown_fields)]
+pub enum KeySource {
+    /// The envelope's `id` field.
+    Id,
+    /// A header value.
+    Header { name: String },
+    /// A JSON pointer (RFC 6901) into the payload, e.g. `/order/id`.
+    JsonPointer { pointer: String },
+    /// CloudEvents: `source` + `id`, from the payload (structured mode) or the
+    /// `ce_source`/`ce_id` headers (binary mode).
+    Cloudevents,
+    /// A hash of the canonical payload. Opt-in only: two different events with equal
+    /// payloads become duplicates.
+    ContentHash,
+}
+
+/// Per-subscriber behaviour.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SubscriberSettings {
+    /// How long a claim is remembered. Must exceed the longest redelivery window of the source.
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    /// Refresh a claim's expiry each time a duplicate arrives.
+    pub sliding_ttl: bool,
+    /// Where the idempotency key comes from.
+    pub key: KeySource,
+    /// Keys longer than this are rejected.
+    pub max_key_bytes: usize,
+}
+
+impl Default for SubscriberSettings {
+    fn default() -> Self {
+        SubscriberSettings {
+            ttl: Duration::from_secs(7 * 24 * 3600),
+            sliding_ttl: false,
+            key: KeySource::Id,
+            max_key_bytes: DEFAULT_MAX_KEY_BYTES,
+        }
+    }
+}
+
+/// A named subscriber. Fields left out inherit from `[defaults]`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubscriberConfig {
+    /// `[A-Za-z0-9._-]{1,64}`; part of table names on disk.
+    pub name: String,
+    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<Duration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_ttl: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<KeySource>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_key_bytes: Option<usize>,
+}
+
+impl SubscriberConfig {
+    /// These settings over `defaults`.
+    pub fn resolve(&self, defaults: &SubscriberSettings) -> SubscriberSettings {
+        SubscriberSettings {
+            ttl: self.ttl.unwrap_or(defaults.ttl),
+            sliding_ttl: self.sliding_ttl.unwrap_or(defaults.sliding_ttl),
+            key: self.key.clone().unwrap_or_else(|| defaults.key.clone()),
+            max_key_bytes: self.max_key_bytes.unwrap_or(defaults.max_key_bytes),
+        }
+    }
+}
+
+impl Config {
+    /// Reads and validates a TOML file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.to_path_buf(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses and validates TOML text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: PathBuf::from("<text>"),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks cross-field rules that types alone cannot express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        validate_settings("defaults", &self.defaults)?;
+        validate_subscriber_name("default_subscriber", &self.default_subscriber)?;
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, s) in self.subscribers.iter().enumerate() {
+            validate_subscriber_name(&format!("subscriber[{i}].name"), &s.name)?;
+            if !seen.insert(s.name.as_str()) {
+                return Err(invalid(
+                    format!("subscriber[{i}].name"),
+                    format!("repeats subscriber {:?}", s.name),
+                ));
+            }
+            validate_settings(&format!("subscriber[{i}]"), &s.resolve(&self.defaults))?;
+        }
+        if let Some(shards) = self.ledger.shards {
+            if shards.get() > 256 {
+                return Err(invalid("ledger.shards", "must be at most 256"));
+            }
+        }
+        if self.ledger.max_linger > Duration::from_secs(1) {
+            return Err(invalid(
+                "ledger.max_linger",
+                "must be at most 1s (it adds directly to ack latency)",
+            ));
+        }
+        if self.ledger.generation_max_age < Duration::from_secs(1) {
+            return Err(invalid("ledger.generation_max_age", "must be at least 1s"));
+        }
+        Ok(())
+    }
+
+    /// The settings for a subscriber, or `None` if it is unknown and unknown ones are refused.
+    pub fn settings_for(&self, name: &str) -> Option<SubscriberSettings> {
+        match self.subscribers.iter().find(|s| s.name == name) {
+            Some(s) => Some(s.resolve(&self.defaults)),
+            None if self.allow_unknown_subscribers => Some(self.defaults.clone()),
+            None => None,
+        }
+    }
+}
+
+fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigError> {
+    if s.ttl < Duration::from_secs(1) {
+        return Err(invalid(format!("{field}.ttl"), "must be at least 1s"));
+    }
+    if s.ttl > Duration::from_secs(10 * 365 * 24 * 3600) {
+        return Err(invalid(format!("{field}.ttl"), "must be at most 10 years"));
+    }
+    if s.max_key_bytes == 0 || s.max_key_bytes > 64 * 1024 {
+        return Err(invalid(
+            format!("{field}.max_key_bytes"),
+            "must be between 1 and 65536",
+        ));
+    }
+    match &s.key {
+        KeySource::Header { name } if name.is_empty() => {
+            Err(invalid(format!("{field}.key.name"), "must not be empty"))
+        }
+        KeySource::JsonPointer { pointer } if !pointer.starts_with('/') => Err(invalid(
+            format!("{field}.key.pointer"),
+            "must be a JSON pointer starting with '/'",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Subscriber names become part of table names, so they are kept to a safe alphabet.
+pub fn validate_subscriber_name(field: &str, name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!("{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -)"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sample shipped in the repository must stay valid.
+    #[test]
+    fn sample_config_parses() {
+        let text = include_str!("../dedupd.example.toml");
+        let config = Config::parse(text).expect("sample config");
+        assert_eq!(config.subscribers.len(), 2);
+        let billing = config.settings_for("billing").expect("billing");
+        assert_eq!(
+            billing.key,
+            KeySource::JsonPointer {
+                pointer: "/order_id".into()
+            }
+        );
+        assert!(billing.sliding_ttl);
+        assert_eq!(billing.max_key_bytes, DEFAULT_MAX_KEY_BYTES, "inherited from defaults");
+    }
+
+    #[test]
+    fn empty_config_is_valid() {
+        let config = Config::parse("").expect("empty config");
+        assert_eq!(config.default_subscriber, "default");
+        assert!(config.settings_for("anything").is_some());
+    }
+
+    #[test]
+    fn unknown_field_is_refused() {
+        let err = Config::parse("[ledger]\nmax_bach = 3\n").unwrap_err();
+        assert!(err.to_string().contains("max_bach"), "{err}");
+    }
+
+    #[test]
+    fn unknown_subscriber_field_is_refused() {
+        let err = Config::parse("[[subscriber]]\nname = \"a\"\nttll = \"1h\"\n").unwrap_err();
+        assert!(err.to_string().contains("ttll"), "{err}");
+    }
+
+    #[test]
+    fn zero_batch_is_refused() {
+        assert!(Config::parse("[ledger]\nmax_batch = 0\n").is_err());
+    }
+
+    #[test]
+    fn bad_subscriber_name_is_refused() {
+        let err = Config::parse("[[subscriber]]\nname = \"a/b\"\n").unwrap_err();
+        assert!(err.to_string().contains("subscriber[0].name"), "{err}");
+    }
+
+    #[test]
+    fn short_ttl_is_refused() {
+        let err = Config::parse("[defaults]\nttl = \"10ms\"\n").unwrap_err();
+        assert!(err.to_string().contains("defaults.ttl"), "{err}");
+    }
+
+    #[test]
+    fn unknown_subscriber_refused_when_disallowed() {
+        let config = Config::parse("allow_unknown_subscribers = false\n").expect("config");
+        assert!(config.settings_for("nobody").is_none());
+    }
+}

@@ -1,0 +1,258 @@
+//! Decoding input envelopes and deriving idempotency keys and payload fingerprints.
+//!
+//! The key names the logical event; the fingerprint names its content. Same key with the
+//! same fingerprint is a duplicate; same key with another fingerprint is quarantined (G4).
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use serde_json::Value;
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use crate::config::{KeySource, SubscriberSettings};
+
+/// One input message as it arrives on a line of JSON (pipe mode) or from another source.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope {
+    /// Subscriber the message is for; pipe mode falls back to the configured default.
+    pub subscriber: Option<String>,
+    /// The producer's message id.
+    pub id: Option<String>,
+    /// Partition key (routing and ordering), not an idempotency key.
+    pub key: Option<String>,
+    /// String headers (`ce_id`, `ce_source`, or any header a key source names).
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// The message body.
+    #[serde(default)]
+    pub payload: Value,
+}
+
+/// A derived idempotency key: its text (shown to operators) and its 128-bit hash (stored).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey {
+    pub text: String,
+    pub hash: u128,
+}
+
+impl IdempotencyKey {
+    /// Hashes a plain id. With 128 bits the chance of any collision stays below 1e-18 at
+    /// 1e10 keys, so the hash alone identifies a claim.
+    pub fn from_id(text: &str) -> Self {
+        IdempotencyKey {
+            hash: key_hash(text.as_bytes()),
+            text: text.to_string(),
+        }
+    }
+}
+
+/// The stored hash of a key's bytes.
+#[inline]
+pub fn key_hash(bytes: &[u8]) -> u128 {
+    xxh3_128(bytes)
+}
+
+/// The payload fingerprint stored with a claim.
+#[inline]
+pub fn fingerprint(payload: &[u8]) -> u64 {
+    xxh3_64(payload)
+}
+
+/// Why a message cannot be keyed; becomes the `reason` of a `rejected` outcome.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    #[error("no idempotency key: {0}")]
+    Missing(String),
+    #[error("idempotency key is {len} bytes, the limit is {limit}")]
+    Oversized { len: usize, limit: usize },
+}
+
+/// Canonical bytes of a payload: compact JSON with object keys sorted, so re-encoding the
+/// same event (whitespace, key order) does not read as a different payload.
+pub fn canonical_payload(payload: &Value) -> Vec<u8> {
+    // serde_json's default map is ordered by key, and to_vec never fails for a Value.
+    serde_json::to_vec(payload).unwrap_or_default()
+}
+
+/// Derives the idempotency key of an envelope under a subscriber's settings.
+pub fn derive_key(
+    env: &Envelope,
+    canonical: &[u8],
+    settings: &SubscriberSettings,
+) -> Result<IdempotencyKey, KeyError> {
+    let key = match &settings.key {
+        KeySource::Id => match env.id.as_deref() {
+            Some(id) if !id.is_empty() => IdempotencyKey::from_id(id),
+            Some(_) => return Err(KeyError::Missing("field `id` is empty".into())),
+            None => return Err(KeyError::Missing("field `id` is missing".into())),
+        },
+        KeySource::Header { name } => match env.headers.get(name) {
+            Some(v) if !v.is_empty() => IdempotencyKey::from_id(v),
+            _ => return Err(KeyError::Missing(format!("header `{name}` is missing"))),
+        },
+        KeySource::JsonPointer { pointer } => match env.payload.pointer(pointer) {
+            Some(Value::String(s)) if !s.is_empty() => IdempotencyKey::from_id(s),
+            Some(Value::Number(n)) => IdempotencyKey::from_id(&n.to_string()),
+            Some(other) if !other.is_null() && !matches!(other, Value::String(_)) => {
+                return Err(KeyError::Missing(format!(
+                    "payload at `{pointer}` is not a string or number"
+                )))
+            }
+            _ => {
+                return Err(KeyError::Missing(format!(
+                    "payload has nothing at `{pointer}`"
+                )))
+            }
+        },
+        KeySource::Cloudevents => {
+            let from_payload = (
+                env.payload.get("source").and_then(Value::as_str),
+                env.payload.get("id").and_then(Value::as_str),
+            );
+            let (source, id) =
+                match from_payload {
+                    (Some(s), Some(i)) => (s, i),
+                    _ => match (env.headers.get("ce_source"), env.headers.get("ce_id")) {
+                        (Some(s), Some(i)) => (s.as_str(), i.as_str()),
+                        _ => return Err(KeyError::Missing(
+                            "CloudEvents `source` and `id` are missing (payload or ce_ headers)"
+                                .into(),
+                        )),
+                    },
+                };
+            if source.is_empty() || id.is_empty() {
+                return Err(KeyError::Missing(
+                    "CloudEvents `source` or `id` is empty".into(),
+                ));
+            }
+            cloudevents_key(source, id)
+        }
+        KeySource::ContentHash => {
+            let h = xxh3_128(canonical);
+            IdempotencyKey {
+                text: format!("sha:{h:032x}"),
+                hash: h,
+            }
+        }
+    };
+    if key.text.len() > settings.max_key_bytes {
+        return Err(KeyError::Oversized {
+            len: key.text.len(),
+            limit: settings.max_key_bytes,
+        });
+    }
+    Ok(key)
+}
+
+/// CloudEvents identity is the pair (source, id); the hash covers both with a length
+/// prefix so `("a#b","c")` and `("a","b#c")` stay distinct.
+pub fn cloudevents_key(source: &str, id: &str) -> IdempotencyKey {
+    let mut buf = Vec::with_capacity(source.len() + id.len() + 8);
+    buf.extend_from_slice(&(source.len() as u64).to_le_bytes());
+    buf.extend_from_slice(source.as_bytes());
+    buf.extend_from_slice(id.as_bytes());
+    IdempotencyKey {
+        text: format!("{source}#{id}"),
+        hash: xxh3_128(&buf),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn env(v: Value) -> Envelope {
+        serde_json::from_value(v).expect("envelope")
+    }
+
+    fn settings(key: KeySource) -> SubscriberSettings {
+        SubscriberSettings {
+            key,
+            ..SubscriberSettings::default()
+        }
+    }
+
+    #[test]
+    fn id_key_is_stable() {
+        let e = env(json!({"id": "evt-1", "payload": {"a": 1}}));
+        let k1 = derive_key(&e, b"", &settings(KeySource::Id)).expect("key");
+        let k2 = derive_key(&e, b"", &settings(KeySource::Id)).expect("key");
+        assert_eq!(k1, k2);
+        assert_eq!(k1.text, "evt-1");
+    }
+
+    #[test]
+    fn missing_id_is_rejected() {
+        let e = env(json!({"payload": {}}));
+        let err = derive_key(&e, b"", &settings(KeySource::Id)).unwrap_err();
+        assert!(matches!(err, KeyError::Missing(_)));
+    }
+
+    #[test]
+    fn oversized_key_is_rejected() {
+        let long = "x".repeat(1025);
+        let e = env(json!({ "id": long }));
+        let err = derive_key(&e, b"", &settings(KeySource::Id)).unwrap_err();
+        assert_eq!(
+            err,
+            KeyError::Oversized {
+                len: 1025,
+                limit: 1024
+            }
+        );
+        let exact = env(json!({ "id": "x".repeat(1024) }));
+        assert!(derive_key(&exact, b"", &settings(KeySource::Id)).is_ok());
+    }
+
+    #[test]
+    fn json_pointer_key_reads_payload() {
+        let e = env(json!({"payload": {"order": {"id": 42}}}));
+        let s = settings(KeySource::JsonPointer {
+            pointer: "/order/id".into(),
+        });
+        assert_eq!(derive_key(&e, b"", &s).expect("key").text, "42");
+        let missing = env(json!({"payload": {"order": {}}}));
+        assert!(derive_key(&missing, b"", &s).is_err());
+    }
+
+    #[test]
+    fn header_key_reads_header() {
+        let e = env(json!({"headers": {"msg-id": "m1"}}));
+        let s = settings(KeySource::Header {
+            name: "msg-id".into(),
+        });
+        assert_eq!(derive_key(&e, b"", &s).expect("key").text, "m1");
+    }
+
+    #[test]
+    fn cloudevents_key_from_payload_or_headers_agree() {
+        let structured = env(json!({"payload": {"source": "/shop", "id": "A1", "data": {}}}));
+        let binary = env(json!({"headers": {"ce_source": "/shop", "ce_id": "A1"}}));
+        let s = settings(KeySource::Cloudevents);
+        let a = derive_key(&structured, b"", &s).expect("structured");
+        let b = derive_key(&binary, b"", &s).expect("binary");
+        assert_eq!(a, b);
+        assert_ne!(
+            cloudevents_key("a#b", "c").hash,
+            cloudevents_key("a", "b#c").hash
+        );
+    }
+
+    #[test]
+    fn canonical_payload_ignores_key_order_and_whitespace() {
+        let a: Value = serde_json::from_str(r#"{"b": 1, "a": [1, 2]}"#).expect("json");
+        let b: Value = serde_json::from_str(r#"{"a":[1,2],"b":1}"#).expect("json");
+        assert_eq!(
+            fingerprint(&canonical_payload(&a)),
+            fingerprint(&canonical_payload(&b))
+        );
+    }
+
+    #[test]
+    fn unknown_envelope_field_is_an_error() {
+        assert!(serde_json::from_str::<Envelope>(r#"{"id":"1","paylod":{}}"#).is_err());
+    }
+}

@@ -1,0 +1,420 @@
+//! Generations of claims and the background builder that sorts them and builds filters.
+//!
+//! Lifecycle of one generation of one subscriber in one shard:
+//!
+//! ```text
+//! Active  --full or old-->  Sealing  --all slices written-->  Sealed  --expired--> dropped
+//!   (map + log table)        (map kept for lookups;             (sorted table      (table
+//!                              sorted slices appended            + filter)          deleted)
+//!                              to a fresh table per batch)            \--small--> merged
+//! ```
+//!
+//! Sorting and filter construction run on the builder thread so the writer never stalls
+//! on them; the writer only appends bounded slices inside its normal batch transactions.
+//! What survives a crash at any point: the log stays until the sealed table and filter are
+//! committed in the same transaction that deletes it, so a restart replays the log and
+//! seals again; a half-written sealed or merged table has no `Sealed` row and is deleted.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+use crossbeam_channel::{unbounded, Sender};
+
+use super::filter::GenFilter;
+use super::record::ClaimRecord;
+use super::SubscriberId;
+
+/// Keys are already xxh3-128 hashes: folding them is a perfect hash for the index.
+#[derive(Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut x = [0u8; 8];
+            x[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(x);
+        }
+    }
+
+    #[inline]
+    fn write_u128(&mut self, i: u128) {
+        self.0 = (i as u64) ^ ((i >> 64) as u64);
+    }
+}
+
+pub(crate) type KeyMap = HashMap<u128, ClaimRecord, BuildHasherDefault<KeyHasher>>;
+
+/// Approximate heap bytes of a key map (bucket array with control bytes).
+pub(crate) fn map_bytes(map: &KeyMap) -> usize {
+    map.capacity() * (16 + super::record::CLAIM_LEN + 1)
+}
+
+/// The generation receiving new claims.
+pub(crate) struct ActiveGen {
+    pub table_id: u64,
+    pub order: u64,
+    pub map: KeyMap,
+    pub next_row: u64,
+    pub created_at_ms: u64,
+}
+
+/// A full generation being written into its sorted table.
+pub(crate) struct SealingGen {
+    pub table_id: u64,
+    pub order: u64,
+    pub created_at_ms: u64,
+    /// Exact lookups until the sealed table and filter are committed.
+    pub map: Arc<KeyMap>,
+    /// Sorted live entries and filter, once the builder returns them.
+    pub built: Option<(Vec<(u128, ClaimRecord)>, GenFilter)>,
+    /// Entries of `built` already written.
+    pub pos: usize,
+    /// Older log generations folded into this one at recovery; deleted with its log.
+    pub extra_logs: Vec<u64>,
+}
+
+/// A sealed generation: sorted table on disk, filter in memory.
+pub(crate) struct SealedGen {
+    pub table_id: u64,
+    pub order: u64,
+    pub count: u64,
+    pub max_expires_ms: u64,
+    pub created_at_ms: u64,
+    pub filter: GenFilter,
+}
+
+/// Merging two adjacent sealed generations into a fresh table, a slice per batch.
+pub(crate) struct MergeJob {
+    pub older: u64,
+    pub newer: u64,
+    pub out_table: u64,
+    /// Last key consumed from each input; `None` before the first slice.
+    pub cursor_older: Option<u128>,
+    pub cursor_newer: Option<u128>,
+    pub older_done: bool,
+    pub newer_done: bool,
+    pub keys: Vec<u128>,
+    pub count: u64,
+    pub max_expires_ms: u64,
+    /// Set once every entry is written and the filter was requested.
+    pub waiting_for_filter: bool,
+    pub filter: Option<GenFilter>,
+}
+
+/// Everything a shard knows about one subscriber.
+pub(crate) struct SubState {
+    pub id: SubscriberId,
+    pub name: Arc<str>,
+    pub ttl_ms: u64,
+    pub sliding: bool,
+    pub active: Option<ActiveGen>,
+    pub sealing: Option<SealingGen>,
+    /// Ascending by `order`.
+    pub sealed: Vec<SealedGen>,
+    pub merging: Option<MergeJob>,
+    pub next_order: u64,
+    /// Claims of the current batch, as a log row being built.
+    pub pending_log: Vec<u8>,
+    pub quarantined: u64,
+}
+
+/// Where a lookup found the newest record of a key.
+pub(crate) enum Found {
+    Active(ClaimRecord),
+    Older(ClaimRecord),
+    /// Not in memory: sealed generations (newest first) must be asked, by index.
+    AskSealed,
+}
+
+impl SubState {
+    /// Memory lookups, newest generation first.
+    #[inline]
+    pub fn find_in_memory(&self, key: u128) -> Found {
+        if let Some(a) = &self.active {
+            if let Some(r) = a.map.get(&key) {
+                return Found::Active(*r);
+            }
+        }
+        if let Some(s) = &self.sealing {
+            if let Some(r) = s.map.get(&key) {
+                return Found::Older(*r);
+            }
+        }
+        Found::AskSealed
+    }
+
+    pub fn claims(&self) -> (u64, u64) {
+        let active = self.active.as_ref().map_or(0, |a| a.map.len() as u64);
+        let sealing = self.sealing.as_ref().map_or(0, |s| s.map.len() as u64);
+        let sealed: u64 = self.sealed.iter().map(|g| g.count).sum();
+        (active + sealing + sealed, active)
+    }
+
+    pub fn filter_bytes(&self) -> u64 {
+        self.sealed
+            .iter()
+            .map(|g| g.filter.memory_bytes() as u64)
+            .sum()
+    }
+
+    pub fn index_bytes(&self) -> u64 {
+        let a = self.active.as_ref().map_or(0, |a| map_bytes(&a.map));
+        let s = self.sealing.as_ref().map_or(0, |s| {
+            map_bytes(&s.map) + s.built.as_ref().map_or(0, |(v, _)| v.capacity() * 48)
+        });
+        (a + s) as u64
+    }
+}
+
+/// Work for the builder thread.
+pub(crate) enum BuildJob {
+    /// Sort the live entries of a full generation and build its filter.
+    Seal {
+        sub: SubscriberId,
+        table_id: u64,
+        map: Arc<KeyMap>,
+        now_ms: u64,
+        reply: Sender<Built>,
+    },
+    /// Allocate an index and touch every page of it, off the hot path.
+    PrepareMap {
+        capacity: usize,
+        reply: Sender<Built>,
+    },
+    /// Build the filter of a merged generation.
+    Filter {
+        sub: SubscriberId,
+        table_id: u64,
+        keys: Vec<u128>,
+        reply: Sender<Built>,
+    },
+}
+
+/// Results sent back to the shard that asked.
+pub(crate) enum Built {
+    Sealed {
+        sub: SubscriberId,
+        table_id: u64,
+        entries: Vec<(u128, ClaimRecord)>,
+        filter: GenFilter,
+    },
+    Merged {
+        sub: SubscriberId,
+        table_id: u64,
+        filter: GenFilter,
+    },
+    Map(KeyMap),
+}
+
+/// Handle to the background builder thread; it exits when the last handle is dropped.
+#[derive(Clone)]
+pub(crate) struct Builder {
+    tx: Sender<BuildJob>,
+}
+
+impl Builder {
+    pub fn spawn() -> Builder {
+        let (tx, rx) = unbounded::<BuildJob>();
+        let spawned = std::thread::Builder::new()
+            .name("dedupd-builder".into())
+            .spawn(move || {
+                for job in rx {
+                    match job {
+                        BuildJob::Seal {
+                            sub,
+                            table_id,
+                            map,
+                            now_ms,
+                            reply,
+                        } => {
+                            let entries = sorted_live(&map, now_ms);
+                            // Release the index before replying so the shard can recycle it.
+                            drop(map);
+                            let filter = GenFilter::build(entries.iter().map(|e| e.0));
+                            let _ = reply.send(Built::Sealed {
+                                sub,
+                                table_id,
+                                entries,
+                                filter,
+                            });
+                        }
+                        BuildJob::PrepareMap { capacity, reply } => {
+                            let _ = reply.send(Built::Map(resident_map(capacity)));
+                        }
+                        BuildJob::Filter {
+                            sub,
+                            table_id,
+                            keys,
+                            reply,
+                        } => {
+                            let filter = GenFilter::build(keys.into_iter());
+                            let _ = reply.send(Built::Merged {
+                                sub,
+                                table_id,
+                                filter,
+                            });
+                        }
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            // Without a builder thread sealing never completes; that is visible in inspect
+            // (active claims keep growing) and logged here.
+            tracing::error!("cannot start the generation builder thread: {e}");
+        }
+        Builder { tx }
+    }
+
+    pub fn send(&self, job: BuildJob) -> bool {
+        self.tx.send(job).is_ok()
+    }
+}
+
+/// An empty index whose memory is already faulted in: filled to capacity once, then
+/// cleared (clearing keeps the allocation).
+pub(crate) fn resident_map(capacity: usize) -> KeyMap {
+    let mut map = KeyMap::with_capacity_and_hasher(capacity, Default::default());
+    let filler = ClaimRecord {
+        fingerprint: 0,
+        processed_at_ms: 0,
+        expires_at_ms: 0,
+        handler_version: 0,
+    };
+    let mut k: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c834;
+    for _ in 0..capacity {
+        k = k
+            .wrapping_mul(0x2545_f491_4f6c_dd1d_9e37_79b9_7f4a_7c15)
+            .wrapping_add(1);
+        map.insert(k, filler);
+    }
+    map.clear();
+    map
+}
+
+/// Live entries of a map, sorted by key.
+pub(crate) fn sorted_live(map: &KeyMap, now_ms: u64) -> Vec<(u128, ClaimRecord)> {
+    let mut v: Vec<(u128, ClaimRecord)> = map
+        .iter()
+        .filter(|(_, r)| r.is_live(now_ms))
+        .map(|(k, r)| (*k, *r))
+        .collect();
+    v.sort_unstable_by_key(|e| e.0);
+    v
+}
+
+/// Merges one slice of two sorted inputs. Returns the merged entries that are safe to
+/// write now (every key up to the smaller of the two slices' last keys, unless an input
+/// is exhausted), with the newer input winning ties and expired entries dropped, and the
+/// number consumed from each input.
+pub(crate) fn merge_slice(
+    older: &[(u128, ClaimRecord)],
+    older_exhausted: bool,
+    newer: &[(u128, ClaimRecord)],
+    newer_exhausted: bool,
+    now_ms: u64,
+) -> (Vec<(u128, ClaimRecord)>, usize, usize) {
+    // Keys beyond the last key read from an unfinished input may still have a smaller
+    // partner in that input's next slice, so they wait.
+    let mut limit = Some(u128::MAX);
+    for (side, exhausted) in [(older, older_exhausted), (newer, newer_exhausted)] {
+        if !exhausted {
+            limit = match (limit, side.last()) {
+                (Some(l), Some(e)) => Some(l.min(e.0)),
+                _ => None,
+            };
+        }
+    }
+    let Some(limit) = limit else {
+        return (Vec::new(), 0, 0);
+    };
+    let (mut i, mut j) = (0, 0);
+    let mut out = Vec::with_capacity(older.len() + newer.len());
+    loop {
+        let a = older.get(i).filter(|e| e.0 <= limit);
+        let b = newer.get(j).filter(|e| e.0 <= limit);
+        let pick = match (a, b) {
+            (None, None) => break,
+            (Some(x), None) => {
+                i += 1;
+                *x
+            }
+            (None, Some(y)) => {
+                j += 1;
+                *y
+            }
+            (Some(x), Some(y)) => {
+                if x.0 < y.0 {
+                    i += 1;
+                    *x
+                } else if y.0 < x.0 {
+                    j += 1;
+                    *y
+                } else {
+                    i += 1;
+                    j += 1;
+                    *y
+                }
+            }
+        };
+        if pick.1.is_live(now_ms) {
+            out.push(pick);
+        }
+    }
+    (out, i, j)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(fp: u64, exp: u64) -> ClaimRecord {
+        ClaimRecord {
+            fingerprint: fp,
+            processed_at_ms: 0,
+            expires_at_ms: exp,
+            handler_version: 0,
+        }
+    }
+
+    #[test]
+    fn merge_prefers_newer_and_drops_expired() {
+        let older = vec![(1, rec(1, 100)), (3, rec(1, 100)), (5, rec(1, 5))];
+        let newer = vec![(3, rec(2, 100)), (4, rec(2, 100))];
+        let (out, i, j) = merge_slice(&older, true, &newer, true, 10);
+        assert_eq!(
+            out,
+            vec![(1, rec(1, 100)), (3, rec(2, 100)), (4, rec(2, 100))]
+        );
+        assert_eq!((i, j), (3, 2));
+    }
+
+    #[test]
+    fn merge_stops_at_the_smaller_frontier() {
+        let older = vec![(1, rec(1, 100)), (9, rec(1, 100))];
+        let newer = vec![(2, rec(2, 100)), (4, rec(2, 100))];
+        let (out, i, j) = merge_slice(&older, false, &newer, false, 0);
+        assert_eq!(out.iter().map(|e| e.0).collect::<Vec<_>>(), vec![1, 2, 4]);
+        assert_eq!((i, j), (1, 2));
+        // An empty, unfinished input blocks progress until it is read further.
+        let (out, i, j) = merge_slice(&older, false, &[], false, 0);
+        assert!(out.is_empty());
+        assert_eq!((i, j), (0, 0));
+    }
+
+    #[test]
+    fn sorted_live_sorts_and_filters() {
+        let mut m = KeyMap::default();
+        m.insert(5, rec(1, 100));
+        m.insert(2, rec(1, 100));
+        m.insert(7, rec(1, 1));
+        let v = sorted_live(&m, 50);
+        assert_eq!(v.iter().map(|e| e.0).collect::<Vec<_>>(), vec![2, 5]);
+    }
+}

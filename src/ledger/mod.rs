@@ -1,0 +1,645 @@
+//! The claim ledger: the only module that imports redb.
+//!
+//! A [`Ledger`] owns N shards. Each shard is one redb file and one writer thread; a message
+//! id always routes to the same shard (`route`, part of the on-disk format). A writer takes
+//! every message queued since its last commit as one batch (group commit: the batch grows
+//! while the previous fsync runs), decides each message against its claims, and commits the
+//! new claims with `Durability::Immediate` before it releases any outcome (G1).
+//!
+//! Claims of a subscriber live in generations (see `docs/design.md`): an active generation
+//! (exact in-memory index + append-only log table), sealed generations (sorted tables with
+//! a static filter each), merged when small, dropped whole when every claim has expired.
+
+mod filter;
+mod generation;
+pub mod record;
+mod shard;
+mod tables;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{bounded, Sender};
+use serde::{Deserialize, Serialize};
+
+use crate::clock::Clock;
+use crate::config::{validate_subscriber_name, Config, LedgerConfig, SubscriberSettings};
+pub use record::{ClaimRecord, FORMAT_VERSION};
+use shard::{Control, Shard, ShardMsg};
+
+/// What a caller should do about a ledger error is in its text; every variant is fatal for
+/// acking: after one, nothing more is acknowledged (G7).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LedgerError {
+    #[error("data directory {path} is in use by another dedupd process; stop it or use another --data-dir")]
+    InUse { path: PathBuf },
+    #[error("data directory {path} was written by a newer dedupd (format {found}, this build reads up to {supported}); upgrade dedupd")]
+    NewerFormat {
+        path: PathBuf,
+        found: u64,
+        supported: u64,
+    },
+    #[error("data directory {path} has {found} shards but the config asks for {configured}; the shard count is fixed when a data directory is created: remove `ledger.shards` or set it to {found}")]
+    ShardCountMismatch {
+        path: PathBuf,
+        found: usize,
+        configured: usize,
+    },
+    #[error("{path} is corrupt: {detail}. Restore it from a backup; dedupd will not guess")]
+    Corrupt { path: PathBuf, detail: String },
+    #[error("storage error in {path}: {detail}. The ledger stopped acknowledging; restart dedupd after fixing the cause")]
+    Storage { path: PathBuf, detail: String },
+    #[error("cannot use data directory {path}: {detail}")]
+    DataDir { path: PathBuf, detail: String },
+    #[error("subscriber {name:?} is not configured and `allow_unknown_subscribers` is false")]
+    UnknownSubscriber { name: String },
+    #[error("{0}")]
+    InvalidSubscriber(String),
+    #[error("the ledger is stopped after an earlier storage error: {0}")]
+    Poisoned(String),
+}
+
+/// Index of a subscriber in the ledger's registry (not stored on disk; names are).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SubscriberId(pub u32);
+
+/// Live counters of one subscriber across all shards.
+#[derive(Debug, Default)]
+pub struct SubscriberCounters {
+    pub processed: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub quarantined: AtomicU64,
+    pub sliding_refreshes: AtomicU64,
+    /// Probes of sealed-generation filters, and how many answered "maybe" without a match.
+    pub filter_probes: AtomicU64,
+    pub filter_false_positives: AtomicU64,
+}
+
+/// A subscriber known to the ledger.
+#[derive(Debug)]
+pub struct Subscriber {
+    pub id: SubscriberId,
+    pub name: Arc<str>,
+    pub settings: SubscriberSettings,
+    pub counters: SubscriberCounters,
+}
+
+#[derive(Debug, Default)]
+struct RegistryInner {
+    by_name: HashMap<String, Arc<Subscriber>>,
+    by_id: Vec<Arc<Subscriber>>,
+}
+
+/// Name -> subscriber, shared by sources and shards.
+#[derive(Debug)]
+pub(crate) struct Registry {
+    config: Config,
+    inner: RwLock<RegistryInner>,
+}
+
+impl Registry {
+    fn new(config: Config) -> Self {
+        Registry {
+            config,
+            inner: RwLock::new(RegistryInner::default()),
+        }
+    }
+
+    /// Finds or registers a subscriber. `existing` registers names found on disk even when
+    /// the config would refuse them, so their claims keep protecting.
+    fn resolve(&self, name: &str, existing: bool) -> Result<Arc<Subscriber>, LedgerError> {
+        if let Some(s) = self
+            .inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_name
+            .get(name)
+        {
+            return Ok(s.clone());
+        }
+        validate_subscriber_name("subscriber", name)
+            .map_err(|e| LedgerError::InvalidSubscriber(e.to_string()))?;
+        let settings = match self.config.settings_for(name) {
+            Some(s) => s,
+            None if existing => self.config.defaults.clone(),
+            None => {
+                return Err(LedgerError::UnknownSubscriber {
+                    name: name.to_string(),
+                })
+            }
+        };
+        let mut inner = self.inner.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = inner.by_name.get(name) {
+            return Ok(s.clone());
+        }
+        let sub = Arc::new(Subscriber {
+            id: SubscriberId(inner.by_id.len() as u32),
+            name: Arc::from(name),
+            settings,
+            counters: SubscriberCounters::default(),
+        });
+        inner.by_id.push(sub.clone());
+        inner.by_name.insert(name.to_string(), sub.clone());
+        Ok(sub)
+    }
+
+    fn get(&self, id: SubscriberId) -> Option<Arc<Subscriber>> {
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_id
+            .get(id.0 as usize)
+            .cloned()
+    }
+
+    fn all(&self) -> Vec<Arc<Subscriber>> {
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_id
+            .clone()
+    }
+}
+
+/// The decision for one message. Released to its source only after it is durable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// First delivery: claimed (and, with a handler, its writes committed).
+    Processed,
+    /// A live claim with the same payload fingerprint exists.
+    Duplicate,
+    /// A live claim exists with another payload fingerprint; the message is kept aside (G4).
+    Quarantined { stored_fingerprint: u64 },
+    /// The message could not be processed and was set aside with a reason.
+    DeadLettered { reason: String },
+    /// The input was unusable (malformed, no key, oversized key, unknown subscriber).
+    Rejected { reason: String },
+    /// The ledger failed to make the outcome durable; nothing may be acknowledged (G7).
+    Failed { reason: String },
+}
+
+impl Outcome {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Outcome::Processed => "processed",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Quarantined { .. } => "quarantined",
+            Outcome::DeadLettered { .. } => "dead_lettered",
+            Outcome::Rejected { .. } => "rejected",
+            Outcome::Failed { .. } => "failed",
+        }
+    }
+
+    pub fn reason(&self) -> Option<String> {
+        match self {
+            Outcome::Quarantined { stored_fingerprint } => Some(format!(
+                "same id, different payload (stored fingerprint {stored_fingerprint:016x})"
+            )),
+            Outcome::DeadLettered { reason }
+            | Outcome::Rejected { reason }
+            | Outcome::Failed { reason } => Some(reason.clone()),
+            Outcome::Processed | Outcome::Duplicate => None,
+        }
+    }
+}
+
+/// A decided message: its source sequence number and outcome.
+#[derive(Debug, Clone)]
+pub struct Done {
+    pub seq: u64,
+    pub outcome: Outcome,
+}
+
+/// Where a shard sends outcomes after commit; one per source.
+pub type AckSender = Sender<Vec<Done>>;
+
+/// One keyed message on its way to a shard.
+#[derive(Debug)]
+pub struct Job {
+    /// The source's sequence number, echoed in [`Done`].
+    pub seq: u64,
+    pub subscriber: SubscriberId,
+    /// 128-bit hash of the idempotency key.
+    pub key: u128,
+    /// xxh3-64 of the canonical payload.
+    pub fingerprint: u64,
+    /// The idempotency key's text, kept in quarantine records.
+    pub id: Box<str>,
+    /// The canonical payload, kept in quarantine records (and given to handlers).
+    pub payload: Box<[u8]>,
+    pub ack: AckSender,
+}
+
+/// What `inspect` shows of one subscriber.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct SubscriberReport {
+    pub subscriber: String,
+    /// Claims stored (including expired ones not yet dropped).
+    pub claims: u64,
+    pub active_claims: u64,
+    pub sealed_generations: u64,
+    pub quarantined: u64,
+    pub filter_bytes: u64,
+    pub index_bytes: u64,
+}
+
+/// What `inspect` shows of the whole data directory.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LedgerReport {
+    pub data_dir: PathBuf,
+    pub format_version: u64,
+    pub shards: usize,
+    pub file_bytes: u64,
+    pub subscribers: Vec<SubscriberReport>,
+}
+
+/// Commit-level measurements of one shard.
+#[derive(Debug, Clone, Default)]
+pub struct ShardMetrics {
+    pub batches: u64,
+    pub messages: u64,
+    pub commits: u64,
+    /// Longest batch (decide + maintenance + commit) with and without sealing/merging work.
+    pub max_batch_us_maintenance: u64,
+    pub max_batch_us_plain: u64,
+    /// Longest durable commit (the fsync part of a batch).
+    pub max_commit_us: u64,
+    pub seals: u64,
+    pub merges: u64,
+    pub dropped_generations: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    format_version: u64,
+    shards: usize,
+}
+
+const MANIFEST: &str = "dedupd.manifest.json";
+
+struct ShardHandle {
+    tx: Sender<ShardMsg>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The engine's storage: shards, routing and the subscriber registry.
+pub struct Ledger {
+    data_dir: PathBuf,
+    shards: Vec<ShardHandle>,
+    registry: Arc<Registry>,
+    poison: Arc<Mutex<Option<String>>>,
+    poisoned: Arc<AtomicBool>,
+    metrics: Vec<Arc<Mutex<ShardMetrics>>>,
+}
+
+impl Ledger {
+    /// Opens (or creates) a data directory. Returns only when every shard has loaded its
+    /// filters and replayed its active generations, so no message is decided against a
+    /// half-loaded state (G3).
+    pub fn open(
+        data_dir: &Path,
+        config: &Config,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Ledger, LedgerError> {
+        let shard_count = prepare_data_dir(data_dir, &config.ledger)?;
+        let registry = Arc::new(Registry::new(config.clone()));
+        let poison = Arc::new(Mutex::new(None));
+        let poisoned = Arc::new(AtomicBool::new(false));
+        let builder = generation::Builder::spawn();
+        let mut opening = Vec::new();
+        for index in 0..shard_count {
+            let (tx, rx) = bounded::<ShardMsg>(64);
+            let (ready_tx, ready_rx) = bounded(1);
+            let path = data_dir.join(format!("shard-{index:03}.redb"));
+            let metrics = Arc::new(Mutex::new(ShardMetrics::default()));
+            let ctx = shard::ShardContext {
+                path,
+                index,
+                count: shard_count,
+                config: config.ledger.clone(),
+                registry: registry.clone(),
+                clock: clock.clone(),
+                poison: poison.clone(),
+                poisoned: poisoned.clone(),
+                metrics: metrics.clone(),
+                builder: builder.clone(),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("dedupd-shard-{index}"))
+                .spawn(move || match Shard::open(ctx) {
+                    Ok(shard) => {
+                        let _ = ready_tx.send(Ok(()));
+                        shard.run(rx);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                })
+                .map_err(|e| LedgerError::DataDir {
+                    path: data_dir.to_path_buf(),
+                    detail: format!("cannot start shard thread: {e}"),
+                })?;
+            opening.push((
+                ShardHandle {
+                    tx,
+                    thread: Mutex::new(Some(thread)),
+                },
+                ready_rx,
+                metrics,
+            ));
+        }
+        let mut shards = Vec::new();
+        let mut all_metrics = Vec::new();
+        let mut first_err = None;
+        for (handle, ready, metrics) in opening {
+            match ready.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(_) => {
+                    first_err.get_or_insert(LedgerError::DataDir {
+                        path: data_dir.to_path_buf(),
+                        detail: "a shard thread died while opening".into(),
+                    });
+                }
+            }
+            shards.push(handle);
+            all_metrics.push(metrics);
+        }
+        let ledger = Ledger {
+            data_dir: data_dir.to_path_buf(),
+            shards,
+            registry,
+            poison,
+            poisoned,
+            metrics: all_metrics,
+        };
+        match first_err {
+            Some(e) => {
+                ledger.shutdown();
+                Err(e)
+            }
+            None => Ok(ledger),
+        }
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The shard that owns a key. Part of the on-disk format: never change it for an
+    /// existing data directory.
+    #[inline]
+    pub fn route(&self, key: u128) -> usize {
+        ((key >> 64) as u64 % self.shards.len() as u64) as usize
+    }
+
+    /// Looks up or registers a subscriber by name.
+    pub fn subscriber(&self, name: &str) -> Result<Arc<Subscriber>, LedgerError> {
+        self.registry.resolve(name, false)
+    }
+
+    /// All subscribers known so far (configured, seen on disk, or seen in traffic).
+    pub fn subscribers(&self) -> Vec<Arc<Subscriber>> {
+        self.registry.all()
+    }
+
+    /// Sends jobs that all route to `shard`. Blocks while the shard's queue is full
+    /// (backpressure). Outcomes arrive on each job's `ack` after commit.
+    pub fn submit(&self, shard: usize, jobs: Vec<Job>) -> Result<(), LedgerError> {
+        if let Some(reason) = self.poison_reason() {
+            return Err(LedgerError::Poisoned(reason));
+        }
+        self.shards[shard]
+            .tx
+            .send(ShardMsg::Jobs(jobs))
+            .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))
+    }
+
+    /// The storage error that stopped the ledger, if any.
+    pub fn poison_reason(&self) -> Option<String> {
+        if !self.poisoned.load(Ordering::Acquire) {
+            return None;
+        }
+        self.poison
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The newest claim for `(subscriber, key)`, live or expired, or `None`.
+    pub fn lookup(&self, subscriber: &str, key: u128) -> Result<Option<ClaimRecord>, LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        let (tx, rx) = bounded(1);
+        self.control(
+            self.route(key),
+            Control::Lookup {
+                sub: sub.id,
+                key,
+                reply: tx,
+            },
+        )?;
+        rx.recv()
+            .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))?
+    }
+
+    /// Seals every active generation (when `seal_all`), then runs sealing, merging and
+    /// expiry until no such work is left. Each step is its own durable commit.
+    pub fn maintain(&self, seal_all: bool) -> Result<(), LedgerError> {
+        let mut replies = Vec::new();
+        for i in 0..self.shards.len() {
+            let (tx, rx) = bounded(1);
+            self.control(
+                i,
+                Control::Maintain {
+                    seal_all,
+                    reply: tx,
+                },
+            )?;
+            replies.push(rx);
+        }
+        for rx in replies {
+            rx.recv()
+                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??;
+        }
+        Ok(())
+    }
+
+    /// Per-subscriber counts summed over shards.
+    pub fn report(&self) -> Result<LedgerReport, LedgerError> {
+        let mut by_name: std::collections::BTreeMap<String, SubscriberReport> = Default::default();
+        for i in 0..self.shards.len() {
+            let (tx, rx) = bounded(1);
+            self.control(i, Control::Report { reply: tx })?;
+            let rows = rx
+                .recv()
+                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??;
+            for r in rows {
+                let e = by_name
+                    .entry(r.subscriber.clone())
+                    .or_insert_with(|| SubscriberReport {
+                        subscriber: r.subscriber.clone(),
+                        ..Default::default()
+                    });
+                e.claims += r.claims;
+                e.active_claims += r.active_claims;
+                e.sealed_generations += r.sealed_generations;
+                e.quarantined += r.quarantined;
+                e.filter_bytes += r.filter_bytes;
+                e.index_bytes += r.index_bytes;
+            }
+        }
+        Ok(LedgerReport {
+            data_dir: self.data_dir.clone(),
+            format_version: FORMAT_VERSION,
+            shards: self.shards.len(),
+            file_bytes: dir_bytes(&self.data_dir),
+            subscribers: by_name.into_values().collect(),
+        })
+    }
+
+    /// Snapshot of each shard's commit metrics.
+    pub fn metrics(&self) -> Vec<ShardMetrics> {
+        self.metrics
+            .iter()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .collect()
+    }
+
+    fn control(&self, shard: usize, c: Control) -> Result<(), LedgerError> {
+        self.shards[shard]
+            .tx
+            .send(ShardMsg::Control(c))
+            .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))
+    }
+
+    /// Stops accepting work, lets every shard finish what it was sent, and joins them.
+    /// Returns the poison error if a shard failed.
+    pub fn close(self) -> Result<(), LedgerError> {
+        self.shutdown();
+        match self.poison_reason() {
+            Some(r) => Err(LedgerError::Poisoned(r)),
+            None => Ok(()),
+        }
+    }
+
+    fn shutdown(&self) {
+        for s in &self.shards {
+            let _ = s.tx.send(ShardMsg::Stop);
+        }
+        for s in &self.shards {
+            // A poisoned or stopped shard has dropped its receiver; the send above failed.
+            let handle = s.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(t) = handle {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Sum of the sizes of the files in a directory (not recursive).
+pub fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|it| {
+            it.filter_map(|e| e.ok())
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Creates the directory and manifest on first use; checks them afterwards. Returns the
+/// shard count that is in force for this directory.
+fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError> {
+    let fail = |detail: String| LedgerError::DataDir {
+        path: dir.to_path_buf(),
+        detail,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+    let path = dir.join(MANIFEST);
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| LedgerError::Corrupt {
+                path: path.clone(),
+                detail: format!("manifest is not readable: {e}"),
+            })?;
+            if m.format_version > FORMAT_VERSION {
+                return Err(LedgerError::NewerFormat {
+                    path: dir.to_path_buf(),
+                    found: m.format_version,
+                    supported: FORMAT_VERSION,
+                });
+            }
+            if let Some(want) = cfg.shards {
+                if want.get() != m.shards {
+                    return Err(LedgerError::ShardCountMismatch {
+                        path: dir.to_path_buf(),
+                        found: m.shards,
+                        configured: want.get(),
+                    });
+                }
+            }
+            if m.shards == 0 || m.shards > 256 {
+                return Err(LedgerError::Corrupt {
+                    path,
+                    detail: format!("manifest names {} shards", m.shards),
+                });
+            }
+            Ok(m.shards)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let has_shards = std::fs::read_dir(dir)
+                .map_err(|e| fail(e.to_string()))?
+                .filter_map(|e| e.ok())
+                .any(|e| e.file_name().to_string_lossy().starts_with("shard-"));
+            if has_shards {
+                return Err(LedgerError::Corrupt {
+                    path,
+                    detail: "shard files exist but the manifest is missing".into(),
+                });
+            }
+            let shards = cfg.shards.map(|n| n.get()).unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            });
+            let m = Manifest {
+                format_version: FORMAT_VERSION,
+                shards,
+            };
+            let tmp = dir.join(format!("{MANIFEST}.tmp"));
+            let body = serde_json::to_vec_pretty(&m).map_err(|e| fail(e.to_string()))?;
+            write_durably(&tmp, &body).map_err(|e| fail(e.to_string()))?;
+            std::fs::rename(&tmp, &path).map_err(|e| fail(e.to_string()))?;
+            std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| fail(e.to_string()))?;
+            Ok(shards)
+        }
+        Err(e) => Err(fail(e.to_string())),
+    }
+}
+
+fn write_durably(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(body)?;
+    f.sync_all()
+}

@@ -1,0 +1,220 @@
+//! On-disk record layouts. Fixed little-endian layouts, each with a format version, so a
+//! record can be read without a schema and a newer store is refused instead of misread.
+
+/// Version of the whole on-disk format (manifest, tables, records). Bump on any change.
+pub const FORMAT_VERSION: u64 = 1;
+
+/// Bytes of an encoded [`ClaimRecord`].
+pub const CLAIM_LEN: usize = 32;
+
+/// What a claim remembers about a processed `(subscriber, id)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimRecord {
+    /// xxh3-64 of the canonical payload (G4).
+    pub fingerprint: u64,
+    /// When the message was first processed, ms since the epoch.
+    pub processed_at_ms: u64,
+    /// When the claim stops counting, ms since the epoch. Reads treat expired claims as absent.
+    pub expires_at_ms: u64,
+    /// The handler version that processed it (0: no handler).
+    pub handler_version: u64,
+}
+
+impl ClaimRecord {
+    pub fn encode(&self) -> [u8; CLAIM_LEN] {
+        let mut out = [0u8; CLAIM_LEN];
+        out[0..8].copy_from_slice(&self.fingerprint.to_le_bytes());
+        out[8..16].copy_from_slice(&self.processed_at_ms.to_le_bytes());
+        out[16..24].copy_from_slice(&self.expires_at_ms.to_le_bytes());
+        out[24..32].copy_from_slice(&self.handler_version.to_le_bytes());
+        out
+    }
+
+    pub fn decode(b: &[u8; CLAIM_LEN]) -> Self {
+        ClaimRecord {
+            fingerprint: read_u64(b, 0),
+            processed_at_ms: read_u64(b, 8),
+            expires_at_ms: read_u64(b, 16),
+            handler_version: read_u64(b, 24),
+        }
+    }
+
+    #[inline]
+    pub fn is_live(&self, now_ms: u64) -> bool {
+        self.expires_at_ms > now_ms
+    }
+}
+
+#[inline]
+fn read_u64(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// One log row: the claims one committed batch added to one active generation.
+/// Layout: `version u8 | count u32 | count × (key u128 | claim 32 bytes)`.
+pub struct LogRow;
+
+const LOG_VERSION: u8 = 1;
+const LOG_ENTRY: usize = 16 + CLAIM_LEN;
+
+impl LogRow {
+    pub fn start(buf: &mut Vec<u8>) {
+        buf.clear();
+        buf.push(LOG_VERSION);
+        buf.extend_from_slice(&0u32.to_le_bytes());
+    }
+
+    pub fn push(buf: &mut Vec<u8>, key: u128, claim: &ClaimRecord) {
+        buf.extend_from_slice(&key.to_le_bytes());
+        buf.extend_from_slice(&claim.encode());
+        let n = (buf.len() - 5) / LOG_ENTRY;
+        buf[1..5].copy_from_slice(&(n as u32).to_le_bytes());
+    }
+
+    pub fn is_empty(buf: &[u8]) -> bool {
+        buf.len() <= 5
+    }
+
+    /// Decodes a row; `Err` names what is wrong so corruption is reported, not skipped.
+    pub fn decode(bytes: &[u8]) -> Result<Vec<(u128, ClaimRecord)>, String> {
+        if bytes.len() < 5 {
+            return Err(format!("log row of {} bytes is too short", bytes.len()));
+        }
+        if bytes[0] != LOG_VERSION {
+            return Err(format!("log row version {} is unknown", bytes[0]));
+        }
+        let n = u32::from_le_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
+        if bytes.len() != 5 + n * LOG_ENTRY {
+            return Err(format!(
+                "log row says {n} entries but holds {} bytes",
+                bytes.len()
+            ));
+        }
+        let mut out = Vec::with_capacity(n);
+        for chunk in bytes[5..].chunks_exact(LOG_ENTRY) {
+            let mut k = [0u8; 16];
+            k.copy_from_slice(&chunk[..16]);
+            let mut c = [0u8; CLAIM_LEN];
+            c.copy_from_slice(&chunk[16..]);
+            out.push((u128::from_le_bytes(k), ClaimRecord::decode(&c)));
+        }
+        Ok(out)
+    }
+}
+
+/// Lifecycle of a generation as recorded in the generations table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GenState {
+    /// Claims live in the log table and the in-memory index.
+    Active = 1,
+    /// Being written into its sorted table; the log is still the source of truth.
+    Sealing = 2,
+    /// Sorted table and filter are complete; no log.
+    Sealed = 3,
+}
+
+/// Metadata of one generation. Layout: `version u8 | state u8 | order u64 | count u64 |
+/// max_expires u64 | created_at u64`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenMeta {
+    pub state: GenState,
+    /// Recency rank within a subscriber: a higher order supersedes a lower one.
+    pub order: u64,
+    pub count: u64,
+    pub max_expires_ms: u64,
+    pub created_at_ms: u64,
+}
+
+const GEN_VERSION: u8 = 1;
+pub const GEN_META_LEN: usize = 34;
+
+impl GenMeta {
+    pub fn encode(&self) -> [u8; GEN_META_LEN] {
+        let mut out = [0u8; GEN_META_LEN];
+        out[0] = GEN_VERSION;
+        out[1] = self.state as u8;
+        out[2..10].copy_from_slice(&self.order.to_le_bytes());
+        out[10..18].copy_from_slice(&self.count.to_le_bytes());
+        out[18..26].copy_from_slice(&self.max_expires_ms.to_le_bytes());
+        out[26..34].copy_from_slice(&self.created_at_ms.to_le_bytes());
+        out
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Self, String> {
+        if b.len() != GEN_META_LEN || b[0] != GEN_VERSION {
+            return Err(format!(
+                "generation record ({} bytes, version {:?}) is not readable",
+                b.len(),
+                b.first()
+            ));
+        }
+        let state = match b[1] {
+            1 => GenState::Active,
+            2 => GenState::Sealing,
+            3 => GenState::Sealed,
+            s => return Err(format!("generation state {s} is unknown")),
+        };
+        Ok(GenMeta {
+            state,
+            order: read_u64(b, 2),
+            count: read_u64(b, 10),
+            max_expires_ms: read_u64(b, 18),
+            created_at_ms: read_u64(b, 26),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_round_trips() {
+        let c = ClaimRecord {
+            fingerprint: 1,
+            processed_at_ms: 2,
+            expires_at_ms: u64::MAX,
+            handler_version: 7,
+        };
+        assert_eq!(ClaimRecord::decode(&c.encode()), c);
+        assert!(c.is_live(3));
+    }
+
+    #[test]
+    fn log_row_round_trips_and_detects_truncation() {
+        let mut buf = Vec::new();
+        LogRow::start(&mut buf);
+        assert!(LogRow::is_empty(&buf));
+        let c = ClaimRecord {
+            fingerprint: 9,
+            processed_at_ms: 10,
+            expires_at_ms: 11,
+            handler_version: 0,
+        };
+        LogRow::push(&mut buf, 42, &c);
+        LogRow::push(&mut buf, u128::MAX, &c);
+        assert_eq!(
+            LogRow::decode(&buf).expect("row"),
+            vec![(42, c), (u128::MAX, c)]
+        );
+        assert!(LogRow::decode(&buf[..buf.len() - 1]).is_err());
+        let mut wrong = buf.clone();
+        wrong[0] = 99;
+        assert!(LogRow::decode(&wrong).is_err());
+    }
+
+    #[test]
+    fn gen_meta_round_trips() {
+        let m = GenMeta {
+            state: GenState::Sealing,
+            order: 3,
+            count: 4,
+            max_expires_ms: 5,
+            created_at_ms: 6,
+        };
+        assert_eq!(GenMeta::decode(&m.encode()).expect("meta"), m);
+        assert!(GenMeta::decode(&[0u8; 3]).is_err());
+    }
+}

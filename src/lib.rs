@@ -1,0 +1,70 @@
+//! # dedupd
+//!
+//! An engine that makes at-least-once delivery safe. For every message it derives a stable
+//! idempotency key, claims `(subscriber, key)` in an embedded transactional store (redb),
+//! and acknowledges the source only after the claim is durable. A redelivered message
+//! becomes a `duplicate`; the same key with another payload is `quarantined`.
+//!
+//! ## Guarantees
+//!
+//! - **G1 Ack after durable commit.** No outcome is released (stdin line printed, offset
+//!   stored, HTTP 2xx sent) before the transaction holding its claim is fsync'd.
+//! - **G2 Effectively-once local effects.** Claims (and, with handlers, their state writes)
+//!   happen once per `(subscriber, id)` inside the retention window, whatever the
+//!   redelivery, crash or restart pattern.
+//! - **G3 No false "duplicate".** Filters only say "no" or "maybe"; only the store says
+//!   "duplicate". Filters are loaded before any message is accepted.
+//! - **G4 Same id, different payload is not a duplicate.** Claims keep a payload
+//!   fingerprint; a mismatch is quarantined (kept, counted, visible), never dropped.
+//! - **G5 Subscriber isolation.** Claims are scoped by subscriber.
+//! - **G6 Failure rolls back.** A failing message leaves no claim (handlers: see issue on
+//!   the WASM runtime).
+//! - **G7 Fail-stop on storage errors.** A failed commit stops all acknowledgement and the
+//!   process exits non-zero.
+//!
+//! ## Architecture
+//!
+//! ```text
+//! source (stdin | generator)  -> envelope: key + fingerprint (xxh3)
+//!   -> Ledger::route(key) -> shard writer thread (one redb file each)
+//!        batch = everything queued since the last commit (group commit)
+//!        decide: active index -> sealing index -> sealed filters + tables
+//!        append claims as one log row, a slice of sealing/merging, commit (Immediate)
+//!   -> outcomes -> Sequencer releases them in source order
+//! ```
+//!
+//! Modules: [`config`] (validated settings), [`envelope`] (keys and fingerprints),
+//! [`ledger`] (the only redb user), [`pipeline`] (ordering and the pipe mode), [`source`]
+//! (traffic generator), [`bench`] and [`demo`] (the CLI's measuring commands).
+//!
+//! ## Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use dedupd::{config::Config, clock::SystemClock, ledger::{Ledger, Job, Outcome}, envelope};
+//!
+//! let dir = tempfile::tempdir().unwrap();
+//! let ledger = Ledger::open(dir.path(), &Config::default(), Arc::new(SystemClock)).unwrap();
+//! let sub = ledger.subscriber("billing").unwrap();
+//! let (ack, outcomes) = crossbeam_channel::unbounded();
+//! for seq in 0..2 {
+//!     let key = envelope::key_hash(b"order-1");
+//!     let job = Job { seq, subscriber: sub.id, key, fingerprint: 7, id: "order-1".into(),
+//!                     payload: Box::new([]), ack: ack.clone() };
+//!     ledger.submit(ledger.route(key), vec![job]).unwrap();
+//!     let done = outcomes.recv().unwrap();
+//!     let want = if seq == 0 { Outcome::Processed } else { Outcome::Duplicate };
+//!     assert_eq!(done[0].outcome, want);
+//! }
+//! ledger.close().unwrap();
+//! ```
+
+pub mod bench;
+pub mod clock;
+pub mod config;
+pub mod demo;
+pub mod envelope;
+pub mod ledger;
+pub mod pipeline;
+pub mod source;
+pub mod telemetry;
