@@ -160,7 +160,11 @@ impl Default for SubscriberSettings {
 pub struct SubscriberConfig {
     /// `[A-Za-z0-9._-]{1,64}`; part of table names on disk.
     pub name: String,
-    #[serde(default, with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub ttl: Option<Duration>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_ttl: Option<bool>,
@@ -310,7 +314,10 @@ mod tests {
             }
         );
         assert!(billing.sliding_ttl);
-        assert_eq!(billing.max_key_bytes, DEFAULT_MAX_KEY_BYTES, "inherited from defaults");
+        assert_eq!(
+            billing.max_key_bytes, DEFAULT_MAX_KEY_BYTES,
+            "inherited from defaults"
+        );
     }
 
     #[test]

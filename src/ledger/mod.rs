@@ -10,6 +10,7 @@
 //! (exact in-memory index + append-only log table), sealed generations (sorted tables with
 //! a static filter each), merged when small, dropped whole when every claim has expired.
 
+mod fault;
 mod filter;
 mod generation;
 pub mod record;
@@ -305,6 +306,28 @@ impl Ledger {
         config: &Config,
         clock: Arc<dyn Clock>,
     ) -> Result<Ledger, LedgerError> {
+        Ledger::open_inner(data_dir, config, clock, None)
+    }
+
+    /// Like [`Ledger::open`], with a switch that makes every shard file fail all writes
+    /// and fsyncs after a chosen number of further fsyncs. For crash-consistency tests.
+    #[doc(hidden)]
+    pub fn open_with_fault_switch(
+        data_dir: &Path,
+        config: &Config,
+        clock: Arc<dyn Clock>,
+    ) -> Result<(Ledger, FaultSwitch), LedgerError> {
+        let budget = Arc::new(std::sync::atomic::AtomicI64::new(i64::MAX));
+        let ledger = Ledger::open_inner(data_dir, config, clock, Some(budget.clone()))?;
+        Ok((ledger, FaultSwitch(budget)))
+    }
+
+    fn open_inner(
+        data_dir: &Path,
+        config: &Config,
+        clock: Arc<dyn Clock>,
+        fault: Option<Arc<std::sync::atomic::AtomicI64>>,
+    ) -> Result<Ledger, LedgerError> {
         let shard_count = prepare_data_dir(data_dir, &config.ledger)?;
         let registry = Arc::new(Registry::new(config.clone()));
         let poison = Arc::new(Mutex::new(None));
@@ -327,6 +350,7 @@ impl Ledger {
                 poisoned: poisoned.clone(),
                 metrics: metrics.clone(),
                 builder: builder.clone(),
+                fault: fault.clone(),
             };
             let thread = std::thread::Builder::new()
                 .name(format!("dedupd-shard-{index}"))
@@ -549,6 +573,18 @@ impl Ledger {
 impl Drop for Ledger {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// Arms the injected storage fault of [`Ledger::open_with_fault_switch`].
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct FaultSwitch(Arc<std::sync::atomic::AtomicI64>);
+
+impl FaultSwitch {
+    /// From now on, `fsyncs` more fsyncs succeed (across all shards); then storage fails.
+    pub fn fail_after_fsyncs(&self, fsyncs: u64) {
+        self.0.store(fsyncs as i64, Ordering::SeqCst);
     }
 }
 

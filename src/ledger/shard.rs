@@ -68,6 +68,8 @@ pub(crate) struct ShardContext {
     pub poisoned: Arc<AtomicBool>,
     pub metrics: Arc<Mutex<ShardMetrics>>,
     pub builder: Builder,
+    /// Test-only fault injection (see `fault.rs`).
+    pub fault: Option<Arc<std::sync::atomic::AtomicI64>>,
 }
 
 pub(crate) struct Shard {
@@ -141,10 +143,25 @@ impl Shard {
     pub fn open(ctx: ShardContext) -> Result<Shard, LedgerError> {
         let path = ctx.path.clone();
         let err = |e: redb::Error| storage(&path, e);
-        let db = Database::builder()
-            .set_cache_size(ctx.config.cache_mib.get() << 20)
-            .create(&ctx.path)
-            .map_err(|e| storage(&path, e))?;
+        let mut builder = Database::builder();
+        builder.set_cache_size(ctx.config.cache_mib.get() << 20);
+        let db = match &ctx.fault {
+            None => builder.create(&ctx.path).map_err(|e| storage(&path, e))?,
+            Some(budget) => {
+                let file = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(&ctx.path)
+                    .map_err(|e| storage(&path, redb::StorageError::Io(e)))?;
+                let backend = super::fault::FaultyBackend::new(file, budget.clone())
+                    .map_err(|e| storage(&path, e))?;
+                builder
+                    .create_with_backend(backend)
+                    .map_err(|e| storage(&path, e))?
+            }
+        };
         let (built_tx, built_rx) = unbounded();
         let mut shard = Shard {
             db,

@@ -1,0 +1,152 @@
+//! G7: a failed commit poisons the ledger. Nothing is acknowledged after it, the pipe stops
+//! with an error, and every outcome that *was* acknowledged survives a reopen.
+
+use std::io::Cursor;
+use std::sync::Arc;
+
+use crossbeam_channel::unbounded;
+use dedupd::clock::SystemClock;
+use dedupd::config::Config;
+use dedupd::envelope::key_hash;
+use dedupd::ledger::{Done, Job, Ledger, LedgerError, Outcome};
+use dedupd::pipeline::{run_pipe, PipeError};
+
+fn config() -> Config {
+    let mut c = Config::default();
+    c.ledger.shards = std::num::NonZeroUsize::new(2);
+    c
+}
+
+fn id(i: u64) -> String {
+    format!("order-{i}")
+}
+
+#[test]
+fn failed_commit_poisons_and_nothing_after_is_acked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ledger, fault) =
+        Ledger::open_with_fault_switch(dir.path(), &config(), Arc::new(SystemClock)).unwrap();
+    fault.fail_after_fsyncs(10);
+    let sub = ledger.subscriber("orders").unwrap();
+    let mut acked = Vec::new();
+    let mut first_failure = None;
+    let mut after_failure = Vec::new();
+    for chunk in 0..200u64 {
+        let (tx, rx) = unbounded::<Vec<Done>>();
+        let mut submitted = 0;
+        let mut refused = false;
+        for i in chunk * 20..chunk * 20 + 20 {
+            let key = key_hash(id(i).as_bytes());
+            let job = Job {
+                seq: i,
+                subscriber: sub.id,
+                key,
+                fingerprint: 1,
+                id: id(i).into(),
+                payload: Box::new([]),
+                ack: tx.clone(),
+            };
+            match ledger.submit(ledger.route(key), vec![job]) {
+                Ok(()) => submitted += 1,
+                Err(LedgerError::Poisoned(_)) => refused = true,
+                Err(e) => panic!("unexpected error {e}"),
+            }
+        }
+        drop(tx);
+        let mut done: Vec<Done> = rx.iter().flatten().collect();
+        assert_eq!(done.len(), submitted, "every submitted job gets an outcome");
+        done.sort_by_key(|d| d.seq);
+        for d in done {
+            match d.outcome {
+                Outcome::Processed if first_failure.is_none() => acked.push(d.seq),
+                Outcome::Failed { reason } => {
+                    first_failure.get_or_insert(d.seq);
+                    assert!(reason.contains("injected storage fault"), "{reason}");
+                }
+                other if first_failure.is_some() => after_failure.push((d.seq, other)),
+                other => panic!("unexpected outcome {other:?} for {}", d.seq),
+            }
+        }
+        if refused {
+            break;
+        }
+    }
+    assert!(first_failure.is_some(), "the injected fault never surfaced");
+    assert!(
+        !acked.is_empty(),
+        "some commits should succeed before the fault"
+    );
+    assert!(
+        after_failure.is_empty(),
+        "outcomes acknowledged after the failure: {after_failure:?}"
+    );
+    assert!(ledger.poison_reason().is_some());
+    assert!(matches!(ledger.close(), Err(LedgerError::Poisoned(_))));
+
+    // Reopen on a healthy disk: everything acknowledged before the fault is durable.
+    let ledger = Ledger::open(dir.path(), &config(), Arc::new(SystemClock)).unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    for &i in &acked {
+        let key = key_hash(id(i).as_bytes());
+        let job = Job {
+            seq: i,
+            subscriber: sub.id,
+            key,
+            fingerprint: 1,
+            id: id(i).into(),
+            payload: Box::new([]),
+            ack: tx.clone(),
+        };
+        ledger.submit(ledger.route(key), vec![job]).unwrap();
+    }
+    drop(tx);
+    let outcomes: Vec<Done> = rx.iter().flatten().collect();
+    assert_eq!(outcomes.len(), acked.len());
+    assert!(outcomes.iter().all(|d| d.outcome == Outcome::Duplicate));
+    ledger.close().unwrap();
+}
+
+#[test]
+fn pipe_stops_with_an_error_when_a_commit_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config();
+    let (ledger, fault) =
+        Ledger::open_with_fault_switch(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+    fault.fail_after_fsyncs(4);
+    let input: String = (0..120_000u64)
+        .map(|i| format!("{{\"id\":\"{}\",\"payload\":{{\"n\":{i}}}}}\n", id(i)))
+        .collect();
+    let mut out = Vec::new();
+    let result = run_pipe(&ledger, &config, Cursor::new(input), &mut out);
+    assert!(
+        matches!(result, Err(PipeError::Ledger(LedgerError::Poisoned(_)))),
+        "{result:?}"
+    );
+    let _ = ledger.close();
+    let printed: Vec<serde_json::Value> = String::from_utf8(out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        !printed.is_empty(),
+        "some lines should be durable before the fault"
+    );
+    assert!(
+        printed.len() < 120_000,
+        "lines after the failure were printed"
+    );
+    // Printed lines are a gap-free prefix of the input.
+    for (n, line) in printed.iter().enumerate() {
+        assert_eq!(line["seq"], (n + 1) as u64);
+        assert_eq!(line["outcome"], "processed");
+    }
+    // And each printed outcome is durable.
+    let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+    for line in &printed {
+        let key = key_hash(line["id"].as_str().unwrap().as_bytes());
+        let claim = ledger.lookup("default", key).unwrap();
+        assert!(claim.is_some(), "acknowledged {} was lost", line["id"]);
+    }
+    ledger.close().unwrap();
+}
