@@ -1,1 +1,79 @@
-fn main() {}
+//! Micro-benchmarks of the per-message hot path pieces, with fixed seeds.
+//! `cargo bench --bench hot_path`. The end-to-end figure is `dedupd bench`.
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use dedupd::envelope::{canonical_payload, fingerprint, key_hash};
+use dedupd::ledger::filter::GenFilter;
+use dedupd::ledger::record::{ClaimRecord, LogRow};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+const SEED: u64 = 42;
+
+fn keys_and_fingerprints(c: &mut Criterion) {
+    let id = "3f2a9c1e-77b0-4d1a-9e0f-0a1b2c3d4e5f";
+    let payload =
+        br#"{"amount_cents":1999,"currency":"EUR","order":"o-123456","qty":2,"sku":"SKU-00042"}"#;
+    let mut g = c.benchmark_group("envelope");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("key_hash_36B_id", |b| {
+        b.iter(|| key_hash(black_box(id.as_bytes())))
+    });
+    g.bench_function("fingerprint_90B_payload", |b| {
+        b.iter(|| fingerprint(black_box(payload)))
+    });
+    let value: serde_json::Value = serde_json::from_slice(payload).expect("json");
+    g.bench_function("canonical_payload_90B", |b| {
+        b.iter(|| canonical_payload(black_box(&value)))
+    });
+    g.finish();
+}
+
+fn filters(c: &mut Criterion) {
+    let mut rng = SmallRng::seed_from_u64(SEED);
+    let n = 1 << 19;
+    let keys: Vec<u128> = (0..n).map(|_| rng.random()).collect();
+    eprintln!("filters: {n} keys per generation, seed {SEED}");
+    let f = GenFilter::build(keys.iter().copied());
+    let probes: Vec<u128> = (0..4096).map(|_| rng.random()).collect();
+    let mut g = c.benchmark_group("filter");
+    g.throughput(Throughput::Elements(probes.len() as u64));
+    g.bench_function("probe_miss_x4096", |b| {
+        b.iter(|| probes.iter().filter(|k| f.may_contain(**k)).count())
+    });
+    g.bench_function("probe_hit_x4096", |b| {
+        b.iter(|| keys[..4096].iter().filter(|k| f.may_contain(**k)).count())
+    });
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(n as u64));
+    g.bench_function("build_512k", |b| {
+        b.iter(|| GenFilter::build(keys.iter().copied()))
+    });
+    g.finish();
+}
+
+fn log_rows(c: &mut Criterion) {
+    let claim = ClaimRecord {
+        fingerprint: 1,
+        processed_at_ms: 2,
+        expires_at_ms: 3,
+        handler_version: 0,
+    };
+    let mut buf = Vec::with_capacity(1 << 20);
+    let mut g = c.benchmark_group("log_row");
+    g.throughput(Throughput::Elements(4096));
+    g.bench_function("push_x4096", |b| {
+        b.iter(|| {
+            LogRow::start(&mut buf);
+            for k in 0..4096u128 {
+                LogRow::push(&mut buf, k, &claim);
+            }
+            buf.len()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, keys_and_fingerprints, filters, log_rows);
+criterion_main!(benches);

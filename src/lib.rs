@@ -35,7 +35,7 @@
 //!
 //! Modules: [`config`] (validated settings), [`envelope`] (keys and fingerprints),
 //! [`ledger`] (the only redb user), [`pipeline`] (ordering and the pipe mode), [`source`]
-//! (traffic generator), [`bench`] and [`demo`] (the CLI's measuring commands).
+//! (traffic generator), [`bench`](mod@bench) and [`demo`] (the CLI's measuring commands).
 //!
 //! ## Example
 //!

@@ -3,6 +3,8 @@
 //! sealing and merging, and restarts — checked after every step against a `BTreeMap`
 //! reference. A failure names its seed; rerun one with `DEDUPD_MODEL_SEED=N`.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,8 +20,10 @@ const TTL_MS: u64 = 60_000;
 const SUBSCRIBERS: [&str; 3] = ["orders", "billing", "audit"];
 
 fn config() -> Config {
-    let mut c = Config::default();
-    c.allow_unknown_subscribers = false;
+    let mut c = Config {
+        allow_unknown_subscribers: false,
+        ..Config::default()
+    };
     c.ledger.shards = std::num::NonZeroUsize::new(2);
     // Tiny generations so sealing, merging and expiry all happen within a short test.
     c.ledger.generation_max_claims = std::num::NonZeroUsize::new(40).unwrap();

@@ -1,6 +1,8 @@
 //! G7: a failed commit poisons the ledger. Nothing is acknowledged after it, the pipe stops
 //! with an error, and every outcome that *was* acknowledged survives a reopen.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::io::Cursor;
 use std::sync::Arc;
 

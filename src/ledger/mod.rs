@@ -11,7 +11,7 @@
 //! a static filter each), merged when small, dropped whole when every claim has expired.
 
 mod fault;
-mod filter;
+pub mod filter;
 mod generation;
 pub mod record;
 mod shard;
