@@ -530,8 +530,12 @@ impl Shard {
         }
     }
 
+    #[inline]
     fn sub_index(&mut self, id: SubscriberId) -> Result<usize, LedgerError> {
         let idx = id.0 as usize;
+        if matches!(self.subs.get(idx), Some(Some(_))) {
+            return Ok(idx);
+        }
         if self.subs.len() <= idx {
             self.subs.resize_with(idx + 1, || None);
         }
@@ -561,12 +565,16 @@ impl Shard {
         let mut outcomes = Vec::with_capacity(jobs.len());
         let mut wrote = false;
         let presize = self.ctx.config.generation_max_claims.get();
-        let mut counts: HashMap<SubscriberId, [u64; 6]> = HashMap::new();
+        // Per-subscriber counters of this batch, indexed by subscriber id.
+        let mut counts: Vec<[u64; 6]> = Vec::new();
         {
             let mut open: HashMap<u64, redb::Table<u128, [u8; CLAIM_LEN]>> = HashMap::new();
             for job in jobs {
                 let idx = self.sub_index(job.subscriber)?;
-                let c = counts.entry(job.subscriber).or_default();
+                if counts.len() <= idx {
+                    counts.resize(idx + 1, [0; 6]);
+                }
+                let c = &mut counts[idx];
                 let st = self.subs[idx].as_mut().ok_or_else(|| {
                     LedgerError::InvalidSubscriber("subscriber state missing".into())
                 })?;
@@ -699,8 +707,11 @@ impl Shard {
         } else {
             txn.abort().map_err(|e| self.err(e))?;
         }
-        for (id, c) in counts {
-            if let Some(spec) = self.ctx.registry.get(id) {
+        for (id, c) in counts.into_iter().enumerate() {
+            if c == [0; 6] {
+                continue;
+            }
+            if let Some(spec) = self.ctx.registry.get(SubscriberId(id as u32)) {
                 let k = &spec.counters;
                 k.processed.fetch_add(c[0], Ordering::Relaxed);
                 k.duplicates.fetch_add(c[1], Ordering::Relaxed);
