@@ -41,6 +41,9 @@ pub struct BenchParams {
     pub dir: PathBuf,
     /// Keep the data directory afterwards.
     pub keep: bool,
+    /// Run this handler component for every new message (messages then route by order id,
+    /// so one order's events meet the same shard).
+    pub handler: Option<PathBuf>,
     #[serde(skip)]
     pub config: Config,
 }
@@ -83,6 +86,9 @@ pub struct BenchReport {
     pub merges: u64,
     pub filter_probes: u64,
     pub filter_false_positive_rate: f64,
+    /// Handler state entries at the end (labels, with `shipping-label`).
+    pub state_entries: u64,
+    pub dead_lettered: u64,
     pub naive_messages: u64,
     pub naive_batch: u64,
     pub naive_msgs_per_sec: f64,
@@ -109,6 +115,8 @@ pub enum BenchError {
     Dir(PathBuf, std::io::Error),
     #[error("naive baseline failed: {0}")]
     Naive(String),
+    #[error("{0}")]
+    Handler(#[from] crate::handler::HandlerError),
 }
 
 struct AckerResult {
@@ -153,6 +161,13 @@ pub fn run(
     let subs: Vec<_> = (0..params.subscribers.max(1))
         .map(|i| ledger.subscriber(&format!("bench-{i}")))
         .collect::<Result<_, _>>()?;
+    if let Some(path) = &params.handler {
+        let factory = crate::handler::load_factory(path, crate::handler::Limits::default())?;
+        for s in &subs {
+            ledger.set_handler(&s.name, Some(factory.clone()))?;
+        }
+    }
+    let by_order = params.handler.is_some();
     let window = params.window.max(1);
     let spec = TrafficSpec {
         seed: params.seed,
@@ -253,18 +268,23 @@ pub fn run(
             _ => expected[2] += 1,
         }
         let key = key_hash(ev.id.as_bytes());
-        let job = Job {
-            seq,
-            subscriber: subs[ev.subscriber as usize].id,
-            key,
-            fingerprint: fingerprint(&ev.payload),
-            id: ev.id.as_str().into(),
-            payload: ev.payload.as_slice().into(),
-            ack: ack_tx.clone(),
+        let route = if by_order {
+            key_hash(&ev.order.to_le_bytes())
+        } else {
+            key
         };
+        let job = Job::new(
+            seq,
+            subs[ev.subscriber as usize].id,
+            key,
+            fingerprint(&ev.payload),
+            &ev.id,
+            &ev.payload,
+            ack_tx.clone(),
+        );
         submitted_at[(seq % window) as usize]
             .store(start.elapsed().as_micros() as u64, Ordering::Release);
-        let shard = ledger.route(key);
+        let shard = ledger.route(route);
         staged[shard].push(job);
         if staged[shard].len() >= 256 {
             ledger.submit(shard, std::mem::take(&mut staged[shard]))?;
@@ -292,6 +312,10 @@ pub fn run(
     let rss_end = rss_bytes();
     drop(ack_tx);
     let report = ledger.report()?;
+    let mut state_entries = 0;
+    for s in &subs {
+        state_entries += ledger.state_len(&s.name)?;
+    }
     let metrics = ledger.metrics();
     let counters: Vec<_> = ledger.subscribers();
     ledger.close()?;
@@ -333,6 +357,7 @@ pub fn run(
         && acked.counts[1] == expected[1]
         && acked.counts[2] == expected[2]
         && acked.counts[3..].iter().all(|c| *c == 0);
+    let dead_lettered = acked.counts[3];
 
     let naive_batch = mean_batch.round().max(1.0) as u64;
     let (naive_messages, naive_rate) = if params.naive_messages > 0 {
@@ -394,6 +419,8 @@ pub fn run(
         merges: metrics.iter().map(|m| m.merges).sum(),
         filter_probes: probes,
         filter_false_positive_rate: fps as f64 / probes.max(1) as f64,
+        state_entries,
+        dead_lettered,
         naive_messages,
         naive_batch,
         naive_msgs_per_sec: naive_rate,

@@ -128,6 +128,22 @@ pub enum KeySource {
     ContentHash,
 }
 
+/// What routes a message to its shard. Messages that share a partition key are decided by
+/// the same writer, so handler state keyed by it (one label per order) is consistent.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "source", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PartitionSource {
+    /// The idempotency key itself (spreads load evenly; fine without handler state).
+    #[default]
+    IdempotencyKey,
+    /// The envelope's `key` field (a Kafka record key, say).
+    EnvelopeKey,
+    /// A header value.
+    Header { name: String },
+    /// A JSON pointer into the payload, e.g. `/order_id`.
+    JsonPointer { pointer: String },
+}
+
 /// Per-subscriber behaviour.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -141,6 +157,21 @@ pub struct SubscriberSettings {
     pub key: KeySource,
     /// Keys longer than this are rejected.
     pub max_key_bytes: usize,
+    /// What routes a message to its shard. Part of the on-disk layout: a message must
+    /// always carry the same partition key, or its claim is looked up on another shard.
+    pub partition_key: PartitionSource,
+    /// WebAssembly component run for each new message (none: claim only).
+    pub handler: Option<PathBuf>,
+    /// CPU budget of one handler call.
+    #[serde(with = "humantime_serde")]
+    pub handler_cpu_budget: Duration,
+    /// Linear memory cap of a handler instance, in MiB.
+    pub handler_memory_mib: usize,
+    /// Attempts before a failing message is dead-lettered (permanent errors: at once).
+    pub max_attempts: u32,
+    /// Delay before the second attempt; doubles for each further one.
+    #[serde(with = "humantime_serde")]
+    pub retry_backoff: Duration,
 }
 
 impl Default for SubscriberSettings {
@@ -150,6 +181,12 @@ impl Default for SubscriberSettings {
             sliding_ttl: false,
             key: KeySource::Id,
             max_key_bytes: DEFAULT_MAX_KEY_BYTES,
+            partition_key: PartitionSource::IdempotencyKey,
+            handler: None,
+            handler_cpu_budget: Duration::from_millis(10),
+            handler_memory_mib: 32,
+            max_attempts: 3,
+            retry_backoff: Duration::from_millis(50),
         }
     }
 }
@@ -172,6 +209,26 @@ pub struct SubscriberConfig {
     pub key: Option<KeySource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_key_bytes: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition_key: Option<PartitionSource>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler: Option<PathBuf>,
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub handler_cpu_budget: Option<Duration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler_memory_mib: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub retry_backoff: Option<Duration>,
 }
 
 impl SubscriberConfig {
@@ -182,6 +239,19 @@ impl SubscriberConfig {
             sliding_ttl: self.sliding_ttl.unwrap_or(defaults.sliding_ttl),
             key: self.key.clone().unwrap_or_else(|| defaults.key.clone()),
             max_key_bytes: self.max_key_bytes.unwrap_or(defaults.max_key_bytes),
+            partition_key: self
+                .partition_key
+                .clone()
+                .unwrap_or_else(|| defaults.partition_key.clone()),
+            handler: self.handler.clone().or_else(|| defaults.handler.clone()),
+            handler_cpu_budget: self
+                .handler_cpu_budget
+                .unwrap_or(defaults.handler_cpu_budget),
+            handler_memory_mib: self
+                .handler_memory_mib
+                .unwrap_or(defaults.handler_memory_mib),
+            max_attempts: self.max_attempts.unwrap_or(defaults.max_attempts),
+            retry_backoff: self.retry_backoff.unwrap_or(defaults.retry_backoff),
         }
     }
 }
@@ -193,13 +263,25 @@ impl Config {
             path: path.to_path_buf(),
             source,
         })?;
-        Config::parse(&text).map_err(|e| match e {
+        let mut config = Config::parse(&text).map_err(|e| match e {
             ConfigError::Parse { message, .. } => ConfigError::Parse {
                 path: path.to_path_buf(),
                 message,
             },
             other => other,
-        })
+        })?;
+        // Handler paths are relative to the config file, like includes in most tools.
+        let base = path.parent().unwrap_or(Path::new("."));
+        let rebase = |p: &mut Option<PathBuf>| {
+            if let Some(h) = p.as_mut().filter(|h| h.is_relative()) {
+                *h = base.join(&*h);
+            }
+        };
+        rebase(&mut config.defaults.handler);
+        for s in &mut config.subscribers {
+            rebase(&mut s.handler);
+        }
+        Ok(config)
     }
 
     /// Parses and validates TOML text.
@@ -265,6 +347,32 @@ fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigEr
         return Err(invalid(
             format!("{field}.max_key_bytes"),
             "must be between 1 and 65536",
+        ));
+    }
+    if s.handler_cpu_budget < Duration::from_millis(1)
+        || s.handler_cpu_budget > Duration::from_secs(60)
+    {
+        return Err(invalid(
+            format!("{field}.handler_cpu_budget"),
+            "must be between 1ms and 60s",
+        ));
+    }
+    if s.handler_memory_mib == 0 || s.handler_memory_mib > 4096 {
+        return Err(invalid(
+            format!("{field}.handler_memory_mib"),
+            "must be between 1 and 4096",
+        ));
+    }
+    if s.max_attempts == 0 || s.max_attempts > 100 {
+        return Err(invalid(
+            format!("{field}.max_attempts"),
+            "must be between 1 and 100",
+        ));
+    }
+    if s.retry_backoff > Duration::from_secs(600) {
+        return Err(invalid(
+            format!("{field}.retry_backoff"),
+            "must be at most 10m",
         ));
     }
     match &s.key {

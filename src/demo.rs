@@ -24,12 +24,15 @@ pub struct DemoReport {
     pub redelivered_processed_again: u64,
     pub redelivered_duplicates: u64,
     pub redelivered_quarantined: u64,
+    /// Handler state entries (labels) before and after the redelivery: equal.
+    pub labels_after_redelivery: u64,
 }
 
 /// Runs the demo. `messages` is the length of the first stream.
 pub fn run(
     messages: u64,
     dir: PathBuf,
+    handler: Option<PathBuf>,
     progress: impl FnMut(Progress),
 ) -> Result<DemoReport, BenchError> {
     let params = BenchParams {
@@ -42,6 +45,7 @@ pub fn run(
         naive_messages: 0,
         dir,
         keep: true,
+        handler: handler.clone(),
         config: Config::default(),
     };
     let run = bench::run(&params, progress)?;
@@ -58,6 +62,12 @@ pub fn run(
     let subs: Vec<_> = (0..params.subscribers)
         .map(|i| ledger.subscriber(&format!("bench-{i}")))
         .collect::<Result<_, _>>()?;
+    if let Some(path) = &handler {
+        let factory = crate::handler::load_factory(path, crate::handler::Limits::default())?;
+        for s in &subs {
+            ledger.set_handler(&s.name, Some(factory.clone()))?;
+        }
+    }
     let (tx, rx) = unbounded::<Vec<crate::ledger::Done>>();
     let mut ev = Event::default();
     let mut seq = 0;
@@ -79,16 +89,21 @@ pub fn run(
     let mut in_flight = 0u64;
     while traffic.next_into(&mut ev) {
         let key = key_hash(ev.id.as_bytes());
-        let job = Job {
-            seq,
-            subscriber: subs[ev.subscriber as usize].id,
-            key,
-            fingerprint: fingerprint(&ev.payload),
-            id: ev.id.as_str().into(),
-            payload: ev.payload.as_slice().into(),
-            ack: tx.clone(),
+        let route = if handler.is_some() {
+            key_hash(&ev.order.to_le_bytes())
+        } else {
+            key
         };
-        ledger.submit(ledger.route(key), vec![job])?;
+        let job = Job::new(
+            seq,
+            subs[ev.subscriber as usize].id,
+            key,
+            fingerprint(&ev.payload),
+            &ev.id,
+            &ev.payload,
+            tx.clone(),
+        );
+        ledger.submit(ledger.route(route), vec![job])?;
         seq += 1;
         in_flight += 1;
         if in_flight >= 8192 {
@@ -97,6 +112,10 @@ pub fn run(
         }
     }
     collect(&mut counts, in_flight);
+    let mut labels_after = 0;
+    for s in &subs {
+        labels_after += ledger.state_len(&s.name)?;
+    }
     ledger.close()?;
     let _ = std::fs::remove_dir_all(run.data_dir.parent().unwrap_or(&run.data_dir));
     Ok(DemoReport {
@@ -105,5 +124,6 @@ pub fn run(
         redelivered_processed_again: counts[0],
         redelivered_duplicates: counts[1],
         redelivered_quarantined: counts[2],
+        labels_after_redelivery: labels_after,
     })
 }

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
-use crate::config::{KeySource, SubscriberSettings};
+use crate::config::{KeySource, PartitionSource, SubscriberSettings};
 
 /// One input message as it arrives on a line of JSON (pipe mode) or from another source.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -146,6 +146,31 @@ pub fn derive_key(
     Ok(key)
 }
 
+/// The hash that routes a message to its shard under a subscriber's settings.
+pub fn derive_partition(
+    env: &Envelope,
+    key: &IdempotencyKey,
+    settings: &SubscriberSettings,
+) -> Result<u128, KeyError> {
+    let text = match &settings.partition_key {
+        PartitionSource::IdempotencyKey => return Ok(key.hash),
+        PartitionSource::EnvelopeKey => env.key.clone(),
+        PartitionSource::Header { name } => env.headers.get(name).cloned(),
+        PartitionSource::JsonPointer { pointer } => match env.payload.pointer(pointer) {
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Number(n)) => Some(n.to_string()),
+            _ => None,
+        },
+    };
+    match text {
+        Some(t) if !t.is_empty() => Ok(key_hash(t.as_bytes())),
+        _ => Err(KeyError::Missing(format!(
+            "no partition key ({:?})",
+            settings.partition_key
+        ))),
+    }
+}
+
 /// CloudEvents identity is the pair (source, id); the hash covers both with a length
 /// prefix so `("a#b","c")` and `("a","b#c")` stay distinct.
 pub fn cloudevents_key(source: &str, id: &str) -> IdempotencyKey {
@@ -239,6 +264,23 @@ mod tests {
             cloudevents_key("a#b", "c").hash,
             cloudevents_key("a", "b#c").hash
         );
+    }
+
+    #[test]
+    fn partition_key_from_payload() {
+        let e = env(json!({"id": "e1", "payload": {"order_id": "o-9"}}));
+        let mut s = settings(KeySource::Id);
+        let k = derive_key(&e, b"", &s).expect("key");
+        assert_eq!(derive_partition(&e, &k, &s).expect("default"), k.hash);
+        s.partition_key = PartitionSource::JsonPointer {
+            pointer: "/order_id".into(),
+        };
+        assert_eq!(
+            derive_partition(&e, &k, &s).expect("pointer"),
+            key_hash(b"o-9")
+        );
+        s.partition_key = PartitionSource::EnvelopeKey;
+        assert!(derive_partition(&e, &k, &s).is_err());
     }
 
     #[test]

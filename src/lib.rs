@@ -49,8 +49,7 @@
 //! let (ack, outcomes) = crossbeam_channel::unbounded();
 //! for seq in 0..2 {
 //!     let key = envelope::key_hash(b"order-1");
-//!     let job = Job { seq, subscriber: sub.id, key, fingerprint: 7, id: "order-1".into(),
-//!                     payload: Box::new([]), ack: ack.clone() };
+//!     let job = Job::new(seq, sub.id, key, 7, "order-1", b"{}", ack.clone());
 //!     ledger.submit(ledger.route(key), vec![job]).unwrap();
 //!     let done = outcomes.recv().unwrap();
 //!     let want = if seq == 0 { Outcome::Processed } else { Outcome::Duplicate };
@@ -63,7 +62,9 @@ pub mod bench;
 pub mod clock;
 pub mod config;
 pub mod demo;
+pub mod effects;
 pub mod envelope;
+pub mod handler;
 pub mod ledger;
 pub mod pipeline;
 pub mod source;

@@ -53,6 +53,19 @@ enum Command {
         /// Messages in the first stream.
         #[arg(long, default_value_t = 1_000_000)]
         messages: u64,
+        /// Handler component run for each new order event (`none` for claims only).
+        #[arg(long, default_value = DEFAULT_DEMO_HANDLER)]
+        handler: String,
+    },
+    /// Work with handler components.
+    Handler {
+        #[command(subcommand)]
+        command: HandlerCommand,
+    },
+    /// Work with handler state.
+    State {
+        #[command(subcommand)]
+        command: StateCommand,
     },
     /// In-process load with a fixed seed, and a naive redb baseline in the same run.
     Bench {
@@ -86,6 +99,9 @@ enum Command {
         /// TOML config for ledger settings.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Run this handler component for every new message.
+        #[arg(long)]
+        handler: Option<PathBuf>,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
@@ -100,6 +116,32 @@ enum Command {
         json: bool,
     },
 }
+
+#[derive(Subcommand)]
+enum HandlerCommand {
+    /// Validate a component against the WIT contract and the capability allow-list, and
+    /// list its imports and exports.
+    Check {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum StateCommand {
+    /// Print a subscriber's handler state as JSON lines: {"key": ..., "value": ...}.
+    Dump {
+        #[arg(long)]
+        data_dir: PathBuf,
+        #[arg(long)]
+        subscriber: String,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+const DEFAULT_DEMO_HANDLER: &str = "plugins/target/wasm32-wasip2/release/shipping_label.wasm";
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -141,6 +183,53 @@ fn run(cli: Cli) -> Result<()> {
             let config = load_config(config.as_deref())?;
             pipe(&data_dir(dir, &config)?, &config)
         }
+        Command::Handler {
+            command: HandlerCommand::Check { file, json },
+        } => {
+            let component = dedupd::handler::Component::load(&file, Default::default())?;
+            let r = component.report();
+            if json {
+                println!("{}", serde_json::to_string_pretty(r)?);
+            } else {
+                println!(
+                    "ok: {} ({} bytes, version {})",
+                    r.path.display(),
+                    r.bytes,
+                    r.version
+                );
+                for i in &r.imports {
+                    println!("  import {i}");
+                }
+                for e in &r.exports {
+                    println!("  export {e}");
+                }
+            }
+            Ok(())
+        }
+        Command::State {
+            command:
+                StateCommand::Dump {
+                    data_dir,
+                    subscriber,
+                    config,
+                },
+        } => {
+            let config = load_config(config.as_deref())?;
+            require_data_dir(&data_dir)?;
+            let ledger = Ledger::open(&data_dir, &config, Arc::new(SystemClock))?;
+            let entries = ledger.state_entries(&subscriber);
+            ledger.close()?;
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            for (k, v) in entries? {
+                writeln!(
+                    out,
+                    "{}",
+                    serde_json::json!({"key": readable(&k), "value": readable(&v)})
+                )?;
+            }
+            out.flush()?;
+            Ok(())
+        }
         Command::Run {
             config,
             data_dir: dir,
@@ -148,7 +237,15 @@ fn run(cli: Cli) -> Result<()> {
             let config = load_config(Some(&config))?;
             pipe(&data_dir(dir, &config)?, &config)
         }
-        Command::Demo { messages } => demo(messages),
+        Command::Demo { messages, handler } => {
+            let handler = (handler != "none").then(|| PathBuf::from(handler));
+            if let Some(h) = &handler {
+                if !h.exists() {
+                    bail!("handler {} not found: build the plugins first (plugins/build.sh), or pass --handler none", h.display());
+                }
+            }
+            demo(messages, handler)
+        }
         Command::Bench {
             messages,
             dup_rate,
@@ -161,6 +258,7 @@ fn run(cli: Cli) -> Result<()> {
             dir,
             keep,
             config,
+            handler,
             json,
         } => {
             if !(0.0..1.0).contains(&dup_rate)
@@ -187,6 +285,7 @@ fn run(cli: Cli) -> Result<()> {
                 naive_messages: naive_messages.unwrap_or(messages),
                 dir,
                 keep,
+                handler,
                 config,
             };
             eprintln!(
@@ -248,8 +347,33 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Refuses to create a data directory where the user meant to read one.
+fn require_data_dir(dir: &Path) -> Result<()> {
+    if !dir.join("dedupd.manifest.json").exists() {
+        bail!(
+            "{} is not a dedupd data directory (no dedupd.manifest.json)",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// Bytes as JSON: parsed JSON if they are JSON, a string if UTF-8, else hex.
+fn readable(bytes: &[u8]) -> serde_json::Value {
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) {
+        return v;
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(s) => serde_json::Value::String(s.to_string()),
+        Err(_) => {
+            serde_json::json!({ "hex": bytes.iter().map(|b| format!("{b:02x}")).collect::<String>() })
+        }
+    }
+}
+
 fn pipe(dir: &Path, config: &Config) -> Result<()> {
     let ledger = Ledger::open(dir, config, Arc::new(SystemClock))?;
+    dedupd::pipeline::install_handlers(&ledger, config)?;
     let stdin = std::io::stdin().lock();
     let stdout = std::io::stdout();
     let result = run_pipe(&ledger, config, stdin, stdout);
@@ -303,6 +427,14 @@ fn print_bench(r: &BenchReport) {
         r.filter_probes,
         100.0 * r.filter_false_positive_rate
     );
+    if let Some(h) = &r.params.handler {
+        println!(
+            "handler  {} ({} state entries, {} dead-lettered)",
+            h.display(),
+            r.state_entries,
+            r.dead_lettered
+        );
+    }
     if r.naive_messages > 0 {
         println!(
             "naive    {:>12.0} msgs/s  ({} msgs, batch {})  engine/naive = {:.1}x",
@@ -311,9 +443,18 @@ fn print_bench(r: &BenchReport) {
     }
 }
 
-fn demo(messages: u64) -> Result<()> {
-    eprintln!("dedupd demo: {messages} messages for 3 subscribers, 12% redeliveries, 0.2% reused ids with other payloads; durable commits on a temporary data directory");
-    let report = dedupd::demo::run(messages, PathBuf::from("."), print_progress)?;
+fn demo(messages: u64, handler: Option<PathBuf>) -> Result<()> {
+    eprintln!("dedupd demo: {messages} OrderPlaced events for 3 subscribers, 12% redeliveries, 0.2% reused ids with other payloads, 2% new events for an order seen before; durable commits on a temporary data directory");
+    match &handler {
+        Some(h) => eprintln!("handler: {} (one shipping label per order)", h.display()),
+        None => eprintln!("handler: none (claims only)"),
+    }
+    let report = dedupd::demo::run(
+        messages,
+        PathBuf::from("."),
+        handler.clone(),
+        print_progress,
+    )?;
     eprintln!();
     let r = &report.run;
     println!(
@@ -336,10 +477,18 @@ fn demo(messages: u64) -> Result<()> {
         r.disk_bytes as f64 / 1048576.0,
         r.stored_keys
     );
+    if handler.is_some() {
+        println!("labels         {} created for {} processed events ({} events repeated an order and made no label); {} dead-lettered",
+            r.state_entries, r.processed, r.processed - r.state_entries, r.dead_lettered);
+    }
     println!("verified       {}", r.verified);
-    println!("restart + redelivery of the first {} messages: {} processed again, {} duplicates, {} quarantined",
-        report.redelivered, report.redelivered_processed_again, report.redelivered_duplicates, report.redelivered_quarantined);
-    if !r.verified || report.redelivered_processed_again != 0 {
+    println!("restart + redelivery of the first {} messages: {} processed again, {} duplicates, {} quarantined; labels {} -> {}",
+        report.redelivered, report.redelivered_processed_again, report.redelivered_duplicates, report.redelivered_quarantined,
+        r.state_entries, report.labels_after_redelivery);
+    if !r.verified
+        || report.redelivered_processed_again != 0
+        || report.labels_after_redelivery != r.state_entries
+    {
         bail!("the demo saw a wrong outcome");
     }
     Ok(())

@@ -138,15 +138,8 @@ fn run_seed(seed: u64, steps: usize) -> Coverage {
                     expected.push((seq, model.deliver(sub, id, fp, now)));
                     let text = id_text(id);
                     let key = key_hash(text.as_bytes());
-                    let job = Job {
-                        seq,
-                        subscriber: l.subscriber(SUBSCRIBERS[sub]).unwrap().id,
-                        key,
-                        fingerprint: fp,
-                        id: text.into(),
-                        payload: Box::new([]),
-                        ack: tx.clone(),
-                    };
+                    let sub_id = l.subscriber(SUBSCRIBERS[sub]).unwrap().id;
+                    let job = Job::new(seq, sub_id, key, fp, &text, b"", tx.clone());
                     jobs_by_shard.entry(l.route(key)).or_default().push(job);
                     seq += 1;
                 }

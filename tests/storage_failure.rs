@@ -39,15 +39,7 @@ fn failed_commit_poisons_and_nothing_after_is_acked() {
         let mut refused = false;
         for i in chunk * 20..chunk * 20 + 20 {
             let key = key_hash(id(i).as_bytes());
-            let job = Job {
-                seq: i,
-                subscriber: sub.id,
-                key,
-                fingerprint: 1,
-                id: id(i).into(),
-                payload: Box::new([]),
-                ack: tx.clone(),
-            };
+            let job = Job::new(i, sub.id, key, 1, &id(i), b"", tx.clone());
             match ledger.submit(ledger.route(key), vec![job]) {
                 Ok(()) => submitted += 1,
                 Err(LedgerError::Poisoned(_)) => refused = true,
@@ -90,15 +82,7 @@ fn failed_commit_poisons_and_nothing_after_is_acked() {
     let (tx, rx) = unbounded::<Vec<Done>>();
     for &i in &acked {
         let key = key_hash(id(i).as_bytes());
-        let job = Job {
-            seq: i,
-            subscriber: sub.id,
-            key,
-            fingerprint: 1,
-            id: id(i).into(),
-            payload: Box::new([]),
-            ack: tx.clone(),
-        };
+        let job = Job::new(i, sub.id, key, 1, &id(i), b"", tx.clone());
         ledger.submit(ledger.route(key), vec![job]).unwrap();
     }
     drop(tx);

@@ -123,6 +123,14 @@ pub(crate) struct SubState {
     /// Claims of the current batch, as a log row being built.
     pub pending_log: Vec<u8>,
     pub quarantined: u64,
+    pub dead_lettered: u64,
+    pub max_attempts: u32,
+    pub retry_backoff: std::time::Duration,
+    /// The handler instance of this shard, if the subscriber has one.
+    pub handler: Option<super::handlers::ShardHandler>,
+    /// What handlers read during the current batch (opened on first use); it collects
+    /// the effects of the batch's successful messages, written at commit.
+    pub view: Option<Box<dyn crate::effects::StateReader>>,
 }
 
 /// Where a lookup found the newest record of a key.

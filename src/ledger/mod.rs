@@ -13,6 +13,7 @@
 mod fault;
 pub mod filter;
 mod generation;
+mod handlers;
 pub mod record;
 mod shard;
 mod tables;
@@ -28,6 +29,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::Clock;
 use crate::config::{validate_subscriber_name, Config, LedgerConfig, SubscriberSettings};
+use crate::effects::HandlerFactory;
+use crate::effects::StateEntry;
 pub use record::{ClaimRecord, FORMAT_VERSION};
 use shard::{Control, Shard, ShardMsg};
 
@@ -78,6 +81,9 @@ pub struct SubscriberCounters {
     /// Probes of sealed-generation filters, and how many answered "maybe" without a match.
     pub filter_probes: AtomicU64,
     pub filter_false_positives: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    /// Handler attempts that failed and were scheduled again.
+    pub retries: AtomicU64,
 }
 
 /// A subscriber known to the ledger.
@@ -87,6 +93,18 @@ pub struct Subscriber {
     pub name: Arc<str>,
     pub settings: SubscriberSettings,
     pub counters: SubscriberCounters,
+    /// The handler in force; shards pick up a change between batches.
+    handler: RwLock<Option<Arc<dyn HandlerFactory>>>,
+}
+
+impl Subscriber {
+    /// The handler in force, if any.
+    pub fn handler(&self) -> Option<Arc<dyn HandlerFactory>> {
+        self.handler
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -100,6 +118,8 @@ struct RegistryInner {
 pub(crate) struct Registry {
     config: Config,
     inner: RwLock<RegistryInner>,
+    /// Handler given to subscribers that take `[defaults]` when they first appear.
+    default_handler: RwLock<Option<Arc<dyn HandlerFactory>>>,
 }
 
 impl Registry {
@@ -107,6 +127,7 @@ impl Registry {
         Registry {
             config,
             inner: RwLock::new(RegistryInner::default()),
+            default_handler: RwLock::new(None),
         }
     }
 
@@ -124,6 +145,7 @@ impl Registry {
         }
         validate_subscriber_name("subscriber", name)
             .map_err(|e| LedgerError::InvalidSubscriber(e.to_string()))?;
+        let configured = self.config.subscribers.iter().any(|s| s.name == name);
         let settings = match self.config.settings_for(name) {
             Some(s) => s,
             None if existing => self.config.defaults.clone(),
@@ -142,6 +164,14 @@ impl Registry {
             name: Arc::from(name),
             settings,
             counters: SubscriberCounters::default(),
+            handler: RwLock::new(if configured {
+                None
+            } else {
+                self.default_handler
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone()
+            }),
         });
         inner.by_id.push(sub.clone());
         inner.by_name.insert(name.to_string(), sub.clone());
@@ -233,6 +263,40 @@ pub struct Job {
     /// The canonical payload, kept in quarantine records (and given to handlers).
     pub payload: Box<[u8]>,
     pub ack: AckSender,
+    /// Headers and partition key, for handlers and dead-letter records.
+    pub headers: Vec<(String, String)>,
+    pub partition_key: Option<String>,
+    /// 1 on the first attempt; the shard counts retries.
+    pub attempt: u32,
+    /// When the source received the message (0: when the shard first decides it).
+    pub received_at_ms: u64,
+}
+
+impl Job {
+    /// A first attempt with no headers or partition key.
+    pub fn new(
+        seq: u64,
+        subscriber: SubscriberId,
+        key: u128,
+        fingerprint: u64,
+        id: &str,
+        payload: &[u8],
+        ack: AckSender,
+    ) -> Job {
+        Job {
+            seq,
+            subscriber,
+            key,
+            fingerprint,
+            id: id.into(),
+            payload: payload.into(),
+            ack,
+            headers: Vec::new(),
+            partition_key: None,
+            attempt: 1,
+            received_at_ms: 0,
+        }
+    }
 }
 
 /// What `inspect` shows of one subscriber.
@@ -244,6 +308,7 @@ pub struct SubscriberReport {
     pub active_claims: u64,
     pub sealed_generations: u64,
     pub quarantined: u64,
+    pub dead_lettered: u64,
     pub filter_bytes: u64,
     pub index_bytes: u64,
 }
@@ -432,6 +497,39 @@ impl Ledger {
         self.registry.resolve(name, false)
     }
 
+    /// Sets (or removes) a subscriber's handler. Each shard switches between two batches,
+    /// never inside one; claims record the version of the handler that processed them.
+    pub fn set_handler(
+        &self,
+        subscriber: &str,
+        handler: Option<Arc<dyn HandlerFactory>>,
+    ) -> Result<(), LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        *sub.handler.write().unwrap_or_else(|p| p.into_inner()) = handler;
+        Ok(())
+    }
+
+    /// The handler for subscribers that take `[defaults]`, now and when they first appear.
+    pub fn set_default_handler(&self, handler: Option<Arc<dyn HandlerFactory>>) {
+        *self
+            .registry
+            .default_handler
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = handler.clone();
+        let configured: Vec<&str> = self
+            .registry
+            .config
+            .subscribers
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect();
+        for sub in self.registry.all() {
+            if !configured.contains(&&*sub.name) {
+                *sub.handler.write().unwrap_or_else(|p| p.into_inner()) = handler.clone();
+            }
+        }
+    }
+
     /// All subscribers known so far (configured, seen on disk, or seen in traffic).
     pub fn subscribers(&self) -> Vec<Arc<Subscriber>> {
         self.registry.all()
@@ -518,6 +616,7 @@ impl Ledger {
                 e.active_claims += r.active_claims;
                 e.sealed_generations += r.sealed_generations;
                 e.quarantined += r.quarantined;
+                e.dead_lettered += r.dead_lettered;
                 e.filter_bytes += r.filter_bytes;
                 e.index_bytes += r.index_bytes;
             }
@@ -529,6 +628,48 @@ impl Ledger {
             file_bytes: dir_bytes(&self.data_dir),
             subscribers: by_name.into_values().collect(),
         })
+    }
+
+    /// A subscriber's handler state (all shards), in key order within each shard.
+    pub fn state_entries(&self, subscriber: &str) -> Result<Vec<StateEntry>, LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        let mut all = Vec::new();
+        for i in 0..self.shards.len() {
+            let (tx, rx) = bounded(1);
+            self.control(
+                i,
+                Control::StateEntries {
+                    subscriber: sub.name.clone(),
+                    reply: tx,
+                },
+            )?;
+            all.extend(
+                rx.recv()
+                    .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??,
+            );
+        }
+        all.sort();
+        Ok(all)
+    }
+
+    /// How many handler state entries a subscriber has (all shards).
+    pub fn state_len(&self, subscriber: &str) -> Result<u64, LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        let mut total = 0;
+        for i in 0..self.shards.len() {
+            let (tx, rx) = bounded(1);
+            self.control(
+                i,
+                Control::StateLen {
+                    subscriber: sub.name.clone(),
+                    reply: tx,
+                },
+            )?;
+            total += rx
+                .recv()
+                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??;
+        }
+        Ok(total)
     }
 
     /// Snapshot of each shard's commit metrics.

@@ -28,6 +28,7 @@ use super::generation::{
     merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob, SealedGen,
     SealingGen, SubState,
 };
+use super::handlers::{self, BatchView, ShardHandler};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
 use super::tables::{self, ClaimsTable, LogTable};
 use super::{
@@ -35,6 +36,8 @@ use super::{
 };
 use crate::clock::Clock;
 use crate::config::LedgerConfig;
+use crate::effects::StateEntry;
+use crate::effects::{Effects, Failure, HandlerMessage, MessageHandler, StateReader};
 
 pub(crate) enum ShardMsg {
     Jobs(Vec<Job>),
@@ -54,6 +57,14 @@ pub(crate) enum Control {
     },
     Report {
         reply: Sender<Result<Vec<SubscriberReport>, LedgerError>>,
+    },
+    StateEntries {
+        subscriber: Arc<str>,
+        reply: Sender<Result<Vec<StateEntry>, LedgerError>>,
+    },
+    StateLen {
+        subscriber: Arc<str>,
+        reply: Sender<Result<u64, LedgerError>>,
     },
 }
 
@@ -92,6 +103,57 @@ pub(crate) struct Shard {
     /// Log tables of sealed generations, emptied a few rows per batch. A crash leaves them
     /// as orphans that `recover` deletes.
     retired_logs: std::collections::VecDeque<String>,
+    /// Messages whose handler failed and that wait for their next attempt.
+    retries: std::collections::BinaryHeap<Retry>,
+    retry_order: u64,
+    dead_rows: Vec<(SubscriberId, Vec<u8>)>,
+    next_outbox_seq: u64,
+    next_dead_seq: u64,
+}
+
+/// A message waiting for its next attempt; the heap pops the earliest due first.
+struct Retry {
+    due: Instant,
+    order: u64,
+    job: Job,
+}
+
+impl PartialEq for Retry {
+    fn eq(&self, other: &Self) -> bool {
+        (self.due, self.order) == (other.due, other.order)
+    }
+}
+impl Eq for Retry {}
+impl PartialOrd for Retry {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Retry {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (other.due, other.order).cmp(&(self.due, self.order))
+    }
+}
+
+/// What a batch decided for one job.
+enum Decision {
+    Done(Outcome),
+    /// The handler failed retryably; try again after a backoff.
+    Retry(Failure),
+}
+
+/// Stands in for a handler whose instance cannot be created: every call fails, so the
+/// messages are retried and dead-lettered instead of processed without their handler.
+struct Unavailable(String);
+
+impl MessageHandler for Unavailable {
+    fn handle(
+        &mut self,
+        _msg: &HandlerMessage,
+        state: Box<dyn StateReader>,
+    ) -> (Box<dyn StateReader>, Result<Effects, Failure>) {
+        (state, Err(Failure::Trap(self.0.clone())))
+    }
 }
 
 /// Maps any redb error to a ledger error naming the file.
@@ -177,6 +239,11 @@ impl Shard {
             spare_maps: Vec::new(),
             map_requested: false,
             retired_logs: Default::default(),
+            retries: Default::default(),
+            retry_order: 0,
+            dead_rows: Vec::new(),
+            next_outbox_seq: 1,
+            next_dead_seq: 1,
             ctx,
         };
         let mut txn = shard.db.begin_write().map_err(|e| err(e.into()))?;
@@ -215,6 +282,8 @@ impl Shard {
                     ("shard_count", count),
                     ("next_table_id", 1),
                     ("next_quarantine_seq", 1),
+                    ("next_outbox_seq", 1),
+                    ("next_dead_seq", 1),
                 ] {
                     meta.insert(k, v).map_err(|e| self.err(e))?;
                 }
@@ -247,6 +316,8 @@ impl Shard {
                 }
                 self.next_table_id = get("next_table_id")?;
                 self.next_quarantine_seq = get("next_quarantine_seq")?;
+                self.next_outbox_seq = get("next_outbox_seq")?;
+                self.next_dead_seq = get("next_dead_seq")?;
             }
         }
         drop(meta);
@@ -355,6 +426,14 @@ impl Shard {
                 .map_err(|e| self.err(e))?
                 .count() as u64;
             drop(q);
+            let d = txn
+                .open_table(handlers::DEAD_LETTERS)
+                .map_err(|e| self.err(e))?;
+            st.dead_lettered = d
+                .range((name.as_str(), 0)..=(name.as_str(), u64::MAX))
+                .map_err(|e| self.err(e))?
+                .count() as u64;
+            drop(d);
             let idx = spec.id.0 as usize;
             if self.subs.len() <= idx {
                 self.subs.resize_with(idx + 1, || None);
@@ -438,10 +517,19 @@ impl Shard {
         let max_batch = self.ctx.config.max_batch.get();
         let linger = self.ctx.config.max_linger;
         loop {
-            let msg = match rx.recv_timeout(tick) {
+            let wait = match self.retries.peek() {
+                Some(r) => r.due.saturating_duration_since(Instant::now()).min(tick),
+                None => tick,
+            };
+            let msg = match rx.recv_timeout(wait) {
                 Ok(m) => m,
                 Err(RecvTimeoutError::Timeout) => {
-                    self.idle();
+                    self.take_due_retries();
+                    if self.batch.is_empty() {
+                        self.idle();
+                    } else {
+                        self.process_batch();
+                    }
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => break,
@@ -449,6 +537,7 @@ impl Shard {
             let mut deferred = None;
             match msg {
                 ShardMsg::Jobs(jobs) => {
+                    self.take_due_retries();
                     self.batch.extend(jobs);
                     let deadline = Instant::now() + linger;
                     while self.batch.len() < max_batch {
@@ -491,42 +580,100 @@ impl Shard {
     fn process_batch(&mut self) {
         let started = Instant::now();
         let mut jobs = std::mem::take(&mut self.batch);
-        let (outcomes, maintenance) = match &self.failed {
+        let now = self.ctx.clock.now_ms();
+        for job in jobs.iter_mut().filter(|j| j.received_at_ms == 0) {
+            job.received_at_ms = now;
+        }
+        let (decisions, maintenance) = match &self.failed {
             Some(e) => (Err(e.clone()), false),
-            None => {
-                let now = self.ctx.clock.now_ms();
-                match self.commit_batch(&jobs, now) {
-                    Ok((o, m)) => (Ok(o), m),
-                    Err(e) => {
-                        self.abandon_batch();
-                        self.poison(e.clone());
-                        (Err(e), false)
+            None => match self.commit_batch(&jobs, now) {
+                Ok((d, m)) => (Ok(d), m),
+                Err(e) => {
+                    self.abandon_batch();
+                    self.poison(e.clone());
+                    (Err(e), false)
+                }
+            },
+        };
+        let elapsed = started.elapsed().as_micros() as u64;
+        let count = jobs.len() as u64;
+        let mut done = Vec::with_capacity(jobs.len());
+        match decisions {
+            Ok(decisions) => {
+                for (mut job, d) in jobs.drain(..).zip(decisions) {
+                    match d {
+                        Decision::Done(outcome) => done.push((job, outcome)),
+                        Decision::Retry(failure) => {
+                            let backoff = self.subs[job.subscriber.0 as usize]
+                                .as_ref()
+                                .map_or(Duration::from_millis(50), |s| s.retry_backoff);
+                            let delay = backoff.saturating_mul(1 << (job.attempt - 1).min(16));
+                            tracing::debug!(shard = self.ctx.index, id = %job.id, attempt = job.attempt,
+                                error = %failure, "handler failed; retrying after {delay:?}");
+                            job.attempt += 1;
+                            self.retry_order += 1;
+                            self.retries.push(Retry {
+                                due: Instant::now() + delay,
+                                order: self.retry_order,
+                                job,
+                            });
+                        }
                     }
                 }
             }
-        };
-        let elapsed = started.elapsed().as_micros() as u64;
-        send_outcomes(&mut jobs, outcomes);
+            Err(e) => {
+                let reason = e.to_string();
+                done.extend(jobs.drain(..).map(|j| {
+                    (
+                        j,
+                        Outcome::Failed {
+                            reason: reason.clone(),
+                        },
+                    )
+                }));
+                // Messages waiting for a retry will never be decided either.
+                done.extend(self.retries.drain().map(|r| {
+                    (
+                        r.job,
+                        Outcome::Failed {
+                            reason: reason.clone(),
+                        },
+                    )
+                }));
+            }
+        }
+        send_outcomes(done);
         {
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
             m.batches += 1;
-            m.messages += jobs.len() as u64;
+            m.messages += count;
             if maintenance {
                 m.max_batch_us_maintenance = m.max_batch_us_maintenance.max(elapsed);
             } else {
                 m.max_batch_us_plain = m.max_batch_us_plain.max(elapsed);
             }
         }
-        jobs.clear();
         self.batch = jobs;
+    }
+
+    /// Moves retries whose backoff has passed into the current batch.
+    fn take_due_retries(&mut self) {
+        let now = Instant::now();
+        while self.retries.peek().is_some_and(|r| r.due <= now) {
+            if let Some(r) = self.retries.pop() {
+                self.batch.push(r.job);
+            }
+        }
     }
 
     /// After a failed commit the in-memory state may hold claims that never became durable;
     /// nothing will be decided against it again (I4), so only scratch buffers are cleared.
     fn abandon_batch(&mut self) {
         self.quarantine_rows.clear();
+        self.dead_rows.clear();
         for st in self.subs.iter_mut().flatten() {
             LogRow::start(&mut st.pending_log);
+            st.view = None;
         }
     }
 
@@ -548,13 +695,51 @@ impl Shard {
         Ok(idx)
     }
 
-    /// Decides every job of a batch, writes claims, runs a slice of maintenance, and
-    /// commits durably. On `Err` nothing of this batch is durable and the shard must stop.
+    /// Brings each subscriber of this batch up to date with its handler in the registry:
+    /// a new or replaced handler takes effect here, between batches, never inside one.
+    fn sync_handlers(&mut self, jobs: &[Job]) -> Result<(), LedgerError> {
+        let mut seen: Vec<SubscriberId> = Vec::new();
+        for job in jobs {
+            if !seen.contains(&job.subscriber) {
+                seen.push(job.subscriber);
+            }
+        }
+        for id in seen {
+            let idx = self.sub_index(id)?;
+            let want = self.ctx.registry.get(id).and_then(|s| s.handler());
+            let Some(st) = self.subs[idx].as_mut() else {
+                continue;
+            };
+            let current = st.handler.as_ref().map(|h| &h.factory);
+            let same = match (current, &want) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            };
+            if same {
+                continue;
+            }
+            st.handler = want.map(|factory| {
+                let instance = factory.instantiate().unwrap_or_else(|e| {
+                    tracing::error!(shard = self.ctx.index, subscriber = %st.name, error = %e,
+                        "handler cannot be instantiated; its messages fail and are dead-lettered");
+                    Box::new(Unavailable(format!("handler cannot be instantiated: {e}")))
+                });
+                ShardHandler { factory, instance }
+            });
+        }
+        Ok(())
+    }
+
+    /// Decides every job of a batch, runs handlers for new messages, writes claims and
+    /// handler effects, runs a slice of maintenance, and commits durably. On `Err` nothing
+    /// of this batch is durable and the shard must stop.
     fn commit_batch(
         &mut self,
         jobs: &[Job],
         now: u64,
-    ) -> Result<(Vec<Outcome>, bool), LedgerError> {
+    ) -> Result<(Vec<Decision>, bool), LedgerError> {
+        self.sync_handlers(jobs)?;
         let mut txn = self.db.begin_write().map_err(|e| self.err(e))?;
         txn.set_durability(Durability::Immediate)
             .map_err(|e| LedgerError::Storage {
@@ -562,17 +747,19 @@ impl Shard {
                 detail: e.to_string(),
             })?;
         let t0 = Instant::now();
-        let mut outcomes = Vec::with_capacity(jobs.len());
+        let mut decisions = Vec::with_capacity(jobs.len());
         let mut wrote = false;
         let presize = self.ctx.config.generation_max_claims.get();
-        // Per-subscriber counters of this batch, indexed by subscriber id.
-        let mut counts: Vec<[u64; 6]> = Vec::new();
+        // Per-subscriber counters of this batch, indexed by subscriber id:
+        // processed, duplicates, quarantined, probes, false positives, refreshes,
+        // dead-lettered, retries.
+        let mut counts: Vec<[u64; 8]> = Vec::new();
         {
             let mut open: HashMap<u64, redb::Table<u128, [u8; CLAIM_LEN]>> = HashMap::new();
             for job in jobs {
                 let idx = self.sub_index(job.subscriber)?;
                 if counts.len() <= idx {
-                    counts.resize(idx + 1, [0; 6]);
+                    counts.resize(idx + 1, [0; 8]);
                 }
                 let c = &mut counts[idx];
                 let st = self.subs[idx].as_mut().ok_or_else(|| {
@@ -608,7 +795,7 @@ impl Shard {
                         hit
                     }
                 };
-                let outcome = match existing {
+                let decision = match existing {
                     Some(r) if r.is_live(now) && r.fingerprint == job.fingerprint => {
                         if st.sliding {
                             let refreshed = ClaimRecord {
@@ -628,7 +815,7 @@ impl Shard {
                             wrote = true;
                         }
                         c[1] += 1;
-                        Outcome::Duplicate
+                        Decision::Done(Outcome::Duplicate)
                     }
                     Some(r) if r.is_live(now) => {
                         let record = serde_json::json!({
@@ -637,7 +824,7 @@ impl Shard {
                             "id": &*job.id,
                             "stored_fingerprint": format!("{:016x}", r.fingerprint),
                             "fingerprint": format!("{:016x}", job.fingerprint),
-                            "received_at_ms": now,
+                            "received_at_ms": job.received_at_ms,
                             "payload": String::from_utf8_lossy(&job.payload),
                         });
                         self.quarantine_rows.push((
@@ -647,38 +834,106 @@ impl Shard {
                         st.quarantined += 1;
                         c[2] += 1;
                         wrote = true;
-                        Outcome::Quarantined {
+                        Decision::Done(Outcome::Quarantined {
                             stored_fingerprint: r.fingerprint,
-                        }
+                        })
                     }
                     _ => {
-                        let claim = ClaimRecord {
-                            fingerprint: job.fingerprint,
-                            processed_at_ms: now,
-                            expires_at_ms: now.saturating_add(st.ttl_ms),
-                            handler_version: 0,
+                        // New. With a handler, the claim commits only with its effects.
+                        let handled = match st.handler.as_mut() {
+                            None => Ok(0),
+                            Some(h) => {
+                                let view = match st.view.take() {
+                                    Some(v) => v,
+                                    None => Box::new(
+                                        BatchView::open(&self.db, &st.name)
+                                            .map_err(|e| storage(&self.ctx.path, e))?,
+                                    ),
+                                };
+                                let msg = HandlerMessage {
+                                    subscriber: st.name.to_string(),
+                                    id: job.id.to_string(),
+                                    key: job.partition_key.clone(),
+                                    headers: job.headers.clone(),
+                                    payload: job.payload.to_vec(),
+                                    attempt: job.attempt,
+                                    received_at_ms: job.received_at_ms,
+                                };
+                                let (mut view, result) = h.instance.handle(&msg, view);
+                                let version = h.factory.version();
+                                let handled = result.map(|effects| {
+                                    view.absorb(effects);
+                                    version
+                                });
+                                st.view = Some(view);
+                                handled
+                            }
                         };
-                        insert_claim(
-                            st,
-                            &mut self.next_table_id,
-                            job.key,
-                            claim,
-                            now,
-                            presize,
-                            &mut self.spare_maps,
-                        );
-                        c[0] += 1;
-                        wrote = true;
-                        Outcome::Processed
+                        match handled {
+                            Ok(handler_version) => {
+                                let claim = ClaimRecord {
+                                    fingerprint: job.fingerprint,
+                                    processed_at_ms: now,
+                                    expires_at_ms: now.saturating_add(st.ttl_ms),
+                                    handler_version,
+                                };
+                                insert_claim(
+                                    st,
+                                    &mut self.next_table_id,
+                                    job.key,
+                                    claim,
+                                    now,
+                                    presize,
+                                    &mut self.spare_maps,
+                                );
+                                c[0] += 1;
+                                wrote = true;
+                                Decision::Done(Outcome::Processed)
+                            }
+                            Err(f) if f.is_retryable() && job.attempt < st.max_attempts => {
+                                c[7] += 1;
+                                Decision::Retry(f)
+                            }
+                            Err(f) => {
+                                let reason =
+                                    format!("{f} (attempt {} of {})", job.attempt, st.max_attempts);
+                                let record = serde_json::json!({
+                                    "v": 1,
+                                    "subscriber": &*st.name,
+                                    "id": &*job.id,
+                                    "kind": f.kind(),
+                                    "reason": reason,
+                                    "attempts": job.attempt,
+                                    "received_at_ms": job.received_at_ms,
+                                    "failed_at_ms": now,
+                                    "key": job.partition_key,
+                                    "headers": job.headers,
+                                    "payload": String::from_utf8_lossy(&job.payload),
+                                });
+                                self.dead_rows.push((
+                                    job.subscriber,
+                                    serde_json::to_vec(&record).unwrap_or_default(),
+                                ));
+                                st.dead_lettered += 1;
+                                c[6] += 1;
+                                wrote = true;
+                                Decision::Done(Outcome::DeadLettered { reason })
+                            }
+                        }
                     }
                 };
-                outcomes.push(outcome);
+                decisions.push(decision);
             }
         }
         let t1 = Instant::now();
         if wrote {
             self.write_logs(&txn, now)?;
             self.write_quarantine(&txn)?;
+            self.write_handler_effects(&txn)?;
+        }
+        // A view holds a snapshot of this batch; the next batch reads a fresh one.
+        for st in self.subs.iter_mut().flatten() {
+            st.view = None;
         }
         let t2 = Instant::now();
         let budget = slice_budget(jobs.len());
@@ -708,7 +963,7 @@ impl Shard {
             txn.abort().map_err(|e| self.err(e))?;
         }
         for (id, c) in counts.into_iter().enumerate() {
-            if c == [0; 6] {
+            if c == [0; 8] {
                 continue;
             }
             if let Some(spec) = self.ctx.registry.get(SubscriberId(id as u32)) {
@@ -719,9 +974,41 @@ impl Shard {
                 k.filter_probes.fetch_add(c[3], Ordering::Relaxed);
                 k.filter_false_positives.fetch_add(c[4], Ordering::Relaxed);
                 k.sliding_refreshes.fetch_add(c[5], Ordering::Relaxed);
+                k.dead_lettered.fetch_add(c[6], Ordering::Relaxed);
+                k.retries.fetch_add(c[7], Ordering::Relaxed);
             }
         }
-        Ok((outcomes, maintenance))
+        Ok((decisions, maintenance))
+    }
+
+    /// Writes the effects of this batch's successful handler calls and its dead letters.
+    fn write_handler_effects(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+        let path = self.ctx.path.clone();
+        for st in self.subs.iter_mut().flatten() {
+            let Some(view) = st.view.take() else {
+                continue;
+            };
+            let effects = view.into_effects();
+            if !effects.is_empty() {
+                handlers::apply(txn, &st.name, &effects, &mut self.next_outbox_seq)
+                    .map_err(|e| storage(&path, e))?;
+            }
+        }
+        if !self.dead_rows.is_empty() {
+            let mut t = txn
+                .open_table(handlers::DEAD_LETTERS)
+                .map_err(|e| storage(&path, e))?;
+            for (sub, row) in self.dead_rows.drain(..) {
+                let name = self.subs[sub.0 as usize]
+                    .as_ref()
+                    .map(|s| s.name.clone())
+                    .unwrap_or_else(|| Arc::from("?"));
+                t.insert((&*name, self.next_dead_seq), row.as_slice())
+                    .map_err(|e| storage(&path, e))?;
+                self.next_dead_seq += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Appends this batch's claims as one row per subscriber to its active log, and records
@@ -783,6 +1070,10 @@ impl Shard {
         meta.insert("next_table_id", self.next_table_id)
             .map_err(|e| self.err(e))?;
         meta.insert("next_quarantine_seq", self.next_quarantine_seq)
+            .map_err(|e| self.err(e))?;
+        meta.insert("next_outbox_seq", self.next_outbox_seq)
+            .map_err(|e| self.err(e))?;
+        meta.insert("next_dead_seq", self.next_dead_seq)
             .map_err(|e| self.err(e))?;
         Ok(())
     }
@@ -1327,6 +1618,14 @@ impl Shard {
             Control::Report { reply } => {
                 let _ = reply.send(Ok(self.report()));
             }
+            Control::StateLen { subscriber, reply } => {
+                let r = handlers::state_len(&self.db, &subscriber).map_err(|e| self.err(e));
+                let _ = reply.send(r);
+            }
+            Control::StateEntries { subscriber, reply } => {
+                let r = handlers::state_entries(&self.db, &subscriber).map_err(|e| self.err(e));
+                let _ = reply.send(r);
+            }
         }
     }
 
@@ -1404,6 +1703,7 @@ impl Shard {
                     active_claims: active,
                     sealed_generations: st.sealed.len() as u64,
                     quarantined: st.quarantined,
+                    dead_lettered: st.dead_lettered,
                     filter_bytes: st.filter_bytes(),
                     index_bytes: st.index_bytes(),
                 }
@@ -1427,6 +1727,11 @@ fn new_sub_state(spec: &super::Subscriber) -> SubState {
         next_order: 1,
         pending_log,
         quarantined: 0,
+        dead_lettered: 0,
+        max_attempts: spec.settings.max_attempts.max(1),
+        retry_backoff: spec.settings.retry_backoff,
+        handler: None,
+        view: None,
     }
 }
 
@@ -1463,25 +1768,16 @@ fn insert_claim(
 }
 
 /// Sends each job's outcome to its source, grouped per source channel.
-fn send_outcomes(jobs: &mut [Job], outcomes: Result<Vec<Outcome>, LedgerError>) {
+fn send_outcomes(done: Vec<(Job, Outcome)>) {
     let mut groups: Vec<(super::AckSender, Vec<Done>)> = Vec::new();
-    let outcomes: Vec<Outcome> = match outcomes {
-        Ok(o) => o,
-        Err(e) => jobs
-            .iter()
-            .map(|_| Outcome::Failed {
-                reason: e.to_string(),
-            })
-            .collect(),
-    };
-    for (job, outcome) in jobs.iter().zip(outcomes) {
-        let done = Done {
+    for (job, outcome) in done {
+        let d = Done {
             seq: job.seq,
             outcome,
         };
         match groups.iter_mut().find(|(tx, _)| tx.same_channel(&job.ack)) {
-            Some((_, v)) => v.push(done),
-            None => groups.push((job.ack.clone(), vec![done])),
+            Some((_, v)) => v.push(d),
+            None => groups.push((job.ack, vec![d])),
         }
     }
     for (tx, v) in groups {

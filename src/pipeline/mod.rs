@@ -5,4 +5,49 @@ mod pipe;
 mod sequencer;
 
 pub use pipe::{run_pipe, PipeError, PipeSummary};
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::config::{Config, SubscriberSettings};
+use crate::effects::HandlerFactory;
+use crate::handler::{self, HandlerError, Limits};
+use crate::ledger::Ledger;
+
+/// Handler limits a subscriber's settings ask for.
+pub fn limits_of(s: &SubscriberSettings) -> Limits {
+    Limits {
+        cpu_budget: s.handler_cpu_budget,
+        memory_bytes: s.handler_memory_mib << 20,
+    }
+}
+
+/// Loads every handler the config names (each file once per set of limits) and installs
+/// them on the ledger before any message is accepted.
+pub fn install_handlers(ledger: &Ledger, config: &Config) -> Result<(), HandlerError> {
+    let mut loaded: HashMap<(PathBuf, Limits), Arc<dyn HandlerFactory>> = HashMap::new();
+    let mut load =
+        |path: &PathBuf, limits: Limits| -> Result<Arc<dyn HandlerFactory>, HandlerError> {
+            if let Some(f) = loaded.get(&(path.clone(), limits)) {
+                return Ok(f.clone());
+            }
+            let f = handler::load_factory(path, limits)?;
+            loaded.insert((path.clone(), limits), f.clone());
+            Ok(f)
+        };
+    for sub in &config.subscribers {
+        let settings = sub.resolve(&config.defaults);
+        if let Some(path) = &settings.handler {
+            let f = load(path, limits_of(&settings))?;
+            ledger
+                .set_handler(&sub.name, Some(f))
+                .map_err(|e| HandlerError::Instantiate(e.to_string()))?;
+        }
+    }
+    if let Some(path) = &config.defaults.handler {
+        ledger.set_default_handler(Some(load(path, limits_of(&config.defaults))?));
+    }
+    Ok(())
+}
 pub use sequencer::Sequencer;

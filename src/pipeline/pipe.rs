@@ -9,7 +9,7 @@ use crossbeam_channel::{bounded, select, unbounded, Receiver};
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::envelope::{canonical_payload, derive_key, fingerprint, Envelope};
+use crate::envelope::{canonical_payload, derive_key, derive_partition, fingerprint, Envelope};
 use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome};
 
 use super::Sequencer;
@@ -55,6 +55,12 @@ struct OutcomeLine<'a> {
 struct LineMeta {
     subscriber: Option<Arc<str>>,
     id: Option<String>,
+}
+
+/// A job and the hash that routes it.
+struct Routed {
+    job: Job,
+    route: u128,
 }
 
 enum Event {
@@ -128,8 +134,8 @@ fn read_lines(
             // The printer stopped (output failed or the ledger failed): stop reading.
             break;
         }
-        if let Some(job) = job {
-            let shard = ledger.route(job.key);
+        if let Some(Routed { job, route }) = job {
+            let shard = ledger.route(route);
             staged[shard].push(job);
             if staged[shard].len() >= CHUNK {
                 ledger.submit(shard, std::mem::take(&mut staged[shard]))?;
@@ -161,7 +167,7 @@ fn decide_line(
     text: &[u8],
     seq: u64,
     ack: &crossbeam_channel::Sender<Vec<Done>>,
-) -> Result<(LineMeta, Job), (LineMeta, String)> {
+) -> Result<(LineMeta, Routed), (LineMeta, String)> {
     let none = || LineMeta {
         subscriber: None,
         id: None,
@@ -206,21 +212,35 @@ fn decide_line(
             ));
         }
     };
-    let job = Job {
-        seq,
-        subscriber: sub.id,
-        key: key.hash,
-        fingerprint: fingerprint(&canonical),
-        id: key.text.clone().into_boxed_str(),
-        payload: canonical.into_boxed_slice(),
-        ack: ack.clone(),
+    let route = match derive_partition(&env, &key, &sub.settings) {
+        Ok(r) => r,
+        Err(e) => {
+            return Err((
+                LineMeta {
+                    subscriber: Some(sub.name.clone()),
+                    id: Some(key.text),
+                },
+                e.to_string(),
+            ))
+        }
     };
+    let mut job = Job::new(
+        seq,
+        sub.id,
+        key.hash,
+        fingerprint(&canonical),
+        &key.text,
+        &canonical,
+        ack.clone(),
+    );
+    job.headers = env.headers.into_iter().collect();
+    job.partition_key = env.key;
     Ok((
         LineMeta {
             subscriber: Some(sub.name.clone()),
             id: Some(key.text),
         },
-        job,
+        Routed { job, route },
     ))
 }
 

@@ -20,6 +20,10 @@ pub struct TrafficSpec {
     pub subscribers: u32,
 }
 
+/// Share of new events that carry an earlier event's order id under a fresh event id (a
+/// producer-side retry): message-id dedup cannot catch these, business uniqueness can.
+pub const ORDER_REUSE_RATE: f64 = 0.02;
+
 /// What the engine must answer for an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expect {
@@ -33,6 +37,8 @@ pub enum Expect {
 pub struct Event {
     pub subscriber: u32,
     pub id: String,
+    /// The order the event is about (`order_id` in the payload is `o-<order>`).
+    pub order: u64,
     pub payload: Vec<u8>,
     pub expect: Option<Expect>,
 }
@@ -95,9 +101,21 @@ impl Traffic {
         true
     }
 
+    /// The order of event `index`: its own, or (for a few) an earlier event's.
+    fn order_of(&self, index: u64) -> u64 {
+        let r = mix(self.spec.seed.rotate_left(17) ^ index);
+        let unit = (r >> 11) as f64 / (1u64 << 53) as f64;
+        if index > 0 && unit < ORDER_REUSE_RATE {
+            mix(r) % index
+        } else {
+            index
+        }
+    }
+
     fn fill(&self, index: u64, variant: u64, ev: &mut Event) {
         let h = mix(self.spec.seed ^ index);
         let h2 = mix(h);
+        ev.order = self.order_of(index);
         ev.subscriber = (index % self.spec.subscribers.max(1) as u64) as u32;
         ev.id.clear();
         let _ = write!(
@@ -113,7 +131,8 @@ impl Traffic {
         let amount = (h2 % 100_000) + variant * 17;
         let _ = write!(
             VecWriter(&mut ev.payload),
-            r#"{{"amount_cents":{amount},"currency":"EUR","order":"o-{index}","qty":{},"sku":"SKU-{:05}"}}"#,
+            r#"{{"amount_cents":{amount},"currency":"EUR","order_id":"o-{}","qty":{},"sku":"SKU-{:05}","type":"OrderPlaced"}}"#,
+            ev.order,
             1 + h % 5,
             h2 % 50_000
         );
@@ -161,7 +180,8 @@ mod tests {
         let (mut dups, mut mism) = (0, 0);
         while t.next_into(&mut ev) {
             let payload: serde_json::Value = serde_json::from_slice(&ev.payload).expect("json");
-            assert!(payload.get("order").is_some());
+            assert!(payload.get("order_id").is_some());
+            assert_eq!(payload["type"], "OrderPlaced");
             match ev.expect {
                 Some(Expect::New) => {
                     assert!(seen.insert(ev.id.clone(), ev.payload.clone()).is_none())

@@ -1,0 +1,57 @@
+//! Creates exactly one shipping label per order, however many distinct events carry it.
+//!
+//! Payload: `{"type":"OrderPlaced","order_id":"o-1",...}`. For `OrderPlaced` the handler
+//! records `order_id` in the `label` uniqueness namespace and, only the first time, writes
+//! `label/<order_id>` = `{"label_id":"<operation_key(\"label\")>","order_id":"<order_id>"}`.
+//! Message-id dedup already stops redeliveries; `insert_unique` additionally stops two
+//! *different* events (say, a producer retry with a fresh id) from creating two labels.
+//! Other event types are acknowledged without writes; an `OrderPlaced` without a string
+//! `order_id` is a permanent error.
+
+use dedupd_sdk::{
+    insert_unique, operation_key, state, Handler, HandlerError, HandlerResult, Message,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[derive(Deserialize)]
+struct Event {
+    #[serde(rename = "type")]
+    kind: String,
+    order_id: Option<Value>,
+}
+
+#[derive(Serialize)]
+struct Label<'a> {
+    label_id: String,
+    order_id: &'a str,
+}
+
+struct ShippingLabel;
+
+impl Handler for ShippingLabel {
+    fn handle(msg: Message) -> HandlerResult {
+        let event: Event = msg.json()?;
+        if event.kind != "OrderPlaced" {
+            return Ok(());
+        }
+        let order_id = match &event.order_id {
+            Some(Value::String(id)) if !id.is_empty() => id.as_str(),
+            _ => {
+                return Err(HandlerError::permanent(
+                    "OrderPlaced without a string order_id",
+                ))
+            }
+        };
+        if insert_unique("label", order_id) {
+            let label = Label {
+                label_id: operation_key("label"),
+                order_id,
+            };
+            state::put(format!("label/{order_id}"), serde_json::to_vec(&label)?);
+        }
+        Ok(())
+    }
+}
+
+dedupd_sdk::export_handler!(ShippingLabel);

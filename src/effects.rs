@@ -1,0 +1,158 @@
+//! The seam between the ledger (redb) and message handlers (wasmtime): plain types, no
+//! dependency on either. A handler reads state through a [`StateReader`] and returns
+//! [`Effects`]; the ledger applies them in the same transaction as the message's claim, or
+//! drops them when the handler fails (G6).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// One state entry: key and value.
+pub type StateEntry = (Vec<u8>, Vec<u8>);
+
+/// A message as a handler sees it.
+#[derive(Debug, Clone)]
+pub struct HandlerMessage {
+    pub subscriber: String,
+    pub id: String,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub payload: Vec<u8>,
+    /// 1 on the first attempt.
+    pub attempt: u32,
+    pub received_at_ms: u64,
+}
+
+/// An outbound message queued by a handler, relayed after commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    /// Deterministic: derived from the incoming id and the emit's position.
+    pub id: String,
+    pub topic: String,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub payload: Vec<u8>,
+}
+
+/// Everything one successful handler call wants to change, applied atomically with the
+/// message's claim.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Effects {
+    /// Key -> new value (`None`: delete).
+    pub state: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// `(namespace, key)` pairs recorded by `insert-unique`.
+    pub uniques: BTreeSet<(String, String)>,
+    /// Versions advanced by `advance-version`.
+    pub versions: BTreeMap<String, u64>,
+    pub outbox: Vec<OutboxMessage>,
+}
+
+impl Effects {
+    pub fn is_empty(&self) -> bool {
+        self.state.is_empty()
+            && self.uniques.is_empty()
+            && self.versions.is_empty()
+            && self.outbox.is_empty()
+    }
+
+    /// Folds a later message's effects over this one (same batch).
+    pub fn merge(&mut self, later: Effects) {
+        self.state.extend(later.state);
+        self.uniques.extend(later.uniques);
+        self.versions.extend(later.versions);
+        self.outbox.extend(later.outbox);
+    }
+}
+
+/// Committed state of one subscriber as of this batch, including the effects of earlier
+/// successful messages of the same batch.
+pub trait StateReader: Send {
+    fn get(&self, key: &[u8]) -> Option<Vec<u8>>;
+    /// Entries with `prefix`, in key order, at most `limit`.
+    fn scan(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry>;
+    fn unique_exists(&self, namespace: &str, key: &str) -> bool;
+    fn version(&self, key: &str) -> Option<u64>;
+    /// Folds the effects of a message that succeeded into the view, so later messages of
+    /// the same batch read them.
+    fn absorb(&mut self, effects: Effects);
+    /// Everything absorbed during the batch, to be written with its claims.
+    fn into_effects(self: Box<Self>) -> Effects;
+}
+
+/// A reader over nothing: for handlers run outside the ledger (e.g. `handler check`).
+#[derive(Debug, Default)]
+pub struct EmptyState;
+
+impl StateReader for EmptyState {
+    fn get(&self, _key: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
+    fn scan(&self, _prefix: &[u8], _limit: usize) -> Vec<StateEntry> {
+        Vec::new()
+    }
+    fn unique_exists(&self, _namespace: &str, _key: &str) -> bool {
+        false
+    }
+    fn version(&self, _key: &str) -> Option<u64> {
+        None
+    }
+    fn absorb(&mut self, _effects: Effects) {}
+    fn into_effects(self: Box<Self>) -> Effects {
+        Effects::default()
+    }
+}
+
+/// Why a handler call failed, and what the engine does about it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Failure {
+    /// The handler asked to be retried.
+    #[error("handler returned a retryable error: {0}")]
+    Retryable(String),
+    /// The handler said retrying cannot help.
+    #[error("handler returned a permanent error: {0}")]
+    Permanent(String),
+    /// The per-message CPU budget ran out.
+    #[error("handler exceeded its CPU budget of {budget_ms} ms")]
+    Timeout { budget_ms: u64 },
+    /// The instance tried to grow memory past its cap.
+    #[error("handler exceeded its memory cap of {cap_mib} MiB")]
+    MemoryLimit { cap_mib: u64 },
+    /// The guest trapped (panic, unreachable, out-of-bounds access...).
+    #[error("handler trapped: {0}")]
+    Trap(String),
+}
+
+impl Failure {
+    /// Retryable failures are retried with backoff up to the subscriber's attempt limit;
+    /// the rest are dead-lettered at once.
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, Failure::Permanent(_))
+    }
+
+    /// A short, stable name for metrics and dead-letter records.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Failure::Retryable(_) => "retryable",
+            Failure::Permanent(_) => "permanent",
+            Failure::Timeout { .. } => "timeout",
+            Failure::MemoryLimit { .. } => "memory",
+            Failure::Trap(_) => "trap",
+        }
+    }
+}
+
+/// A handler instance bound to one shard thread.
+pub trait MessageHandler: Send {
+    /// Runs the handler. `state` is moved in for the call and handed back with the result.
+    fn handle(
+        &mut self,
+        msg: &HandlerMessage,
+        state: Box<dyn StateReader>,
+    ) -> (Box<dyn StateReader>, Result<Effects, Failure>);
+}
+
+/// Creates handler instances for shard threads; one per subscriber and handler version.
+pub trait HandlerFactory: Send + Sync + std::fmt::Debug {
+    fn instantiate(&self) -> Result<Box<dyn MessageHandler>, String>;
+    /// Recorded in every claim this handler processes.
+    fn version(&self) -> u64;
+}

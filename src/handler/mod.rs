@@ -1,0 +1,360 @@
+//! WebAssembly handlers: the only module that imports wasmtime.
+//!
+//! A [`Component`] is compiled once and pre-instantiated; each shard thread owns its own
+//! instance ([`WasmHandler`]) and reuses it across messages (a trapped instance is thrown
+//! away and rebuilt). Every call gets a CPU budget (epoch deadline: a ticker thread bumps
+//! the engine epoch every millisecond) and a memory cap. Guests see no filesystem,
+//! network, environment or randomness: a component that imports such an interface is
+//! refused when it is loaded, with the import's name. Guest stdout/stderr go to the log,
+//! rate-limited.
+//!
+//! `wasmtime::Error` never leaves this module: traps are classified into
+//! [`Failure`](crate::effects::Failure) at the edge.
+
+mod host;
+mod output;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use wasmtime::component::{HasSelf, Linker};
+use wasmtime::{Config, Engine, Store, Trap};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::effects::{
+    Effects, Failure, HandlerFactory, HandlerMessage, MessageHandler, StateReader,
+};
+use host::HostState;
+use output::GuestOutput;
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "wit/handler.wit",
+        world: "dedupd-handler",
+        imports: { default: trappable },
+    });
+}
+
+use bindings::exports::dedupd::handler::handler as guest;
+
+/// How often the epoch ticks; CPU budgets are whole multiples of it.
+const EPOCH_TICK: Duration = Duration::from_millis(1);
+
+/// Interfaces a handler may import. Everything else is refused at load.
+const ALLOWED_IMPORT_PREFIXES: &[&str] = &[
+    "dedupd:handler/host",
+    "wasi:io/",
+    "wasi:cli/environment",
+    "wasi:cli/exit",
+    "wasi:cli/stdin",
+    "wasi:cli/stdout",
+    "wasi:cli/stderr",
+    "wasi:cli/terminal-",
+    "wasi:clocks/",
+];
+
+/// Errors of loading or checking a component. Failures of a *call* are
+/// [`Failure`](crate::effects::Failure)s.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandlerError {
+    #[error("cannot read handler {path}: {detail}")]
+    Read { path: PathBuf, detail: String },
+    #[error("{path} is not a valid WebAssembly component: {detail}")]
+    Invalid { path: PathBuf, detail: String },
+    #[error("{path} imports `{import}`, a capability dedupd does not grant to handlers (no filesystem, network or randomness)")]
+    CapabilityDenied { path: PathBuf, import: String },
+    #[error("{path} does not implement the dedupd handler contract (wit/handler.wit): {detail}")]
+    Contract { path: PathBuf, detail: String },
+    #[error("cannot instantiate handler: {0}")]
+    Instantiate(String),
+}
+
+/// Per-call limits of a subscriber's handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Limits {
+    /// CPU budget per message (rounded up to whole milliseconds).
+    pub cpu_budget: Duration,
+    /// Linear memory cap per instance.
+    pub memory_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            cpu_budget: Duration::from_millis(10),
+            memory_bytes: 32 << 20,
+        }
+    }
+}
+
+/// The shared engine and its epoch ticker.
+struct Runtime {
+    engine: Engine,
+}
+
+fn runtime() -> Result<&'static Runtime, HandlerError> {
+    static RUNTIME: OnceLock<Result<Runtime, String>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            let mut config = Config::new();
+            config.epoch_interruption(true);
+            config.wasm_component_model(true);
+            let engine = Engine::new(&config).map_err(|e| e.to_string())?;
+            let ticker = engine.weak();
+            std::thread::Builder::new()
+                .name("dedupd-epoch".into())
+                .spawn(move || loop {
+                    std::thread::sleep(EPOCH_TICK);
+                    match ticker.upgrade() {
+                        Some(e) => e.increment_epoch(),
+                        None => return,
+                    }
+                })
+                .map_err(|e| e.to_string())?;
+            Ok(Runtime { engine })
+        })
+        .as_ref()
+        .map_err(|e| HandlerError::Instantiate(e.clone()))
+}
+
+/// What `dedupd handler check` reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CheckReport {
+    pub path: PathBuf,
+    pub bytes: usize,
+    /// xxh3-64 of the component bytes; recorded in every claim it processes.
+    pub version: String,
+    pub imports: Vec<String>,
+    pub exports: Vec<String>,
+}
+
+/// A compiled, validated, pre-instantiated handler component.
+pub struct Component {
+    path: PathBuf,
+    version: u64,
+    limits: Limits,
+    pre: bindings::DedupdHandlerPre<HostState>,
+    report: CheckReport,
+}
+
+impl std::fmt::Debug for Component {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Component")
+            .field("path", &self.path)
+            .field("version", &format_args!("{:016x}", self.version))
+            .field("limits", &self.limits)
+            .finish()
+    }
+}
+
+impl Component {
+    /// Reads, validates against the WIT contract and the capability allow-list, compiles
+    /// and pre-instantiates a component.
+    pub fn load(path: &Path, limits: Limits) -> Result<Component, HandlerError> {
+        let bytes = std::fs::read(path).map_err(|e| HandlerError::Read {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        })?;
+        Component::from_bytes(path, &bytes, limits)
+    }
+
+    /// Like [`Component::load`] for bytes already in memory (`path` names them in errors).
+    pub fn from_bytes(
+        path: &Path,
+        bytes: &[u8],
+        limits: Limits,
+    ) -> Result<Component, HandlerError> {
+        let rt = runtime()?;
+        let component = wasmtime::component::Component::new(&rt.engine, bytes).map_err(|e| {
+            HandlerError::Invalid {
+                path: path.to_path_buf(),
+                detail: format!("{e:#}"),
+            }
+        })?;
+        let ty = component.component_type();
+        let imports: Vec<String> = ty.imports(&rt.engine).map(|(n, _)| n.to_string()).collect();
+        let exports: Vec<String> = ty.exports(&rt.engine).map(|(n, _)| n.to_string()).collect();
+        if let Some(denied) = imports
+            .iter()
+            .find(|i| !ALLOWED_IMPORT_PREFIXES.iter().any(|p| i.starts_with(p)))
+        {
+            return Err(HandlerError::CapabilityDenied {
+                path: path.to_path_buf(),
+                import: denied.clone(),
+            });
+        }
+        let mut linker: Linker<HostState> = Linker::new(&rt.engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
+            .map_err(|e| HandlerError::Instantiate(format!("linking WASI: {e:#}")))?;
+        bindings::DedupdHandler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
+            .map_err(|e| HandlerError::Instantiate(format!("linking host: {e:#}")))?;
+        let instance_pre =
+            linker
+                .instantiate_pre(&component)
+                .map_err(|e| HandlerError::Contract {
+                    path: path.to_path_buf(),
+                    detail: format!("{e:#}"),
+                })?;
+        let pre =
+            bindings::DedupdHandlerPre::new(instance_pre).map_err(|e| HandlerError::Contract {
+                path: path.to_path_buf(),
+                detail: format!("{e:#}"),
+            })?;
+        let version = xxhash_rust::xxh3::xxh3_64(bytes);
+        let report = CheckReport {
+            path: path.to_path_buf(),
+            bytes: bytes.len(),
+            version: format!("{version:016x}"),
+            imports,
+            exports,
+        };
+        Ok(Component {
+            path: path.to_path_buf(),
+            version,
+            limits,
+            pre,
+            report,
+        })
+    }
+
+    pub fn report(&self) -> &CheckReport {
+        &self.report
+    }
+
+    /// A handler for one shard thread; it instantiates lazily and rebuilds itself after
+    /// a trap (a trapped instance must not be entered again).
+    pub fn handler(&self) -> WasmHandler {
+        WasmHandler {
+            pre: self.pre.clone(),
+            name: self.path.display().to_string(),
+            limits: self.limits,
+            live: None,
+        }
+    }
+}
+
+impl HandlerFactory for Component {
+    fn instantiate(&self) -> Result<Box<dyn MessageHandler>, String> {
+        let mut h = self.handler();
+        h.ensure_live().map_err(|e| e.to_string())?;
+        Ok(Box::new(h))
+    }
+
+    fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// Loads a component for a subscriber, shared by every shard.
+pub fn load_factory(path: &Path, limits: Limits) -> Result<Arc<dyn HandlerFactory>, HandlerError> {
+    Ok(Arc::new(Component::load(path, limits)?))
+}
+
+/// Handler calls of one shard thread.
+pub struct WasmHandler {
+    pre: bindings::DedupdHandlerPre<HostState>,
+    name: String,
+    limits: Limits,
+    live: Option<(Store<HostState>, bindings::DedupdHandler)>,
+}
+
+impl WasmHandler {
+    fn ensure_live(&mut self) -> Result<(), HandlerError> {
+        if self.live.is_some() {
+            return Ok(());
+        }
+        let rt = runtime()?;
+        let output = GuestOutput::new(self.name.clone());
+        let wasi = WasiCtx::builder()
+            .stdout(output.clone())
+            .stderr(output.clone())
+            .build();
+        let state = HostState::new(wasi, host::MemoryCap::new(self.limits.memory_bytes), output);
+        let mut store = Store::new(&rt.engine, state);
+        store.limiter(|s| &mut s.limiter);
+        store.set_epoch_deadline(PARKED);
+        let bindings = self
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| HandlerError::Instantiate(format!("{e:#}")))?;
+        self.live = Some((store, bindings));
+        Ok(())
+    }
+
+    fn budget_ticks(&self) -> u64 {
+        // The next tick may come at once; one extra tick keeps the budget a minimum.
+        self.limits.cpu_budget.as_millis().max(1) as u64 + 1
+    }
+}
+
+/// Epoch deadline between calls: nothing runs then.
+const PARKED: u64 = u64::MAX / 2;
+
+impl MessageHandler for WasmHandler {
+    fn handle(
+        &mut self,
+        msg: &HandlerMessage,
+        state: Box<dyn StateReader>,
+    ) -> (Box<dyn StateReader>, Result<Effects, Failure>) {
+        if let Err(e) = self.ensure_live() {
+            return (state, Err(Failure::Trap(e.to_string())));
+        }
+        let ticks = self.budget_ticks();
+        let Some((store, bindings)) = self.live.as_mut() else {
+            return (state, Err(Failure::Trap("no instance".into())));
+        };
+        store.data_mut().begin(msg, state);
+        store.set_epoch_deadline(ticks);
+        let input = guest::Message {
+            subscriber: msg.subscriber.clone(),
+            id: msg.id.clone(),
+            key: msg.key.clone(),
+            headers: msg.headers.clone(),
+            payload: msg.payload.clone(),
+            attempt: msg.attempt,
+            received_at_ms: msg.received_at_ms,
+        };
+        let called = bindings
+            .dedupd_handler_handler()
+            .call_handle(&mut *store, &input);
+        store.set_epoch_deadline(PARKED);
+        let (reader, effects, memory_denied) = store.data_mut().finish();
+        let result = match called {
+            Ok(Ok(())) => Ok(effects),
+            Ok(Err(guest::HandlerError::Retryable(m))) => Err(Failure::Retryable(m)),
+            Ok(Err(guest::HandlerError::Permanent(m))) => Err(Failure::Permanent(m)),
+            Err(e) => {
+                // A trapped instance may not be entered again: rebuild on the next call.
+                self.live = None;
+                Err(classify(&e, memory_denied, &self.limits))
+            }
+        };
+        (reader, result)
+    }
+}
+
+/// Turns a wasmtime error into a typed failure.
+fn classify(e: &wasmtime::Error, memory_denied: bool, limits: &Limits) -> Failure {
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => Failure::Timeout {
+            budget_ms: limits.cpu_budget.as_millis() as u64,
+        },
+        _ if memory_denied => Failure::MemoryLimit {
+            cap_mib: (limits.memory_bytes >> 20) as u64,
+        },
+        Some(t) => Failure::Trap(t.to_string()),
+        None => Failure::Trap(format!("{e:#}")),
+    }
+}
+
+/// Only for the `WasiView` bound of the WASI linker.
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}

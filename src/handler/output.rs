@@ -1,0 +1,137 @@
+//! Guest stdout/stderr: captured per call and written to the engine's log, rate-limited so
+//! a chatty or hostile handler cannot flood it.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
+
+/// Bytes kept per call; the rest is counted and dropped.
+const CALL_CAP: usize = 16 * 1024;
+/// Lines per second per instance that reach the log.
+const LINES_PER_SEC: f64 = 20.0;
+
+struct Inner {
+    buf: Vec<u8>,
+    dropped_bytes: u64,
+    tokens: f64,
+    refilled: Instant,
+    suppressed_lines: u64,
+}
+
+/// Shared by the stdout and stderr of one instance.
+#[derive(Clone)]
+pub(crate) struct GuestOutput {
+    name: Arc<str>,
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl GuestOutput {
+    pub fn new(name: String) -> Self {
+        GuestOutput {
+            name: name.into(),
+            inner: Arc::new(Mutex::new(Inner {
+                buf: Vec::new(),
+                dropped_bytes: 0,
+                tokens: LINES_PER_SEC,
+                refilled: Instant::now(),
+                suppressed_lines: 0,
+            })),
+        }
+    }
+
+    fn append(&self, bytes: &[u8]) {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let room = CALL_CAP.saturating_sub(g.buf.len());
+        let take = room.min(bytes.len());
+        g.buf.extend_from_slice(&bytes[..take]);
+        g.dropped_bytes += (bytes.len() - take) as u64;
+    }
+
+    /// Writes what the last call printed to the log, within the rate limit.
+    pub fn flush_to_log(&self, subscriber: &str) {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if g.buf.is_empty() && g.dropped_bytes == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let elapsed = now.duration_since(g.refilled).as_secs_f64();
+        g.tokens = (g.tokens + elapsed * LINES_PER_SEC).min(LINES_PER_SEC);
+        g.refilled = now;
+        let text = String::from_utf8_lossy(&std::mem::take(&mut g.buf)).into_owned();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            if g.tokens >= 1.0 {
+                g.tokens -= 1.0;
+                tracing::info!(subscriber, handler = %self.name, "guest: {line}");
+            } else {
+                g.suppressed_lines += 1;
+            }
+        }
+        if g.dropped_bytes > 0 || (g.suppressed_lines > 0 && g.tokens >= 1.0) {
+            tracing::warn!(subscriber, handler = %self.name, dropped_bytes = g.dropped_bytes,
+                suppressed_lines = g.suppressed_lines, "guest output over its limits was dropped");
+            g.dropped_bytes = 0;
+            g.suppressed_lines = 0;
+        }
+    }
+}
+
+impl IsTerminal for GuestOutput {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for GuestOutput {
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+
+    fn p2_stream(&self) -> Box<dyn OutputStream> {
+        Box::new(self.clone())
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl OutputStream for GuestOutput {
+    fn write(&mut self, bytes: bytes::Bytes) -> StreamResult<()> {
+        self.append(&bytes);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> StreamResult<()> {
+        Ok(())
+    }
+
+    fn check_write(&mut self) -> StreamResult<usize> {
+        // Always accept: what exceeds the per-call cap is counted and dropped.
+        Ok(CALL_CAP)
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl Pollable for GuestOutput {
+    async fn ready(&mut self) {}
+}
+
+impl tokio::io::AsyncWrite for GuestOutput {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.append(buf);
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
