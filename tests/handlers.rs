@@ -1,0 +1,390 @@
+//! WebAssembly handlers: limits (each obeyed and violated, with the exact typed error),
+//! atomicity of a failing message (G6), business uniqueness and version guards, the
+//! outbox and deterministic operation keys. Components come from `plugins/` (built by
+//! `plugins/build.sh`, which `scripts/test` runs first); a missing one fails the test.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::unbounded;
+use dedupd::clock::SystemClock;
+use dedupd::config::{Config, PartitionSource, SubscriberConfig};
+use dedupd::effects::{EmptyState, Failure, HandlerMessage, MessageHandler};
+use dedupd::envelope::{fingerprint, key_hash};
+use dedupd::handler::{Component, HandlerError, Limits};
+use dedupd::ledger::{Done, Job, Ledger, Outcome};
+
+fn component(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("plugins/target/wasm32-wasip2/release")
+        .join(format!("{name}.wasm"));
+    assert!(
+        p.exists(),
+        "{} is missing: run plugins/build.sh (scripts/test does)",
+        p.display()
+    );
+    p
+}
+
+/// Budgets for tests that must not time out: the epoch counts wall time, and a loaded CI
+/// machine may deschedule a thread for a while.
+fn roomy() -> Limits {
+    Limits {
+        cpu_budget: Duration::from_secs(2),
+        ..Limits::default()
+    }
+}
+
+fn load(name: &str, limits: Limits) -> Component {
+    Component::load(&component(name), limits).unwrap()
+}
+
+fn msg(id: &str, payload: &str) -> HandlerMessage {
+    HandlerMessage {
+        subscriber: "s".into(),
+        id: id.into(),
+        key: None,
+        headers: vec![],
+        payload: payload.as_bytes().to_vec(),
+        attempt: 1,
+        received_at_ms: 1_700_000_000_000,
+    }
+}
+
+fn call(c: &Component, m: &HandlerMessage) -> Result<dedupd::effects::Effects, Failure> {
+    let mut h = c.handler();
+    h.handle(m, Box::new(EmptyState)).1
+}
+
+#[test]
+fn cpu_budget_violated_is_a_timeout() {
+    let c = load("fixture_loop", Limits::default());
+    let r = call(&c, &msg("m1", "{}"));
+    assert_eq!(r, Err(Failure::Timeout { budget_ms: 10 }));
+}
+
+#[test]
+fn cpu_budget_obeyed_by_slow_but_bounded_handler() {
+    let c = load("fixture_slow", roomy());
+    let effects = call(&c, &msg("m1", "{}")).unwrap();
+    let value = effects
+        .state
+        .get(b"slow/result".as_slice())
+        .cloned()
+        .flatten();
+    assert_eq!(value.as_deref(), Some(b"93c248cbbf2663c6".as_slice()));
+}
+
+#[test]
+fn memory_cap_violated_is_a_memory_failure() {
+    let limits = Limits {
+        memory_bytes: 4 << 20,
+        ..Limits::default()
+    };
+    let c = load("fixture_memory_hog", limits);
+    assert_eq!(
+        call(&c, &msg("m1", "{}")),
+        Err(Failure::MemoryLimit { cap_mib: 4 })
+    );
+}
+
+#[test]
+fn memory_cap_obeyed_by_a_real_handler() {
+    let limits = Limits {
+        memory_bytes: 4 << 20,
+        ..roomy()
+    };
+    let c = load("shipping_label", limits);
+    let effects = call(&c, &msg("m1", r#"{"order_id":"o-1","type":"OrderPlaced"}"#)).unwrap();
+    assert!(effects.state.contains_key(b"label/o-1".as_slice()));
+}
+
+#[test]
+fn ungranted_capability_is_refused_at_load() {
+    let err = Component::load(&component("fixture_forbidden"), Limits::default()).unwrap_err();
+    match err {
+        HandlerError::CapabilityDenied { import, .. } => {
+            assert!(import.starts_with("wasi:filesystem/"), "{import}")
+        }
+        other => panic!("expected CapabilityDenied, got {other}"),
+    }
+}
+
+#[test]
+fn granted_capabilities_load() {
+    let c = load("noop", roomy());
+    assert!(c
+        .report()
+        .exports
+        .iter()
+        .any(|e| e.starts_with("dedupd:handler/handler")));
+    assert_eq!(call(&c, &msg("m1", "{}")), Ok(Default::default()));
+}
+
+#[test]
+fn not_a_component_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("junk.wasm");
+    std::fs::write(&p, b"\0asm junk").unwrap();
+    assert!(matches!(
+        Component::load(&p, Limits::default()),
+        Err(HandlerError::Invalid { .. })
+    ));
+}
+
+#[test]
+fn trapped_instance_is_rebuilt_for_the_next_message() {
+    let c = load("fixture_trap", Limits::default());
+    let mut h = c.handler();
+    for i in 0..3 {
+        let (_, r) = h.handle(&msg(&format!("m{i}"), "{}"), Box::new(EmptyState));
+        assert!(matches!(r, Err(Failure::Trap(_))), "{r:?}");
+    }
+}
+
+#[test]
+fn operation_keys_and_emitted_ids_are_the_same_on_every_attempt() {
+    let c = load("payment_capture", roomy());
+    let m = msg("pay-evt-1", r#"{"amount_cents":1999,"payment_id":"p-1"}"#);
+    let first = call(&c, &m).unwrap();
+    let mut retry = m.clone();
+    retry.attempt = 2;
+    let second = call(&c, &retry).unwrap();
+    assert_eq!(first.outbox.len(), 1);
+    assert_eq!(first.outbox, second.outbox);
+    assert_eq!(first.state, second.state);
+    let other = call(
+        &c,
+        &msg("pay-evt-2", r#"{"amount_cents":1999,"payment_id":"p-1"}"#),
+    )
+    .unwrap();
+    assert_ne!(first.outbox[0].id, other.outbox[0].id);
+    let header = &first.outbox[0].headers;
+    assert!(
+        header.iter().any(|(k, _)| k == "operation-key"),
+        "{header:?}"
+    );
+}
+
+// ---- through the ledger ----
+
+fn config(subs: &[(&str, &str, u32)]) -> Config {
+    let mut c = Config {
+        allow_unknown_subscribers: false,
+        ..Config::default()
+    };
+    c.ledger.shards = std::num::NonZeroUsize::new(1);
+    c.subscribers = subs
+        .iter()
+        .map(|(name, _, attempts)| SubscriberConfig {
+            name: name.to_string(),
+            max_attempts: Some(*attempts),
+            retry_backoff: Some(Duration::from_millis(1)),
+            partition_key: Some(PartitionSource::JsonPointer {
+                pointer: "/order_id".into(),
+            }),
+            ..Default::default()
+        })
+        .collect();
+    c
+}
+
+struct Harness {
+    ledger: Ledger,
+    _dir: tempfile::TempDir,
+}
+
+impl Harness {
+    fn new(subs: &[(&str, &str, u32)]) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open(dir.path(), &config(subs), Arc::new(SystemClock)).unwrap();
+        for (name, comp, _) in subs {
+            let f = dedupd::handler::load_factory(&component(comp), roomy()).unwrap();
+            ledger.set_handler(name, Some(f)).unwrap();
+        }
+        Harness { ledger, _dir: dir }
+    }
+
+    /// Submits all messages as one batch to the single shard and returns outcomes in order.
+    fn run(&self, msgs: &[(&str, &str, &str)]) -> Vec<Outcome> {
+        let (tx, rx) = unbounded::<Vec<Done>>();
+        let jobs: Vec<Job> = msgs
+            .iter()
+            .enumerate()
+            .map(|(i, (sub, id, payload))| {
+                let s = self.ledger.subscriber(sub).unwrap();
+                Job::new(
+                    i as u64,
+                    s.id,
+                    key_hash(id.as_bytes()),
+                    fingerprint(payload.as_bytes()),
+                    id,
+                    payload.as_bytes(),
+                    tx.clone(),
+                )
+            })
+            .collect();
+        drop(tx);
+        self.ledger.submit(0, jobs).unwrap();
+        let mut done: Vec<Done> = rx.iter().flatten().collect();
+        done.sort_by_key(|d| d.seq);
+        done.into_iter().map(|d| d.outcome).collect()
+    }
+
+    fn state(&self, sub: &str) -> Vec<(String, String)> {
+        self.ledger
+            .state_entries(sub)
+            .unwrap()
+            .into_iter()
+            .map(|(k, v)| (String::from_utf8(k).unwrap(), String::from_utf8(v).unwrap()))
+            .collect()
+    }
+}
+
+#[test]
+fn trap_after_write_rolls_back_and_is_dead_lettered_while_neighbours_commit() {
+    let h = Harness::new(&[("trap", "fixture_trap", 3), ("labels", "shipping_label", 3)]);
+    let out = h.run(&[
+        ("labels", "e1", r#"{"order_id":"o-1","type":"OrderPlaced"}"#),
+        ("trap", "t1", r#"{"order_id":"o-9"}"#),
+        ("labels", "e2", r#"{"order_id":"o-2","type":"OrderPlaced"}"#),
+    ]);
+    assert_eq!(out[0], Outcome::Processed);
+    assert_eq!(out[2], Outcome::Processed);
+    match &out[1] {
+        Outcome::DeadLettered { reason } => {
+            assert!(reason.contains("trapped"), "{reason}");
+            assert!(reason.contains("attempt 3 of 3"), "{reason}");
+        }
+        other => panic!("expected dead_lettered, got {other:?}"),
+    }
+    // The trapping handler's write left no trace, and the message holds no claim.
+    assert!(h.state("trap").is_empty());
+    assert!(h.ledger.lookup("trap", key_hash(b"t1")).unwrap().is_none());
+    assert!(h
+        .ledger
+        .lookup("labels", key_hash(b"e1"))
+        .unwrap()
+        .is_some());
+    assert_eq!(h.state("labels").len(), 2);
+    let report = h.ledger.report().unwrap();
+    let trap = report
+        .subscribers
+        .iter()
+        .find(|s| s.subscriber == "trap")
+        .unwrap();
+    assert_eq!(trap.dead_lettered, 1);
+}
+
+#[test]
+fn retryable_error_is_retried_then_dead_lettered_and_permanent_is_not_retried() {
+    let h = Harness::new(&[("errs", "fixture_errors", 4)]);
+    let out = h.run(&[
+        ("errs", "r1", r#"{"order_id":"o-1","please":"retry"}"#),
+        ("errs", "p1", r#"{"order_id":"o-2","please":"permanent"}"#),
+        ("errs", "ok", r#"{"order_id":"o-3"}"#),
+    ]);
+    match &out[0] {
+        Outcome::DeadLettered { reason } => {
+            assert!(reason.contains("retryable"), "{reason}");
+            assert!(reason.contains("attempt 4 of 4"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match &out[1] {
+        Outcome::DeadLettered { reason } => {
+            assert!(reason.contains("permanent"), "{reason}");
+            assert!(reason.contains("attempt 1 of 4"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(out[2], Outcome::Processed);
+    let sub = h.ledger.subscriber("errs").unwrap();
+    assert_eq!(
+        sub.counters
+            .retries
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+}
+
+#[test]
+fn one_label_per_order_even_for_distinct_event_ids() {
+    let h = Harness::new(&[("labels", "shipping_label", 3)]);
+    let out = h.run(&[
+        ("labels", "e1", r#"{"order_id":"o-1","type":"OrderPlaced"}"#),
+        (
+            "labels",
+            "e2",
+            r#"{"order_id":"o-1","type":"OrderPlaced","retry_of":"e1"}"#,
+        ),
+        ("labels", "e1", r#"{"order_id":"o-1","type":"OrderPlaced"}"#),
+    ]);
+    assert_eq!(
+        out,
+        vec![Outcome::Processed, Outcome::Processed, Outcome::Duplicate]
+    );
+    // And across batches (the uniqueness mark is durable, not just in the batch).
+    let out = h.run(&[(
+        "labels",
+        "e3",
+        r#"{"order_id":"o-1","type":"OrderPlaced","n":3}"#,
+    )]);
+    assert_eq!(out, vec![Outcome::Processed]);
+    let state = h.state("labels");
+    assert_eq!(state.len(), 1, "{state:?}");
+    assert_eq!(state[0].0, "label/o-1");
+    assert!(state[0].1.contains("\"order_id\":\"o-1\""));
+}
+
+#[test]
+fn stale_status_event_does_not_move_the_projection_backwards() {
+    let h = Harness::new(&[("orders", "order_projection", 3)]);
+    let out = h.run(&[
+        (
+            "orders",
+            "s1",
+            r#"{"order_id":"o-1","status":"PAID","version":1}"#,
+        ),
+        (
+            "orders",
+            "s3",
+            r#"{"order_id":"o-1","status":"SHIPPED","version":3}"#,
+        ),
+    ]);
+    assert_eq!(out, vec![Outcome::Processed, Outcome::Processed]);
+    // The stale event arrives late, in a later batch: processed, but changes nothing.
+    let out = h.run(&[(
+        "orders",
+        "s2",
+        r#"{"order_id":"o-1","status":"PACKED","version":2}"#,
+    )]);
+    assert_eq!(out, vec![Outcome::Processed]);
+    assert_eq!(
+        h.state("orders"),
+        vec![("order/o-1".to_string(), "SHIPPED".to_string())]
+    );
+}
+
+#[test]
+fn claims_record_the_handler_version() {
+    let h = Harness::new(&[("labels", "shipping_label", 3)]);
+    h.run(&[("labels", "e1", r#"{"order_id":"o-1","type":"OrderPlaced"}"#)]);
+    let claim = h.ledger.lookup("labels", key_hash(b"e1")).unwrap().unwrap();
+    let bytes = std::fs::read(component("shipping_label")).unwrap();
+    assert_eq!(claim.handler_version, xxhash_rust::xxh3::xxh3_64(&bytes));
+}
+
+#[test]
+fn swapping_the_handler_takes_effect_for_the_next_batch() {
+    let h = Harness::new(&[("labels", "noop", 3)]);
+    h.run(&[("labels", "e1", r#"{"order_id":"o-1","type":"OrderPlaced"}"#)]);
+    assert!(h.state("labels").is_empty());
+    let f = dedupd::handler::load_factory(&component("shipping_label"), roomy()).unwrap();
+    h.ledger.set_handler("labels", Some(f)).unwrap();
+    h.run(&[("labels", "e2", r#"{"order_id":"o-2","type":"OrderPlaced"}"#)]);
+    assert_eq!(h.state("labels").len(), 1);
+}
