@@ -89,6 +89,9 @@ pub struct LedgerConfig {
     pub merge_trigger_generations: NonZeroUsize,
     /// redb page cache per shard, in MiB. The OS page cache serves the rest.
     pub cache_mib: NonZeroUsize,
+    /// Verify every page checksum when a shard file is opened, so a file damaged outside
+    /// dedupd is reported instead of trusted. Reads the whole file at start-up.
+    pub verify_on_open: bool,
 }
 
 impl Default for LedgerConfig {
@@ -102,6 +105,7 @@ impl Default for LedgerConfig {
             merge_max_claims: nz(1 << 23),
             merge_trigger_generations: nz(8),
             cache_mib: nz(32),
+            verify_on_open: true,
         }
     }
 }

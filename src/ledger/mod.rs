@@ -143,8 +143,11 @@ impl Registry {
         {
             return Ok(s.clone());
         }
-        validate_subscriber_name("subscriber", name)
-            .map_err(|e| LedgerError::InvalidSubscriber(e.to_string()))?;
+        validate_subscriber_name("subscriber", name).map_err(|_| {
+            LedgerError::InvalidSubscriber(format!(
+                "{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -)"
+            ))
+        })?;
         let configured = self.config.subscribers.iter().any(|s| s.name == name);
         let settings = match self.config.settings_for(name) {
             Some(s) => s,
@@ -419,13 +422,28 @@ impl Ledger {
             };
             let thread = std::thread::Builder::new()
                 .name(format!("dedupd-shard-{index}"))
-                .spawn(move || match Shard::open(ctx) {
-                    Ok(shard) => {
-                        let _ = ready_tx.send(Ok(()));
-                        shard.run(rx);
-                    }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
+                .spawn(move || {
+                    let path = ctx.path.clone();
+                    // redb may panic on a file damaged outside it (when `verify_on_open`
+                    // is off); that is corruption to report, not a crash.
+                    let opened =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Shard::open(ctx)))
+                            .unwrap_or_else(|panic| {
+                                let detail = panic
+                                    .downcast_ref::<&str>()
+                                    .map(|s| s.to_string())
+                                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                                    .unwrap_or_else(|| "the storage engine panicked".into());
+                                Err(LedgerError::Corrupt { path, detail })
+                            });
+                    match opened {
+                        Ok(shard) => {
+                            let _ = ready_tx.send(Ok(()));
+                            shard.run(rx);
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                        }
                     }
                 })
                 .map_err(|e| LedgerError::DataDir {

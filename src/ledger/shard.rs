@@ -166,6 +166,11 @@ fn storage(path: &std::path::Path, e: impl Into<redb::Error>) -> LedgerError {
             path: path.to_path_buf(),
             detail,
         },
+        // A bad header (wrong magic number, impossible layout) is reported as invalid data.
+        redb::Error::Io(e) if e.kind() == std::io::ErrorKind::InvalidData => LedgerError::Corrupt {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        },
         other => LedgerError::Storage {
             path: path.to_path_buf(),
             detail: other.to_string(),
@@ -207,6 +212,7 @@ impl Shard {
         let err = |e: redb::Error| storage(&path, e);
         let mut builder = Database::builder();
         builder.set_cache_size(ctx.config.cache_mib.get() << 20);
+        builder.set_check_integrity_on_open(ctx.config.verify_on_open);
         let db = match &ctx.fault {
             None => builder.create(&ctx.path).map_err(|e| storage(&path, e))?,
             Some(budget) => {

@@ -2,7 +2,7 @@
 //! printed only after its outcome is durable (G1).
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::sync::Arc;
 
 use crossbeam_channel::{bounded, select, unbounded, Receiver};
@@ -73,9 +73,10 @@ enum Event {
 pub fn run_pipe(
     ledger: &Ledger,
     config: &Config,
-    input: impl BufRead,
+    input: impl Read,
     output: impl Write + Send,
 ) -> Result<PipeSummary, PipeError> {
+    let input = BufReader::with_capacity(1 << 16, input);
     let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
     let (meta_tx, meta_rx) = bounded::<Event>(WINDOW);
     std::thread::scope(|scope| {
@@ -91,10 +92,10 @@ pub fn run_pipe(
     })
 }
 
-fn read_lines(
+fn read_lines<R: Read>(
     ledger: &Ledger,
     config: &Config,
-    mut input: impl BufRead,
+    mut input: BufReader<R>,
     ack: &crossbeam_channel::Sender<Vec<Done>>,
     meta: &crossbeam_channel::Sender<Event>,
 ) -> Result<(), PipeError> {
@@ -121,19 +122,24 @@ fn read_lines(
         let text = trim_line(&line);
         let decided = decide_line(ledger, config, text, seq, ack);
         let (m, job) = match decided {
-            Ok((m, job)) => (m, Some(job)),
-            Err((m, reason)) => {
-                let _ = ack.send(vec![Done {
-                    seq,
-                    outcome: Outcome::Rejected { reason },
-                }]);
-                (m, None)
-            }
+            Ok((m, job)) => (m, Some(Ok(job))),
+            Err((m, reason)) => (m, Some(Err(reason))),
         };
         if meta.send(Event::Line(seq, m)).is_err() {
             // The printer stopped (output failed or the ledger failed): stop reading.
             break;
         }
+        let job = match job {
+            Some(Err(reason)) => {
+                let _ = ack.send(vec![Done {
+                    seq,
+                    outcome: Outcome::Rejected { reason },
+                }]);
+                None
+            }
+            Some(Ok(j)) => Some(j),
+            None => None,
+        };
         if let Some(Routed { job, route }) = job {
             let shard = ledger.route(route);
             staged[shard].push(job);
@@ -141,8 +147,9 @@ fn read_lines(
                 ledger.submit(shard, std::mem::take(&mut staged[shard]))?;
             }
         }
-        // Nothing more buffered: the next read may block, so hand over what we have.
-        if input.fill_buf().map(|b| b.is_empty()).unwrap_or(true) || meta.is_full() {
+        // Nothing more buffered: the next read may block, so hand over what we have
+        // (a consumer that waits for each outcome before sending more must get it).
+        if input.buffer().is_empty() || meta.is_full() {
             flush(&mut staged)?;
         }
     }
@@ -254,35 +261,34 @@ fn print_outcomes(
     let mut order: Sequencer<Outcome> = Sequencer::starting_at(1);
     let mut total: Option<u64> = None;
     let mut summary = PipeSummary::default();
-    let mut meta_open = true;
     let mut buf = Vec::with_capacity(256);
+    // A closed channel is swapped for one that never delivers, so `select!` keeps serving
+    // the other until both are done.
+    let (mut meta_rx, mut ack_rx) = (meta_rx, ack_rx);
+    let (mut meta_open, mut ack_open) = (true, true);
     loop {
-        if total == Some(order.watermark() - 1) {
+        if total == Some(order.watermark() - 1) || (!meta_open && !ack_open) {
             break;
         }
-        if meta_open {
-            select! {
-                recv(meta_rx) -> ev => match ev {
-                    Ok(Event::Line(seq, m)) => { metas.insert(seq, m); }
-                    Ok(Event::Eof(n)) => total = Some(n),
-                    Err(_) => meta_open = false,
-                },
-                recv(ack_rx) -> done => match done {
-                    Ok(v) => for d in v { order.insert(d.seq, d.outcome); },
-                    Err(_) => break,
-                },
-            }
-        } else {
-            match ack_rx.recv() {
-                Ok(v) => {
-                    for d in v {
-                        order.insert(d.seq, d.outcome);
-                    }
-                }
-                Err(_) => break,
-            }
+        select! {
+            recv(meta_rx) -> ev => match ev {
+                Ok(Event::Line(seq, m)) => { metas.insert(seq, m); }
+                Ok(Event::Eof(n)) => total = Some(n),
+                Err(_) => { meta_open = false; meta_rx = crossbeam_channel::never(); }
+            },
+            recv(ack_rx) -> done => match done {
+                Ok(v) => for d in v { order.insert(d.seq, d.outcome); },
+                Err(_) => { ack_open = false; ack_rx = crossbeam_channel::never(); }
+            },
         }
-        while let Some((seq, outcome)) = order.pop_ready() {
+        // A line is printed once both its outcome and what it names have arrived.
+        while order
+            .next_ready()
+            .is_some_and(|seq| metas.contains_key(&seq))
+        {
+            let Some((seq, outcome)) = order.pop_ready() else {
+                break;
+            };
             if let Outcome::Failed { reason } = &outcome {
                 out.flush().map_err(PipeError::Output)?;
                 return Err(PipeError::Ledger(LedgerError::Poisoned(reason.clone())));

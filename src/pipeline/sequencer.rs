@@ -36,6 +36,11 @@ impl<T> Sequencer<T> {
         self.slots[at] = Some(item);
     }
 
+    /// The sequence number `pop_ready` would return, if its item is present.
+    pub fn next_ready(&self) -> Option<u64> {
+        matches!(self.slots.front(), Some(Some(_))).then_some(self.next)
+    }
+
     /// Pops the next item if it is present.
     pub fn pop_ready(&mut self) -> Option<(u64, T)> {
         match self.slots.front() {
