@@ -19,6 +19,13 @@ fn config() -> Config {
     c
 }
 
+/// One shard, so "after the failure" has a single order to be checked against.
+fn one_shard() -> Config {
+    let mut c = Config::default();
+    c.ledger.shards = std::num::NonZeroUsize::new(1);
+    c
+}
+
 fn id(i: u64) -> String {
     format!("order-{i}")
 }
@@ -27,7 +34,7 @@ fn id(i: u64) -> String {
 fn failed_commit_poisons_and_nothing_after_is_acked() {
     let dir = tempfile::tempdir().unwrap();
     let (ledger, fault) =
-        Ledger::open_with_fault_switch(dir.path(), &config(), Arc::new(SystemClock)).unwrap();
+        Ledger::open_with_fault_switch(dir.path(), &one_shard(), Arc::new(SystemClock)).unwrap();
     fault.fail_after_fsyncs(10);
     let sub = ledger.subscriber("orders").unwrap();
     let mut acked = Vec::new();
@@ -78,7 +85,7 @@ fn failed_commit_poisons_and_nothing_after_is_acked() {
     assert!(matches!(ledger.close(), Err(LedgerError::Poisoned(_))));
 
     // Reopen on a healthy disk: everything acknowledged before the fault is durable.
-    let ledger = Ledger::open(dir.path(), &config(), Arc::new(SystemClock)).unwrap();
+    let ledger = Ledger::open(dir.path(), &one_shard(), Arc::new(SystemClock)).unwrap();
     let (tx, rx) = unbounded::<Vec<Done>>();
     for &i in &acked {
         let key = key_hash(id(i).as_bytes());

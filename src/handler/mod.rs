@@ -9,7 +9,7 @@
 //! rate-limited.
 //!
 //! `wasmtime::Error` never leaves this module: traps are classified into
-//! [`Failure`](crate::effects::Failure) at the edge.
+//! [`Failure`] at the edge.
 
 mod host;
 mod output;
@@ -55,7 +55,7 @@ const ALLOWED_IMPORT_PREFIXES: &[&str] = &[
 ];
 
 /// Errors of loading or checking a component. Failures of a *call* are
-/// [`Failure`](crate::effects::Failure)s.
+/// [`Failure`]s.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandlerError {

@@ -590,6 +590,17 @@ impl Shard {
         for job in jobs.iter_mut().filter(|j| j.received_at_ms == 0) {
             job.received_at_ms = now;
         }
+        if self.failed.is_none() && self.ctx.poisoned.load(Ordering::Acquire) {
+            // Another shard failed: the whole ledger stops acknowledging (G7).
+            let reason = self
+                .ctx
+                .poison
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or_default();
+            self.failed = Some(LedgerError::Poisoned(reason));
+        }
         let (decisions, maintenance) = match &self.failed {
             Some(e) => (Err(e.clone()), false),
             None => match self.commit_batch(&jobs, now) {
