@@ -81,8 +81,8 @@ enum Command {
         subscribers: u32,
         #[arg(long, default_value_t = 42)]
         seed: u64,
-        /// Most messages in flight.
-        #[arg(long, default_value_t = 16_384)]
+        /// Most messages in flight (handed to the engine, outcome not yet released).
+        #[arg(long, default_value_t = 8_192)]
         window: u64,
         /// Messages for the naive baseline (default: same as --messages; 0 skips it).
         #[arg(long)]
