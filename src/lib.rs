@@ -17,8 +17,8 @@
 //! - **G4 Same id, different payload is not a duplicate.** Claims keep a payload
 //!   fingerprint; a mismatch is quarantined (kept, counted, visible), never dropped.
 //! - **G5 Subscriber isolation.** Claims are scoped by subscriber.
-//! - **G6 Failure rolls back.** A failing message leaves no claim (handlers: see issue on
-//!   the WASM runtime).
+//! - **G6 Failure rolls back.** A handler trap, timeout, memory blow-up or returned error
+//!   leaves no claim and no state; the message is retried with backoff, then dead-lettered.
 //! - **G7 Fail-stop on storage errors.** A failed commit stops all acknowledgement and the
 //!   process exits non-zero.
 //!
@@ -29,12 +29,15 @@
 //!   -> Ledger::route(key) -> shard writer thread (one redb file each)
 //!        batch = everything queued since the last commit (group commit)
 //!        decide: active index -> sealing index -> sealed filters + tables
-//!        append claims as one log row, a slice of sealing/merging, commit (Immediate)
+//!        new -> handler (WASM component; its writes buffered, kept only on success)
+//!        append claims as one log row + handler effects, a slice of sealing/merging,
+//!        commit (Immediate)
 //!   -> outcomes -> Sequencer releases them in source order
 //! ```
 //!
 //! Modules: [`config`] (validated settings), [`envelope`] (keys and fingerprints),
-//! [`ledger`] (the only redb user), [`pipeline`] (ordering and the pipe mode), [`source`]
+//! [`ledger`] (the only redb user), [`handler`] (the only wasmtime user), [`effects`] (the
+//! seam between them), [`pipeline`] (ordering and the pipe mode), [`source`]
 //! (traffic generator), [`bench`](mod@bench) and [`demo`] (the CLI's measuring commands).
 //!
 //! ## Example

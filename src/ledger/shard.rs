@@ -944,7 +944,7 @@ impl Shard {
         }
         let t1 = Instant::now();
         if wrote {
-            self.write_logs(&txn, now)?;
+            self.write_logs(&txn)?;
             self.write_quarantine(&txn)?;
             self.write_handler_effects(&txn)?;
         }
@@ -1030,7 +1030,7 @@ impl Shard {
 
     /// Appends this batch's claims as one row per subscriber to its active log, and records
     /// new active generations.
-    fn write_logs(&mut self, txn: &WriteTransaction, _now: u64) -> Result<(), LedgerError> {
+    fn write_logs(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
         let path = self.ctx.path.clone();
         let err = |e: redb::TableError| storage(&path, e);
         let serr = |e: redb::StorageError| storage(&path, e);
@@ -1271,22 +1271,20 @@ impl Shard {
                         s.created_at_ms,
                         std::mem::take(&mut s.extra_logs),
                     );
-                    let meta = GenMeta {
-                        state: GenState::Sealed,
-                        order,
-                        count,
-                        max_expires_ms: max_expires,
-                        created_at_ms: created,
-                    };
-                    let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
-                    filters
-                        .insert((&*st.name, table_id), filter.encode().as_slice())
-                        .map_err(|e| self.err(e))?;
-                    drop(filters);
+                    self.commit_sealed(
+                        txn,
+                        st,
+                        SealedGen {
+                            table_id,
+                            order,
+                            count,
+                            max_expires_ms: max_expires,
+                            created_at_ms: created,
+                            filter,
+                        },
+                    )?;
                     let mut gens = txn
                         .open_table(tables::GENERATIONS)
-                        .map_err(|e| self.err(e))?;
-                    gens.insert((&*st.name, table_id), meta.encode().as_slice())
                         .map_err(|e| self.err(e))?;
                     for id in &extra {
                         gens.remove((&*st.name, *id)).map_err(|e| self.err(e))?;
@@ -1305,18 +1303,6 @@ impl Shard {
                             }
                         }
                     }
-                    let pos = st.sealed.partition_point(|g| g.order < order);
-                    st.sealed.insert(
-                        pos,
-                        SealedGen {
-                            table_id,
-                            order,
-                            count,
-                            max_expires_ms: max_expires,
-                            created_at_ms: created,
-                            filter,
-                        },
-                    );
                     self.ctx
                         .metrics
                         .lock()
@@ -1469,6 +1455,35 @@ impl Shard {
         }
     }
 
+    /// Records a complete sorted table as a sealed generation: its filter and `Sealed`
+    /// row in this transaction (I3), and its place in the recency order in memory.
+    fn commit_sealed(
+        &self,
+        txn: &WriteTransaction,
+        st: &mut SubState,
+        gen: SealedGen,
+    ) -> Result<(), LedgerError> {
+        let meta = GenMeta {
+            state: GenState::Sealed,
+            order: gen.order,
+            count: gen.count,
+            max_expires_ms: gen.max_expires_ms,
+            created_at_ms: gen.created_at_ms,
+        };
+        let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
+        filters
+            .insert((&*st.name, gen.table_id), gen.filter.encode().as_slice())
+            .map_err(|e| self.err(e))?;
+        let mut gens = txn
+            .open_table(tables::GENERATIONS)
+            .map_err(|e| self.err(e))?;
+        gens.insert((&*st.name, gen.table_id), meta.encode().as_slice())
+            .map_err(|e| self.err(e))?;
+        let pos = st.sealed.partition_point(|g| g.order < gen.order);
+        st.sealed.insert(pos, gen);
+        Ok(())
+    }
+
     fn delete_generation(
         &self,
         txn: &WriteTransaction,
@@ -1512,31 +1527,13 @@ impl Shard {
             let created = st.sealed[oi].created_at_ms;
             let count = m.count;
             let max_expires = m.max_expires_ms;
-            let meta = GenMeta {
-                state: GenState::Sealed,
-                order,
-                count,
-                max_expires_ms: max_expires,
-                created_at_ms: created,
-            };
-            {
-                let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
-                filters
-                    .insert((&*st.name, out), filter.encode().as_slice())
-                    .map_err(|e| self.err(e))?;
-                let mut gens = txn
-                    .open_table(tables::GENERATIONS)
-                    .map_err(|e| self.err(e))?;
-                gens.insert((&*st.name, out), meta.encode().as_slice())
-                    .map_err(|e| self.err(e))?;
-            }
             self.delete_generation(txn, &st.name, older)?;
             self.delete_generation(txn, &st.name, newer)?;
             st.sealed
                 .retain(|g| g.table_id != older && g.table_id != newer);
-            let pos = st.sealed.partition_point(|g| g.order < order);
-            st.sealed.insert(
-                pos,
+            self.commit_sealed(
+                txn,
+                st,
                 SealedGen {
                     table_id: out,
                     order,
@@ -1545,7 +1542,7 @@ impl Shard {
                     created_at_ms: created,
                     filter,
                 },
-            );
+            )?;
             st.merging = None;
             self.ctx
                 .metrics
