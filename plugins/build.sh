@@ -24,7 +24,8 @@ fi
 
 cd "$here"
 start=$(date +%s)
-cargo build --release --target "$target" "$@"
+# The components must land where the engine looks for them, whatever CARGO_TARGET_DIR says.
+cargo build --release --target "$target" --target-dir "$here/target" "$@"
 echo "build.sh: built in $(( $(date +%s) - start ))s; components:"
 
 out="$here/target/$target/release"
