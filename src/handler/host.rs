@@ -227,6 +227,9 @@ impl host::Host for HostState {
     }
 
     fn insert_unique(&mut self, namespace: String, key: String) -> wasmtime::Result<bool> {
+        if namespace.is_empty() || namespace.contains('\0') {
+            wasmtime::bail!("uniqueness namespace must be non-empty and free of NUL bytes");
+        }
         if namespace.len() + key.len() > MAX_KEY {
             wasmtime::bail!(
                 "unique key of {} bytes (limit {MAX_KEY})",
