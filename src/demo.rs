@@ -41,7 +41,7 @@ pub fn run(
         mismatch_rate: 0.002,
         subscribers: 3,
         seed: 2026,
-        window: 16_384,
+        window: 8_192,
         naive_messages: 0,
         dir,
         keep: true,
