@@ -376,7 +376,25 @@ fn pipe(dir: &Path, config: &Config) -> Result<()> {
     dedupd::pipeline::install_handlers(&ledger, config)?;
     let stdin = std::io::stdin().lock();
     let stdout = std::io::stdout();
-    let result = run_pipe(&ledger, config, stdin, stdout);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let result = std::thread::scope(|scope| {
+        // Fail-stop (G7): after a storage error nothing more is acknowledged, and the
+        // process must not wait for stdin to close before it exits non-zero.
+        scope.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                if let Some(reason) = ledger.poison_reason() {
+                    // Give the printer a moment to flush the lines that were durable.
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    eprintln!("dedupd: the ledger stopped after a storage error: {reason}");
+                    std::process::exit(1);
+                }
+            }
+        });
+        let r = run_pipe(&ledger, config, stdin, stdout);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        r
+    });
     let closed = ledger.close();
     let summary = result?;
     closed?;
