@@ -6,19 +6,23 @@
 //! Message-id dedup already stops redeliveries; `insert_unique` additionally stops two
 //! *different* events (say, a producer retry with a fresh id) from creating two labels.
 //! Other event types are acknowledged without writes; an `OrderPlaced` without a string
-//! `order_id` is a permanent error.
+//! `order_id`, or any event whose `order_id` is not a string, is a permanent error. Fields
+//! are borrowed from the payload, so the common case parses without allocating.
+
+use std::borrow::Cow;
 
 use dedupd_sdk::{
     insert_unique, operation_key, state, Handler, HandlerError, HandlerResult, Message,
 };
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
+/// Borrowed from the payload where possible: no allocation for the common case.
 #[derive(Deserialize)]
-struct Event {
-    #[serde(rename = "type")]
-    kind: String,
-    order_id: Option<Value>,
+struct Event<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow, default)]
+    order_id: Option<Cow<'a, str>>,
 }
 
 #[derive(Serialize)]
@@ -36,7 +40,7 @@ impl Handler for ShippingLabel {
             return Ok(());
         }
         let order_id = match &event.order_id {
-            Some(Value::String(id)) if !id.is_empty() => id.as_str(),
+            Some(id) if !id.is_empty() => id.as_ref(),
             _ => {
                 return Err(HandlerError::permanent(
                     "OrderPlaced without a string order_id",
