@@ -326,8 +326,15 @@ fn run(cli: Cli) -> Result<()> {
                 println!("shards       {}", report.shards);
                 println!("file bytes   {}", report.file_bytes);
                 println!(
-                    "{:<24} {:>12} {:>10} {:>6} {:>11} {:>12} {:>12}",
-                    "subscriber", "claims", "active", "gens", "quarantined", "filter B", "index B"
+                    "{:<24} {:>12} {:>10} {:>6} {:>11} {:>13} {:>12} {:>12}",
+                    "subscriber",
+                    "claims",
+                    "active",
+                    "gens",
+                    "quarantined",
+                    "dead_lettered",
+                    "filter B",
+                    "index B"
                 );
                 for s in &report.subscribers {
                     println!(
