@@ -93,7 +93,7 @@ pub(crate) struct Shard {
     built_rx: Receiver<Built>,
     last_expiry_check_ms: u64,
     batch: Vec<Job>,
-    quarantine_rows: Vec<(SubscriberId, Vec<u8>)>,
+    quarantine_rows: Vec<(Arc<str>, Vec<u8>)>,
     failed: Option<LedgerError>,
     /// Emptied indexes of sealed generations, reused for new active generations. First
     /// touches of a fresh half-million-entry table cost 100-200 ms of page faults on this
@@ -106,7 +106,7 @@ pub(crate) struct Shard {
     /// Messages whose handler failed and that wait for their next attempt.
     retries: std::collections::BinaryHeap<Retry>,
     retry_order: u64,
-    dead_rows: Vec<(SubscriberId, Vec<u8>)>,
+    dead_rows: Vec<(Arc<str>, Vec<u8>)>,
     next_outbox_seq: u64,
     next_dead_seq: u64,
 }
@@ -845,7 +845,7 @@ impl Shard {
                             "payload": String::from_utf8_lossy(&job.payload),
                         });
                         self.quarantine_rows.push((
-                            job.subscriber,
+                            st.name.clone(),
                             serde_json::to_vec(&record).unwrap_or_default(),
                         ));
                         st.quarantined += 1;
@@ -928,7 +928,7 @@ impl Shard {
                                     "payload": String::from_utf8_lossy(&job.payload),
                                 });
                                 self.dead_rows.push((
-                                    job.subscriber,
+                                    st.name.clone(),
                                     serde_json::to_vec(&record).unwrap_or_default(),
                                 ));
                                 st.dead_lettered += 1;
@@ -1011,21 +1011,13 @@ impl Shard {
                     .map_err(|e| storage(&path, e))?;
             }
         }
-        if !self.dead_rows.is_empty() {
-            let mut t = txn
-                .open_table(handlers::DEAD_LETTERS)
-                .map_err(|e| storage(&path, e))?;
-            for (sub, row) in self.dead_rows.drain(..) {
-                let name = self.subs[sub.0 as usize]
-                    .as_ref()
-                    .map(|s| s.name.clone())
-                    .unwrap_or_else(|| Arc::from("?"));
-                t.insert((&*name, self.next_dead_seq), row.as_slice())
-                    .map_err(|e| storage(&path, e))?;
-                self.next_dead_seq += 1;
-            }
-        }
-        Ok(())
+        append_records(
+            txn,
+            handlers::DEAD_LETTERS,
+            &mut self.dead_rows,
+            &mut self.next_dead_seq,
+        )
+        .map_err(|e| storage(&path, e))
     }
 
     /// Appends this batch's claims as one row per subscriber to its active log, and records
@@ -1064,22 +1056,13 @@ impl Shard {
     }
 
     fn write_quarantine(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
-        if self.quarantine_rows.is_empty() {
-            return Ok(());
-        }
-        let mut t = txn
-            .open_table(tables::QUARANTINE)
-            .map_err(|e| storage(&self.ctx.path, e))?;
-        for (sub, row) in self.quarantine_rows.drain(..) {
-            let name = self.subs[sub.0 as usize]
-                .as_ref()
-                .map(|s| s.name.clone())
-                .unwrap_or_else(|| Arc::from("?"));
-            t.insert((&*name, self.next_quarantine_seq), row.as_slice())
-                .map_err(|e| storage(&self.ctx.path, e))?;
-            self.next_quarantine_seq += 1;
-        }
-        Ok(())
+        append_records(
+            txn,
+            tables::QUARANTINE,
+            &mut self.quarantine_rows,
+            &mut self.next_quarantine_seq,
+        )
+        .map_err(|e| storage(&self.ctx.path, e))
     }
 
     fn write_counters(&self, txn: &WriteTransaction) -> Result<(), LedgerError> {
@@ -1779,6 +1762,25 @@ fn insert_claim(
     });
     active.map.insert(key, claim);
     LogRow::push(&mut st.pending_log, key, &claim);
+}
+
+/// Appends per-subscriber records (quarantine, dead letters) under `(subscriber, seq)`,
+/// numbering them from the shard's counter. Durable with the batch's commit.
+fn append_records(
+    txn: &WriteTransaction,
+    table: TableDefinition<(&str, u64), &[u8]>,
+    rows: &mut Vec<(Arc<str>, Vec<u8>)>,
+    next_seq: &mut u64,
+) -> Result<(), redb::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut t = txn.open_table(table)?;
+    for (subscriber, row) in rows.drain(..) {
+        t.insert((&*subscriber, *next_seq), row.as_slice())?;
+        *next_seq += 1;
+    }
+    Ok(())
 }
 
 /// Sends each job's outcome to its source, grouped per source channel.
