@@ -191,17 +191,23 @@ async fn readyz_is_503_after_a_storage_error_and_5xx_bodies_hide_internals() {
 async fn ingest_follows_the_idempotency_key_matrix() {
     let api = Api::open();
     // First request: processed, 201, no replay header.
-    let first = api.ingest("orders", Some("order-1"), r#"{"total": 5}"#).await;
+    let first = api
+        .ingest("orders", Some("order-1"), r#"{"total": 5}"#)
+        .await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.text);
     assert_eq!(first.body["outcome"], "processed");
     assert!(first.headers.get("idempotent-replayed").is_none());
     // Retry with the same key and payload (re-encoded): the stored response, replayed.
-    let again = api.ingest("orders", Some("order-1"), r#"{ "total" : 5 }"#).await;
+    let again = api
+        .ingest("orders", Some("order-1"), r#"{ "total" : 5 }"#)
+        .await;
     assert_eq!(again.status, StatusCode::CREATED, "{}", again.text);
     assert_eq!(again.headers["idempotent-replayed"], "true");
     assert_eq!(again.body, first.body);
     // Same key, another payload: 422, and the message is quarantined (G4).
-    let other = api.ingest("orders", Some("order-1"), r#"{"total": 6}"#).await;
+    let other = api
+        .ingest("orders", Some("order-1"), r#"{"total": 6}"#)
+        .await;
     assert_error(&other, StatusCode::UNPROCESSABLE_ENTITY, "payload_mismatch");
     let q = api
         .call("GET", "/v1/subscribers/orders/quarantine", None)
@@ -218,7 +224,9 @@ async fn ingest_follows_the_idempotency_key_matrix() {
     assert_eq!(by_id.status, StatusCode::CREATED, "{}", by_id.text);
     assert_eq!(by_id.body["key"], "order-2");
     // Keys are scoped by subscriber (G5).
-    let other_sub = api.ingest("billing", Some("order-1"), r#"{"total": 5}"#).await;
+    let other_sub = api
+        .ingest("billing", Some("order-1"), r#"{"total": 5}"#)
+        .await;
     assert_eq!(other_sub.status, StatusCode::CREATED);
     assert!(other_sub.headers.get("idempotent-replayed").is_none());
 }
@@ -231,7 +239,10 @@ async fn same_key_in_flight_is_409_then_replayed() {
         "[ledger]\nshards = 1\n[[subscriber]]\nname = \"slow\"\nmax_attempts = 2\nretry_backoff = \"1500ms\"\n",
         None,
     );
-    assert_eq!(api.upload("slow", "fixture_errors").await.status, StatusCode::OK);
+    assert_eq!(
+        api.upload("slow", "fixture_errors").await.status,
+        StatusCode::OK
+    );
     let app = api.router.clone();
     let first = tokio::spawn(async move {
         let req = Request::post("/v1/subscribers/slow/messages")
@@ -252,8 +263,15 @@ async fn same_key_in_flight_is_409_then_replayed() {
     // The first one fails for good after its second attempt: dead-lettered, a 500 that
     // says so without internals.
     assert_eq!(first.await.unwrap(), StatusCode::INTERNAL_SERVER_ERROR);
-    let dl = api.call("GET", "/v1/subscribers/slow/deadletters", None).await;
-    assert_eq!(dl.body["records"].as_array().unwrap().len(), 1, "{}", dl.text);
+    let dl = api
+        .call("GET", "/v1/subscribers/slow/deadletters", None)
+        .await;
+    assert_eq!(
+        dl.body["records"].as_array().unwrap().len(),
+        1,
+        "{}",
+        dl.text
+    );
     // Once decided, the key is free again.
     assert_eq!(api.state.waiting(), 0);
 }
@@ -267,14 +285,26 @@ async fn oversized_bodies_are_413() {
     let big = format!(r#"{{"x": "{}"}}"#, "a".repeat(4096));
     let r = api.ingest("s", Some("k"), &big).await;
     assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, "too_large");
-    assert!(r.body["message"].as_str().unwrap().contains("1024"), "{}", r.text);
+    assert!(
+        r.body["message"].as_str().unwrap().contains("1024"),
+        "{}",
+        r.text
+    );
     let r = api
-        .call("PUT", "/v1/subscribers/s/config", Some(json!({"x": "a".repeat(4096)})))
+        .call(
+            "PUT",
+            "/v1/subscribers/s/config",
+            Some(json!({"x": "a".repeat(4096)})),
+        )
         .await;
     assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, "too_large");
     let r = api.upload("s", "noop").await;
     assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, "too_large");
-    assert!(r.body["message"].as_str().unwrap().contains("2048"), "{}", r.text);
+    assert!(
+        r.body["message"].as_str().unwrap().contains("2048"),
+        "{}",
+        r.text
+    );
     let small = api.ingest("s", Some("k"), r#"{"x": 1}"#).await;
     assert_eq!(small.status, StatusCode::CREATED);
 }
@@ -314,8 +344,18 @@ async fn auth_is_required_denied_and_accepted() {
         assert_error(&api.send(wrong).await, StatusCode::FORBIDDEN, "forbidden");
     }
     // Reads without payloads stay open (the dashboard needs no token).
-    for uri in ["/healthz", "/readyz", "/metrics", "/v1/subscribers", "/openapi.json"] {
-        assert_eq!(api.send(anon("GET", uri)).await.status, StatusCode::OK, "{uri}");
+    for uri in [
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v1/subscribers",
+        "/openapi.json",
+    ] {
+        assert_eq!(
+            api.send(anon("GET", uri)).await.status,
+            StatusCode::OK,
+            "{uri}"
+        );
     }
     // The right token is accepted.
     let ok = api.ingest("s", Some("k"), "{}").await;
@@ -329,7 +369,9 @@ async fn odd_bytes_in_path_parameters() {
     let r = api.call("GET", "/v1/subscribers/%FF%FE/stats", None).await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
     // A subscriber name outside the safe alphabet (it becomes part of table names).
-    let r = api.call("GET", "/v1/subscribers/a%2F..%2Fb/config", None).await;
+    let r = api
+        .call("GET", "/v1/subscribers/a%2F..%2Fb/config", None)
+        .await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
     assert_eq!(r.body["field"], "subscriber");
     let r = api.ingest("bad%20name", Some("k"), "{}").await;
@@ -345,10 +387,17 @@ async fn odd_bytes_in_path_parameters() {
     assert_eq!(r.body["id"], "order/1 x");
     let encoded = "order%2F1%20%E2%9C%93%20%25";
     let r = api
-        .call("GET", &format!("/v1/subscribers/s/messages/{encoded}"), None)
+        .call(
+            "GET",
+            &format!("/v1/subscribers/s/messages/{encoded}"),
+            None,
+        )
         .await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
-    assert!(r.body["message"].as_str().unwrap().contains("order/1"), "{id}");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("order/1"),
+        "{id}"
+    );
     let r = api
         .call("GET", "/v1/subscribers/s/messages/%C3%28", None)
         .await;
@@ -367,22 +416,34 @@ async fn odd_bytes_in_path_parameters() {
 #[tokio::test(flavor = "multi_thread")]
 async fn forgetting_a_key_makes_the_next_delivery_processed_again() {
     let api = Api::open();
-    assert_eq!(api.ingest("s", Some("k1"), r#"{"a":1}"#).await.status, StatusCode::CREATED);
+    assert_eq!(
+        api.ingest("s", Some("k1"), r#"{"a":1}"#).await.status,
+        StatusCode::CREATED
+    );
     let claim = api.call("GET", "/v1/subscribers/s/messages/k1", None).await;
     assert_eq!(claim.status, StatusCode::OK, "{}", claim.text);
-    for field in ["processed_at_ms", "expires_at_ms", "fingerprint", "handler_version"] {
+    for field in [
+        "processed_at_ms",
+        "expires_at_ms",
+        "fingerprint",
+        "handler_version",
+    ] {
         assert!(!claim.body[field].is_null(), "{field}: {}", claim.text);
     }
     assert!(claim.body["expires_at_ms"].as_u64() > claim.body["processed_at_ms"].as_u64());
     let dup = api.ingest("s", Some("k1"), r#"{"a":1}"#).await;
     assert_eq!(dup.headers["idempotent-replayed"], "true");
 
-    let r = api.call("DELETE", "/v1/subscribers/s/messages/k1", None).await;
+    let r = api
+        .call("DELETE", "/v1/subscribers/s/messages/k1", None)
+        .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(r.body["forgotten"], true);
     let gone = api.call("GET", "/v1/subscribers/s/messages/k1", None).await;
     assert_error(&gone, StatusCode::NOT_FOUND, "not_found");
-    let r = api.call("DELETE", "/v1/subscribers/s/messages/k1", None).await;
+    let r = api
+        .call("DELETE", "/v1/subscribers/s/messages/k1", None)
+        .await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
 
     let again = api.ingest("s", Some("k1"), r#"{"a":1}"#).await;
@@ -401,7 +462,9 @@ async fn forgetting_a_key_makes_the_next_delivery_processed_again() {
         audit.text
     );
     // Unknown subscribers are 404 on reads.
-    let r = api.call("GET", "/v1/subscribers/nobody/messages/k1", None).await;
+    let r = api
+        .call("GET", "/v1/subscribers/nobody/messages/k1", None)
+        .await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
 }
 
@@ -415,16 +478,29 @@ async fn replaying_a_dead_letter_runs_the_current_handler() {
     assert_eq!(up.status, StatusCode::OK, "{}", up.text);
     let errors_version = up.body["current"].as_str().unwrap().to_string();
     let r = api
-        .ingest("labels", Some("m1"), r#"{"order_id": "o1", "mode": "permanent"}"#)
+        .ingest(
+            "labels",
+            Some("m1"),
+            r#"{"order_id": "o1", "mode": "permanent"}"#,
+        )
         .await;
     assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR, "dead_lettered");
-    let list = api.call("GET", "/v1/subscribers/labels/deadletters", None).await;
+    let list = api
+        .call("GET", "/v1/subscribers/labels/deadletters", None)
+        .await;
     let records = list.body["records"].as_array().unwrap().clone();
     assert_eq!(records.len(), 1, "{}", list.text);
-    assert!(records[0].get("payload").is_none(), "lists carry no payloads");
+    assert!(
+        records[0].get("payload").is_none(),
+        "lists carry no payloads"
+    );
     let rid = records[0]["id"].as_str().unwrap().to_string();
     let one = api
-        .call("GET", &format!("/v1/subscribers/labels/deadletters/{rid}"), None)
+        .call(
+            "GET",
+            &format!("/v1/subscribers/labels/deadletters/{rid}"),
+            None,
+        )
         .await;
     assert_eq!(one.status, StatusCode::OK, "{}", one.text);
     assert!(one.text.contains("permanent"), "{}", one.text);
@@ -436,24 +512,49 @@ async fn replaying_a_dead_letter_runs_the_current_handler() {
     assert_eq!(noop.body["previous"], errors_version.as_str());
     let noop_version = noop.body["current"].as_str().unwrap().to_string();
     let r = api
-        .call("POST", &format!("/v1/subscribers/labels/deadletters/{rid}/replay"), None)
+        .call(
+            "POST",
+            &format!("/v1/subscribers/labels/deadletters/{rid}/replay"),
+            None,
+        )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(r.body["outcome"], "processed");
-    let claim = api.call("GET", "/v1/subscribers/labels/messages/m1", None).await;
+    let claim = api
+        .call("GET", "/v1/subscribers/labels/messages/m1", None)
+        .await;
     assert_eq!(claim.status, StatusCode::OK, "{}", claim.text);
     assert_eq!(claim.body["handler_version"], noop_version.as_str());
-    let list = api.call("GET", "/v1/subscribers/labels/deadletters", None).await;
-    assert_eq!(list.body["records"].as_array().unwrap().len(), 0, "{}", list.text);
+    let list = api
+        .call("GET", "/v1/subscribers/labels/deadletters", None)
+        .await;
+    assert_eq!(
+        list.body["records"].as_array().unwrap().len(),
+        0,
+        "{}",
+        list.text
+    );
     let r = api
-        .call("POST", &format!("/v1/subscribers/labels/deadletters/{rid}/replay"), None)
+        .call(
+            "POST",
+            &format!("/v1/subscribers/labels/deadletters/{rid}/replay"),
+            None,
+        )
         .await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
     // The retry of the original request is now a replay.
     let retry = api
-        .ingest("labels", Some("m1"), r#"{"order_id": "o1", "mode": "permanent"}"#)
+        .ingest(
+            "labels",
+            Some("m1"),
+            r#"{"order_id": "o1", "mode": "permanent"}"#,
+        )
         .await;
-    assert_eq!(retry.headers["idempotent-replayed"], "true", "{}", retry.text);
+    assert_eq!(
+        retry.headers["idempotent-replayed"], "true",
+        "{}",
+        retry.text
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -462,19 +563,33 @@ async fn quarantine_can_be_listed_inspected_and_discarded() {
     api.ingest("s", Some("q1"), r#"{"v":1}"#).await;
     let r = api.ingest("s", Some("q1"), r#"{"v":2}"#).await;
     assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
-    let list = api.call("GET", "/v1/subscribers/s/quarantine?limit=10", None).await;
+    let list = api
+        .call("GET", "/v1/subscribers/s/quarantine?limit=10", None)
+        .await;
     let rid = list.body["records"][0]["id"].as_str().unwrap().to_string();
     let one = api
         .call("GET", &format!("/v1/subscribers/s/quarantine/{rid}"), None)
         .await;
     assert_eq!(one.status, StatusCode::OK, "{}", one.text);
-    assert!(one.text.contains("\\\"v\\\":2") || one.text.contains("\"v\":2"), "{}", one.text);
+    assert!(
+        one.text.contains("\\\"v\\\":2") || one.text.contains("\"v\":2"),
+        "{}",
+        one.text
+    );
     let r = api
-        .call("DELETE", &format!("/v1/subscribers/s/quarantine/{rid}"), None)
+        .call(
+            "DELETE",
+            &format!("/v1/subscribers/s/quarantine/{rid}"),
+            None,
+        )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     let r = api
-        .call("DELETE", &format!("/v1/subscribers/s/quarantine/{rid}"), None)
+        .call(
+            "DELETE",
+            &format!("/v1/subscribers/s/quarantine/{rid}"),
+            None,
+        )
         .await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
     let r = api
@@ -482,12 +597,20 @@ async fn quarantine_can_be_listed_inspected_and_discarded() {
         .await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
     let r = api
-        .call("POST", &format!("/v1/subscribers/s/quarantine/{rid}/replay"), None)
+        .call(
+            "POST",
+            &format!("/v1/subscribers/s/quarantine/{rid}/replay"),
+            None,
+        )
         .await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
-    let r = api.call("GET", "/v1/subscribers/s/quarantine?limit=0", None).await;
+    let r = api
+        .call("GET", "/v1/subscribers/s/quarantine?limit=0", None)
+        .await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
-    let r = api.call("GET", "/v1/subscribers/s/quarantine?limit=x", None).await;
+    let r = api
+        .call("GET", "/v1/subscribers/s/quarantine?limit=x", None)
+        .await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
 }
 
@@ -529,7 +652,9 @@ async fn config_is_read_validated_and_changed() {
         "[ledger]\nshards = 1\n[[subscriber]]\nname = \"billing\"\nttl = \"24h\"\n",
         None,
     );
-    let r = api.call("GET", "/v1/subscribers/billing/config", None).await;
+    let r = api
+        .call("GET", "/v1/subscribers/billing/config", None)
+        .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(r.body["config"]["ttl"], "1day");
     for (body, field) in [
@@ -537,11 +662,19 @@ async fn config_is_read_validated_and_changed() {
         (json!({"ttll": "1h"}), "ttll"),
         (json!({"sliding_ttl": "yes"}), "sliding_ttl"),
         (json!({"max_attempts": 0}), "max_attempts"),
-        (json!({"key": {"source": "json_pointer", "pointer": "no-slash"}}), "key.pointer"),
-        (json!({"partition_key": {"source": "envelope_key"}}), "partition_key"),
+        (
+            json!({"key": {"source": "json_pointer", "pointer": "no-slash"}}),
+            "key.pointer",
+        ),
+        (
+            json!({"partition_key": {"source": "envelope_key"}}),
+            "partition_key",
+        ),
         (json!({"handler": "/etc/passwd"}), "handler"),
     ] {
-        let r = api.call("PUT", "/v1/subscribers/billing/config", Some(body.clone())).await;
+        let r = api
+            .call("PUT", "/v1/subscribers/billing/config", Some(body.clone()))
+            .await;
         assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
         assert_eq!(r.body["field"], field, "{body}: {}", r.text);
     }
@@ -553,18 +686,25 @@ async fn config_is_read_validated_and_changed() {
         .call(
             "PUT",
             "/v1/subscribers/billing/config",
-            Some(json!({"ttl": "2h", "sliding_ttl": true, "max_attempts": 5, "retry_backoff": "1s"})),
+            Some(
+                json!({"ttl": "2h", "sliding_ttl": true, "max_attempts": 5, "retry_backoff": "1s"}),
+            ),
         )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
-    let r = api.call("GET", "/v1/subscribers/billing/config", None).await;
+    let r = api
+        .call("GET", "/v1/subscribers/billing/config", None)
+        .await;
     assert_eq!(r.body["config"]["ttl"], "2h");
     assert_eq!(r.body["config"]["sliding_ttl"], true);
     assert_eq!(r.body["config"]["max_attempts"], 5);
     // A new claim expires by the new TTL.
     api.ingest("billing", Some("b1"), "{}").await;
-    let c = api.call("GET", "/v1/subscribers/billing/messages/b1", None).await;
-    let ttl_ms = c.body["expires_at_ms"].as_u64().unwrap() - c.body["processed_at_ms"].as_u64().unwrap();
+    let c = api
+        .call("GET", "/v1/subscribers/billing/messages/b1", None)
+        .await;
+    let ttl_ms =
+        c.body["expires_at_ms"].as_u64().unwrap() - c.body["processed_at_ms"].as_u64().unwrap();
     assert_eq!(ttl_ms, 2 * 3600 * 1000, "{}", c.text);
     let audit = api.call("GET", "/v1/audit?limit=5", None).await;
     assert!(audit.text.contains("config.update"), "{}", audit.text);
@@ -572,7 +712,10 @@ async fn config_is_read_validated_and_changed() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn subscribers_and_stats_show_counts() {
-    let api = Api::new("[ledger]\nshards = 2\n[[subscriber]]\nname = \"idle\"\n", None);
+    let api = Api::new(
+        "[ledger]\nshards = 2\n[[subscriber]]\nname = \"idle\"\n",
+        None,
+    );
     api.ingest("s", Some("a"), "{}").await;
     api.ingest("s", Some("a"), "{}").await;
     api.ingest("s", Some("b"), "{}").await;
@@ -584,7 +727,11 @@ async fn subscribers_and_stats_show_counts() {
         .iter()
         .map(|s| s["subscriber"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["idle", "s"], "configured subscribers are listed before traffic");
+    assert_eq!(
+        names,
+        ["idle", "s"],
+        "configured subscribers are listed before traffic"
+    );
     let stats = api.call("GET", "/v1/subscribers/s/stats", None).await;
     assert_eq!(stats.body["processed"], 2, "{}", stats.text);
     assert_eq!(stats.body["duplicates"], 1);
@@ -595,14 +742,27 @@ async fn subscribers_and_stats_show_counts() {
     assert_eq!(one.status, StatusCode::OK, "{}", one.text);
     assert_eq!(one.body["stats"]["processed"], 2);
     assert!(one.body["config"]["ttl"].is_string());
-    for uri in ["/v1/subscribers/nobody", "/v1/subscribers/nobody/stats", "/v1/subscribers/nobody/config", "/v1/subscribers/nobody/handler", "/v1/subscribers/nobody/deadletters"] {
-        assert_error(&api.call("GET", uri, None).await, StatusCode::NOT_FOUND, "not_found");
+    for uri in [
+        "/v1/subscribers/nobody",
+        "/v1/subscribers/nobody/stats",
+        "/v1/subscribers/nobody/config",
+        "/v1/subscribers/nobody/handler",
+        "/v1/subscribers/nobody/deadletters",
+    ] {
+        assert_error(
+            &api.call("GET", uri, None).await,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unknown_subscribers_are_refused_when_the_config_says_so() {
-    let api = Api::new("allow_unknown_subscribers = false\n[ledger]\nshards = 1\n", None);
+    let api = Api::new(
+        "allow_unknown_subscribers = false\n[ledger]\nshards = 1\n",
+        None,
+    );
     let r = api.ingest("stranger", Some("k"), "{}").await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
 }
@@ -617,7 +777,10 @@ async fn handler_upload_is_validated_and_can_roll_back() {
         .unwrap();
     let r = api.send(req).await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
-    let req = api.req("PUT", "/v1/subscribers/s/handler").body(Body::empty()).unwrap();
+    let req = api
+        .req("PUT", "/v1/subscribers/s/handler")
+        .body(Body::empty())
+        .unwrap();
     assert_error(&api.send(req).await, StatusCode::BAD_REQUEST, "bad_request");
     // A component that asks for a forbidden capability is refused by name.
     let r = api.upload("s", "fixture_forbidden").await;
@@ -625,7 +788,9 @@ async fn handler_upload_is_validated_and_can_roll_back() {
     let r = api.call("GET", "/v1/subscribers/s/handler", None).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert!(r.body["active_version"].is_null());
-    let r = api.call("POST", "/v1/subscribers/s/handler/rollback", None).await;
+    let r = api
+        .call("POST", "/v1/subscribers/s/handler/rollback", None)
+        .await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
 
     let a = api.upload("s", "noop").await;
@@ -634,7 +799,9 @@ async fn handler_upload_is_validated_and_can_roll_back() {
     assert_eq!(b.status, StatusCode::OK, "{}", b.text);
     assert_eq!(b.body["active_version"], b.body["current"]);
     assert_eq!(b.body["previous"], a.body["current"]);
-    let r = api.call("POST", "/v1/subscribers/s/handler/rollback", None).await;
+    let r = api
+        .call("POST", "/v1/subscribers/s/handler/rollback", None)
+        .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(r.body["current"], a.body["current"]);
     assert_eq!(r.body["active_version"], a.body["current"]);
@@ -642,7 +809,11 @@ async fn handler_upload_is_validated_and_can_roll_back() {
     // Files live only under the data directory.
     let data = api.state.ledger().data_dir().join("handlers/s");
     let stored = std::fs::read_dir(&data).unwrap().count();
-    assert!(stored >= 4, "two components and two pointers in {}", data.display());
+    assert!(
+        stored >= 4,
+        "two components and two pointers in {}",
+        data.display()
+    );
     let audit = api.call("GET", "/v1/audit", None).await;
     assert!(audit.text.contains("handler.upload") && audit.text.contains("handler.rollback"));
 }
@@ -653,25 +824,51 @@ async fn maintenance_compacts_and_backs_up() {
     for i in 0..20 {
         api.ingest("s", Some(&format!("m{i}")), "{}").await;
     }
-    let r = api.call("POST", "/v1/maintenance/compact?seal_all=true", None).await;
+    let r = api
+        .call("POST", "/v1/maintenance/compact?seal_all=true", None)
+        .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
-    let r = api.call("POST", "/v1/maintenance/compact?seal_all=maybe", None).await;
+    let r = api
+        .call("POST", "/v1/maintenance/compact?seal_all=maybe", None)
+        .await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
-    let r = api.call("POST", "/v1/maintenance/backup", Some(json!({"name": "b1"}))).await;
+    let r = api
+        .call(
+            "POST",
+            "/v1/maintenance/backup",
+            Some(json!({"name": "b1"})),
+        )
+        .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert!(r.body["bytes"].as_u64().unwrap() > 0);
     let dir = api.state.ledger().data_dir().join("backups/b1");
     assert!(dir.join("dedupd.manifest.json").exists());
-    let r = api.call("POST", "/v1/maintenance/backup", Some(json!({"name": "b1"}))).await;
+    let r = api
+        .call(
+            "POST",
+            "/v1/maintenance/backup",
+            Some(json!({"name": "b1"})),
+        )
+        .await;
     assert_error(&r, StatusCode::CONFLICT, "exists");
     for name in ["..", "../escape", "a/b", ""] {
-        let r = api.call("POST", "/v1/maintenance/backup", Some(json!({"name": name}))).await;
+        let r = api
+            .call(
+                "POST",
+                "/v1/maintenance/backup",
+                Some(json!({"name": name})),
+            )
+            .await;
         assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
     }
-    let r = api.call("POST", "/v1/maintenance/backup", Some(json!({"nom": "x"}))).await;
+    let r = api
+        .call("POST", "/v1/maintenance/backup", Some(json!({"nom": "x"})))
+        .await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
     let audit = api.call("GET", "/v1/audit", None).await;
-    assert!(audit.text.contains("maintenance.backup") && audit.text.contains("maintenance.compact"));
+    assert!(
+        audit.text.contains("maintenance.backup") && audit.text.contains("maintenance.compact")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -681,7 +878,10 @@ async fn metrics_are_prometheus_text() {
     api.ingest("metered", Some("a"), "{}").await;
     let r = api.call("GET", "/metrics", None).await;
     assert_eq!(r.status, StatusCode::OK);
-    assert!(r.headers["content-type"].to_str().unwrap().starts_with("text/plain"));
+    assert!(r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
     for needle in [
         "dedupd_messages_processed_total{subscriber=\"metered\"} 1",
         "dedupd_duplicates_skipped_total{subscriber=\"metered\"} 1",
@@ -698,17 +898,32 @@ async fn metrics_are_prometheus_text() {
 #[tokio::test(flavor = "multi_thread")]
 async fn dashboard_assets_are_served_without_external_references() {
     let api = Api::open();
-    for (uri, kind) in [("/", "text/html"), ("/assets/app.js", "text/javascript"), ("/assets/app.css", "text/css")] {
+    for (uri, kind) in [
+        ("/", "text/html"),
+        ("/assets/app.js", "text/javascript"),
+        ("/assets/app.css", "text/css"),
+    ] {
         let r = api.call("GET", uri, None).await;
         assert_eq!(r.status, StatusCode::OK, "{uri}");
-        assert!(r.headers["content-type"].to_str().unwrap().starts_with(kind), "{uri}");
-        assert!(!r.text.contains("http://") && !r.text.contains("https://"), "{uri} must not load anything external");
+        assert!(
+            r.headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with(kind),
+            "{uri}"
+        );
+        assert!(
+            !r.text.contains("http://") && !r.text.contains("https://"),
+            "{uri} must not load anything external"
+        );
     }
 }
 
 /// The path of a route with its parameters filled in.
 fn concrete(path: &str) -> String {
-    path.replace("{s}", "s").replace("{id}", "k").replace("{rid}", "0-1")
+    path.replace("{s}", "s")
+        .replace("{id}", "k")
+        .replace("{rid}", "0-1")
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -730,30 +945,58 @@ async fn openapi_lists_every_route_and_every_listed_route_is_served() {
             r.text
         );
         let op = &doc.body["paths"][route.path][route.method];
-        assert!(op.is_object(), "{} {} missing from the document", route.method, route.path);
+        assert!(
+            op.is_object(),
+            "{} {} missing from the document",
+            route.method,
+            route.path
+        );
         for status in route.statuses {
             assert!(op["responses"][status.to_string()].is_object());
         }
     }
     // Every route these tests exercise is documented.
     let exercised = [
-        ("get", "/"), ("get", "/assets/app.js"), ("get", "/assets/app.css"),
-        ("get", "/healthz"), ("get", "/readyz"), ("get", "/metrics"), ("get", "/openapi.json"),
-        ("get", "/v1/subscribers"), ("get", "/v1/subscribers/{s}"),
-        ("get", "/v1/subscribers/{s}/config"), ("put", "/v1/subscribers/{s}/config"),
-        ("get", "/v1/subscribers/{s}/stats"), ("post", "/v1/subscribers/{s}/messages"),
-        ("get", "/v1/subscribers/{s}/messages/{id}"), ("delete", "/v1/subscribers/{s}/messages/{id}"),
-        ("get", "/v1/subscribers/{s}/quarantine"), ("get", "/v1/subscribers/{s}/quarantine/{rid}"),
-        ("delete", "/v1/subscribers/{s}/quarantine/{rid}"), ("post", "/v1/subscribers/{s}/quarantine/{rid}/replay"),
-        ("get", "/v1/subscribers/{s}/deadletters"), ("get", "/v1/subscribers/{s}/deadletters/{rid}"),
-        ("delete", "/v1/subscribers/{s}/deadletters/{rid}"), ("post", "/v1/subscribers/{s}/deadletters/{rid}/replay"),
-        ("get", "/v1/subscribers/{s}/handler"), ("put", "/v1/subscribers/{s}/handler"),
+        ("get", "/"),
+        ("get", "/assets/app.js"),
+        ("get", "/assets/app.css"),
+        ("get", "/healthz"),
+        ("get", "/readyz"),
+        ("get", "/metrics"),
+        ("get", "/openapi.json"),
+        ("get", "/v1/subscribers"),
+        ("get", "/v1/subscribers/{s}"),
+        ("get", "/v1/subscribers/{s}/config"),
+        ("put", "/v1/subscribers/{s}/config"),
+        ("get", "/v1/subscribers/{s}/stats"),
+        ("post", "/v1/subscribers/{s}/messages"),
+        ("get", "/v1/subscribers/{s}/messages/{id}"),
+        ("delete", "/v1/subscribers/{s}/messages/{id}"),
+        ("get", "/v1/subscribers/{s}/quarantine"),
+        ("get", "/v1/subscribers/{s}/quarantine/{rid}"),
+        ("delete", "/v1/subscribers/{s}/quarantine/{rid}"),
+        ("post", "/v1/subscribers/{s}/quarantine/{rid}/replay"),
+        ("get", "/v1/subscribers/{s}/deadletters"),
+        ("get", "/v1/subscribers/{s}/deadletters/{rid}"),
+        ("delete", "/v1/subscribers/{s}/deadletters/{rid}"),
+        ("post", "/v1/subscribers/{s}/deadletters/{rid}/replay"),
+        ("get", "/v1/subscribers/{s}/handler"),
+        ("put", "/v1/subscribers/{s}/handler"),
         ("post", "/v1/subscribers/{s}/handler/rollback"),
-        ("post", "/v1/maintenance/compact"), ("post", "/v1/maintenance/backup"), ("get", "/v1/audit"),
+        ("post", "/v1/maintenance/compact"),
+        ("post", "/v1/maintenance/backup"),
+        ("get", "/v1/audit"),
     ];
-    assert_eq!(exercised.len(), ROUTES.len(), "a route was added without a test");
+    assert_eq!(
+        exercised.len(),
+        ROUTES.len(),
+        "a route was added without a test"
+    );
     for (m, p) in exercised {
-        assert!(doc.body["paths"][p][m].is_object(), "{m} {p} is not documented");
+        assert!(
+            doc.body["paths"][p][m].is_object(),
+            "{m} {p} is not documented"
+        );
     }
     // Anything else is a JSON 404 that points at the document.
     let r = api.call("GET", "/v2/nothing", None).await;

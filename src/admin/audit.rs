@@ -24,7 +24,12 @@ impl Audit {
     }
 
     /// Records an action; `detail` is merged into the line. Blocking (fsync).
-    pub fn record(&self, action: &str, subscriber: Option<&str>, detail: Value) -> std::io::Result<()> {
+    pub fn record(
+        &self,
+        action: &str,
+        subscriber: Option<&str>,
+        detail: Value,
+    ) -> std::io::Result<()> {
         let at_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)

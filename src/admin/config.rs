@@ -68,7 +68,10 @@ impl HttpConfig {
         }
         let token = match (&self.token, &self.token_env) {
             (Some(_), Some(_)) => {
-                return Err(invalid("token", "set either `token` or `token_env`, not both"))
+                return Err(invalid(
+                    "token",
+                    "set either `token` or `token_env`, not both",
+                ))
             }
             (Some(t), None) => Some(t.clone()),
             (None, Some(var)) => match std::env::var(var) {

@@ -69,9 +69,7 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::Exists(_) => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::HandlerFailed(_) | ApiError::Internal(_) => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            ApiError::HandlerFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -101,6 +99,10 @@ impl From<LedgerError> for ApiError {
                 ApiError::NotFound(format!("no subscriber {name:?}"))
             }
             LedgerError::InvalidSubscriber(m) => ApiError::bad("subscriber", m),
+            LedgerError::Invalid(m) => ApiError::BadRequest {
+                field: None,
+                message: m,
+            },
             LedgerError::Poisoned(_) | LedgerError::Storage { .. } => {
                 tracing::error!(error = %e, "admin request hit a stopped ledger");
                 ApiError::Unavailable(

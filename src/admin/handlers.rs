@@ -92,7 +92,12 @@ impl HandlerStore {
         }
     }
 
-    fn load(&self, ledger: &Ledger, subscriber: &str, version: &str) -> Result<Component, UploadError> {
+    fn load(
+        &self,
+        ledger: &Ledger,
+        subscriber: &str,
+        version: &str,
+    ) -> Result<Component, UploadError> {
         let sub = ledger.subscriber(subscriber)?;
         let path = self.dir(subscriber).join(format!("{version}.wasm"));
         Component::load(&path, limits_of(&sub.settings())).map_err(UploadError::Invalid)
@@ -101,7 +106,12 @@ impl HandlerStore {
     /// Validates `bytes` as a handler for `subscriber` (WIT contract, capabilities, its
     /// limits), stores it, makes it current (the old current becomes previous) and installs
     /// it; shards switch between batches. Blocking: compiles the component.
-    pub fn upload(&self, ledger: &Ledger, subscriber: &str, bytes: &[u8]) -> Result<HandlerInfo, UploadError> {
+    pub fn upload(
+        &self,
+        ledger: &Ledger,
+        subscriber: &str,
+        bytes: &[u8],
+    ) -> Result<HandlerInfo, UploadError> {
         let sub = ledger.subscriber(subscriber)?;
         let label = PathBuf::from(format!("uploaded handler for {subscriber}"));
         let component = Component::from_bytes(&label, bytes, limits_of(&sub.settings()))

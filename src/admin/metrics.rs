@@ -58,8 +58,7 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
         let probes = c.filter_probes.load(Relaxed);
         let fps = c.filter_false_positives.load(Relaxed);
         counter!("dedupd_filter_probes_total", "subscriber" => name.clone()).absolute(probes);
-        counter!("dedupd_filter_false_positives_total", "subscriber" => name.clone())
-            .absolute(fps);
+        counter!("dedupd_filter_false_positives_total", "subscriber" => name.clone()).absolute(fps);
         gauge!("dedupd_filter_false_positive_ratio", "subscriber" => name.clone()).set(
             if probes == 0 {
                 0.0
@@ -71,8 +70,7 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
     for row in &report.subscribers {
         let name = row.subscriber.clone();
         gauge!("dedupd_claims_stored", "subscriber" => name.clone()).set(row.claims as f64);
-        gauge!("dedupd_active_claims", "subscriber" => name.clone())
-            .set(row.active_claims as f64);
+        gauge!("dedupd_active_claims", "subscriber" => name.clone()).set(row.active_claims as f64);
         gauge!("dedupd_sealed_generations", "subscriber" => name.clone())
             .set(row.sealed_generations as f64);
         gauge!("dedupd_quarantine_records", "subscriber" => name.clone())
@@ -99,7 +97,11 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
             .set(m.max_batch_us_plain.max(m.max_batch_us_maintenance) as f64 / 1e6);
     }
     gauge!("dedupd_http_requests_waiting").set(st.ingest().waiting() as f64);
-    gauge!("dedupd_ready").set(if ledger.poison_reason().is_none() { 1.0 } else { 0.0 });
+    gauge!("dedupd_ready").set(if ledger.poison_reason().is_none() {
+        1.0
+    } else {
+        0.0
+    });
     Ok(())
 }
 
@@ -117,12 +119,16 @@ pub(super) async fn render(State(st): State<AdminState>) -> Result<impl IntoResp
     .await
     .map_err(|e| ApiError::Internal(format!("metrics task failed: {e}")))??;
     Ok((
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         text,
     ))
 }
 
 /// Records one ingest request's latency, by outcome.
 pub(super) fn observe_ingest(outcome: &'static str, seconds: f64) {
-    metrics::histogram!("dedupd_http_ingest_duration_seconds", "outcome" => outcome).record(seconds);
+    metrics::histogram!("dedupd_http_ingest_duration_seconds", "outcome" => outcome)
+        .record(seconds);
 }

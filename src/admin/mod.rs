@@ -25,9 +25,9 @@ use std::future::Future;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, FromRequestParts};
-use axum::http::request::Parts;
-use axum::http::header::AUTHORIZATION;
 use axum::handler::Handler;
+use axum::http::header::AUTHORIZATION;
+use axum::http::request::Parts;
 use axum::routing::{get, post};
 use axum::Router;
 use subtle::ConstantTimeEq;
@@ -153,7 +153,10 @@ pub fn router(state: AdminState) -> Router {
         .route("/openapi.json", get(openapi_json))
         .route("/v1/subscribers", get(list_subscribers))
         .route("/v1/subscribers/{s}", get(get_subscriber))
-        .route("/v1/subscribers/{s}/config", get(get_config).put(put_config))
+        .route(
+            "/v1/subscribers/{s}/config",
+            get(get_config).put(put_config),
+        )
         .route("/v1/subscribers/{s}/stats", get(get_stats))
         .route("/v1/subscribers/{s}/messages", post(ingest_message))
         .route(
@@ -182,7 +185,10 @@ pub fn router(state: AdminState) -> Router {
             "/v1/subscribers/{s}/handler",
             get(get_handler).put(upload_handler.layer(DefaultBodyLimit::max(upload_limit))),
         )
-        .route("/v1/subscribers/{s}/handler/rollback", post(rollback_handler))
+        .route(
+            "/v1/subscribers/{s}/handler/rollback",
+            post(rollback_handler),
+        )
         .route("/v1/maintenance/compact", post(compact))
         .route("/v1/maintenance/backup", post(backup))
         .route("/v1/audit", get(audit_log))

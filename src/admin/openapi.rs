@@ -91,10 +91,7 @@ pub fn openapi() -> Value {
             codes.extend([401, 403]);
         }
         for code in codes {
-            responses.insert(
-                code.to_string(),
-                json!({"description": status_text(code)}),
-            );
+            responses.insert(code.to_string(), json!({"description": status_text(code)}));
         }
         let mut params = Vec::new();
         for (name, what) in [

@@ -56,8 +56,12 @@ async fn blocking<T: Send + 'static>(
 }
 
 fn check_name(name: &str) -> ApiResult<()> {
-    validate_subscriber_name("subscriber", name)
-        .map_err(|_| ApiError::bad("subscriber", format!("{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -)")))
+    validate_subscriber_name("subscriber", name).map_err(|_| {
+        ApiError::bad(
+            "subscriber",
+            format!("{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -)"),
+        )
+    })
 }
 
 /// A subscriber the ledger knows (configured, on disk or seen in traffic); reads never
@@ -277,8 +281,14 @@ pub async fn put_config(
     };
     for (field, why) in [
         ("name", "is taken from the path"),
-        ("handler", "is set by uploading a component: PUT /v1/subscribers/{s}/handler"),
-        ("partition_key", "is part of the on-disk layout and cannot change at runtime"),
+        (
+            "handler",
+            "is set by uploading a component: PUT /v1/subscribers/{s}/handler",
+        ),
+        (
+            "partition_key",
+            "is part of the on-disk layout and cannot change at runtime",
+        ),
     ] {
         if obj.contains_key(field) {
             return Err(ApiError::bad(field, format!("`{field}` {why}")));
@@ -301,7 +311,10 @@ pub async fn put_config(
     if let Err(e) = check.validate() {
         return Err(match e {
             ConfigError::Invalid { field, problem } => {
-                let field = field.strip_prefix("defaults.").unwrap_or(&field).to_string();
+                let field = field
+                    .strip_prefix("defaults.")
+                    .unwrap_or(&field)
+                    .to_string();
                 ApiError::bad(field.clone(), format!("`{field}` {problem}"))
             }
             other => ApiError::bad("body", other.to_string()),
@@ -312,12 +325,19 @@ pub async fn put_config(
     let changed: Vec<String> = obj.keys().cloned().collect();
     blocking(move || {
         ledger.update_settings(&name2, settings)?;
-        audit(&st2, "config.update", Some(&name2), json!({"fields": changed}))?;
+        audit(
+            &st2,
+            "config.update",
+            Some(&name2),
+            json!({"fields": changed}),
+        )?;
         Ok(())
     })
     .await?;
     let sub = known(st.ledger(), &name)?;
-    Ok(Json(json!({"subscriber": name, "config": &*sub.settings()})))
+    Ok(Json(
+        json!({"subscriber": name, "config": &*sub.settings()}),
+    ))
 }
 
 pub async fn get_stats(
@@ -342,7 +362,13 @@ fn claim_key(sub: &Subscriber, id: &str) -> ApiResult<u128> {
         return Err(ApiError::bad("id", "the message id is empty"));
     }
     if id.len() > sub.settings().max_key_bytes {
-        return Err(ApiError::bad("id", format!("the message id is longer than {} bytes", sub.settings().max_key_bytes)));
+        return Err(ApiError::bad(
+            "id",
+            format!(
+                "the message id is longer than {} bytes",
+                sub.settings().max_key_bytes
+            ),
+        ));
     }
     Ok(IdempotencyKey::from_id(id).hash)
 }
@@ -389,7 +415,9 @@ pub async fn forget_claim(
     })
     .await?;
     if forgot {
-        Ok(Json(json!({"subscriber": &*sub.name, "id": id, "forgotten": true})))
+        Ok(Json(
+            json!({"subscriber": &*sub.name, "id": id, "forgotten": true}),
+        ))
     } else {
         Err(ApiError::NotFound(format!("no live claim for {id:?}")))
     }
@@ -464,10 +492,19 @@ pub async fn ingest_message(
         Some(k) => {
             let k = k.trim();
             if k.is_empty() {
-                return Err(ApiError::bad(IDEMPOTENCY_KEY, "the `Idempotency-Key` header is empty"));
+                return Err(ApiError::bad(
+                    IDEMPOTENCY_KEY,
+                    "the `Idempotency-Key` header is empty",
+                ));
             }
             if k.len() > settings.max_key_bytes {
-                return Err(ApiError::bad(IDEMPOTENCY_KEY, format!("the `Idempotency-Key` header is longer than {} bytes", settings.max_key_bytes)));
+                return Err(ApiError::bad(
+                    IDEMPOTENCY_KEY,
+                    format!(
+                        "the `Idempotency-Key` header is longer than {} bytes",
+                        settings.max_key_bytes
+                    ),
+                ));
             }
             IdempotencyKey::from_id(k)
         }
@@ -504,7 +541,15 @@ pub async fn ingest_message(
         }
         Err(StartError::Stopped) => return Err(ApiError::Unavailable("shutting down".into())),
     };
-    let mut job = Job::new(seq, sub.id, key.hash, fp, &key.text, &canonical, ingest.ack_sender());
+    let mut job = Job::new(
+        seq,
+        sub.id,
+        key.hash,
+        fp,
+        &key.text,
+        &canonical,
+        ingest.ack_sender(),
+    );
     job.partition_key = env.key.take();
     job.headers = std::mem::take(&mut env.headers).into_iter().collect();
     job.origin = Some("http".into());
@@ -557,22 +602,21 @@ pub struct Page {
     limit: Option<usize>,
 }
 
-fn summary(r: &StoredRecord) -> Value {
+/// A record as the API shows it: `id` is the record id; the message's own id is
+/// `message_id`.
+fn shown(r: &StoredRecord, with_payload: bool) -> Value {
     let mut v = r.body.clone();
     if let Some(o) = v.as_object_mut() {
-        for k in ["payload", "payload_base64", "headers"] {
-            o.remove(k);
+        if let Some(message_id) = o.remove("id") {
+            o.insert("message_id".into(), message_id);
+        }
+        if !with_payload {
+            for k in ["payload", "payload_base64", "headers"] {
+                o.remove(k);
+            }
         }
         o.insert("id".into(), Value::String(r.id.clone()));
-    }
-    v
-}
-
-fn full(r: &StoredRecord) -> Value {
-    let mut v = r.body.clone();
-    if let Some(o) = v.as_object_mut() {
-        o.insert("id".into(), Value::String(r.id.clone()));
-        o.insert("kind".into(), serde_json::to_value(r.kind).unwrap_or(Value::Null));
+        o.insert("kind".into(), Value::String(r.kind.name().into()));
     }
     v
 }
@@ -593,9 +637,13 @@ async fn list_records(
     known(&ledger, &name)?;
     blocking(move || {
         let rows = ledger.records(kind, &name, page.after.as_deref(), limit)?;
-        let next = (rows.len() == limit).then(|| rows.last().map(|r| r.id.clone())).flatten();
-        let records: Vec<Value> = rows.iter().map(summary).collect();
-        Ok(Json(json!({"subscriber": name, "records": records, "next": next})))
+        let next = (rows.len() == limit)
+            .then(|| rows.last().map(|r| r.id.clone()))
+            .flatten();
+        let records: Vec<Value> = rows.iter().map(|r| shown(r, false)).collect();
+        Ok(Json(
+            json!({"subscriber": name, "records": records, "next": next}),
+        ))
     })
     .await
 }
@@ -609,7 +657,7 @@ async fn get_record(
     let ledger = st.ledger().clone();
     known(&ledger, &name)?;
     blocking(move || match ledger.record(kind, &name, &rid)? {
-        Some(r) => Ok(Json(full(&r))),
+        Some(r) => Ok(Json(shown(&r, true))),
         None => Err(ApiError::NotFound(format!("no record {rid:?}"))),
     })
     .await
@@ -627,8 +675,15 @@ async fn discard_record(
         if !ledger.discard_record(kind, &name, &rid)? {
             return Err(ApiError::NotFound(format!("no record {rid:?}")));
         }
-        audit(&st, "record.discard", Some(&name), json!({"kind": kind, "record": rid}))?;
-        Ok(Json(json!({"subscriber": name, "record": rid, "discarded": true})))
+        audit(
+            &st,
+            "record.discard",
+            Some(&name),
+            json!({"kind": kind, "record": rid}),
+        )?;
+        Ok(Json(
+            json!({"subscriber": name, "record": rid, "discarded": true}),
+        ))
     })
     .await
 }
@@ -779,15 +834,22 @@ pub async fn upload_handler(
         other => other,
     })?;
     if bytes.is_empty() {
-        return Err(ApiError::bad("body", "the body must be a WebAssembly component"));
+        return Err(ApiError::bad(
+            "body",
+            "the body must be a WebAssembly component",
+        ));
     }
     blocking(move || {
-        let info = st
-            .0
-            .handlers
-            .upload(st.ledger(), &name, &bytes)
-            .map_err(upload_error)?;
-        audit(&st, "handler.upload", Some(&name), json!({"version": info.current, "bytes": bytes.len()}))?;
+        let info =
+            st.0.handlers
+                .upload(st.ledger(), &name, &bytes)
+                .map_err(upload_error)?;
+        audit(
+            &st,
+            "handler.upload",
+            Some(&name),
+            json!({"version": info.current, "bytes": bytes.len()}),
+        )?;
         Ok(Json(info))
     })
     .await
@@ -801,12 +863,16 @@ pub async fn rollback_handler(
     let name = path(p)?;
     known(st.ledger(), &name)?;
     blocking(move || {
-        let info = st
-            .0
-            .handlers
-            .rollback(st.ledger(), &name)
-            .map_err(upload_error)?;
-        audit(&st, "handler.rollback", Some(&name), json!({"version": info.current}))?;
+        let info =
+            st.0.handlers
+                .rollback(st.ledger(), &name)
+                .map_err(upload_error)?;
+        audit(
+            &st,
+            "handler.rollback",
+            Some(&name),
+            json!({"version": info.current}),
+        )?;
         Ok(Json(info))
     })
     .await
@@ -831,8 +897,15 @@ pub async fn compact(
         let started = std::time::Instant::now();
         st.ledger().maintain(q.seal_all)?;
         let ms = started.elapsed().as_millis() as u64;
-        audit(&st, "maintenance.compact", None, json!({"seal_all": q.seal_all, "ms": ms}))?;
-        Ok(Json(json!({"compacted": true, "seal_all": q.seal_all, "ms": ms})))
+        audit(
+            &st,
+            "maintenance.compact",
+            None,
+            json!({"seal_all": q.seal_all, "ms": ms}),
+        )?;
+        Ok(Json(
+            json!({"compacted": true, "seal_all": q.seal_all, "ms": ms}),
+        ))
     })
     .await
 }
@@ -864,21 +937,28 @@ pub async fn backup(
             "`name` must be 1-128 of A-Z a-z 0-9 . _ - (a directory inside the backup directory)",
         ));
     }
-    let root = st
-        .0
-        .http
-        .backup_dir
-        .clone()
-        .unwrap_or_else(|| st.ledger().data_dir().join("backups"));
+    let root =
+        st.0.http
+            .backup_dir
+            .clone()
+            .unwrap_or_else(|| st.ledger().data_dir().join("backups"));
     let dir = root.join(&req.name);
     if dir.exists() {
-        return Err(ApiError::Exists(format!("backup {:?} exists already", req.name)));
+        return Err(ApiError::Exists(format!(
+            "backup {:?} exists already",
+            req.name
+        )));
     }
     blocking(move || {
         std::fs::create_dir_all(&root)
             .map_err(|e| ApiError::Internal(format!("cannot create {}: {e}", root.display())))?;
         let bytes = st.ledger().backup(&dir)?;
-        audit(&st, "maintenance.backup", None, json!({"name": req.name, "bytes": bytes}))?;
+        audit(
+            &st,
+            "maintenance.backup",
+            None,
+            json!({"name": req.name, "bytes": bytes}),
+        )?;
         Ok(Json(json!({"name": req.name, "bytes": bytes})))
     })
     .await
@@ -897,11 +977,10 @@ pub async fn audit_log(
     let Query(q) = q.map_err(|e| ApiError::bad("limit", e.body_text()))?;
     let limit = q.limit.unwrap_or(100).clamp(1, 10_000);
     blocking(move || {
-        let entries = st
-            .0
-            .audit
-            .tail(limit)
-            .map_err(|e| ApiError::Internal(format!("cannot read the audit log: {e}")))?;
+        let entries =
+            st.0.audit
+                .tail(limit)
+                .map_err(|e| ApiError::Internal(format!("cannot read the audit log: {e}")))?;
         Ok(Json(json!({"entries": entries})))
     })
     .await

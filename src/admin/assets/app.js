@@ -75,9 +75,9 @@ async function refresh() {
     fill("subscribers", rows, "no subscribers yet");
     document.getElementById("disk").textContent = subscribers.length ? bytes(subscribers[0].data_dir_bytes) : "–";
     const dead = await records("deadletters", subscribers);
-    fill("deadletters", dead.map(([s, r]) => [s, r.id, r.key_text || r.message_id || r.key || "", r.reason || "", r.attempts ?? ""]), "no dead letters");
+    fill("deadletters", dead.map(([s, r]) => [s, r.id, r.message_id || "", r.reason || "", r.attempts ?? ""]), "no dead letters");
     const quar = await records("quarantine", subscribers);
-    fill("quarantine", quar.map(([s, r]) => [s, r.id, r.key_text || r.message_id || r.key || "", r.reason || ""]), "nothing quarantined");
+    fill("quarantine", quar.map(([s, r]) => [s, r.id, r.message_id || "", r.reason || ""]), "nothing quarantined");
     status.textContent = "live · updated " + new Date(now).toLocaleTimeString();
     status.className = "status ok";
   } catch (e) {
