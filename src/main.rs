@@ -506,11 +506,10 @@ fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> 
     if let Some(reason) = ledger.poison_reason() {
         bail!("the ledger stopped after a storage error: {reason}");
     }
-    match Arc::try_unwrap(ledger) {
-        Ok(l) => l.close()?,
-        // The stdin thread still holds it: the process exits and the OS closes the files;
-        // every acknowledged outcome was committed before it was acknowledged (G1).
-        Err(_) => {}
+    // If the stdin thread still holds the ledger, the process exits and the OS closes the
+    // files; every acknowledged outcome was committed before it was acknowledged (G1).
+    if let Ok(l) = Arc::try_unwrap(ledger) {
+        l.close()?;
     }
     Ok(())
 }
