@@ -25,7 +25,7 @@
 //! ## Architecture
 //!
 //! ```text
-//! source (stdin | generator)  -> envelope: key + fingerprint (xxh3)
+//! source (stdin | HTTP ingest | generator)  -> envelope: key + fingerprint (xxh3)
 //!   -> Ledger::route(key) -> shard writer thread (one redb file each)
 //!        batch = everything queued since the last commit (group commit)
 //!        decide: active index -> sealing index -> sealed filters + tables

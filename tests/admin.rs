@@ -477,13 +477,13 @@ async fn replaying_a_dead_letter_runs_the_current_handler() {
     let up = api.upload("labels", "fixture_errors").await;
     assert_eq!(up.status, StatusCode::OK, "{}", up.text);
     let errors_version = up.body["current"].as_str().unwrap().to_string();
-    let r = api
-        .ingest(
-            "labels",
-            Some("m1"),
-            r#"{"order_id": "o1", "mode": "permanent"}"#,
-        )
-        .await;
+    let req = Request::post("/v1/subscribers/labels/messages")
+        .header("idempotency-key", "m1")
+        .header("authorization", "Bearer secret-credential-xyz")
+        .header("x-trace", "trace-7")
+        .body(Body::from(r#"{"order_id": "o1", "mode": "permanent"}"#))
+        .unwrap();
+    let r = api.send(req).await;
     assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR, "dead_lettered");
     let list = api
         .call("GET", "/v1/subscribers/labels/deadletters", None)
@@ -504,8 +504,18 @@ async fn replaying_a_dead_letter_runs_the_current_handler() {
         .await;
     assert_eq!(one.status, StatusCode::OK, "{}", one.text);
     assert!(one.text.contains("permanent"), "{}", one.text);
+    assert_eq!(one.body["message_id"], "m1", "{}", one.text);
+    assert!(
+        one.text.contains("trace-7"),
+        "message headers are kept: {}",
+        one.text
+    );
+    assert!(
+        !one.text.contains("secret-credential"),
+        "credentials are not message headers: {}",
+        one.text
+    );
 
-    // Replaying under the same handler fails again and keeps a dead letter.
     // Install a handler that accepts it, then replay: processed by the new version.
     let noop = api.upload("labels", "noop").await;
     assert_eq!(noop.status, StatusCode::OK, "{}", noop.text);

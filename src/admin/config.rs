@@ -111,6 +111,22 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    /// The sample configuration documents this section with its defaults.
+    #[test]
+    fn sample_config_has_the_http_defaults() {
+        let config =
+            crate::config::Config::parse(include_str!("../../dedupd.example.toml")).unwrap();
+        assert_eq!(config.http, Some(HttpConfig::default()));
+    }
+
+    #[test]
+    fn unknown_http_field_is_refused() {
+        let err = crate::config::Config::parse("[http]\nbnd = \"127.0.0.1:1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bnd"), "{err}");
+    }
+
     #[test]
     fn default_is_loopback_without_token() {
         let c = HttpConfig::default();

@@ -28,6 +28,22 @@ type ApiResult<T> = Result<T, ApiError>;
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Set on a response that replays the stored outcome of an earlier request.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+/// Request headers that are not part of the message.
+const NOT_MESSAGE_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "host",
+    "connection",
+    "keep-alive",
+    "content-length",
+    "transfer-encoding",
+    "accept",
+    "accept-encoding",
+    "user-agent",
+    IDEMPOTENCY_KEY,
+];
+
 /// Optional request header with the partition key, for subscribers that route by it.
 pub const PARTITION_KEY: &str = "partition-key";
 
@@ -484,6 +500,11 @@ pub async fn ingest_message(
         payload: json_body.clone().unwrap_or(Value::Null),
     };
     for (k, v) in &headers {
+        // Credentials and transport headers are not message headers: they never reach a
+        // handler or a dead-letter record.
+        if NOT_MESSAGE_HEADERS.contains(&k.as_str()) {
+            continue;
+        }
         if let Ok(v) = v.to_str() {
             env.headers.insert(k.as_str().to_string(), v.to_string());
         }
