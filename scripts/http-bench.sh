@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 runs=${1:-3}
 secs=${2:-15}
 conns=${3:-256}
+threads=${WRK_THREADS:-2}
 bin=target/release/dedupd
 command -v wrk >/dev/null || { echo "http-bench: wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 [ -x "$bin" ] || { echo "http-bench: $bin is missing: cargo build --release" >&2; exit 1; }
@@ -40,11 +41,11 @@ summarize() {
     END { printf "%.0f %.2f %d\n", rps, p99, bad + 0 }'
 }
 
-echo "http-bench: $runs runs x ${secs}s, $conns connections, 2 wrk threads, 10% retries; server pid $server on port $port"
+echo "http-bench: $runs runs x ${secs}s, $conns connections, $threads wrk thread(s), 10% retries; server pid $server on port $port"
 ingest_rps=(); ingest_p99=(); base_rps=(); base_p99=()
 for r in $(seq 1 "$runs"); do
-  base=$(wrk -t2 -c"$conns" -d"${secs}s" --latency "http://127.0.0.1:$port/healthz" | summarize)
-  ingest=$(wrk -t2 -c"$conns" -d"${secs}s" --latency -s scripts/http-bench.lua "http://127.0.0.1:$port" -- 0.1 "r$r" | summarize)
+  base=$(wrk -t"$threads" -c"$conns" -d"${secs}s" --latency "http://127.0.0.1:$port/healthz" | summarize)
+  ingest=$(wrk -t"$threads" -c"$conns" -d"${secs}s" --latency -s scripts/http-bench.lua "http://127.0.0.1:$port" -- 0.1 "r$r" | summarize)
   read -r b_rps b_p99 b_bad <<< "$base"
   read -r i_rps i_p99 i_bad <<< "$ingest"
   echo "run $r: ingest $i_rps req/s p99 $i_p99 ms (non-2xx $i_bad) | /healthz $b_rps req/s p99 $b_p99 ms | ratio $(awk -v a="$i_rps" -v b="$b_rps" 'BEGIN{printf "%.2f", a/b}')"
