@@ -72,14 +72,7 @@ fn serve_answers_over_tcp_and_stops_on_sigterm() {
         .spawn()
         .unwrap();
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let addr = address(&mut stderr);
     let mut conn = TcpStream::connect(&addr).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
@@ -120,6 +113,87 @@ fn serve_answers_over_tcp_and_stops_on_sigterm() {
         assert!(
             Instant::now() < deadline,
             "dedupd serve did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+}
+
+/// Waits for the "HTTP API on http://ADDR" line and returns ADDR.
+fn address(stderr: &mut impl BufRead) -> String {
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    line.split("http://")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string()
+}
+
+#[test]
+fn run_with_http_serves_stdin_and_http_over_one_ledger() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("dedupd.toml");
+    std::fs::write(&config, "[http]\nbind = \"127.0.0.1:0\"\n").unwrap();
+    let mut child = dedupd()
+        .args(["run", "--config"])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let addr = address(&mut stderr);
+    // A message over stdin...
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(
+        stdin,
+        r#"{{"subscriber":"s","id":"shared-1","payload":{{"a":1}}}}"#
+    )
+    .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut outcome = String::new();
+    stdout.read_line(&mut outcome).unwrap();
+    assert!(outcome.contains("\"processed\""), "{outcome}");
+    // ...is a duplicate over HTTP: one ledger, one claim.
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let key = "Idempotency-Key: shared-1\r\nContent-Type: application/json\r\n";
+    let (status, _) = request(
+        &mut conn,
+        "POST",
+        "/v1/subscribers/s/messages",
+        key,
+        "{\"a\":1}",
+    );
+    assert!(status.contains("201"), "{status}");
+    let (_, stats) = request(&mut conn, "GET", "/v1/subscribers/s/stats", "", "");
+    assert!(
+        stats.contains("\"processed\":1") && stats.contains("\"duplicates\":1"),
+        "{stats}"
+    );
+    // stdin ends; the server keeps serving until SIGTERM.
+    drop(stdin);
+    let (status, _) = request(&mut conn, "GET", "/healthz", "", "");
+    assert!(status.ends_with("200 OK"), "{status}");
+    drop(conn);
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "dedupd run did not stop on SIGTERM"
         );
         std::thread::sleep(Duration::from_millis(20));
     };
