@@ -1013,3 +1013,39 @@ async fn openapi_lists_every_route_and_every_listed_route_is_served() {
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");
     assert!(r.text.contains("openapi.json"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn changed_handler_limits_take_effect() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[[subscriber]]\nname = \"spin\"\nmax_attempts = 1\nhandler_cpu_budget = \"5ms\"\n",
+        None,
+    );
+    assert_eq!(
+        api.upload("spin", "fixture_loop").await.status,
+        StatusCode::OK
+    );
+    let r = api.ingest("spin", Some("l1"), "{}").await;
+    assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR, "dead_lettered");
+    let r = api
+        .call(
+            "PUT",
+            "/v1/subscribers/spin/config",
+            Some(json!({"handler_cpu_budget": "30ms"})),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let r = api.ingest("spin", Some("l2"), "{}").await;
+    assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR, "dead_lettered");
+    let list = api
+        .call("GET", "/v1/subscribers/spin/deadletters", None)
+        .await;
+    let reasons: Vec<String> = list.body["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(reasons.len(), 2, "{}", list.text);
+    assert!(reasons[0].contains("5 ms"), "{reasons:?}");
+    assert!(reasons[1].contains("30 ms"), "{reasons:?}");
+}

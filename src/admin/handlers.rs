@@ -150,6 +150,24 @@ impl HandlerStore {
         Ok(self.info(ledger, subscriber))
     }
 
+    /// Loads the subscriber's handler again under its current settings (after its limits
+    /// changed): the uploaded current one, else the one its settings name. `Ok(false)`:
+    /// it has none.
+    pub fn reinstall(&self, ledger: &Ledger, subscriber: &str) -> Result<bool, UploadError> {
+        let sub = ledger.subscriber(subscriber)?;
+        let factory: Arc<dyn crate::effects::HandlerFactory> =
+            match self.pointer(subscriber, "current") {
+                Some(version) => Arc::new(self.load(ledger, subscriber, &version)?),
+                None => match &sub.settings().handler {
+                    Some(path) => crate::handler::load_factory(path, limits_of(&sub.settings()))
+                        .map_err(UploadError::Invalid)?,
+                    None => return Ok(false),
+                },
+            };
+        ledger.set_handler(subscriber, Some(factory))?;
+        Ok(true)
+    }
+
     /// Installs every uploaded current handler (at start-up, after the config's handlers:
     /// an upload outlives a restart). Returns the subscribers it installed.
     pub fn install_all(&self, ledger: &Ledger) -> Result<Vec<String>, UploadError> {

@@ -21,6 +21,7 @@ use crate::envelope::{
     canonical_payload, derive_key, derive_partition, fingerprint, Envelope, IdempotencyKey,
 };
 use crate::ledger::{Job, Ledger, Outcome, RecordKind, StoredRecord, Subscriber};
+use crate::pipeline::limits_of;
 
 type ApiResult<T> = Result<T, ApiError>;
 
@@ -339,8 +340,16 @@ pub async fn put_config(
     let st2 = st.clone();
     let name2 = name.clone();
     let changed: Vec<String> = obj.keys().cloned().collect();
+    let limits_changed = limits_of(&sub.settings()) != limits_of(&settings);
     blocking(move || {
         ledger.update_settings(&name2, settings)?;
+        // A handler instance carries its limits: reload it so new ones take effect.
+        if limits_changed {
+            st2.0
+                .handlers
+                .reinstall(&ledger, &name2)
+                .map_err(upload_error)?;
+        }
         audit(
             &st2,
             "config.update",
