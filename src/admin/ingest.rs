@@ -1,9 +1,10 @@
 //! The bridge between async HTTP handlers and the shard threads.
 //!
-//! Requests hand their [`Job`] to one submitter thread, which drains everything queued,
-//! groups it by shard and calls [`Ledger::submit`] (that call blocks under backpressure, so
-//! it never runs on the async runtime; grouping turns many concurrent requests into few
-//! submissions). Every job carries the same ack channel; a dispatcher thread takes durable
+//! Requests hand their [`Job`] to a collector task on the async runtime, which passes
+//! everything queued since it last ran, as one batch, to a submitter thread; that thread
+//! groups jobs by shard and calls [`Ledger::submit`] (which blocks under backpressure, so it
+//! never runs on the async runtime). Collecting on the runtime costs no thread wake-up per
+//! request; grouping turns many concurrent requests into few submissions. Every job carries the same ack channel; a dispatcher thread takes durable
 //! outcomes off it and completes each request's oneshot by sequence number. A request
 //! answers only after its outcome arrived, i.e. after the commit (G1).
 //!
@@ -12,8 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use tokio::sync::oneshot;
@@ -47,8 +47,9 @@ pub struct Ingest {
     next_seq: AtomicU64,
     pending: Arc<Mutex<Pending>>,
     ack: AckSender,
-    jobs: Option<Sender<(usize, Job)>>,
-    threads: Vec<JoinHandle<()>>,
+    jobs: Sender<Vec<(usize, Job)>>,
+    /// Started on first use, on the runtime that serves the requests.
+    collector: OnceLock<tokio::sync::mpsc::UnboundedSender<(usize, Job)>>,
 }
 
 impl std::fmt::Debug for Ingest {
@@ -63,27 +64,30 @@ impl Ingest {
     pub fn start(ledger: Arc<Ledger>) -> std::io::Result<Ingest> {
         let pending = Arc::new(Mutex::new(Pending::default()));
         let (ack, acks) = unbounded::<Vec<Done>>();
-        let (jobs, queue) = unbounded::<(usize, Job)>();
+        let (jobs, queue) = unbounded::<Vec<(usize, Job)>>();
         let dispatcher = {
             let pending = pending.clone();
             std::thread::Builder::new()
                 .name("dedupd-http-acks".into())
                 .spawn(move || dispatch(acks, pending))?
         };
-        let submitter = {
-            let ledger = ledger.clone();
+        // Threads end on their own when the channels close; the submitter holds the
+        // ledger weakly so closing the ledger never waits for it.
+        let _ = dispatcher;
+        {
+            let ledger = Arc::downgrade(&ledger);
             let pending = pending.clone();
             std::thread::Builder::new()
                 .name("dedupd-http-submit".into())
-                .spawn(move || submit(queue, ledger, pending))?
-        };
+                .spawn(move || submit(queue, ledger, pending))?;
+        }
         Ok(Ingest {
             ledger,
             next_seq: AtomicU64::new(1),
             pending,
             ack,
-            jobs: Some(jobs),
-            threads: vec![dispatcher, submitter],
+            jobs,
+            collector: OnceLock::new(),
         })
     }
 
@@ -127,11 +131,18 @@ impl Ingest {
     /// Hands a registered job to the submitter; never blocks.
     pub fn send(&self, shard: usize, job: Job) -> Result<(), StartError> {
         let seq = job.seq;
-        let sent = self
-            .jobs
-            .as_ref()
-            .map(|j| j.send((shard, job)).is_ok())
-            .unwrap_or(false);
+        let sent = match tokio::runtime::Handle::try_current() {
+            Ok(rt) => self
+                .collector
+                .get_or_init(|| {
+                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    rt.spawn(collect(rx, self.jobs.clone()));
+                    tx
+                })
+                .send((shard, job))
+                .is_ok(),
+            Err(_) => self.jobs.send(vec![(shard, job)]).is_ok(),
+        };
         if sent {
             Ok(())
         } else {
@@ -147,17 +158,6 @@ impl Ingest {
             .unwrap_or_else(|p| p.into_inner())
             .waiters
             .len()
-    }
-}
-
-impl Drop for Ingest {
-    fn drop(&mut self) {
-        // Closing the queue stops the submitter; the dispatcher stops when the last ack
-        // sender (ours and the ones in jobs still in shards) is gone, so it is not joined.
-        self.jobs = None;
-        if let Some(submitter) = self.threads.pop() {
-            let _ = submitter.join();
-        }
     }
 }
 
@@ -184,18 +184,43 @@ fn dispatch(acks: Receiver<Vec<Done>>, pending: Arc<Mutex<Pending>>) {
     }
 }
 
-fn submit(queue: Receiver<(usize, Job)>, ledger: Arc<Ledger>, pending: Arc<Mutex<Pending>>) {
-    let shards = ledger.shard_count();
-    let mut staged: Vec<Vec<Job>> = (0..shards).map(|_| Vec::new()).collect();
+/// Everything queued since the last poll, as one batch for the submitter.
+async fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<(usize, Job)>,
+    jobs: Sender<Vec<(usize, Job)>>,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < 4096 {
+            match rx.try_recv() {
+                Ok(j) => batch.push(j),
+                Err(_) => break,
+            }
+        }
+        if jobs.send(batch).is_err() {
+            return;
+        }
+    }
+}
+
+fn submit(queue: Receiver<Vec<(usize, Job)>>, ledger: Weak<Ledger>, pending: Arc<Mutex<Pending>>) {
+    let mut staged: Vec<Vec<Job>> = Vec::new();
     while let Ok(first) = queue.recv() {
-        let mut next = Some(first);
+        let Some(ledger) = ledger.upgrade() else {
+            return;
+        };
+        let shards = ledger.shard_count();
+        staged.resize_with(shards, Vec::new);
         // Everything queued meanwhile goes in the same submissions (bounded, so one
         // shard's backpressure does not hold the others' jobs for long).
+        let mut next = Some(first);
         let mut taken = 0;
-        while let Some((shard, job)) = next {
-            staged[shard % shards].push(job);
-            taken += 1;
-            next = if taken < 4096 {
+        while let Some(batch) = next {
+            for (shard, job) in batch {
+                staged[shard % shards].push(job);
+                taken += 1;
+            }
+            next = if taken < 8192 {
                 queue.try_recv().ok()
             } else {
                 None
