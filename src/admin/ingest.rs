@@ -4,9 +4,11 @@
 //! everything queued since it last ran, as one batch, to a submitter thread; that thread
 //! groups jobs by shard and calls [`Ledger::submit`] (which blocks under backpressure, so it
 //! never runs on the async runtime). Collecting on the runtime costs no thread wake-up per
-//! request; grouping turns many concurrent requests into few submissions. Every job carries the same ack channel; a dispatcher thread takes durable
-//! outcomes off it and completes each request's oneshot by sequence number. A request
-//! answers only after its outcome arrived, i.e. after the commit (G1).
+//! request; grouping turns many concurrent requests into few submissions.
+//!
+//! Every job carries the same ack channel; a dispatcher thread takes durable outcomes off
+//! it and completes each request's oneshot by sequence number. A request answers only
+//! after its outcome arrived, i.e. after the commit (G1).
 //!
 //! The same `(subscriber, key)` is "in flight" from submission until its outcome arrives,
 //! even when the client hung up meanwhile; a second request for it gets 409.
@@ -65,15 +67,14 @@ impl Ingest {
         let pending = Arc::new(Mutex::new(Pending::default()));
         let (ack, acks) = unbounded::<Vec<Done>>();
         let (jobs, queue) = unbounded::<Vec<(usize, Job)>>();
-        let dispatcher = {
+        {
             let pending = pending.clone();
             std::thread::Builder::new()
                 .name("dedupd-http-acks".into())
-                .spawn(move || dispatch(acks, pending))?
-        };
+                .spawn(move || dispatch(acks, pending))?;
+        }
         // Threads end on their own when the channels close; the submitter holds the
         // ledger weakly so closing the ledger never waits for it.
-        let _ = dispatcher;
         {
             let ledger = Arc::downgrade(&ledger);
             let pending = pending.clone();
