@@ -1049,3 +1049,38 @@ async fn changed_handler_limits_take_effect() {
     assert!(reasons[0].contains("5 ms"), "{reasons:?}");
     assert!(reasons[1].contains("30 ms"), "{reasons:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrency_limit_is_obeyed_across_routes() {
+    // One request at a time; the first is held by a retry backoff, so the second waits
+    // for its slot instead of being served.
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[http]\nmax_concurrency = 1\n[[subscriber]]\nname = \"slow\"\nmax_attempts = 2\nretry_backoff = \"1500ms\"\n",
+        None,
+    );
+    assert_eq!(
+        api.upload("slow", "fixture_errors").await.status,
+        StatusCode::OK
+    );
+    let app = api.router.clone();
+    let first = tokio::spawn(async move {
+        let req = Request::post("/v1/subscribers/slow/messages")
+            .header("idempotency-key", "held")
+            .body(Body::from(r#"{"please": "retry"}"#))
+            .unwrap();
+        app.oneshot(req).await.unwrap().status()
+    });
+    api.wait_for_waiting(1).await;
+    let app = api.router.clone();
+    let second = tokio::spawn(async move {
+        let req = Request::get("/healthz").body(Body::empty()).unwrap();
+        app.oneshot(req).await.unwrap().status()
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "a second request was served beyond max_concurrency = 1"
+    );
+    assert_eq!(first.await.unwrap(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(second.await.unwrap(), StatusCode::OK);
+}

@@ -31,7 +31,7 @@ use axum::http::request::Parts;
 use axum::routing::{get, post};
 use axum::Router;
 use subtle::ConstantTimeEq;
-use tower::limit::ConcurrencyLimitLayer;
+use tower::limit::GlobalConcurrencyLimitLayer;
 
 pub use audit::Audit;
 pub use config::HttpConfig;
@@ -194,7 +194,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/audit", get(audit_log))
         .fallback(no_route)
         .layer(DefaultBodyLimit::max(body_limit))
-        .layer(ConcurrencyLimitLayer::new(concurrency))
+        .layer(GlobalConcurrencyLimitLayer::new(concurrency))
         .with_state(state)
 }
 
