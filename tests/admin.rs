@@ -1084,3 +1084,50 @@ async fn concurrency_limit_is_obeyed_across_routes() {
     assert_eq!(first.await.unwrap(), StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(second.await.unwrap(), StatusCode::OK);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_the_header_the_subscribers_key_source_applies() {
+    let api = Api::new(
+        r#"
+[ledger]
+shards = 2
+[[subscriber]]
+name = "ce"
+key = { source = "cloudevents" }
+[[subscriber]]
+name = "hdr"
+key = { source = "header", name = "X-Event-Id" }
+[[subscriber]]
+name = "ptr"
+key = { source = "json_pointer", pointer = "/order/id" }
+partition_key = { source = "json_pointer", pointer = "/order/id" }
+"#,
+        None,
+    );
+    let r = api
+        .ingest("ce", None, r#"{"source": "shop", "id": "e1", "data": {}}"#)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    assert_eq!(r.body["key"], "shop#e1");
+    let req = Request::post("/v1/subscribers/hdr/messages")
+        .header("x-event-id", "evt-9")
+        .body(Body::from("not json at all"))
+        .unwrap();
+    let r = api.send(req).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    assert_eq!(r.body["key"], "evt-9");
+    let r = api.ingest("hdr", None, "{}").await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("x-event-id"),
+        "{}",
+        r.text
+    );
+    let r = api.ingest("ptr", None, r#"{"order": {"id": 77}}"#).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    assert_eq!(r.body["key"], "77");
+    let again = api.ingest("ptr", None, r#"{"order": {"id": 77}}"#).await;
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    let r = api.ingest("ptr", None, r#"{"order": {}}"#).await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+}

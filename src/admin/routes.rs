@@ -506,8 +506,10 @@ pub async fn ingest_message(
             .map(str::to_string),
         key: header_str(&headers, PARTITION_KEY)?.map(str::to_string),
         headers: BTreeMap::new(),
-        payload: json_body.clone().unwrap_or(Value::Null),
+        payload: Value::Null,
     };
+    let is_json = json_body.is_some();
+    env.payload = json_body.unwrap_or(Value::Null);
     for (k, v) in &headers {
         // Credentials and transport headers are not message headers: they never reach a
         // handler or a dead-letter record.
@@ -539,21 +541,26 @@ pub async fn ingest_message(
             IdempotencyKey::from_id(k)
         }
         None => {
-            let from_body = json_body.is_some() || matches!(settings.key, KeySource::ContentHash);
-            let derived = if from_body || matches!(settings.key, KeySource::Header { .. }) {
-                // HTTP header names are case-insensitive; the envelope holds them lowercased.
-                let mut s = (*settings).clone();
-                if let KeySource::Header { name } = &mut s.key {
-                    *name = name.to_ascii_lowercase();
-                }
-                derive_key(&env, &canonical, &s).ok()
-            } else {
-                None
-            };
-            derived.ok_or_else(|| {
+            let usable = is_json
+                || matches!(
+                    settings.key,
+                    KeySource::ContentHash | KeySource::Header { .. }
+                );
+            if !usable {
+                return Err(ApiError::bad(
+                    IDEMPOTENCY_KEY,
+                    "missing idempotency key: send an `Idempotency-Key` header",
+                ));
+            }
+            // HTTP header names are case-insensitive; the envelope holds them lowercased.
+            let mut s = (*settings).clone();
+            if let KeySource::Header { name } = &mut s.key {
+                *name = name.to_ascii_lowercase();
+            }
+            derive_key(&env, &canonical, &s).map_err(|e| {
                 ApiError::bad(
                     IDEMPOTENCY_KEY,
-                    "missing idempotency key: send an `Idempotency-Key` header (or the field the subscriber's key source names)",
+                    format!("missing idempotency key: send an `Idempotency-Key` header ({e})"),
                 )
             })?
         }
