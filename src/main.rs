@@ -446,6 +446,7 @@ fn pipe(dir: &Path, config: &Config) -> Result<()> {
 /// SIGTERM. A storage error stops everything and exits non-zero (G7).
 fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> Result<()> {
     let token = http.resolve_token()?;
+    dedupd::admin::install_metrics();
     let listener = std::net::TcpListener::bind(http.bind)
         .with_context(|| format!("cannot listen on {} (http.bind)", http.bind))?;
     listener.set_nonblocking(true)?;

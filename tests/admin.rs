@@ -886,6 +886,8 @@ async fn metrics_are_prometheus_text() {
     let api = Api::open();
     api.ingest("metered", Some("a"), "{}").await;
     api.ingest("metered", Some("a"), "{}").await;
+    // Other parts (the Kafka source) record through the `metrics` facade.
+    metrics::gauge!("dedupd_kafka_consumer_lag", "topic" => "orders", "partition" => "3").set(17.0);
     let r = api.call("GET", "/metrics", None).await;
     assert_eq!(r.status, StatusCode::OK);
     assert!(r.headers["content-type"]
@@ -900,6 +902,7 @@ async fn metrics_are_prometheus_text() {
         "dedupd_commits_total{shard=\"0\"}",
         "dedupd_disk_bytes",
         "dedupd_http_ingest_duration_seconds",
+        "dedupd_kafka_consumer_lag{topic=\"orders\",partition=\"3\"} 17",
     ] {
         assert!(r.text.contains(needle), "missing {needle} in:\n{}", r.text);
     }

@@ -99,6 +99,13 @@ impl AdminState {
     }
 }
 
+/// Installs the process-wide Prometheus recorder behind `/metrics` (idempotent;
+/// [`AdminState::new`] calls it). Call it before starting sources that record through the
+/// `metrics` facade, or what they record before the admin server starts is lost.
+pub fn install_metrics() {
+    metrics::install();
+}
+
 /// A request that carried the configured bearer token (or any request when none is set).
 /// Extracted before the body, so an unauthenticated upload is refused before it is read.
 #[derive(Debug, Clone, Copy)]
