@@ -376,6 +376,14 @@ async fn odd_bytes_in_path_parameters() {
     assert_eq!(r.body["field"], "subscriber");
     let r = api.ingest("bad%20name", Some("k"), "{}").await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    // Dot-only names would be directories on disk: refused everywhere.
+    for name in ["%2E%2E", "%2E", ".."] {
+        let r = api.ingest(name, Some("k"), "{}").await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+        let r = api.upload(name, "noop").await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    }
+    assert!(!api.state.ledger().data_dir().join("current").exists());
     // Message ids may hold anything printable: slashes, spaces, unicode.
     let id = "order/1 ✓ %";
     let r = api.ingest("s", Some("order/1 x"), "{}").await;

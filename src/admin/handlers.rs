@@ -58,7 +58,12 @@ impl HandlerStore {
         }
     }
 
+    /// `subscriber` was checked by the ledger (`[A-Za-z0-9._-]`); dot-only names would
+    /// leave `handlers/`, so they get a directory that can never be a subscriber's.
     fn dir(&self, subscriber: &str) -> PathBuf {
+        if subscriber.bytes().all(|b| b == b'.') {
+            return self.root.join("invalid-name");
+        }
         self.root.join(subscriber)
     }
 

@@ -73,6 +73,13 @@ async fn blocking<T: Send + 'static>(
 }
 
 fn check_name(name: &str) -> ApiResult<()> {
+    // "." and ".." pass the ledger's alphabet but are directory names on disk.
+    if name.bytes().all(|b| b == b'.') {
+        return Err(ApiError::bad(
+            "subscriber",
+            format!("{name:?} is not a usable subscriber name"),
+        ));
+    }
     validate_subscriber_name("subscriber", name).map_err(|_| {
         ApiError::bad(
             "subscriber",
@@ -488,6 +495,7 @@ pub async fn ingest_message(
         },
         other => other,
     })?;
+    check_name(&name)?;
     let ledger = st.ledger();
     let sub = ledger.subscriber(&name)?;
     let settings = sub.settings();
