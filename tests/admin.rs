@@ -1019,6 +1019,9 @@ async fn openapi_lists_every_route_and_every_listed_route_is_served() {
             "{m} {p} is not documented"
         );
     }
+    // A known path with another method is a JSON 405.
+    let r = api.call("POST", "/healthz", None).await;
+    assert_error(&r, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed");
     // Anything else is a JSON 404 that points at the document.
     let r = api.call("GET", "/v2/nothing", None).await;
     assert_error(&r, StatusCode::NOT_FOUND, "not_found");

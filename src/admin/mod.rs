@@ -200,6 +200,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/maintenance/backup", post(backup))
         .route("/v1/audit", get(audit_log))
         .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(GlobalConcurrencyLimitLayer::new(concurrency))
         .with_state(state)

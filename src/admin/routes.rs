@@ -157,6 +157,15 @@ pub async fn openapi_json() -> Json<Value> {
     Json(super::openapi())
 }
 
+/// 405 with a JSON body, like every other error.
+pub async fn wrong_method(method: Method, uri: Uri) -> Response {
+    let body = json!({
+        "error": "method_not_allowed",
+        "message": format!("{} does not take {method}; /openapi.json lists its methods", uri.path()),
+    });
+    (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
+}
+
 pub async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::NotFound(format!(
         "no route {method} {}; /openapi.json lists them",
