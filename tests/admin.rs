@@ -298,6 +298,11 @@ async fn oversized_bodies_are_413() {
         )
         .await;
     assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, "too_large");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("1024"),
+        "{}",
+        r.text
+    );
     let r = api.upload("s", "noop").await;
     assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, "too_large");
     assert!(

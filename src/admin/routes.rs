@@ -304,7 +304,9 @@ pub async fn put_config(
     check_name(&name)?;
     let Json(given) = b.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::TooLarge { limit: 0 }
+            ApiError::TooLarge {
+                limit: st.0.http.max_body_bytes,
+            }
         } else {
             ApiError::bad("body", e.body_text())
         }
