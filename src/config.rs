@@ -51,6 +51,9 @@ pub struct Config {
     /// Explicitly configured subscribers.
     #[serde(rename = "subscriber")]
     pub subscribers: Vec<SubscriberConfig>,
+    /// The admin and ingest HTTP server (`dedupd serve`; `dedupd run` starts it when set).
+    #[serde(default)]
+    pub http: Option<crate::admin::HttpConfig>,
 }
 
 impl Default for Config {
@@ -62,6 +65,7 @@ impl Default for Config {
             allow_unknown_subscribers: true,
             default_subscriber: "default".to_string(),
             subscribers: Vec::new(),
+            http: None,
         }
     }
 }

@@ -25,7 +25,7 @@
 //! ## Architecture
 //!
 //! ```text
-//! source (stdin | generator)  -> envelope: key + fingerprint (xxh3)
+//! source (stdin | HTTP ingest | generator)  -> envelope: key + fingerprint (xxh3)
 //!   -> Ledger::route(key) -> shard writer thread (one redb file each)
 //!        batch = everything queued since the last commit (group commit)
 //!        decide: active index -> sealing index -> sealed filters + tables
@@ -35,7 +35,7 @@
 //!   -> outcomes -> Sequencer releases them in source order
 //! ```
 //!
-//! Modules: [`config`] (validated settings), [`envelope`] (keys and fingerprints),
+//! Modules: [`admin`] (the HTTP API and ingest), [`config`] (validated settings), [`envelope`] (keys and fingerprints),
 //! [`ledger`] (the only redb user), [`handler`] (the only wasmtime user), [`effects`] (the
 //! seam between them), [`pipeline`] (ordering and the pipe mode), [`source`]
 //! (traffic generator), [`bench`](mod@bench) and [`demo`] (the CLI's measuring commands).
@@ -61,6 +61,7 @@
 //! ledger.close().unwrap();
 //! ```
 
+pub mod admin;
 pub mod bench;
 pub mod clock;
 pub mod config;

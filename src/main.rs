@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+use dedupd::admin::{AdminState, HttpConfig};
 use dedupd::bench::{self, BenchParams, BenchReport, Progress};
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
@@ -41,12 +42,24 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
-    /// The long-running engine. Sources: stdin (more arrive with later releases).
+    /// The long-running engine. Sources: stdin, plus the HTTP API when the config has an
+    /// `[http]` section (then it keeps serving after stdin ends, until SIGINT/SIGTERM).
     Run {
         #[arg(long)]
         config: PathBuf,
         #[arg(long)]
         data_dir: Option<PathBuf>,
+    },
+    /// Only the admin and ingest HTTP API, until SIGINT/SIGTERM.
+    Serve {
+        /// TOML config file; its `[http]` section sets bind address, token and limits.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// Listen here instead of `http.bind`.
+        #[arg(long)]
+        bind: Option<std::net::SocketAddr>,
     },
     /// A self-contained tour on a temporary data directory.
     Demo {
@@ -235,7 +248,24 @@ fn run(cli: Cli) -> Result<()> {
             data_dir: dir,
         } => {
             let config = load_config(Some(&config))?;
-            pipe(&data_dir(dir, &config)?, &config)
+            let dir = data_dir(dir, &config)?;
+            match config.http.clone() {
+                None => pipe(&dir, &config),
+                Some(http) => run_with_http(&dir, &config, http, true),
+            }
+        }
+        Command::Serve {
+            config,
+            data_dir: dir,
+            bind,
+        } => {
+            let config = load_config(config.as_deref())?;
+            let dir = data_dir(dir, &config)?;
+            let mut http = config.http.clone().unwrap_or_default();
+            if let Some(b) = bind {
+                http.bind = b;
+            }
+            run_with_http(&dir, &config, http, false)
         }
         Command::Demo { messages, handler } => {
             let handler = (handler != "none").then(|| PathBuf::from(handler));
@@ -410,6 +440,99 @@ fn pipe(dir: &Path, config: &Config) -> Result<()> {
         "input ended; every outcome is durable and printed"
     );
     Ok(())
+}
+
+/// The HTTP API (and, with `stdin`, pipe mode on stdin) over one ledger, until SIGINT or
+/// SIGTERM. A storage error stops everything and exits non-zero (G7).
+fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> Result<()> {
+    let token = http.resolve_token()?;
+    dedupd::admin::install_metrics();
+    let listener = std::net::TcpListener::bind(http.bind)
+        .with_context(|| format!("cannot listen on {} (http.bind)", http.bind))?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
+    dedupd::pipeline::install_handlers(&ledger, config)?;
+    let mut config = config.clone();
+    config.http = Some(http);
+    let state = AdminState::new(ledger.clone(), &config, token)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("dedupd-http")
+        .build()?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let watched = ledger.clone();
+    let server = runtime.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let shutdown = async move {
+            let poisoned = async {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    if watched.poison_reason().is_some() {
+                        return;
+                    }
+                }
+            };
+            tokio::select! {
+                _ = stop_rx => {}
+                _ = termination() => {}
+                _ = poisoned => {}
+            }
+        };
+        dedupd::admin::serve(listener, state, shutdown).await
+    });
+    eprintln!("dedupd: HTTP API on http://{addr} (dashboard at /, OpenAPI at /openapi.json)");
+    if stdin {
+        let config2 = config.clone();
+        let ledger2 = ledger.clone();
+        // Pipe mode on its own thread, so a signal ends the process even while stdin is open.
+        std::thread::Builder::new()
+            .name("dedupd-stdin".into())
+            .spawn(move || {
+                let r = run_pipe(
+                    &ledger2,
+                    &config2,
+                    std::io::stdin().lock(),
+                    std::io::stdout(),
+                );
+                if let Err(e) = r {
+                    eprintln!("dedupd: stdin source stopped: {e}");
+                }
+            })?;
+    }
+    let served = runtime.block_on(server);
+    drop(stop_tx);
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    served.context("HTTP server task failed")??;
+    if let Some(reason) = ledger.poison_reason() {
+        bail!("the ledger stopped after a storage error: {reason}");
+    }
+    // If the stdin thread still holds the ledger, the process exits and the OS closes the
+    // files; every acknowledged outcome was committed before it was acknowledged (G1).
+    if let Ok(l) = Arc::try_unwrap(ledger) {
+        l.close()?;
+    }
+    Ok(())
+}
+
+async fn termination() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
 }
 
 fn print_progress(p: Progress) {

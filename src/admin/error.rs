@@ -1,0 +1,161 @@
+//! `ApiError`: every failure of a route, with its HTTP status and a JSON body.
+//!
+//! Bodies are `{"error": code, "message": text, "field": name?}`. Client errors say what
+//! to change; server errors (5xx) never carry internals: the detail goes to the log.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+
+use crate::ledger::LedgerError;
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ApiError {
+    /// 400: the request is malformed; `field` names the offending part when there is one.
+    #[error("{message}")]
+    BadRequest {
+        field: Option<String>,
+        message: String,
+    },
+    /// 401: no bearer token where one is required.
+    #[error("this route needs `Authorization: Bearer <token>`")]
+    Unauthorized,
+    /// 403: a bearer token that is not the configured one.
+    #[error("the bearer token is not valid")]
+    Forbidden,
+    /// 404: no such subscriber, claim, record or route.
+    #[error("{0}")]
+    NotFound(String),
+    /// 409: the same idempotency key is being processed right now; retry later.
+    #[error("{0}")]
+    Conflict(String),
+    /// 409: the thing to create exists already (a backup name, say).
+    #[error("{0}")]
+    Exists(String),
+    /// 413: the body is larger than the configured limit.
+    #[error("the request body is larger than the limit of {limit} bytes")]
+    TooLarge { limit: usize },
+    /// 422: the idempotency key was used before with another payload.
+    #[error("{0}")]
+    Unprocessable(String),
+    /// 500 with a safe message: the handler failed for good and the message was dead-lettered.
+    #[error("{0}")]
+    HandlerFailed(String),
+    /// 503: the engine cannot accept work (storage stopped, shutting down).
+    #[error("{0}")]
+    Unavailable(String),
+    /// 500: anything else; the detail is logged, never sent.
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn bad(field: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError::BadRequest {
+            field: Some(field.into()),
+            message: message.into(),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden => StatusCode::FORBIDDEN,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Conflict(_) | ApiError::Exists(_) => StatusCode::CONFLICT,
+            ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::HandlerFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The stable machine-readable code in the body.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::BadRequest { .. } => "bad_request",
+            ApiError::Unauthorized => "unauthorized",
+            ApiError::Forbidden => "forbidden",
+            ApiError::NotFound(_) => "not_found",
+            ApiError::Conflict(_) => "in_flight",
+            ApiError::Exists(_) => "exists",
+            ApiError::TooLarge { .. } => "too_large",
+            ApiError::Unprocessable(_) => "payload_mismatch",
+            ApiError::HandlerFailed(_) => "dead_lettered",
+            ApiError::Unavailable(_) => "unavailable",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+}
+
+impl From<LedgerError> for ApiError {
+    fn from(e: LedgerError) -> Self {
+        match e {
+            LedgerError::UnknownSubscriber { name } => {
+                ApiError::NotFound(format!("no subscriber {name:?}"))
+            }
+            LedgerError::InvalidSubscriber(m) => ApiError::bad("subscriber", m),
+            LedgerError::Invalid(m) => ApiError::BadRequest {
+                field: None,
+                message: m,
+            },
+            LedgerError::Poisoned(_) | LedgerError::Storage { .. } => {
+                tracing::error!(error = %e, "admin request hit a stopped ledger");
+                ApiError::Unavailable(
+                    "the engine stopped after a storage error; see its log".into(),
+                )
+            }
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: &'a str,
+    message: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    field: Option<&'a str>,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let message = match &self {
+            ApiError::Internal(detail) => {
+                tracing::error!(%detail, "admin request failed");
+                "internal error; the server log has the detail".to_string()
+            }
+            other => other.to_string(),
+        };
+        let field = match &self {
+            ApiError::BadRequest { field, .. } => field.as_deref(),
+            _ => None,
+        };
+        let mut resp = (
+            status,
+            Json(Body {
+                error: self.code(),
+                message,
+                field,
+            }),
+        )
+            .into_response();
+        match self {
+            ApiError::Unauthorized => {
+                resp.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            ApiError::Conflict(_) => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        resp
+    }
+}

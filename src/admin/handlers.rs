@@ -1,0 +1,205 @@
+//! Uploaded handler components: validated, stored under `DATA_DIR/handlers/<subscriber>/`
+//! by content hash, installed between batches, with the previous one kept for rollback.
+//!
+//! Layout per subscriber: `<version>.wasm` files plus two pointer files, `current` and
+//! `previous`, each holding a version. Pointers are replaced atomically (write, fsync,
+//! rename), so a crash leaves either the old or the new pointer. Subscriber names are
+//! restricted to `[A-Za-z0-9._-]` by the ledger and versions are hex, so no path built here
+//! leaves the data directory.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::handler::{Component, HandlerError};
+use crate::ledger::{Ledger, LedgerError};
+use crate::pipeline::limits_of;
+
+/// Errors of storing or installing an uploaded component.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UploadError {
+    #[error("{0}")]
+    Invalid(HandlerError),
+    #[error("no previous handler to roll back to")]
+    NoPrevious,
+    #[error("cannot store the handler: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Ledger(#[from] LedgerError),
+}
+
+/// What the handler routes show of a subscriber's handlers.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct HandlerInfo {
+    pub subscriber: String,
+    /// Version (xxh3-64 of the component, hex) of the handler in force, if any.
+    pub active_version: Option<String>,
+    /// Uploaded versions: the one installed and the one a rollback returns to.
+    pub current: Option<String>,
+    pub previous: Option<String>,
+}
+
+/// Handler files under a data directory.
+#[derive(Debug, Clone)]
+pub struct HandlerStore {
+    root: PathBuf,
+}
+
+fn valid_version(v: &str) -> bool {
+    v.len() == 16 && v.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+impl HandlerStore {
+    pub fn new(data_dir: &Path) -> HandlerStore {
+        HandlerStore {
+            root: data_dir.join("handlers"),
+        }
+    }
+
+    /// `subscriber` was checked by the ledger (`[A-Za-z0-9._-]`); dot-only names would
+    /// leave `handlers/`, so they get a directory that can never be a subscriber's.
+    fn dir(&self, subscriber: &str) -> PathBuf {
+        if subscriber.bytes().all(|b| b == b'.') {
+            return self.root.join("invalid-name");
+        }
+        self.root.join(subscriber)
+    }
+
+    fn pointer(&self, subscriber: &str, name: &str) -> Option<String> {
+        std::fs::read_to_string(self.dir(subscriber).join(name))
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| valid_version(s))
+    }
+
+    fn set_pointer(&self, subscriber: &str, name: &str, version: &str) -> std::io::Result<()> {
+        let dir = self.dir(subscriber);
+        let tmp = dir.join(format!("{name}.tmp"));
+        write_synced(&tmp, version.as_bytes())?;
+        std::fs::rename(&tmp, dir.join(name))?;
+        std::fs::File::open(&dir)?.sync_all()
+    }
+
+    pub fn info(&self, ledger: &Ledger, subscriber: &str) -> HandlerInfo {
+        let active = ledger
+            .subscribers()
+            .into_iter()
+            .find(|s| &*s.name == subscriber)
+            .and_then(|s| s.handler())
+            .map(|h| format!("{:016x}", h.version()));
+        HandlerInfo {
+            subscriber: subscriber.to_string(),
+            active_version: active,
+            current: self.pointer(subscriber, "current"),
+            previous: self.pointer(subscriber, "previous"),
+        }
+    }
+
+    fn load(
+        &self,
+        ledger: &Ledger,
+        subscriber: &str,
+        version: &str,
+    ) -> Result<Component, UploadError> {
+        let sub = ledger.subscriber(subscriber)?;
+        let path = self.dir(subscriber).join(format!("{version}.wasm"));
+        Component::load(&path, limits_of(&sub.settings())).map_err(UploadError::Invalid)
+    }
+
+    /// Validates `bytes` as a handler for `subscriber` (WIT contract, capabilities, its
+    /// limits), stores it, makes it current (the old current becomes previous) and installs
+    /// it; shards switch between batches. Blocking: compiles the component.
+    pub fn upload(
+        &self,
+        ledger: &Ledger,
+        subscriber: &str,
+        bytes: &[u8],
+    ) -> Result<HandlerInfo, UploadError> {
+        let sub = ledger.subscriber(subscriber)?;
+        let label = PathBuf::from(format!("uploaded handler for {subscriber}"));
+        let component = Component::from_bytes(&label, bytes, limits_of(&sub.settings()))
+            .map_err(UploadError::Invalid)?;
+        let version = component.report().version.clone();
+        let dir = self.dir(&sub.name);
+        std::fs::create_dir_all(&dir)?;
+        let file = dir.join(format!("{version}.wasm"));
+        if !file.exists() {
+            let tmp = dir.join(format!("{version}.wasm.tmp"));
+            write_synced(&tmp, bytes)?;
+            std::fs::rename(&tmp, &file)?;
+        }
+        let old = self.pointer(&sub.name, "current");
+        if old.as_deref() != Some(version.as_str()) {
+            if let Some(old) = &old {
+                self.set_pointer(&sub.name, "previous", old)?;
+            }
+            self.set_pointer(&sub.name, "current", &version)?;
+        }
+        ledger.set_handler(&sub.name, Some(Arc::new(component)))?;
+        Ok(self.info(ledger, &sub.name))
+    }
+
+    /// Swaps `current` and `previous` and installs the previous component again.
+    pub fn rollback(&self, ledger: &Ledger, subscriber: &str) -> Result<HandlerInfo, UploadError> {
+        let previous = self
+            .pointer(subscriber, "previous")
+            .ok_or(UploadError::NoPrevious)?;
+        let component = self.load(ledger, subscriber, &previous)?;
+        if let Some(cur) = self.pointer(subscriber, "current") {
+            self.set_pointer(subscriber, "previous", &cur)?;
+        }
+        self.set_pointer(subscriber, "current", &previous)?;
+        ledger.set_handler(subscriber, Some(Arc::new(component)))?;
+        Ok(self.info(ledger, subscriber))
+    }
+
+    /// Loads the subscriber's handler again under its current settings (after its limits
+    /// changed): the uploaded current one, else the one its settings name. `Ok(false)`:
+    /// it has none.
+    pub fn reinstall(&self, ledger: &Ledger, subscriber: &str) -> Result<bool, UploadError> {
+        let sub = ledger.subscriber(subscriber)?;
+        let factory: Arc<dyn crate::effects::HandlerFactory> =
+            match self.pointer(subscriber, "current") {
+                Some(version) => Arc::new(self.load(ledger, subscriber, &version)?),
+                None => match &sub.settings().handler {
+                    Some(path) => crate::handler::load_factory(path, limits_of(&sub.settings()))
+                        .map_err(UploadError::Invalid)?,
+                    None => return Ok(false),
+                },
+            };
+        ledger.set_handler(subscriber, Some(factory))?;
+        Ok(true)
+    }
+
+    /// Installs every uploaded current handler (at start-up, after the config's handlers:
+    /// an upload outlives a restart). Returns the subscribers it installed.
+    pub fn install_all(&self, ledger: &Ledger) -> Result<Vec<String>, UploadError> {
+        let mut installed = Vec::new();
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Ok(installed);
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .collect();
+        names.sort();
+        for name in names {
+            if let Some(version) = self.pointer(&name, "current") {
+                let component = self.load(ledger, &name, &version)?;
+                ledger.set_handler(&name, Some(Arc::new(component)))?;
+                installed.push(name);
+            }
+        }
+        Ok(installed)
+    }
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}

@@ -1,0 +1,226 @@
+//! The admin and ingest HTTP API (axum): health, subscribers and their settings, claims,
+//! quarantine and dead letters, handler uploads, maintenance, Prometheus metrics, an
+//! OpenAPI description, a small dashboard, and `POST /v1/subscribers/{s}/messages` with
+//! `Idempotency-Key` semantics. [`router`] builds it; [`serve`] runs it on a listener.
+//!
+//! Security: the server binds loopback by default and refuses a non-loopback address
+//! without a token ([`HttpConfig::resolve_token`]); with a token, every mutating route and
+//! every payload read needs `Authorization: Bearer <token>` (compared in constant time).
+//! Bodies are size-limited, requests are concurrency-limited, and uploaded components are
+//! size-limited and written only under the data directory.
+//!
+//! Nothing here blocks the async runtime: ledger calls that wait for a shard or for disk
+//! run on `spawn_blocking`, and ingest goes through [`ingest::Ingest`].
+
+mod audit;
+mod config;
+mod error;
+mod handlers;
+pub mod ingest;
+mod metrics;
+mod openapi;
+mod routes;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, FromRequestParts};
+use axum::handler::Handler;
+use axum::http::header::AUTHORIZATION;
+use axum::http::request::Parts;
+use axum::routing::{get, post};
+use axum::Router;
+use subtle::ConstantTimeEq;
+use tower::limit::GlobalConcurrencyLimitLayer;
+
+pub use audit::Audit;
+pub use config::HttpConfig;
+pub use error::ApiError;
+pub use handlers::{HandlerInfo, HandlerStore, UploadError};
+pub use openapi::{openapi, ROUTES};
+
+use crate::config::Config;
+use crate::ledger::Ledger;
+use ingest::Ingest;
+
+/// Everything the routes share. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct AdminState(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    ingest: Ingest,
+    token: Option<String>,
+    http: HttpConfig,
+    audit: Audit,
+    handlers: HandlerStore,
+}
+
+impl AdminState {
+    /// Wires the API to a ledger opened with `config` (its `[http]` section, or the
+    /// defaults). `token` is the resolved bearer token ([`HttpConfig::resolve_token`]);
+    /// `None` leaves every route open (loopback only). Registers the configured
+    /// subscribers so they are listed before their first message, and installs the
+    /// uploaded handlers found in the data directory.
+    pub fn new(
+        ledger: Arc<Ledger>,
+        config: &Config,
+        token: Option<String>,
+    ) -> Result<AdminState, UploadError> {
+        let http = config.http.clone().unwrap_or_default();
+        for sub in &config.subscribers {
+            ledger.subscriber(&sub.name)?;
+        }
+        let handlers = HandlerStore::new(ledger.data_dir());
+        handlers.install_all(&ledger)?;
+        let audit = Audit::new(ledger.data_dir().join("audit.jsonl"));
+        let ingest = Ingest::start(ledger)?;
+        metrics::install();
+        Ok(AdminState(Arc::new(Inner {
+            ingest,
+            token,
+            http,
+            audit,
+            handlers,
+        })))
+    }
+
+    pub fn ledger(&self) -> &Arc<Ledger> {
+        self.0.ingest.ledger()
+    }
+
+    /// Requests (ingest and replays) waiting for their durable outcome right now.
+    pub fn waiting(&self) -> usize {
+        self.0.ingest.waiting()
+    }
+
+    fn ingest(&self) -> &Ingest {
+        &self.0.ingest
+    }
+}
+
+/// Installs the process-wide Prometheus recorder behind `/metrics` (idempotent;
+/// [`AdminState::new`] calls it). Call it before starting sources that record through the
+/// `metrics` facade, or what they record before the admin server starts is lost.
+pub fn install_metrics() {
+    metrics::install();
+}
+
+/// A request that carried the configured bearer token (or any request when none is set).
+/// Extracted before the body, so an unauthenticated upload is refused before it is read.
+#[derive(Debug, Clone, Copy)]
+pub struct Authorized;
+
+impl FromRequestParts<AdminState> for Authorized {
+    type Rejection = ApiError;
+
+    fn from_request_parts(
+        parts: &mut Parts,
+        state: &AdminState,
+    ) -> impl Future<Output = Result<Self, Self::Rejection>> + Send {
+        let result = check_token(parts, state.0.token.as_deref());
+        async move { result }
+    }
+}
+
+fn check_token(parts: &Parts, token: Option<&str>) -> Result<Authorized, ApiError> {
+    let Some(token) = token else {
+        return Ok(Authorized);
+    };
+    let given = parts
+        .headers
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .ok_or(ApiError::Unauthorized)?;
+    // Constant time over the token's bytes; only the length can leak.
+    if bool::from(given.trim().as_bytes().ct_eq(token.as_bytes())) {
+        Ok(Authorized)
+    } else {
+        Err(ApiError::Forbidden)
+    }
+}
+
+/// The whole API. Routes are listed in [`ROUTES`] (and so in `/openapi.json`).
+pub fn router(state: AdminState) -> Router {
+    use routes::*;
+    let upload_limit = state.0.http.max_handler_bytes;
+    let body_limit = state.0.http.max_body_bytes;
+    let concurrency = state.0.http.max_concurrency;
+    Router::new()
+        .route("/", get(dashboard_html))
+        .route("/assets/app.js", get(dashboard_js))
+        .route("/assets/app.css", get(dashboard_css))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics::render))
+        .route("/openapi.json", get(openapi_json))
+        .route("/v1/subscribers", get(list_subscribers))
+        .route("/v1/subscribers/{s}", get(get_subscriber))
+        .route(
+            "/v1/subscribers/{s}/config",
+            get(get_config).put(put_config),
+        )
+        .route("/v1/subscribers/{s}/stats", get(get_stats))
+        .route("/v1/subscribers/{s}/messages", post(ingest_message))
+        .route(
+            "/v1/subscribers/{s}/messages/{id}",
+            get(get_claim).delete(forget_claim),
+        )
+        .route("/v1/subscribers/{s}/quarantine", get(list_quarantine))
+        .route(
+            "/v1/subscribers/{s}/quarantine/{rid}",
+            get(get_quarantine).delete(discard_quarantine),
+        )
+        .route(
+            "/v1/subscribers/{s}/quarantine/{rid}/replay",
+            post(replay_quarantine),
+        )
+        .route("/v1/subscribers/{s}/deadletters", get(list_deadletters))
+        .route(
+            "/v1/subscribers/{s}/deadletters/{rid}",
+            get(get_deadletter).delete(discard_deadletter),
+        )
+        .route(
+            "/v1/subscribers/{s}/deadletters/{rid}/replay",
+            post(replay_deadletter),
+        )
+        .route(
+            "/v1/subscribers/{s}/handler",
+            get(get_handler).put(upload_handler.layer(DefaultBodyLimit::max(upload_limit))),
+        )
+        .route(
+            "/v1/subscribers/{s}/handler/rollback",
+            post(rollback_handler),
+        )
+        .route("/v1/maintenance/compact", post(compact))
+        .route("/v1/maintenance/backup", post(backup))
+        .route("/v1/audit", get(audit_log))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(GlobalConcurrencyLimitLayer::new(concurrency))
+        .with_state(state)
+}
+
+/// Runs the API on `listener` until `shutdown` completes, then finishes the requests in
+/// progress.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AdminState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    // Responses are written whole; waiting to coalesce them (Nagle) only adds latency.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,1152 @@
+//! The admin and ingest HTTP API through `router(state).oneshot(request)`: every route and
+//! its documented error statuses, the IETF Idempotency-Key matrix (including a request for
+//! a key still in flight), auth, body limits, odd bytes in path parameters, forgetting a
+//! claim, replaying a dead letter through the current handler, handler upload/rollback,
+//! maintenance and metrics. Handler components come from `plugins/` (built by
+//! `plugins/build.sh`, which `scripts/test` runs first); a missing one fails the test.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use dedupd::admin::{router, AdminState, ROUTES};
+use dedupd::clock::SystemClock;
+use dedupd::config::Config;
+use dedupd::ledger::Ledger;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+const TOKEN: &str = "test-token-0123456789";
+
+fn component(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("plugins/target/wasm32-wasip2/release")
+        .join(format!("{name}.wasm"));
+    assert!(
+        p.exists(),
+        "{} is missing: run plugins/build.sh (scripts/test does)",
+        p.display()
+    );
+    p
+}
+
+struct Api {
+    _dir: tempfile::TempDir,
+    state: AdminState,
+    router: Router,
+    token: Option<&'static str>,
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    body: Value,
+    text: String,
+}
+
+impl Api {
+    fn new(toml: &str, token: Option<&'static str>) -> Api {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config::parse(toml).unwrap();
+        let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+        let state = AdminState::new(ledger, &config, token.map(str::to_string)).unwrap();
+        Api {
+            _dir: dir,
+            router: router(state.clone()),
+            state,
+            token,
+        }
+    }
+
+    fn open() -> Api {
+        Api::new("[ledger]\nshards = 2\n", None)
+    }
+
+    async fn send(&self, req: Request<Body>) -> Reply {
+        let resp = self.router.clone().oneshot(req).await.unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&bytes).to_string();
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Reply {
+            status,
+            headers,
+            body,
+            text,
+        }
+    }
+
+    /// A request carrying the configured token (if any).
+    fn req(&self, method: &str, uri: &str) -> axum::http::request::Builder {
+        let b = Request::builder().method(method).uri(uri);
+        match self.token {
+            Some(t) => b.header("authorization", format!("Bearer {t}")),
+            None => b,
+        }
+    }
+
+    async fn call(&self, method: &str, uri: &str, body: Option<Value>) -> Reply {
+        let b = self.req(method, uri);
+        let req = match body {
+            Some(v) => b
+                .header("content-type", "application/json")
+                .body(Body::from(v.to_string()))
+                .unwrap(),
+            None => b.body(Body::empty()).unwrap(),
+        };
+        self.send(req).await
+    }
+
+    async fn ingest(&self, sub: &str, key: Option<&str>, payload: &str) -> Reply {
+        let mut b = self
+            .req("POST", &format!("/v1/subscribers/{sub}/messages"))
+            .header("content-type", "application/json");
+        if let Some(k) = key {
+            b = b.header("idempotency-key", k);
+        }
+        self.send(b.body(Body::from(payload.to_string())).unwrap())
+            .await
+    }
+
+    async fn upload(&self, sub: &str, name: &str) -> Reply {
+        let bytes = std::fs::read(component(name)).unwrap();
+        let req = self
+            .req("PUT", &format!("/v1/subscribers/{sub}/handler"))
+            .header("content-type", "application/wasm")
+            .body(Body::from(bytes))
+            .unwrap();
+        self.send(req).await
+    }
+
+    /// Waits (with a deadline) until `n` requests wait for an outcome.
+    async fn wait_for_waiting(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.state.waiting() < n {
+            assert!(Instant::now() < deadline, "no request became in flight");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+fn assert_error(r: &Reply, status: StatusCode, code: &str) {
+    assert_eq!(r.status, status, "{}", r.text);
+    assert_eq!(r.body["error"], code, "{}", r.text);
+    assert!(r.body["message"].as_str().is_some_and(|m| !m.is_empty()));
+}
+
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_and_readiness_answer_ok() {
+    let api = Api::open();
+    let r = api.call("GET", "/healthz", None).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body["status"], "ok");
+    let r = api.call("GET", "/readyz", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["shards"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn readyz_is_503_after_a_storage_error_and_5xx_bodies_hide_internals() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::parse("[ledger]\nshards = 1\n").unwrap();
+    let (ledger, switch) =
+        Ledger::open_with_fault_switch(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+    let state = AdminState::new(Arc::new(ledger), &config, None).unwrap();
+    let app = router(state);
+    switch.fail_after_fsyncs(0);
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/subscribers/s/messages")
+        .header("idempotency-key", "k1")
+        .body(Body::from("{}"))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        !text.contains(dir.path().to_str().unwrap()) && !text.contains("redb"),
+        "a 5xx body must not carry internals: {text}"
+    );
+    let resp = app
+        .oneshot(Request::get("/readyz").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ingest_follows_the_idempotency_key_matrix() {
+    let api = Api::open();
+    // First request: processed, 201, no replay header.
+    let first = api
+        .ingest("orders", Some("order-1"), r#"{"total": 5}"#)
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text);
+    assert_eq!(first.body["outcome"], "processed");
+    assert!(first.headers.get("idempotent-replayed").is_none());
+    // Retry with the same key and payload (re-encoded): the stored response, replayed.
+    let again = api
+        .ingest("orders", Some("order-1"), r#"{ "total" : 5 }"#)
+        .await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.text);
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    assert_eq!(again.body, first.body);
+    // Same key, another payload: 422, and the message is quarantined (G4).
+    let other = api
+        .ingest("orders", Some("order-1"), r#"{"total": 6}"#)
+        .await;
+    assert_error(&other, StatusCode::UNPROCESSABLE_ENTITY, "payload_mismatch");
+    let q = api
+        .call("GET", "/v1/subscribers/orders/quarantine", None)
+        .await;
+    assert_eq!(q.body["records"].as_array().unwrap().len(), 1, "{}", q.text);
+    // No key at all: 400 naming the header.
+    let none = api.ingest("orders", None, r#"{"total": 5}"#).await;
+    assert_error(&none, StatusCode::BAD_REQUEST, "bad_request");
+    assert_eq!(none.body["field"], "idempotency-key");
+    let empty = api.ingest("orders", Some("  "), r#"{"total": 5}"#).await;
+    assert_error(&empty, StatusCode::BAD_REQUEST, "bad_request");
+    // The subscriber's key source may find the key in the body instead.
+    let by_id = api.ingest("orders", None, r#"{"id": "order-2"}"#).await;
+    assert_eq!(by_id.status, StatusCode::CREATED, "{}", by_id.text);
+    assert_eq!(by_id.body["key"], "order-2");
+    // Keys are scoped by subscriber (G5).
+    let other_sub = api
+        .ingest("billing", Some("order-1"), r#"{"total": 5}"#)
+        .await;
+    assert_eq!(other_sub.status, StatusCode::CREATED);
+    assert!(other_sub.headers.get("idempotent-replayed").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn same_key_in_flight_is_409_then_replayed() {
+    // fixture-errors fails "retry" payloads retryably; with a long backoff the first
+    // request stays in flight until its second attempt, deterministically.
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[[subscriber]]\nname = \"slow\"\nmax_attempts = 2\nretry_backoff = \"1500ms\"\n",
+        None,
+    );
+    assert_eq!(
+        api.upload("slow", "fixture_errors").await.status,
+        StatusCode::OK
+    );
+    let app = api.router.clone();
+    let first = tokio::spawn(async move {
+        let req = Request::post("/v1/subscribers/slow/messages")
+            .header("idempotency-key", "k-inflight")
+            .body(Body::from(r#"{"please": "retry"}"#))
+            .unwrap();
+        app.oneshot(req).await.unwrap().status()
+    });
+    api.wait_for_waiting(1).await;
+    let second = api
+        .ingest("slow", Some("k-inflight"), r#"{"please": "retry"}"#)
+        .await;
+    assert_error(&second, StatusCode::CONFLICT, "in_flight");
+    assert_eq!(second.headers["retry-after"], "1");
+    // Another key is not blocked by it.
+    let other = api.ingest("slow", Some("k-other"), r#"{"ok": 1}"#).await;
+    assert_eq!(other.status, StatusCode::CREATED, "{}", other.text);
+    // The first one fails for good after its second attempt: dead-lettered, a 500 that
+    // says so without internals.
+    assert_eq!(first.await.unwrap(), StatusCode::INTERNAL_SERVER_ERROR);
+    let dl = api
+        .call("GET", "/v1/subscribers/slow/deadletters", None)
+        .await;
+    assert_eq!(
+        dl.body["records"].as_array().unwrap().len(),
+        1,
+        "{}",
+        dl.text
+    );
+    // Once decided, the key is free again.
+    assert_eq!(api.state.waiting(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn oversized_bodies_are_413() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[http]\nmax_body_bytes = 1024\nmax_handler_bytes = 2048\n",
+        None,
+    );
+    let big = format!(r#"{{"x": "{}"}}"#, "a".repeat(4096));
+    let r = api.ingest("s", Some("k"), &big).await;
+    assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, "too_large");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("1024"),
+        "{}",
+        r.text
+    );
+    let r = api
+        .call(
+            "PUT",
+            "/v1/subscribers/s/config",
+            Some(json!({"x": "a".repeat(4096)})),
+        )
+        .await;
+    assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, "too_large");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("1024"),
+        "{}",
+        r.text
+    );
+    let r = api.upload("s", "noop").await;
+    assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, "too_large");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("2048"),
+        "{}",
+        r.text
+    );
+    let small = api.ingest("s", Some("k"), r#"{"x": 1}"#).await;
+    assert_eq!(small.status, StatusCode::CREATED);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn auth_is_required_denied_and_accepted() {
+    let api = Api::new("[ledger]\nshards = 1\n", Some(TOKEN));
+    let anon = |method: &str, uri: &str| {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Body::empty())
+            .unwrap()
+    };
+    // Mutating routes and payload reads need the token.
+    for (method, uri) in [
+        ("POST", "/v1/subscribers/s/messages"),
+        ("DELETE", "/v1/subscribers/s/messages/k"),
+        ("PUT", "/v1/subscribers/s/config"),
+        ("GET", "/v1/subscribers/s/deadletters/0-1"),
+        ("GET", "/v1/subscribers/s/quarantine/0-1"),
+        ("POST", "/v1/subscribers/s/deadletters/0-1/replay"),
+        ("PUT", "/v1/subscribers/s/handler"),
+        ("POST", "/v1/maintenance/compact"),
+        ("POST", "/v1/maintenance/backup"),
+        ("GET", "/v1/audit"),
+    ] {
+        let r = api.send(anon(method, uri)).await;
+        assert_error(&r, StatusCode::UNAUTHORIZED, "unauthorized");
+        assert_eq!(r.headers["www-authenticate"], "Bearer", "{method} {uri}");
+        let wrong = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("authorization", "Bearer not-the-token-at-all")
+            .body(Body::empty())
+            .unwrap();
+        assert_error(&api.send(wrong).await, StatusCode::FORBIDDEN, "forbidden");
+    }
+    // Reads without payloads stay open (the dashboard needs no token).
+    for uri in [
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v1/subscribers",
+        "/openapi.json",
+    ] {
+        assert_eq!(
+            api.send(anon("GET", uri)).await.status,
+            StatusCode::OK,
+            "{uri}"
+        );
+    }
+    // The right token is accepted.
+    let ok = api.ingest("s", Some("k"), "{}").await;
+    assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn odd_bytes_in_path_parameters() {
+    let api = Api::open();
+    // Not UTF-8 after percent-decoding: 400, not a panic or a 500.
+    let r = api.call("GET", "/v1/subscribers/%FF%FE/stats", None).await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    // A subscriber name outside the safe alphabet (it becomes part of table names).
+    let r = api
+        .call("GET", "/v1/subscribers/a%2F..%2Fb/config", None)
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    assert_eq!(r.body["field"], "subscriber");
+    let r = api.ingest("bad%20name", Some("k"), "{}").await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    // Dot-only names would be directories on disk: refused everywhere.
+    for name in ["%2E%2E", "%2E", ".."] {
+        let r = api.ingest(name, Some("k"), "{}").await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+        let r = api.upload(name, "noop").await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    }
+    assert!(!api.state.ledger().data_dir().join("current").exists());
+    // Message ids may hold anything printable: slashes, spaces, unicode.
+    let id = "order/1 ✓ %";
+    let r = api.ingest("s", Some("order/1 x"), "{}").await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let r = api
+        .call("GET", "/v1/subscribers/s/messages/order%2F1%20x", None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["id"], "order/1 x");
+    let encoded = "order%2F1%20%E2%9C%93%20%25";
+    let r = api
+        .call(
+            "GET",
+            &format!("/v1/subscribers/s/messages/{encoded}"),
+            None,
+        )
+        .await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("order/1"),
+        "{id}"
+    );
+    let r = api
+        .call("GET", "/v1/subscribers/s/messages/%C3%28", None)
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    // A header value that is not visible ASCII.
+    let req = Request::post("/v1/subscribers/s/messages")
+        .header(
+            "idempotency-key",
+            axum::http::HeaderValue::from_bytes(b"k\xff").unwrap(),
+        )
+        .body(Body::from("{}"))
+        .unwrap();
+    assert_error(&api.send(req).await, StatusCode::BAD_REQUEST, "bad_request");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forgetting_a_key_makes_the_next_delivery_processed_again() {
+    let api = Api::open();
+    assert_eq!(
+        api.ingest("s", Some("k1"), r#"{"a":1}"#).await.status,
+        StatusCode::CREATED
+    );
+    let claim = api.call("GET", "/v1/subscribers/s/messages/k1", None).await;
+    assert_eq!(claim.status, StatusCode::OK, "{}", claim.text);
+    for field in [
+        "processed_at_ms",
+        "expires_at_ms",
+        "fingerprint",
+        "handler_version",
+    ] {
+        assert!(!claim.body[field].is_null(), "{field}: {}", claim.text);
+    }
+    assert!(claim.body["expires_at_ms"].as_u64() > claim.body["processed_at_ms"].as_u64());
+    let dup = api.ingest("s", Some("k1"), r#"{"a":1}"#).await;
+    assert_eq!(dup.headers["idempotent-replayed"], "true");
+
+    let r = api
+        .call("DELETE", "/v1/subscribers/s/messages/k1", None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["forgotten"], true);
+    let gone = api.call("GET", "/v1/subscribers/s/messages/k1", None).await;
+    assert_error(&gone, StatusCode::NOT_FOUND, "not_found");
+    let r = api
+        .call("DELETE", "/v1/subscribers/s/messages/k1", None)
+        .await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+
+    let again = api.ingest("s", Some("k1"), r#"{"a":1}"#).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(
+        again.headers.get("idempotent-replayed").is_none(),
+        "after forget the delivery is processed again"
+    );
+    let audit = api.call("GET", "/v1/audit", None).await;
+    let entries = audit.body["entries"].as_array().unwrap();
+    assert!(
+        entries
+            .iter()
+            .any(|e| e["action"] == "claim.forget" && e["id"] == "k1" && e["subscriber"] == "s"),
+        "{}",
+        audit.text
+    );
+    // Unknown subscribers are 404 on reads.
+    let r = api
+        .call("GET", "/v1/subscribers/nobody/messages/k1", None)
+        .await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replaying_a_dead_letter_runs_the_current_handler() {
+    let api = Api::new(
+        "[ledger]\nshards = 2\n[[subscriber]]\nname = \"labels\"\nmax_attempts = 1\n",
+        None,
+    );
+    let up = api.upload("labels", "fixture_errors").await;
+    assert_eq!(up.status, StatusCode::OK, "{}", up.text);
+    let errors_version = up.body["current"].as_str().unwrap().to_string();
+    let req = Request::post("/v1/subscribers/labels/messages")
+        .header("idempotency-key", "m1")
+        .header("authorization", "Bearer secret-credential-xyz")
+        .header("x-trace", "trace-7")
+        .body(Body::from(r#"{"order_id": "o1", "mode": "permanent"}"#))
+        .unwrap();
+    let r = api.send(req).await;
+    assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR, "dead_lettered");
+    let list = api
+        .call("GET", "/v1/subscribers/labels/deadletters", None)
+        .await;
+    let records = list.body["records"].as_array().unwrap().clone();
+    assert_eq!(records.len(), 1, "{}", list.text);
+    assert!(
+        records[0].get("payload").is_none(),
+        "lists carry no payloads"
+    );
+    let rid = records[0]["id"].as_str().unwrap().to_string();
+    let one = api
+        .call(
+            "GET",
+            &format!("/v1/subscribers/labels/deadletters/{rid}"),
+            None,
+        )
+        .await;
+    assert_eq!(one.status, StatusCode::OK, "{}", one.text);
+    assert!(one.text.contains("permanent"), "{}", one.text);
+    assert_eq!(one.body["message_id"], "m1", "{}", one.text);
+    assert!(
+        one.text.contains("trace-7"),
+        "message headers are kept: {}",
+        one.text
+    );
+    assert!(
+        !one.text.contains("secret-credential"),
+        "credentials are not message headers: {}",
+        one.text
+    );
+
+    // Install a handler that accepts it, then replay: processed by the new version.
+    let noop = api.upload("labels", "noop").await;
+    assert_eq!(noop.status, StatusCode::OK, "{}", noop.text);
+    assert_eq!(noop.body["previous"], errors_version.as_str());
+    let noop_version = noop.body["current"].as_str().unwrap().to_string();
+    let r = api
+        .call(
+            "POST",
+            &format!("/v1/subscribers/labels/deadletters/{rid}/replay"),
+            None,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["outcome"], "processed");
+    let claim = api
+        .call("GET", "/v1/subscribers/labels/messages/m1", None)
+        .await;
+    assert_eq!(claim.status, StatusCode::OK, "{}", claim.text);
+    assert_eq!(claim.body["handler_version"], noop_version.as_str());
+    let list = api
+        .call("GET", "/v1/subscribers/labels/deadletters", None)
+        .await;
+    assert_eq!(
+        list.body["records"].as_array().unwrap().len(),
+        0,
+        "{}",
+        list.text
+    );
+    let r = api
+        .call(
+            "POST",
+            &format!("/v1/subscribers/labels/deadletters/{rid}/replay"),
+            None,
+        )
+        .await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+    // The retry of the original request is now a replay.
+    let retry = api
+        .ingest(
+            "labels",
+            Some("m1"),
+            r#"{"order_id": "o1", "mode": "permanent"}"#,
+        )
+        .await;
+    assert_eq!(
+        retry.headers["idempotent-replayed"], "true",
+        "{}",
+        retry.text
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quarantine_can_be_listed_inspected_and_discarded() {
+    let api = Api::open();
+    api.ingest("s", Some("q1"), r#"{"v":1}"#).await;
+    let r = api.ingest("s", Some("q1"), r#"{"v":2}"#).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let list = api
+        .call("GET", "/v1/subscribers/s/quarantine?limit=10", None)
+        .await;
+    let rid = list.body["records"][0]["id"].as_str().unwrap().to_string();
+    let one = api
+        .call("GET", &format!("/v1/subscribers/s/quarantine/{rid}"), None)
+        .await;
+    assert_eq!(one.status, StatusCode::OK, "{}", one.text);
+    assert!(
+        one.text.contains("\\\"v\\\":2") || one.text.contains("\"v\":2"),
+        "{}",
+        one.text
+    );
+    let r = api
+        .call(
+            "DELETE",
+            &format!("/v1/subscribers/s/quarantine/{rid}"),
+            None,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let r = api
+        .call(
+            "DELETE",
+            &format!("/v1/subscribers/s/quarantine/{rid}"),
+            None,
+        )
+        .await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+    let r = api
+        .call("GET", &format!("/v1/subscribers/s/quarantine/{rid}"), None)
+        .await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+    let r = api
+        .call(
+            "POST",
+            &format!("/v1/subscribers/s/quarantine/{rid}/replay"),
+            None,
+        )
+        .await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+    let r = api
+        .call("GET", "/v1/subscribers/s/quarantine?limit=0", None)
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    let r = api
+        .call("GET", "/v1/subscribers/s/quarantine?limit=x", None)
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn records_are_paged() {
+    let api = Api::open();
+    for i in 0..5 {
+        let k = format!("p{i}");
+        api.ingest("s", Some(&k), r#"{"v":1}"#).await;
+        api.ingest("s", Some(&k), r#"{"v":2}"#).await;
+    }
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let uri = match &after {
+            Some(a) => format!("/v1/subscribers/s/quarantine?limit=2&after={a}"),
+            None => "/v1/subscribers/s/quarantine?limit=2".to_string(),
+        };
+        let page = api.call("GET", &uri, None).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+        for r in page.body["records"].as_array().unwrap() {
+            seen.push(r["id"].as_str().unwrap().to_string());
+        }
+        match page.body["next"].as_str() {
+            Some(n) => after = Some(n.to_string()),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 5, "{seen:?}");
+    let mut unique = seen.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), 5);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn config_is_read_validated_and_changed() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[[subscriber]]\nname = \"billing\"\nttl = \"24h\"\n",
+        None,
+    );
+    let r = api
+        .call("GET", "/v1/subscribers/billing/config", None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["config"]["ttl"], "1day");
+    for (body, field) in [
+        (json!({"ttl": "10ms"}), "ttl"),
+        (json!({"ttll": "1h"}), "ttll"),
+        (json!({"sliding_ttl": "yes"}), "sliding_ttl"),
+        (json!({"max_attempts": 0}), "max_attempts"),
+        (
+            json!({"key": {"source": "json_pointer", "pointer": "no-slash"}}),
+            "key.pointer",
+        ),
+        (
+            json!({"partition_key": {"source": "envelope_key"}}),
+            "partition_key",
+        ),
+        (json!({"handler": "/etc/passwd"}), "handler"),
+    ] {
+        let r = api
+            .call("PUT", "/v1/subscribers/billing/config", Some(body.clone()))
+            .await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+        assert_eq!(r.body["field"], field, "{body}: {}", r.text);
+    }
+    let r = api
+        .call("PUT", "/v1/subscribers/billing/config", Some(json!([1, 2])))
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    let r = api
+        .call(
+            "PUT",
+            "/v1/subscribers/billing/config",
+            Some(
+                json!({"ttl": "2h", "sliding_ttl": true, "max_attempts": 5, "retry_backoff": "1s"}),
+            ),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let r = api
+        .call("GET", "/v1/subscribers/billing/config", None)
+        .await;
+    assert_eq!(r.body["config"]["ttl"], "2h");
+    assert_eq!(r.body["config"]["sliding_ttl"], true);
+    assert_eq!(r.body["config"]["max_attempts"], 5);
+    // A new claim expires by the new TTL.
+    api.ingest("billing", Some("b1"), "{}").await;
+    let c = api
+        .call("GET", "/v1/subscribers/billing/messages/b1", None)
+        .await;
+    let ttl_ms =
+        c.body["expires_at_ms"].as_u64().unwrap() - c.body["processed_at_ms"].as_u64().unwrap();
+    assert_eq!(ttl_ms, 2 * 3600 * 1000, "{}", c.text);
+    let audit = api.call("GET", "/v1/audit?limit=5", None).await;
+    assert!(audit.text.contains("config.update"), "{}", audit.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn subscribers_and_stats_show_counts() {
+    let api = Api::new(
+        "[ledger]\nshards = 2\n[[subscriber]]\nname = \"idle\"\n",
+        None,
+    );
+    api.ingest("s", Some("a"), "{}").await;
+    api.ingest("s", Some("a"), "{}").await;
+    api.ingest("s", Some("b"), "{}").await;
+    let list = api.call("GET", "/v1/subscribers", None).await;
+    assert_eq!(list.status, StatusCode::OK);
+    let names: Vec<&str> = list.body["subscribers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["subscriber"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["idle", "s"],
+        "configured subscribers are listed before traffic"
+    );
+    let stats = api.call("GET", "/v1/subscribers/s/stats", None).await;
+    assert_eq!(stats.body["processed"], 2, "{}", stats.text);
+    assert_eq!(stats.body["duplicates"], 1);
+    assert_eq!(stats.body["claims_stored"], 2);
+    assert!(stats.body["data_dir_bytes"].as_u64().unwrap() > 0);
+    assert!(stats.body["filter_false_positive_rate"].as_f64().is_some());
+    let one = api.call("GET", "/v1/subscribers/s", None).await;
+    assert_eq!(one.status, StatusCode::OK, "{}", one.text);
+    assert_eq!(one.body["stats"]["processed"], 2);
+    assert!(one.body["config"]["ttl"].is_string());
+    for uri in [
+        "/v1/subscribers/nobody",
+        "/v1/subscribers/nobody/stats",
+        "/v1/subscribers/nobody/config",
+        "/v1/subscribers/nobody/handler",
+        "/v1/subscribers/nobody/deadletters",
+    ] {
+        assert_error(
+            &api.call("GET", uri, None).await,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_subscribers_are_refused_when_the_config_says_so() {
+    let api = Api::new(
+        "allow_unknown_subscribers = false\n[ledger]\nshards = 1\n",
+        None,
+    );
+    let r = api.ingest("stranger", Some("k"), "{}").await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn handler_upload_is_validated_and_can_roll_back() {
+    let api = Api::open();
+    // Not a component: 400, nothing installed.
+    let req = api
+        .req("PUT", "/v1/subscribers/s/handler")
+        .body(Body::from("definitely not wasm"))
+        .unwrap();
+    let r = api.send(req).await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    let req = api
+        .req("PUT", "/v1/subscribers/s/handler")
+        .body(Body::empty())
+        .unwrap();
+    assert_error(&api.send(req).await, StatusCode::BAD_REQUEST, "bad_request");
+    // A component that asks for a forbidden capability is refused by name.
+    let r = api.upload("s", "fixture_forbidden").await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    let r = api.call("GET", "/v1/subscribers/s/handler", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(r.body["active_version"].is_null());
+    let r = api
+        .call("POST", "/v1/subscribers/s/handler/rollback", None)
+        .await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+
+    let a = api.upload("s", "noop").await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let b = api.upload("s", "fixture_errors").await;
+    assert_eq!(b.status, StatusCode::OK, "{}", b.text);
+    assert_eq!(b.body["active_version"], b.body["current"]);
+    assert_eq!(b.body["previous"], a.body["current"]);
+    let r = api
+        .call("POST", "/v1/subscribers/s/handler/rollback", None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["current"], a.body["current"]);
+    assert_eq!(r.body["active_version"], a.body["current"]);
+    assert_eq!(r.body["previous"], b.body["current"]);
+    // Files live only under the data directory.
+    let data = api.state.ledger().data_dir().join("handlers/s");
+    let stored = std::fs::read_dir(&data).unwrap().count();
+    assert!(
+        stored >= 4,
+        "two components and two pointers in {}",
+        data.display()
+    );
+    let audit = api.call("GET", "/v1/audit", None).await;
+    assert!(audit.text.contains("handler.upload") && audit.text.contains("handler.rollback"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn maintenance_compacts_and_backs_up() {
+    let api = Api::open();
+    for i in 0..20 {
+        api.ingest("s", Some(&format!("m{i}")), "{}").await;
+    }
+    let r = api
+        .call("POST", "/v1/maintenance/compact?seal_all=true", None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let r = api
+        .call("POST", "/v1/maintenance/compact?seal_all=maybe", None)
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    let r = api
+        .call(
+            "POST",
+            "/v1/maintenance/backup",
+            Some(json!({"name": "b1"})),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(r.body["bytes"].as_u64().unwrap() > 0);
+    let dir = api.state.ledger().data_dir().join("backups/b1");
+    assert!(dir.join("dedupd.manifest.json").exists());
+    let r = api
+        .call(
+            "POST",
+            "/v1/maintenance/backup",
+            Some(json!({"name": "b1"})),
+        )
+        .await;
+    assert_error(&r, StatusCode::CONFLICT, "exists");
+    for name in ["..", "../escape", "a/b", ""] {
+        let r = api
+            .call(
+                "POST",
+                "/v1/maintenance/backup",
+                Some(json!({"name": name})),
+            )
+            .await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    }
+    let r = api
+        .call("POST", "/v1/maintenance/backup", Some(json!({"nom": "x"})))
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    let audit = api.call("GET", "/v1/audit", None).await;
+    assert!(
+        audit.text.contains("maintenance.backup") && audit.text.contains("maintenance.compact")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_are_prometheus_text() {
+    let api = Api::open();
+    api.ingest("metered", Some("a"), "{}").await;
+    api.ingest("metered", Some("a"), "{}").await;
+    // Other parts (the Kafka source) record through the `metrics` facade.
+    metrics::gauge!("dedupd_kafka_consumer_lag", "topic" => "orders", "partition" => "3").set(17.0);
+    let r = api.call("GET", "/metrics", None).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    for needle in [
+        "dedupd_messages_processed_total{subscriber=\"metered\"} 1",
+        "dedupd_duplicates_skipped_total{subscriber=\"metered\"} 1",
+        "dedupd_claims_stored{subscriber=\"metered\"}",
+        "dedupd_filter_false_positive_ratio{subscriber=\"metered\"}",
+        "dedupd_commits_total{shard=\"0\"}",
+        "dedupd_disk_bytes",
+        "dedupd_http_ingest_duration_seconds",
+        "dedupd_kafka_consumer_lag{topic=\"orders\",partition=\"3\"} 17",
+    ] {
+        assert!(r.text.contains(needle), "missing {needle} in:\n{}", r.text);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dashboard_assets_are_served_without_external_references() {
+    let api = Api::open();
+    for (uri, kind) in [
+        ("/", "text/html"),
+        ("/assets/app.js", "text/javascript"),
+        ("/assets/app.css", "text/css"),
+    ] {
+        let r = api.call("GET", uri, None).await;
+        assert_eq!(r.status, StatusCode::OK, "{uri}");
+        assert!(
+            r.headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with(kind),
+            "{uri}"
+        );
+        assert!(
+            !r.text.contains("http://") && !r.text.contains("https://"),
+            "{uri} must not load anything external"
+        );
+    }
+}
+
+/// The path of a route with its parameters filled in.
+fn concrete(path: &str) -> String {
+    path.replace("{s}", "s")
+        .replace("{id}", "k")
+        .replace("{rid}", "0-1")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn openapi_lists_every_route_and_every_listed_route_is_served() {
+    let api = Api::open();
+    let doc = api.call("GET", "/openapi.json", None).await;
+    assert_eq!(doc.status, StatusCode::OK);
+    assert_eq!(doc.body["openapi"], "3.1.0");
+    // Every documented operation reaches a handler (the fallback answers "no route").
+    for route in ROUTES {
+        let r = api
+            .call(&route.method.to_uppercase(), &concrete(route.path), None)
+            .await;
+        assert!(
+            !r.text.contains("no route"),
+            "{} {} is documented but not served: {}",
+            route.method,
+            route.path,
+            r.text
+        );
+        let op = &doc.body["paths"][route.path][route.method];
+        assert!(
+            op.is_object(),
+            "{} {} missing from the document",
+            route.method,
+            route.path
+        );
+        for status in route.statuses {
+            assert!(op["responses"][status.to_string()].is_object());
+        }
+    }
+    // Every route these tests exercise is documented.
+    let exercised = [
+        ("get", "/"),
+        ("get", "/assets/app.js"),
+        ("get", "/assets/app.css"),
+        ("get", "/healthz"),
+        ("get", "/readyz"),
+        ("get", "/metrics"),
+        ("get", "/openapi.json"),
+        ("get", "/v1/subscribers"),
+        ("get", "/v1/subscribers/{s}"),
+        ("get", "/v1/subscribers/{s}/config"),
+        ("put", "/v1/subscribers/{s}/config"),
+        ("get", "/v1/subscribers/{s}/stats"),
+        ("post", "/v1/subscribers/{s}/messages"),
+        ("get", "/v1/subscribers/{s}/messages/{id}"),
+        ("delete", "/v1/subscribers/{s}/messages/{id}"),
+        ("get", "/v1/subscribers/{s}/quarantine"),
+        ("get", "/v1/subscribers/{s}/quarantine/{rid}"),
+        ("delete", "/v1/subscribers/{s}/quarantine/{rid}"),
+        ("post", "/v1/subscribers/{s}/quarantine/{rid}/replay"),
+        ("get", "/v1/subscribers/{s}/deadletters"),
+        ("get", "/v1/subscribers/{s}/deadletters/{rid}"),
+        ("delete", "/v1/subscribers/{s}/deadletters/{rid}"),
+        ("post", "/v1/subscribers/{s}/deadletters/{rid}/replay"),
+        ("get", "/v1/subscribers/{s}/handler"),
+        ("put", "/v1/subscribers/{s}/handler"),
+        ("post", "/v1/subscribers/{s}/handler/rollback"),
+        ("post", "/v1/maintenance/compact"),
+        ("post", "/v1/maintenance/backup"),
+        ("get", "/v1/audit"),
+    ];
+    assert_eq!(
+        exercised.len(),
+        ROUTES.len(),
+        "a route was added without a test"
+    );
+    for (m, p) in exercised {
+        assert!(
+            doc.body["paths"][p][m].is_object(),
+            "{m} {p} is not documented"
+        );
+    }
+    // A known path with another method is a JSON 405.
+    let r = api.call("POST", "/healthz", None).await;
+    assert_error(&r, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed");
+    // Anything else is a JSON 404 that points at the document.
+    let r = api.call("GET", "/v2/nothing", None).await;
+    assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+    assert!(r.text.contains("openapi.json"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn changed_handler_limits_take_effect() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[[subscriber]]\nname = \"spin\"\nmax_attempts = 1\nhandler_cpu_budget = \"5ms\"\n",
+        None,
+    );
+    assert_eq!(
+        api.upload("spin", "fixture_loop").await.status,
+        StatusCode::OK
+    );
+    let r = api.ingest("spin", Some("l1"), "{}").await;
+    assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR, "dead_lettered");
+    let r = api
+        .call(
+            "PUT",
+            "/v1/subscribers/spin/config",
+            Some(json!({"handler_cpu_budget": "30ms"})),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let r = api.ingest("spin", Some("l2"), "{}").await;
+    assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR, "dead_lettered");
+    let list = api
+        .call("GET", "/v1/subscribers/spin/deadletters", None)
+        .await;
+    let reasons: Vec<String> = list.body["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(reasons.len(), 2, "{}", list.text);
+    assert!(reasons[0].contains("5 ms"), "{reasons:?}");
+    assert!(reasons[1].contains("30 ms"), "{reasons:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrency_limit_is_obeyed_across_routes() {
+    // One request at a time; the first is held by a retry backoff, so the second waits
+    // for its slot instead of being served.
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[http]\nmax_concurrency = 1\n[[subscriber]]\nname = \"slow\"\nmax_attempts = 2\nretry_backoff = \"1500ms\"\n",
+        None,
+    );
+    assert_eq!(
+        api.upload("slow", "fixture_errors").await.status,
+        StatusCode::OK
+    );
+    let app = api.router.clone();
+    let first = tokio::spawn(async move {
+        let req = Request::post("/v1/subscribers/slow/messages")
+            .header("idempotency-key", "held")
+            .body(Body::from(r#"{"please": "retry"}"#))
+            .unwrap();
+        app.oneshot(req).await.unwrap().status()
+    });
+    api.wait_for_waiting(1).await;
+    let app = api.router.clone();
+    let second = tokio::spawn(async move {
+        let req = Request::get("/healthz").body(Body::empty()).unwrap();
+        app.oneshot(req).await.unwrap().status()
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "a second request was served beyond max_concurrency = 1"
+    );
+    assert_eq!(first.await.unwrap(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(second.await.unwrap(), StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_the_header_the_subscribers_key_source_applies() {
+    let api = Api::new(
+        r#"
+[ledger]
+shards = 2
+[[subscriber]]
+name = "ce"
+key = { source = "cloudevents" }
+[[subscriber]]
+name = "hdr"
+key = { source = "header", name = "X-Event-Id" }
+[[subscriber]]
+name = "ptr"
+key = { source = "json_pointer", pointer = "/order/id" }
+partition_key = { source = "json_pointer", pointer = "/order/id" }
+"#,
+        None,
+    );
+    let r = api
+        .ingest("ce", None, r#"{"source": "shop", "id": "e1", "data": {}}"#)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    assert_eq!(r.body["key"], "shop#e1");
+    let req = Request::post("/v1/subscribers/hdr/messages")
+        .header("x-event-id", "evt-9")
+        .body(Body::from("not json at all"))
+        .unwrap();
+    let r = api.send(req).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    assert_eq!(r.body["key"], "evt-9");
+    let r = api.ingest("hdr", None, "{}").await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("x-event-id"),
+        "{}",
+        r.text
+    );
+    let r = api.ingest("ptr", None, r#"{"order": {"id": 77}}"#).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    assert_eq!(r.body["key"], "77");
+    let again = api.ingest("ptr", None, r#"{"order": {"id": 77}}"#).await;
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    let r = api.ingest("ptr", None, r#"{"order": {}}"#).await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+}

@@ -1,0 +1,201 @@
+//! `dedupd serve` as a process: refuses an open bind without a token, serves over real
+//! TCP (keep-alive HTTP/1.1), and exits cleanly on SIGTERM.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn dedupd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_dedupd"))
+}
+
+#[test]
+fn serve_refuses_a_public_bind_without_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dedupd()
+        .args(["serve", "--bind", "0.0.0.0:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("http.bind") && err.contains("token"), "{err}");
+}
+
+/// One request on an open connection; returns the status line and the body.
+fn request(
+    conn: &mut TcpStream,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> (String, String) {
+    write!(
+        conn,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{headers}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let mut status = String::new();
+    reader.read_line(&mut status).unwrap();
+    let mut len = 0usize;
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        let l = line.trim_end().to_ascii_lowercase();
+        if l.is_empty() {
+            break;
+        }
+        if let Some(v) = l.strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+    }
+    let mut buf = vec![0u8; len];
+    reader.read_exact(&mut buf).unwrap();
+    (
+        status.trim_end().to_string(),
+        String::from_utf8_lossy(&buf).to_string(),
+    )
+}
+
+#[test]
+fn serve_answers_over_tcp_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = dedupd()
+        .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let addr = address(&mut stderr);
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let (status, body) = request(&mut conn, "GET", "/healthz", "", "");
+    assert!(status.ends_with("200 OK"), "{status}");
+    assert!(body.contains("ok"));
+    // Same connection (keep-alive): first delivery, then a replay.
+    let key = "Idempotency-Key: cli-1\r\nContent-Type: application/json\r\n";
+    let (status, first) = request(
+        &mut conn,
+        "POST",
+        "/v1/subscribers/s/messages",
+        key,
+        "{\"a\":1}",
+    );
+    assert!(status.contains("201"), "{status} {first}");
+    let (status, again) = request(
+        &mut conn,
+        "POST",
+        "/v1/subscribers/s/messages",
+        key,
+        "{\"a\":1}",
+    );
+    assert!(status.contains("201"), "{status}");
+    assert_eq!(first, again);
+    drop(conn);
+
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "dedupd serve did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+}
+
+/// Waits for the "HTTP API on http://ADDR" line and returns ADDR.
+fn address(stderr: &mut impl BufRead) -> String {
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    line.split("http://")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string()
+}
+
+#[test]
+fn run_with_http_serves_stdin_and_http_over_one_ledger() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("dedupd.toml");
+    std::fs::write(&config, "[http]\nbind = \"127.0.0.1:0\"\n").unwrap();
+    let mut child = dedupd()
+        .args(["run", "--config"])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let addr = address(&mut stderr);
+    // A message over stdin...
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(
+        stdin,
+        r#"{{"subscriber":"s","id":"shared-1","payload":{{"a":1}}}}"#
+    )
+    .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut outcome = String::new();
+    stdout.read_line(&mut outcome).unwrap();
+    assert!(outcome.contains("\"processed\""), "{outcome}");
+    // ...is a duplicate over HTTP: one ledger, one claim.
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let key = "Idempotency-Key: shared-1\r\nContent-Type: application/json\r\n";
+    let (status, _) = request(
+        &mut conn,
+        "POST",
+        "/v1/subscribers/s/messages",
+        key,
+        "{\"a\":1}",
+    );
+    assert!(status.contains("201"), "{status}");
+    let (_, stats) = request(&mut conn, "GET", "/v1/subscribers/s/stats", "", "");
+    assert!(
+        stats.contains("\"processed\":1") && stats.contains("\"duplicates\":1"),
+        "{stats}"
+    );
+    // stdin ends; the server keeps serving until SIGTERM.
+    drop(stdin);
+    let (status, _) = request(&mut conn, "GET", "/healthz", "", "");
+    assert!(status.ends_with("200 OK"), "{status}");
+    drop(conn);
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "dedupd run did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+}
