@@ -55,6 +55,10 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
             .absolute(c.retries.load(Relaxed));
         counter!("dedupd_sliding_refreshes_total", "subscriber" => name.clone())
             .absolute(c.sliding_refreshes.load(Relaxed));
+        for (kind, n) in c.handler_failures_by_kind() {
+            counter!("dedupd_handler_failures_total", "subscriber" => name.clone(), "kind" => kind)
+                .absolute(n);
+        }
         let probes = c.filter_probes.load(Relaxed);
         let fps = c.filter_false_positives.load(Relaxed);
         counter!("dedupd_filter_probes_total", "subscriber" => name.clone()).absolute(probes);

@@ -710,6 +710,8 @@ impl Shard {
             }
         }
         send_outcomes(done);
+        metrics::histogram!("dedupd_batch_duration_seconds", "shard" => self.ctx.index.to_string())
+            .record(elapsed as f64 / 1e6);
         {
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
             m.batches += 1;
@@ -1041,6 +1043,8 @@ impl Shard {
             self.write_counters(&txn)?;
             let started = Instant::now();
             txn.commit().map_err(|e| self.err(e))?;
+            metrics::histogram!("dedupd_commit_duration_seconds", "shard" => self.ctx.index.to_string())
+                .record(started.elapsed().as_secs_f64());
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
             m.commits += 1;
             m.max_commit_us = m.max_commit_us.max(started.elapsed().as_micros() as u64);
@@ -1235,6 +1239,8 @@ impl Shard {
         if did {
             self.write_counters(&txn)?;
             txn.commit().map_err(|e| self.err(e))?;
+            metrics::histogram!("dedupd_commit_duration_seconds", "shard" => self.ctx.index.to_string())
+                .record(started.elapsed().as_secs_f64());
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
             m.commits += 1;
             m.max_batch_us_maintenance = m
