@@ -51,6 +51,9 @@ pub struct Config {
     /// Explicitly configured subscribers.
     #[serde(rename = "subscriber")]
     pub subscribers: Vec<SubscriberConfig>,
+    /// The Kafka source (`dedupd run` consumes it when present).
+    #[serde(default)]
+    pub kafka: Option<crate::source::kafka::KafkaConfig>,
 }
 
 impl Default for Config {
@@ -62,6 +65,7 @@ impl Default for Config {
             allow_unknown_subscribers: true,
             default_subscriber: "default".to_string(),
             subscribers: Vec::new(),
+            kafka: None,
         }
     }
 }
@@ -326,6 +330,9 @@ impl Config {
         }
         if self.ledger.generation_max_age < Duration::from_secs(1) {
             return Err(invalid("ledger.generation_max_age", "must be at least 1s"));
+        }
+        if let Some(kafka) = &self.kafka {
+            kafka.validate(self)?;
         }
         Ok(())
     }

@@ -13,6 +13,7 @@ use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::Ledger;
 use dedupd::pipeline::run_pipe;
+use dedupd::source::kafka;
 
 /// Shard writers free what sources allocate (ids, payloads, batches); mimalloc handles that
 /// cross-thread pattern with far less contention than glibc malloc (measured in the bench).
@@ -41,7 +42,9 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
-    /// The long-running engine. Sources: stdin (more arrive with later releases).
+    /// The long-running engine. With a `[kafka]` section it consumes the configured
+    /// subscriptions and relays the outbox until SIGTERM/SIGINT (then it drains, stores and
+    /// commits offsets, and exits 0); without one it runs the stdin pipe.
     Run {
         #[arg(long)]
         config: PathBuf,
@@ -102,6 +105,46 @@ enum Command {
         /// Run this handler component for every new message.
         #[arg(long)]
         handler: Option<PathBuf>,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Starts librdkafka's mock Kafka cluster on loopback, prints its bootstrap address on
+    /// stdout, and serves until SIGTERM/SIGINT. For development and tests only (in memory).
+    DevBroker {
+        /// Brokers in the cluster.
+        #[arg(long, default_value_t = 1)]
+        brokers: i32,
+        /// Topics to create up front, as NAME or NAME:PARTITIONS (others are auto-created
+        /// with 4 partitions).
+        #[arg(long = "topic")]
+        topics: Vec<String>,
+    },
+    /// Kafka source against a consume-only rdkafka baseline on the mock broker, same run.
+    KafkaBench {
+        #[arg(long, default_value_t = 2_000_000)]
+        messages: u64,
+        /// Fraction of messages that redeliver an earlier message.
+        #[arg(long, default_value_t = 0.1)]
+        dup_rate: f64,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        #[arg(long, default_value_t = 4)]
+        partitions: i32,
+        /// Messages of the paced phase that measures end-to-end latency (0 skips it).
+        #[arg(long, default_value_t = 200_000)]
+        live_messages: u64,
+        /// Handler component run for every new message.
+        #[arg(long)]
+        handler: Option<PathBuf>,
+        #[arg(long)]
+        shards: Option<usize>,
+        /// Directory in which the temporary data directory is created.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// Use this cluster instead of the built-in mock broker.
+        #[arg(long)]
+        brokers: Option<String>,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
@@ -235,7 +278,76 @@ fn run(cli: Cli) -> Result<()> {
             data_dir: dir,
         } => {
             let config = load_config(Some(&config))?;
-            pipe(&data_dir(dir, &config)?, &config)
+            let dir = data_dir(dir, &config)?;
+            match &config.kafka {
+                Some(kafka) => run_kafka(&dir, &config, kafka),
+                None => pipe(&dir, &config),
+            }
+        }
+        Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics),
+        Command::KafkaBench {
+            messages,
+            dup_rate,
+            seed,
+            partitions,
+            live_messages,
+            handler,
+            shards,
+            dir,
+            brokers,
+            json,
+        } => {
+            if !(0.0..1.0).contains(&dup_rate) {
+                bail!("--dup-rate must be in [0, 1)");
+            }
+            if messages == 0 || partitions < 1 {
+                bail!("--messages and --partitions must be at least 1");
+            }
+            if let Some(h) = &handler {
+                if !h.exists() {
+                    bail!("handler {} not found: build the plugins first (plugins/build.sh)", h.display());
+                }
+            }
+            let params = kafka::bench::KafkaBenchParams {
+                messages,
+                dup_rate,
+                seed,
+                partitions,
+                live_messages,
+                handler,
+                shards,
+                dir,
+                brokers,
+            };
+            eprintln!("kafka-bench: {messages} messages, dup rate {dup_rate}, seed {seed}, {partitions} partitions, handler {}, then {live_messages} paced messages for end-to-end latency", params.handler.as_ref().map(|h| h.display().to_string()).unwrap_or_else(|| "none".into()));
+            let report = kafka::bench::run(&params, &mut |p| {
+                let rate = p.done as f64 / p.elapsed.as_secs_f64().max(1e-9);
+                let mut err = std::io::stderr().lock();
+                let _ = write!(
+                    err,
+                    "\r{:>8} {:>5.1}%  {:>10} msgs  {:>9.0} msgs/s   ",
+                    p.phase,
+                    100.0 * p.done as f64 / p.total.max(1) as f64,
+                    p.done,
+                    rate
+                );
+                let _ = err.flush();
+            })?;
+            eprintln!();
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!("produce   {:>12.0} msgs/s", report.produce_msgs_per_sec);
+                println!("baseline  {:>12.0} msgs/s  consume only ({:.2} s)", report.baseline_msgs_per_sec, report.baseline_s);
+                println!("engine    {:>12.0} msgs/s  consume -> dedup -> handler -> offsets stored ({:.2} s)", report.engine_msgs_per_sec, report.engine_s);
+                println!("ratio     {:>12.2}x  engine / baseline", report.ratio);
+                println!("outcomes  processed {}  duplicate {}  quarantined {}  dead-lettered {}", report.processed, report.duplicate, report.quarantined, report.dead_lettered);
+                println!("backlog   p99 {:.1} ms from produce timestamp to offset stored (whole topic produced first)", report.backlog_p99_ms);
+                if report.params.live_messages > 0 {
+                    println!("live      {:.0} msgs/s paced: produce timestamp -> offset stored p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms", report.live_rate, report.live_p50_ms, report.live_p99_ms, report.live_max_ms);
+                }
+            }
+            Ok(())
         }
         Command::Demo { messages, handler } => {
             let handler = (handler != "none").then(|| PathBuf::from(handler));
@@ -409,6 +521,53 @@ fn pipe(dir: &Path, config: &Config) -> Result<()> {
         ?summary,
         "input ended; every outcome is durable and printed"
     );
+    Ok(())
+}
+
+/// Set by SIGTERM or SIGINT.
+fn stop_flag() -> Result<Arc<std::sync::atomic::AtomicBool>> {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stop.clone())
+            .with_context(|| format!("cannot install a handler for signal {sig}"))?;
+    }
+    Ok(stop)
+}
+
+fn run_kafka(dir: &Path, config: &Config, kafka_config: &kafka::KafkaConfig) -> Result<()> {
+    let stop = stop_flag()?;
+    let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
+    dedupd::pipeline::install_handlers(&ledger, config)?;
+    let result = kafka::run(ledger.clone(), kafka_config, &stop);
+    let closed = match Arc::try_unwrap(ledger) {
+        Ok(l) => l.close(),
+        Err(_) => Ok(()),
+    };
+    let summary = result?;
+    closed?;
+    println!("{}", serde_json::json!({ "kafka": summary }));
+    tracing::info!(?summary, "stopped; every stored offset covers durable outcomes");
+    Ok(())
+}
+
+fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
+    let stop = stop_flag()?;
+    let broker = kafka::DevBroker::start(brokers)?;
+    for t in topics {
+        let (name, partitions) = match t.split_once(':') {
+            Some((n, p)) => (n, p.parse::<i32>().with_context(|| format!("--topic {t}: partitions must be a number"))?),
+            None => (t.as_str(), 4),
+        };
+        broker.create_topic(name, partitions)?;
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", broker.bootstrap_servers())?;
+    out.flush()?;
+    drop(out);
+    eprintln!("dedupd dev-broker: mock Kafka cluster at {} (in memory; stop with Ctrl-C)", broker.bootstrap_servers());
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     Ok(())
 }
 
