@@ -126,6 +126,8 @@ pub(crate) struct SubState {
     pub dead_lettered: u64,
     pub max_attempts: u32,
     pub retry_backoff: std::time::Duration,
+    /// The subscriber's settings epoch these values were taken from.
+    pub settings_epoch: u64,
     /// The handler instance of this shard, if the subscriber has one.
     pub handler: Option<super::handlers::ShardHandler>,
     /// What handlers read during the current batch (opened on first use); it collects
@@ -306,11 +308,11 @@ pub(crate) fn resident_map(capacity: usize) -> KeyMap {
     map
 }
 
-/// Live entries of a map, sorted by key.
+/// Entries of a map that must be kept (live claims and unexpired tombstones), sorted by key.
 pub(crate) fn sorted_live(map: &KeyMap, now_ms: u64) -> Vec<(u128, ClaimRecord)> {
     let mut v: Vec<(u128, ClaimRecord)> = map
         .iter()
-        .filter(|(_, r)| r.is_live(now_ms))
+        .filter(|(_, r)| r.is_retained(now_ms))
         .map(|(k, r)| (*k, *r))
         .collect();
     v.sort_unstable_by_key(|e| e.0);
@@ -371,7 +373,7 @@ pub(crate) fn merge_slice(
                 }
             }
         };
-        if pick.1.is_live(now_ms) {
+        if pick.1.is_retained(now_ms) {
             out.push(pick);
         }
     }

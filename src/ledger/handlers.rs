@@ -169,6 +169,7 @@ pub(crate) fn apply(
     sub: &str,
     effects: &Effects,
     next_outbox_seq: &mut u64,
+    now_ms: u64,
 ) -> Result<(), redb::Error> {
     if !effects.state.is_empty() {
         let name = state_name(sub);
@@ -208,6 +209,7 @@ pub(crate) fn apply(
                 "topic": m.topic,
                 "key": m.key,
                 "headers": m.headers,
+                "written_at_ms": now_ms,
                 "payload": String::from_utf8_lossy(&m.payload),
             });
             t.insert(

@@ -14,6 +14,7 @@ mod fault;
 pub mod filter;
 mod generation;
 mod handlers;
+mod ops;
 pub mod record;
 mod shard;
 mod tables;
@@ -31,6 +32,7 @@ use crate::clock::Clock;
 use crate::config::{validate_subscriber_name, Config, LedgerConfig, SubscriberSettings};
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
+pub use ops::{OutboxRow, RecordKind, StoredRecord};
 pub use record::{ClaimRecord, FORMAT_VERSION};
 use shard::{Control, Shard, ShardMsg};
 
@@ -65,6 +67,10 @@ pub enum LedgerError {
     InvalidSubscriber(String),
     #[error("the ledger is stopped after an earlier storage error: {0}")]
     Poisoned(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// Index of a subscriber in the ledger's registry (not stored on disk; names are).
@@ -91,13 +97,27 @@ pub struct SubscriberCounters {
 pub struct Subscriber {
     pub id: SubscriberId,
     pub name: Arc<str>,
-    pub settings: SubscriberSettings,
+    settings: RwLock<Arc<SubscriberSettings>>,
+    /// Bumped by every settings change; shards compare it between batches.
+    settings_epoch: AtomicU64,
     pub counters: SubscriberCounters,
     /// The handler in force; shards pick up a change between batches.
     handler: RwLock<Option<Arc<dyn HandlerFactory>>>,
 }
 
 impl Subscriber {
+    /// The settings in force (key source, TTL, retry policy...).
+    pub fn settings(&self) -> Arc<SubscriberSettings> {
+        self.settings
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn settings_epoch(&self) -> u64 {
+        self.settings_epoch.load(Ordering::Acquire)
+    }
+
     /// The handler in force, if any.
     pub fn handler(&self) -> Option<Arc<dyn HandlerFactory>> {
         self.handler
@@ -165,7 +185,8 @@ impl Registry {
         let sub = Arc::new(Subscriber {
             id: SubscriberId(inner.by_id.len() as u32),
             name: Arc::from(name),
-            settings,
+            settings: RwLock::new(Arc::new(settings)),
+            settings_epoch: AtomicU64::new(0),
             counters: SubscriberCounters::default(),
             handler: RwLock::new(if configured {
                 None
@@ -273,6 +294,14 @@ pub struct Job {
     pub attempt: u32,
     /// When the source received the message (0: when the shard first decides it).
     pub received_at_ms: u64,
+    /// Where the message came from (e.g. `kafka:orders/3/1234`), kept in dead-letter and
+    /// quarantine records.
+    pub origin: Option<String>,
+    /// A stored record this job replays; removed with the job's final outcome.
+    pub(crate) settle: Option<(RecordKind, u64)>,
+    /// Replaces a live claim with another payload instead of quarantining (replay of a
+    /// quarantined message).
+    pub(crate) replace: bool,
 }
 
 impl Job {
@@ -298,6 +327,9 @@ impl Job {
             partition_key: None,
             attempt: 1,
             received_at_ms: 0,
+            origin: None,
+            settle: None,
+            replace: false,
         }
     }
 }
@@ -363,6 +395,7 @@ pub struct Ledger {
     poison: Arc<Mutex<Option<String>>>,
     poisoned: Arc<AtomicBool>,
     metrics: Vec<Arc<Mutex<ShardMetrics>>>,
+    clock: Arc<dyn Clock>,
 }
 
 impl Ledger {
@@ -485,6 +518,7 @@ impl Ledger {
             poison,
             poisoned,
             metrics: all_metrics,
+            clock,
         };
         match first_err {
             Some(e) => {

@@ -39,11 +39,38 @@ impl ClaimRecord {
         }
     }
 
+    /// A claim that counts: not expired and not forgotten.
     #[inline]
     pub fn is_live(&self, now_ms: u64) -> bool {
+        self.expires_at_ms > now_ms && !self.is_tombstone()
+    }
+
+    /// Whether sealing and merging must keep the record: a tombstone is kept until the
+    /// claim it shadows would have expired, so that claim can never resurface.
+    #[inline]
+    pub fn is_retained(&self, now_ms: u64) -> bool {
         self.expires_at_ms > now_ms
     }
+
+    /// A record written by `forget`: it shadows older copies of the claim and reads as absent.
+    #[inline]
+    pub fn is_tombstone(&self) -> bool {
+        self.handler_version == TOMBSTONE
+    }
+
+    /// The tombstone that forgets `claim` at `now_ms`.
+    pub fn tombstone_of(claim: &ClaimRecord, now_ms: u64) -> ClaimRecord {
+        ClaimRecord {
+            fingerprint: claim.fingerprint,
+            processed_at_ms: now_ms,
+            expires_at_ms: claim.expires_at_ms,
+            handler_version: TOMBSTONE,
+        }
+    }
 }
+
+/// `handler_version` of a forgotten claim (no real handler version is all ones).
+pub const TOMBSTONE: u64 = u64::MAX;
 
 #[inline]
 fn read_u64(b: &[u8], at: usize) -> u64 {

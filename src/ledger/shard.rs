@@ -32,12 +32,16 @@ use super::handlers::{self, BatchView, ShardHandler};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
 use super::tables::{self, ClaimsTable, LogTable};
 use super::{
-    Done, Job, LedgerError, Outcome, Registry, ShardMetrics, SubscriberId, SubscriberReport,
+    Done, Job, LedgerError, Outcome, RecordKind, Registry, ShardMetrics, SubscriberId,
+    SubscriberReport,
 };
 use crate::clock::Clock;
 use crate::config::LedgerConfig;
 use crate::effects::StateEntry;
 use crate::effects::{Effects, Failure, HandlerMessage, MessageHandler, StateReader};
+
+/// A stored row and its sequence number.
+pub(crate) type SeqRow = (u64, Vec<u8>);
 
 pub(crate) enum ShardMsg {
     Jobs(Vec<Job>),
@@ -66,6 +70,49 @@ pub(crate) enum Control {
         subscriber: Arc<str>,
         reply: Sender<Result<u64, LedgerError>>,
     },
+    Forget {
+        sub: SubscriberId,
+        key: u128,
+        reply: Sender<Result<bool, LedgerError>>,
+    },
+    Records {
+        kind: RecordKind,
+        subscriber: Arc<str>,
+        /// First sequence number to return.
+        from: u64,
+        limit: usize,
+        reply: Sender<Result<Vec<SeqRow>, LedgerError>>,
+    },
+    DeleteRecord {
+        kind: RecordKind,
+        sub: SubscriberId,
+        seq: u64,
+        reply: Sender<Result<bool, LedgerError>>,
+    },
+    AddDeadLetter {
+        sub: SubscriberId,
+        row: Vec<u8>,
+        reply: Sender<Result<u64, LedgerError>>,
+    },
+    OutboxPending {
+        limit: usize,
+        reply: Sender<Result<Vec<SeqRow>, LedgerError>>,
+    },
+    OutboxAck {
+        seqs: Vec<u64>,
+        reply: Sender<Result<(), LedgerError>>,
+    },
+    Backup {
+        dest: PathBuf,
+        reply: Sender<Result<u64, LedgerError>>,
+    },
+}
+
+fn record_table(kind: RecordKind) -> TableDefinition<'static, (&'static str, u64), &'static [u8]> {
+    match kind {
+        RecordKind::Quarantine => tables::QUARANTINE,
+        RecordKind::DeadLetter => handlers::DEAD_LETTERS,
+    }
 }
 
 pub(crate) struct ShardContext {
@@ -107,6 +154,8 @@ pub(crate) struct Shard {
     retries: std::collections::BinaryHeap<Retry>,
     retry_order: u64,
     dead_rows: Vec<(Arc<str>, Vec<u8>)>,
+    /// Records that replayed jobs of this batch settled, removed with its commit.
+    settled: Vec<(RecordKind, SubscriberId, u64)>,
     next_outbox_seq: u64,
     next_dead_seq: u64,
 }
@@ -248,6 +297,7 @@ impl Shard {
             retries: Default::default(),
             retry_order: 0,
             dead_rows: Vec::new(),
+            settled: Vec::new(),
             next_outbox_seq: 1,
             next_dead_seq: 1,
             ctx,
@@ -688,6 +738,7 @@ impl Shard {
     fn abandon_batch(&mut self) {
         self.quarantine_rows.clear();
         self.dead_rows.clear();
+        self.settled.clear();
         for st in self.subs.iter_mut().flatten() {
             LogRow::start(&mut st.pending_log);
             st.view = None;
@@ -723,10 +774,16 @@ impl Shard {
         }
         for id in seen {
             let idx = self.sub_index(id)?;
-            let want = self.ctx.registry.get(id).and_then(|s| s.handler());
+            let spec = self.ctx.registry.get(id);
+            let want = spec.as_ref().and_then(|s| s.handler());
             let Some(st) = self.subs[idx].as_mut() else {
                 continue;
             };
+            if let Some(spec) = &spec {
+                if spec.settings_epoch() != st.settings_epoch {
+                    apply_settings(st, spec);
+                }
+            }
             let current = st.handler.as_ref().map(|h| &h.factory);
             let same = match (current, &want) {
                 (None, None) => true,
@@ -834,16 +891,21 @@ impl Shard {
                         c[1] += 1;
                         Decision::Done(Outcome::Duplicate)
                     }
-                    Some(r) if r.is_live(now) => {
-                        let record = serde_json::json!({
+                    Some(r) if r.is_live(now) && !job.replace => {
+                        let mut record = serde_json::json!({
                             "v": 1,
                             "subscriber": &*st.name,
                             "id": &*job.id,
+                            "key_hash": format!("{:032x}", job.key),
                             "stored_fingerprint": format!("{:016x}", r.fingerprint),
                             "fingerprint": format!("{:016x}", job.fingerprint),
+                            "reason": "same id, different payload",
                             "received_at_ms": job.received_at_ms,
-                            "payload": String::from_utf8_lossy(&job.payload),
+                            "key": job.partition_key,
+                            "headers": job.headers,
+                            "origin": job.origin,
                         });
+                        put_payload(&mut record, &job.payload);
                         self.quarantine_rows.push((
                             st.name.clone(),
                             serde_json::to_vec(&record).unwrap_or_default(),
@@ -914,10 +976,11 @@ impl Shard {
                             Err(f) => {
                                 let reason =
                                     format!("{f} (attempt {} of {})", job.attempt, st.max_attempts);
-                                let record = serde_json::json!({
+                                let mut record = serde_json::json!({
                                     "v": 1,
                                     "subscriber": &*st.name,
                                     "id": &*job.id,
+                                    "key_hash": format!("{:032x}", job.key),
                                     "kind": f.kind(),
                                     "reason": reason,
                                     "attempts": job.attempt,
@@ -925,8 +988,9 @@ impl Shard {
                                     "failed_at_ms": now,
                                     "key": job.partition_key,
                                     "headers": job.headers,
-                                    "payload": String::from_utf8_lossy(&job.payload),
+                                    "origin": job.origin,
                                 });
+                                put_payload(&mut record, &job.payload);
                                 self.dead_rows.push((
                                     st.name.clone(),
                                     serde_json::to_vec(&record).unwrap_or_default(),
@@ -939,6 +1003,12 @@ impl Shard {
                         }
                     }
                 };
+                if let (Some((kind, seq)), Decision::Done(outcome)) = (job.settle, &decision) {
+                    if !matches!(outcome, Outcome::Quarantined { .. }) {
+                        self.settled.push((kind, job.subscriber, seq));
+                        wrote = true;
+                    }
+                }
                 decisions.push(decision);
             }
         }
@@ -946,7 +1016,8 @@ impl Shard {
         if wrote {
             self.write_logs(&txn)?;
             self.write_quarantine(&txn)?;
-            self.write_handler_effects(&txn)?;
+            self.write_handler_effects(&txn, now)?;
+            self.remove_settled(&txn)?;
         }
         // A view holds a snapshot of this batch; the next batch reads a fresh one.
         for st in self.subs.iter_mut().flatten() {
@@ -999,7 +1070,11 @@ impl Shard {
     }
 
     /// Writes the effects of this batch's successful handler calls and its dead letters.
-    fn write_handler_effects(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+    fn write_handler_effects(
+        &mut self,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<(), LedgerError> {
         let path = self.ctx.path.clone();
         for st in self.subs.iter_mut().flatten() {
             let Some(view) = st.view.take() else {
@@ -1007,7 +1082,7 @@ impl Shard {
             };
             let effects = view.into_effects();
             if !effects.is_empty() {
-                handlers::apply(txn, &st.name, &effects, &mut self.next_outbox_seq)
+                handlers::apply(txn, &st.name, &effects, &mut self.next_outbox_seq, now)
                     .map_err(|e| storage(&path, e))?;
             }
         }
@@ -1051,6 +1126,30 @@ impl Shard {
                 .map_err(serr)?;
             active.next_row += 1;
             LogRow::start(&mut st.pending_log);
+        }
+        Ok(())
+    }
+
+    /// Removes the records that replayed jobs settled in this batch.
+    fn remove_settled(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+        for (kind, sub, seq) in std::mem::take(&mut self.settled) {
+            let idx = self.sub_index(sub)?;
+            let Some(st) = self.subs[idx].as_mut() else {
+                continue;
+            };
+            let mut t = txn
+                .open_table(record_table(kind))
+                .map_err(|e| storage(&self.ctx.path, e))?;
+            let removed = t
+                .remove((&*st.name, seq))
+                .map_err(|e| storage(&self.ctx.path, e))?
+                .is_some();
+            if removed {
+                match kind {
+                    RecordKind::Quarantine => st.quarantined = st.quarantined.saturating_sub(1),
+                    RecordKind::DeadLetter => st.dead_lettered = st.dead_lettered.saturating_sub(1),
+                }
+            }
         }
         Ok(())
     }
@@ -1623,7 +1722,220 @@ impl Shard {
                 let r = handlers::state_entries(&self.db, &subscriber).map_err(|e| self.err(e));
                 let _ = reply.send(r);
             }
+            Control::Forget { sub, key, reply } => {
+                let _ = reply.send(self.forget(sub, key));
+            }
+            Control::Records {
+                kind,
+                subscriber,
+                from,
+                limit,
+                reply,
+            } => {
+                let _ = reply.send(self.read_records(kind, &subscriber, from, limit));
+            }
+            Control::DeleteRecord {
+                kind,
+                sub,
+                seq,
+                reply,
+            } => {
+                let _ = reply.send(self.delete_record(kind, sub, seq));
+            }
+            Control::AddDeadLetter { sub, row, reply } => {
+                let _ = reply.send(self.add_dead_letter(sub, row));
+            }
+            Control::OutboxPending { limit, reply } => {
+                let _ = reply.send(self.outbox_pending(limit));
+            }
+            Control::OutboxAck { seqs, reply } => {
+                let _ = reply.send(self.outbox_ack(seqs));
+            }
+            Control::Backup { dest, reply } => {
+                let _ = reply.send(self.backup(&dest));
+            }
         }
+    }
+
+    /// One durable transaction outside a batch (between batches, on the writer thread).
+    /// A failure stops the shard like a failed batch (I4).
+    fn small_commit<T>(
+        &mut self,
+        work: impl FnOnce(&mut Self, &WriteTransaction) -> Result<T, LedgerError>,
+    ) -> Result<T, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let result = (|| -> Result<T, LedgerError> {
+            let mut txn = self.db.begin_write().map_err(|e| self.err(e))?;
+            txn.set_durability(Durability::Immediate)
+                .map_err(|e| LedgerError::Storage {
+                    path: self.ctx.path.clone(),
+                    detail: e.to_string(),
+                })?;
+            let out = work(self, &txn)?;
+            self.write_counters(&txn)?;
+            txn.commit().map_err(|e| self.err(e))?;
+            Ok(out)
+        })();
+        if let Err(e) = &result {
+            self.abandon_batch();
+            self.poison(e.clone());
+        }
+        result
+    }
+
+    /// Writes a tombstone over a live claim so the next delivery is processed again.
+    fn forget(&mut self, sub: SubscriberId, key: u128) -> Result<bool, LedgerError> {
+        let now = self.ctx.clock.now_ms();
+        let Some(claim) = self.lookup(sub, key)?.filter(|r| r.is_live(now)) else {
+            return Ok(false);
+        };
+        let idx = self.sub_index(sub)?;
+        let presize = self.ctx.config.generation_max_claims.get();
+        if let Some(st) = self.subs[idx].as_mut() {
+            insert_claim(
+                st,
+                &mut self.next_table_id,
+                key,
+                ClaimRecord::tombstone_of(&claim, now),
+                now,
+                presize,
+                &mut self.spare_maps,
+            );
+        }
+        self.small_commit(|shard, txn| shard.write_logs(txn))?;
+        Ok(true)
+    }
+
+    fn read_records(
+        &self,
+        kind: RecordKind,
+        subscriber: &str,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, Vec<u8>)>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = match txn.open_table(record_table(kind)) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(self.err(e)),
+        };
+        let mut out = Vec::new();
+        for row in t
+            .range((subscriber, from)..=(subscriber, u64::MAX))
+            .map_err(|e| self.err(e))?
+            .take(limit)
+        {
+            let (k, v) = row.map_err(|e| self.err(e))?;
+            out.push((k.value().1, v.value().to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn delete_record(
+        &mut self,
+        kind: RecordKind,
+        sub: SubscriberId,
+        seq: u64,
+    ) -> Result<bool, LedgerError> {
+        let idx = self.sub_index(sub)?;
+        self.small_commit(|shard, txn| {
+            let Some(st) = shard.subs[idx].as_mut() else {
+                return Ok(false);
+            };
+            let mut t = txn
+                .open_table(record_table(kind))
+                .map_err(|e| storage(&shard.ctx.path, e))?;
+            let removed = t
+                .remove((&*st.name, seq))
+                .map_err(|e| storage(&shard.ctx.path, e))?
+                .is_some();
+            if removed {
+                match kind {
+                    RecordKind::Quarantine => st.quarantined = st.quarantined.saturating_sub(1),
+                    RecordKind::DeadLetter => st.dead_lettered = st.dead_lettered.saturating_sub(1),
+                }
+            }
+            Ok(removed)
+        })
+    }
+
+    fn add_dead_letter(&mut self, sub: SubscriberId, row: Vec<u8>) -> Result<u64, LedgerError> {
+        let idx = self.sub_index(sub)?;
+        let seq = self.small_commit(|shard, txn| {
+            let Some(st) = shard.subs[idx].as_mut() else {
+                return Err(LedgerError::InvalidSubscriber(
+                    "subscriber state missing".into(),
+                ));
+            };
+            let seq = shard.next_dead_seq;
+            let mut rows = vec![(st.name.clone(), row)];
+            append_records(
+                txn,
+                handlers::DEAD_LETTERS,
+                &mut rows,
+                &mut shard.next_dead_seq,
+            )
+            .map_err(|e| storage(&shard.ctx.path, e))?;
+            st.dead_lettered += 1;
+            Ok(seq)
+        })?;
+        if let Some(spec) = self.ctx.registry.get(sub) {
+            spec.counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(seq)
+    }
+
+    fn outbox_pending(&self, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = match txn.open_table(handlers::OUTBOX) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(self.err(e)),
+        };
+        let mut out = Vec::new();
+        for row in t.iter().map_err(|e| self.err(e))?.take(limit) {
+            let (k, v) = row.map_err(|e| self.err(e))?;
+            out.push((k.value(), v.value().to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn outbox_ack(&mut self, seqs: Vec<u64>) -> Result<(), LedgerError> {
+        self.small_commit(|shard, txn| {
+            let mut t = txn
+                .open_table(handlers::OUTBOX)
+                .map_err(|e| storage(&shard.ctx.path, e))?;
+            for seq in seqs {
+                t.remove(seq).map_err(|e| storage(&shard.ctx.path, e))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Copies the shard file between two commits: every commit is durable and no other
+    /// thread writes the file, so the copy is the state after the last commit.
+    fn backup(&self, dest: &std::path::Path) -> Result<u64, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let name = self
+            .ctx
+            .path
+            .file_name()
+            .map(|n| n.to_os_string())
+            .unwrap_or_default();
+        std::fs::copy(&self.ctx.path, dest.join(name)).map_err(|e| LedgerError::DataDir {
+            path: dest.to_path_buf(),
+            detail: format!("backup of {} failed: {e}", self.ctx.path.display()),
+        })
     }
 
     fn lookup(&mut self, sub: SubscriberId, key: u128) -> Result<Option<ClaimRecord>, LedgerError> {
@@ -1635,7 +1947,7 @@ impl Shard {
             return Ok(None);
         };
         match st.find_in_memory(key) {
-            Found::Active(r) | Found::Older(r) => Ok(Some(r)),
+            Found::Active(r) | Found::Older(r) => Ok(Some(r).filter(|r| !r.is_tombstone())),
             Found::AskSealed => {
                 let txn = self.db.begin_read().map_err(|e| self.err(e))?;
                 for g in st.sealed.iter().rev() {
@@ -1645,7 +1957,8 @@ impl Shard {
                     let name = tables::claims_name(&st.name, g.table_id);
                     let t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
                     if let Some(v) = t.get(key).map_err(|e| self.err(e))? {
-                        return Ok(Some(ClaimRecord::decode(&v.value())));
+                        let r = ClaimRecord::decode(&v.value());
+                        return Ok(Some(r).filter(|r| !r.is_tombstone()));
                     }
                 }
                 Ok(None)
@@ -1712,11 +2025,11 @@ impl Shard {
 fn new_sub_state(spec: &super::Subscriber) -> SubState {
     let mut pending_log = Vec::new();
     LogRow::start(&mut pending_log);
-    SubState {
+    let mut st = SubState {
         id: spec.id,
         name: spec.name.clone(),
-        ttl_ms: spec.settings.ttl.as_millis() as u64,
-        sliding: spec.settings.sliding_ttl,
+        ttl_ms: 0,
+        sliding: false,
         active: None,
         sealing: None,
         sealed: Vec::new(),
@@ -1725,10 +2038,36 @@ fn new_sub_state(spec: &super::Subscriber) -> SubState {
         pending_log,
         quarantined: 0,
         dead_lettered: 0,
-        max_attempts: spec.settings.max_attempts.max(1),
-        retry_backoff: spec.settings.retry_backoff,
+        max_attempts: 1,
+        retry_backoff: Duration::ZERO,
+        settings_epoch: 0,
         handler: None,
         view: None,
+    };
+    apply_settings(&mut st, spec);
+    st
+}
+
+/// Takes a subscriber's current settings into its shard state (between batches).
+fn apply_settings(st: &mut SubState, spec: &super::Subscriber) {
+    st.settings_epoch = spec.settings_epoch();
+    let settings = spec.settings();
+    st.ttl_ms = settings.ttl.as_millis() as u64;
+    st.sliding = settings.sliding_ttl;
+    st.max_attempts = settings.max_attempts.max(1);
+    st.retry_backoff = settings.retry_backoff;
+}
+
+/// Stores a payload in a JSON record: as text when it is UTF-8, else base64.
+fn put_payload(record: &mut serde_json::Value, payload: &[u8]) {
+    use base64::Engine as _;
+    match std::str::from_utf8(payload) {
+        Ok(text) => record["payload"] = text.into(),
+        Err(_) => {
+            record["payload_base64"] = base64::engine::general_purpose::STANDARD
+                .encode(payload)
+                .into()
+        }
     }
 }
 

@@ -203,7 +203,7 @@ fn decide_line(
         }
     };
     let canonical = canonical_payload(&env.payload);
-    let key = match derive_key(&env, &canonical, &sub.settings) {
+    let key = match derive_key(&env, &canonical, &sub.settings()) {
         Ok(k) => k,
         Err(e) => {
             let id = env.id.as_ref().map(|s| {
@@ -219,7 +219,7 @@ fn decide_line(
             ));
         }
     };
-    let route = match derive_partition(&env, &key, &sub.settings) {
+    let route = match derive_partition(&env, &key, &sub.settings()) {
         Ok(r) => r,
         Err(e) => {
             return Err((

@@ -1,0 +1,377 @@
+//! Operations for operators and relays: forgetting claims, stored quarantine and
+//! dead-letter records (list, inspect, replay, discard), the outbox, backups and settings
+//! changes at runtime. Each runs on the owning shard's writer thread between two batches,
+//! so it never interleaves with a batch, and each write is durable before it returns.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crossbeam_channel::bounded;
+use serde::{Deserialize, Serialize};
+
+use super::shard::{Control, ShardMsg};
+use super::{AckSender, Job, Ledger, LedgerError, MANIFEST};
+use crate::config::SubscriberSettings;
+use crate::envelope::{fingerprint, key_hash};
+
+/// The two kinds of records kept aside for operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordKind {
+    /// Same id, different payload (G4).
+    Quarantine,
+    /// Handler gave up, or the input was unusable.
+    DeadLetter,
+}
+
+impl RecordKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RecordKind::Quarantine => "quarantine",
+            RecordKind::DeadLetter => "dead_letter",
+        }
+    }
+}
+
+/// A quarantine or dead-letter record as stored.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StoredRecord {
+    pub kind: RecordKind,
+    /// `{shard}-{seq}`: stable for the record's lifetime.
+    pub id: String,
+    pub subscriber: String,
+    /// The stored JSON record (id, key_hash, reason, attempts, headers, payload, origin...).
+    pub body: serde_json::Value,
+}
+
+/// A message a handler emitted, waiting to be relayed.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OutboxRow {
+    /// `{shard}-{seq}`: pass to [`Ledger::outbox_ack`] once the broker acknowledged it.
+    pub id: String,
+    pub subscriber: String,
+    /// Deterministic id derived from the incoming message id (the same on every redelivery).
+    pub message_id: String,
+    pub topic: String,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub payload: Vec<u8>,
+    pub written_at_ms: u64,
+}
+
+fn parse_id(id: &str) -> Option<(usize, u64)> {
+    let (shard, seq) = id.split_once('-')?;
+    Some((shard.parse().ok()?, seq.parse().ok()?))
+}
+
+fn stopped() -> LedgerError {
+    LedgerError::Poisoned("shard writer stopped".into())
+}
+
+impl Ledger {
+    fn ask<T>(
+        &self,
+        shard: usize,
+        make: impl FnOnce(crossbeam_channel::Sender<Result<T, LedgerError>>) -> Control,
+    ) -> Result<T, LedgerError> {
+        let (tx, rx) = bounded(1);
+        self.shards[shard]
+            .tx
+            .send(ShardMsg::Control(make(tx)))
+            .map_err(|_| stopped())?;
+        rx.recv().map_err(|_| stopped())?
+    }
+
+    fn record_ref(&self, id: &str) -> Result<(usize, u64), LedgerError> {
+        match parse_id(id) {
+            Some((shard, seq)) if shard < self.shards.len() => Ok((shard, seq)),
+            _ => Err(LedgerError::Invalid(format!(
+                "{id:?} is not a record id (expected SHARD-SEQ, e.g. 0-17)"
+            ))),
+        }
+    }
+
+    /// Forgets the live claim of `(subscriber, key)` so its next delivery is processed
+    /// again. Writes a tombstone that shadows every older copy of the claim until that
+    /// claim would have expired. `Ok(false)`: there was no live claim.
+    pub fn forget(&self, subscriber: &str, key: u128) -> Result<bool, LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        self.ask(self.route(key), |reply| Control::Forget {
+            sub: sub.id,
+            key,
+            reply,
+        })
+    }
+
+    /// Records of one subscriber in id order (shard, then sequence), starting after
+    /// `after`, at most `limit`.
+    pub fn records(
+        &self,
+        kind: RecordKind,
+        subscriber: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<StoredRecord>, LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        let (first_shard, from) = match after {
+            None => (0, 0),
+            Some(id) => {
+                let (shard, seq) = self.record_ref(id)?;
+                (shard, seq.saturating_add(1))
+            }
+        };
+        let mut out = Vec::new();
+        for shard in first_shard..self.shards.len() {
+            if out.len() >= limit {
+                break;
+            }
+            let from = if shard == first_shard { from } else { 0 };
+            let rows = self.ask(shard, |reply| Control::Records {
+                kind,
+                subscriber: sub.name.clone(),
+                from,
+                limit: limit - out.len(),
+                reply,
+            })?;
+            out.extend(rows.into_iter().map(|(seq, bytes)| StoredRecord {
+                kind,
+                id: format!("{shard}-{seq}"),
+                subscriber: sub.name.to_string(),
+                body: serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+            }));
+        }
+        Ok(out)
+    }
+
+    /// One record by id, or `None`.
+    pub fn record(
+        &self,
+        kind: RecordKind,
+        subscriber: &str,
+        id: &str,
+    ) -> Result<Option<StoredRecord>, LedgerError> {
+        let (shard, seq) = self.record_ref(id)?;
+        let sub = self.registry.resolve(subscriber, true)?;
+        let rows = self.ask(shard, |reply| Control::Records {
+            kind,
+            subscriber: sub.name.clone(),
+            from: seq,
+            limit: 1,
+            reply,
+        })?;
+        Ok(rows
+            .into_iter()
+            .find(|(s, _)| *s == seq)
+            .map(|(_, bytes)| StoredRecord {
+                kind,
+                id: id.to_string(),
+                subscriber: sub.name.to_string(),
+                body: serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+            }))
+    }
+
+    /// Deletes a record. `Ok(false)`: no such record.
+    pub fn discard_record(
+        &self,
+        kind: RecordKind,
+        subscriber: &str,
+        id: &str,
+    ) -> Result<bool, LedgerError> {
+        let (shard, seq) = self.record_ref(id)?;
+        let sub = self.registry.resolve(subscriber, true)?;
+        self.ask(shard, |reply| Control::DeleteRecord {
+            kind,
+            sub: sub.id,
+            seq,
+            reply,
+        })
+    }
+
+    /// Reprocesses a stored record through the subscriber's current handler, like a new
+    /// delivery: the outcome arrives on `ack` under `seq` once durable. A quarantined
+    /// message replaces the claim it conflicted with. The record is removed in the same
+    /// transaction as the job's final outcome (processed, duplicate or dead-lettered
+    /// again, which writes a new record). `Ok(false)`: no such record.
+    pub fn replay(
+        &self,
+        kind: RecordKind,
+        subscriber: &str,
+        id: &str,
+        seq: u64,
+        ack: AckSender,
+    ) -> Result<bool, LedgerError> {
+        let Some(record) = self.record(kind, subscriber, id)? else {
+            return Ok(false);
+        };
+        let (shard, record_seq) = self.record_ref(id)?;
+        let body = &record.body;
+        let Some(msg_id) = body.get("id").and_then(|v| v.as_str()) else {
+            return Err(LedgerError::Invalid(format!(
+                "record {id} has no idempotency key (the input was unusable); discard it instead"
+            )));
+        };
+        let key = body
+            .get("key_hash")
+            .and_then(|v| v.as_str())
+            .and_then(|h| u128::from_str_radix(h, 16).ok())
+            .unwrap_or_else(|| key_hash(msg_id.as_bytes()));
+        if self.route(key) != shard {
+            return Err(LedgerError::Invalid(format!(
+                "record {id} is not on the shard of its key; it cannot be replayed"
+            )));
+        }
+        let payload: Vec<u8> = match (body.get("payload"), body.get("payload_base64")) {
+            (Some(serde_json::Value::String(text)), _) => text.as_bytes().to_vec(),
+            (_, Some(serde_json::Value::String(b64))) => {
+                use base64::Engine as _;
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|e| LedgerError::Invalid(format!("record {id}: bad payload: {e}")))?
+            }
+            _ => {
+                return Err(LedgerError::Invalid(format!(
+                    "record {id} keeps no payload; it cannot be replayed"
+                )))
+            }
+        };
+        let sub = self.registry.resolve(subscriber, true)?;
+        let mut job = Job::new(
+            seq,
+            sub.id,
+            key,
+            fingerprint(&payload),
+            msg_id,
+            &payload,
+            ack,
+        );
+        job.headers = body
+            .get("headers")
+            .and_then(|h| serde_json::from_value(h.clone()).ok())
+            .unwrap_or_default();
+        job.partition_key = body.get("key").and_then(|k| k.as_str()).map(String::from);
+        job.origin = body
+            .get("origin")
+            .and_then(|k| k.as_str())
+            .map(String::from);
+        job.settle = Some((kind, record_seq));
+        job.replace = kind == RecordKind::Quarantine;
+        self.submit(shard, vec![job])?;
+        Ok(true)
+    }
+
+    /// Keeps a dead letter for input that never became a job (no usable key, malformed).
+    /// `record` should be a JSON object (reason, payload, origin...); the ledger adds
+    /// `subscriber` and `failed_at_ms`. Returns the record id.
+    pub fn add_dead_letter(
+        &self,
+        subscriber: &str,
+        record: serde_json::Value,
+    ) -> Result<String, LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        let mut record = match record {
+            serde_json::Value::Object(m) => serde_json::Value::Object(m),
+            other => serde_json::json!({ "detail": other }),
+        };
+        record["v"] = 1.into();
+        record["subscriber"] = sub.name.to_string().into();
+        record["failed_at_ms"] = self.clock.now_ms().into();
+        let row = serde_json::to_vec(&record).map_err(|e| LedgerError::Invalid(e.to_string()))?;
+        // Records without a key live on the subscriber name's shard.
+        let shard = self.route(key_hash(sub.name.as_bytes()));
+        let seq = self.ask(shard, |reply| Control::AddDeadLetter {
+            sub: sub.id,
+            row,
+            reply,
+        })?;
+        Ok(format!("{shard}-{seq}"))
+    }
+
+    /// Outbox rows waiting for the relay, oldest first per shard, at most `limit` in all.
+    pub fn outbox_pending(&self, limit: usize) -> Result<Vec<OutboxRow>, LedgerError> {
+        let mut out = Vec::new();
+        let per_shard = limit.div_ceil(self.shards.len().max(1)).max(1);
+        for shard in 0..self.shards.len() {
+            let rows = self.ask(shard, |reply| Control::OutboxPending {
+                limit: per_shard,
+                reply,
+            })?;
+            for (seq, bytes) in rows {
+                let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+                    LedgerError::Invalid(format!("outbox row {shard}-{seq} is unreadable: {e}"))
+                })?;
+                let text = |k: &str| v.get(k).and_then(|x| x.as_str()).map(String::from);
+                out.push(OutboxRow {
+                    id: format!("{shard}-{seq}"),
+                    subscriber: text("subscriber").unwrap_or_default(),
+                    message_id: text("id").unwrap_or_default(),
+                    topic: text("topic").unwrap_or_default(),
+                    key: text("key"),
+                    headers: v
+                        .get("headers")
+                        .and_then(|h| serde_json::from_value(h.clone()).ok())
+                        .unwrap_or_default(),
+                    payload: text("payload").unwrap_or_default().into_bytes(),
+                    written_at_ms: v.get("written_at_ms").and_then(|x| x.as_u64()).unwrap_or(0),
+                });
+            }
+        }
+        out.truncate(limit);
+        Ok(out)
+    }
+
+    /// Deletes relayed outbox rows (call only after the broker acknowledged them).
+    pub fn outbox_ack(&self, ids: &[String]) -> Result<(), LedgerError> {
+        let mut by_shard: Vec<Vec<u64>> = vec![Vec::new(); self.shards.len()];
+        for id in ids {
+            let (shard, seq) = self.record_ref(id)?;
+            by_shard[shard].push(seq);
+        }
+        for (shard, seqs) in by_shard.into_iter().enumerate() {
+            if !seqs.is_empty() {
+                self.ask(shard, |reply| Control::OutboxAck { seqs, reply })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies every shard file (each between two of its commits) and the manifest into
+    /// `dir`, which must be absent or empty. The copy opens as a data directory of its own.
+    /// Returns the bytes copied.
+    pub fn backup(&self, dir: &Path) -> Result<u64, LedgerError> {
+        let bad = |detail: String| LedgerError::DataDir {
+            path: dir.to_path_buf(),
+            detail,
+        };
+        if dir.exists() {
+            let mut entries = std::fs::read_dir(dir).map_err(|e| bad(e.to_string()))?;
+            if entries.next().is_some() {
+                return Err(bad("backup directory is not empty".into()));
+            }
+        }
+        std::fs::create_dir_all(dir).map_err(|e| bad(e.to_string()))?;
+        let mut total = std::fs::copy(self.data_dir.join(MANIFEST), dir.join(MANIFEST))
+            .map_err(|e| bad(format!("cannot copy the manifest: {e}")))?;
+        for shard in 0..self.shards.len() {
+            total += self.ask(shard, |reply| Control::Backup {
+                dest: dir.to_path_buf(),
+                reply,
+            })?;
+        }
+        Ok(total)
+    }
+
+    /// Replaces a subscriber's settings at runtime. Shards take the TTL and retry policy
+    /// between batches (claims already written keep their expiry); sources read the key
+    /// source for each new message. Validation is the caller's.
+    pub fn update_settings(
+        &self,
+        subscriber: &str,
+        settings: SubscriberSettings,
+    ) -> Result<(), LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        *sub.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(settings);
+        sub.settings_epoch.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+}

@@ -1,0 +1,358 @@
+//! Operator and relay operations of the ledger: forgetting claims (also across sealing,
+//! merging and restarts), quarantine and dead-letter records (page, inspect, replay,
+//! discard), the outbox, backups and settings changes at runtime.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::unbounded;
+use dedupd::clock::{Clock, ManualClock};
+use dedupd::config::Config;
+use dedupd::effects::{
+    Effects, Failure, HandlerFactory, HandlerMessage, MessageHandler, OutboxMessage, StateReader,
+};
+use dedupd::envelope::{fingerprint, key_hash};
+use dedupd::ledger::{Done, Job, Ledger, Outcome, RecordKind};
+
+fn config(shards: usize) -> Config {
+    let mut c = Config::default();
+    c.ledger.shards = std::num::NonZeroUsize::new(shards);
+    c
+}
+
+fn clock() -> Arc<ManualClock> {
+    Arc::new(ManualClock::new(1_000_000))
+}
+
+/// Submits one message and waits for its durable outcome.
+fn deliver(ledger: &Ledger, sub: &str, id: &str, payload: &[u8]) -> Outcome {
+    let s = ledger.subscriber(sub).unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let key = key_hash(id.as_bytes());
+    let job = Job::new(1, s.id, key, fingerprint(payload), id, payload, tx);
+    ledger.submit(ledger.route(key), vec![job]).unwrap();
+    rx.recv_timeout(Duration::from_secs(30)).unwrap()[0]
+        .outcome
+        .clone()
+}
+
+fn replay(ledger: &Ledger, kind: RecordKind, sub: &str, id: &str) -> Outcome {
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    assert!(ledger.replay(kind, sub, id, 7, tx).unwrap());
+    let done = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(done[0].seq, 7);
+    done[0].outcome.clone()
+}
+
+#[test]
+fn forgotten_claims_are_processed_again_in_every_generation_and_after_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = clock();
+    let cfg = config(2);
+    let ledger = Ledger::open(dir.path(), &cfg, clock.clone()).unwrap();
+    for i in 0..50 {
+        assert_eq!(
+            deliver(&ledger, "orders", &format!("o-{i}"), b"{}"),
+            Outcome::Processed
+        );
+    }
+    // o-0..o-9 forgotten while active; the rest sealed first, then o-10..o-19 forgotten.
+    for i in 0..10 {
+        assert!(ledger
+            .forget("orders", key_hash(format!("o-{i}").as_bytes()))
+            .unwrap());
+    }
+    ledger.maintain(true).unwrap();
+    for i in 10..20 {
+        assert!(ledger
+            .forget("orders", key_hash(format!("o-{i}").as_bytes()))
+            .unwrap());
+    }
+    assert!(!ledger.forget("orders", key_hash(b"never-seen")).unwrap());
+    assert!(
+        !ledger.forget("orders", key_hash(b"o-3")).unwrap(),
+        "already forgotten"
+    );
+    assert_eq!(ledger.lookup("orders", key_hash(b"o-3")).unwrap(), None);
+    assert!(ledger
+        .lookup("orders", key_hash(b"o-30"))
+        .unwrap()
+        .is_some());
+    // Tombstones sealed and merged over the claims they shadow must keep shadowing them.
+    ledger.maintain(true).unwrap();
+    ledger.close().unwrap();
+    let ledger = Ledger::open(dir.path(), &cfg, clock.clone()).unwrap();
+    for i in 0..50 {
+        let want = if i < 20 {
+            Outcome::Processed
+        } else {
+            Outcome::Duplicate
+        };
+        assert_eq!(
+            deliver(&ledger, "orders", &format!("o-{i}"), b"{}"),
+            want,
+            "o-{i}"
+        );
+    }
+}
+
+/// Fails every message while `fail` is set, and writes one state entry and one outbox
+/// message per success.
+#[derive(Debug)]
+struct Switchable {
+    fail: Arc<AtomicBool>,
+    version: u64,
+}
+
+struct SwitchableInstance {
+    fail: Arc<AtomicBool>,
+}
+
+impl MessageHandler for SwitchableInstance {
+    fn handle(
+        &mut self,
+        msg: &HandlerMessage,
+        state: Box<dyn StateReader>,
+    ) -> (Box<dyn StateReader>, Result<Effects, Failure>) {
+        if self.fail.load(Ordering::SeqCst) {
+            return (state, Err(Failure::Permanent("not today".into())));
+        }
+        let mut e = Effects::default();
+        e.state
+            .insert(msg.id.clone().into_bytes(), Some(msg.payload.clone()));
+        e.outbox.push(OutboxMessage {
+            id: format!("{}#0", msg.id),
+            topic: "labels".into(),
+            key: msg.key.clone(),
+            headers: vec![("h".into(), "v".into())],
+            payload: msg.payload.clone(),
+        });
+        (state, Ok(e))
+    }
+}
+
+impl HandlerFactory for Switchable {
+    fn instantiate(&self) -> Result<Box<dyn MessageHandler>, String> {
+        Ok(Box::new(SwitchableInstance {
+            fail: self.fail.clone(),
+        }))
+    }
+    fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+#[test]
+fn dead_letters_page_replay_through_the_current_handler_and_discard() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = clock();
+    let ledger = Ledger::open(dir.path(), &config(2), clock.clone()).unwrap();
+    let fail = Arc::new(AtomicBool::new(true));
+    ledger
+        .set_handler(
+            "labels",
+            Some(Arc::new(Switchable {
+                fail: fail.clone(),
+                version: 1,
+            })),
+        )
+        .unwrap();
+    for i in 0..5 {
+        let out = deliver(&ledger, "labels", &format!("m-{i}"), b"{\"n\":1}");
+        assert!(matches!(out, Outcome::DeadLettered { .. }), "{out:?}");
+    }
+    let page1 = ledger
+        .records(RecordKind::DeadLetter, "labels", None, 3)
+        .unwrap();
+    assert_eq!(page1.len(), 3);
+    let page2 = ledger
+        .records(RecordKind::DeadLetter, "labels", Some(&page1[2].id), 3)
+        .unwrap();
+    assert_eq!(page2.len(), 2);
+    let mut ids: Vec<String> = page1.iter().chain(&page2).map(|r| r.id.clone()).collect();
+    ids.dedup();
+    assert_eq!(ids.len(), 5, "pages do not overlap");
+    let first = &page1[0];
+    assert_eq!(first.body["kind"], "permanent");
+    assert_eq!(first.body["payload"], "{\"n\":1}");
+    assert!(ledger
+        .record(RecordKind::DeadLetter, "labels", &first.id)
+        .unwrap()
+        .is_some());
+
+    // Replay with the handler still failing: dead-lettered again, the old record replaced.
+    let out = replay(&ledger, RecordKind::DeadLetter, "labels", &first.id);
+    assert!(matches!(out, Outcome::DeadLettered { .. }));
+    assert!(ledger
+        .record(RecordKind::DeadLetter, "labels", &first.id)
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        ledger
+            .records(RecordKind::DeadLetter, "labels", None, 100)
+            .unwrap()
+            .len(),
+        5
+    );
+
+    // A fixed handler: replay processes, writes state and outbox, removes the record.
+    fail.store(false, Ordering::SeqCst);
+    ledger
+        .set_handler(
+            "labels",
+            Some(Arc::new(Switchable {
+                fail: fail.clone(),
+                version: 2,
+            })),
+        )
+        .unwrap();
+    let all = ledger
+        .records(RecordKind::DeadLetter, "labels", None, 100)
+        .unwrap();
+    let target = all[0].id.clone();
+    let msg_id = all[0].body["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        replay(&ledger, RecordKind::DeadLetter, "labels", &target),
+        Outcome::Processed
+    );
+    let claim = ledger
+        .lookup("labels", key_hash(msg_id.as_bytes()))
+        .unwrap()
+        .unwrap();
+    assert_eq!(claim.handler_version, 2);
+    assert_eq!(ledger.state_len("labels").unwrap(), 1);
+    assert_eq!(
+        deliver(&ledger, "labels", &msg_id, b"{\"n\":1}"),
+        Outcome::Duplicate
+    );
+
+    // Discard one; unknown and malformed ids.
+    let other = ledger
+        .records(RecordKind::DeadLetter, "labels", None, 100)
+        .unwrap()[0]
+        .id
+        .clone();
+    assert!(ledger
+        .discard_record(RecordKind::DeadLetter, "labels", &other)
+        .unwrap());
+    assert!(!ledger
+        .discard_record(RecordKind::DeadLetter, "labels", &other)
+        .unwrap());
+    assert!(ledger
+        .discard_record(RecordKind::DeadLetter, "labels", "zz")
+        .is_err());
+    let (tx, _rx) = unbounded();
+    assert!(!ledger
+        .replay(RecordKind::DeadLetter, "labels", "0-999999", 1, tx)
+        .unwrap());
+    let report = ledger.report().unwrap();
+    let r = report
+        .subscribers
+        .iter()
+        .find(|s| s.subscriber == "labels")
+        .unwrap();
+    assert_eq!(r.dead_lettered, 3);
+
+    // The outbox holds exactly the one processed message until it is acknowledged.
+    let rows = ledger.outbox_pending(100).unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].message_id, format!("{msg_id}#0"));
+    assert_eq!(rows[0].topic, "labels");
+    assert_eq!(rows[0].payload, b"{\"n\":1}");
+    assert_eq!(rows[0].headers, vec![("h".to_string(), "v".to_string())]);
+    assert_eq!(rows[0].written_at_ms, clock.now_ms());
+    ledger.outbox_ack(&[rows[0].id.clone()]).unwrap();
+    assert!(ledger.outbox_pending(100).unwrap().is_empty());
+}
+
+#[test]
+fn replaying_a_quarantined_message_replaces_the_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &config(1), clock()).unwrap();
+    assert_eq!(deliver(&ledger, "s", "a", b"one"), Outcome::Processed);
+    assert!(matches!(
+        deliver(&ledger, "s", "a", b"two"),
+        Outcome::Quarantined { .. }
+    ));
+    let q = ledger
+        .records(RecordKind::Quarantine, "s", None, 10)
+        .unwrap();
+    assert_eq!(q.len(), 1);
+    assert_eq!(q[0].body["payload"], "two");
+    assert_eq!(
+        replay(&ledger, RecordKind::Quarantine, "s", &q[0].id),
+        Outcome::Processed
+    );
+    assert!(ledger
+        .records(RecordKind::Quarantine, "s", None, 10)
+        .unwrap()
+        .is_empty());
+    let claim = ledger.lookup("s", key_hash(b"a")).unwrap().unwrap();
+    assert_eq!(claim.fingerprint, fingerprint(b"two"));
+    assert_eq!(deliver(&ledger, "s", "a", b"two"), Outcome::Duplicate);
+    assert!(matches!(
+        deliver(&ledger, "s", "a", b"one"),
+        Outcome::Quarantined { .. }
+    ));
+}
+
+#[test]
+fn unusable_input_is_kept_as_a_dead_letter_that_cannot_be_replayed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &config(2), clock()).unwrap();
+    let id = ledger
+        .add_dead_letter(
+            "kafka-in",
+            serde_json::json!({"reason": "no usable key", "payload": "x"}),
+        )
+        .unwrap();
+    let rec = ledger
+        .record(RecordKind::DeadLetter, "kafka-in", &id)
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.body["reason"], "no usable key");
+    assert_eq!(rec.body["subscriber"], "kafka-in");
+    let (tx, _rx) = unbounded();
+    let err = ledger
+        .replay(RecordKind::DeadLetter, "kafka-in", &id, 1, tx)
+        .unwrap_err();
+    assert!(err.to_string().contains("no idempotency key"), "{err}");
+}
+
+#[test]
+fn backups_open_as_data_directories_and_settings_change_at_runtime() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = clock();
+    let cfg = config(2);
+    let ledger = Ledger::open(dir.path(), &cfg, clock.clone()).unwrap();
+    for i in 0..20 {
+        deliver(&ledger, "s", &format!("k{i}"), b"p");
+    }
+    let backup = tempfile::tempdir().unwrap();
+    let target = backup.path().join("b1");
+    let bytes = ledger.backup(&target).unwrap();
+    assert!(bytes > 0);
+    assert!(ledger.backup(&target).is_err(), "refuses a non-empty dir");
+
+    // A shorter TTL applies to claims written after the change.
+    let mut settings = (*ledger.subscriber("s").unwrap().settings()).clone();
+    settings.ttl = Duration::from_secs(1);
+    ledger.update_settings("s", settings).unwrap();
+    assert_eq!(deliver(&ledger, "s", "short", b"p"), Outcome::Processed);
+    clock.advance_ms(2_000);
+    assert_eq!(deliver(&ledger, "s", "short", b"p"), Outcome::Processed);
+    assert_eq!(deliver(&ledger, "s", "k1", b"p"), Outcome::Duplicate);
+    ledger.close().unwrap();
+
+    let restored = Ledger::open(&target, &cfg, clock.clone()).unwrap();
+    for i in 0..20 {
+        assert_eq!(
+            deliver(&restored, "s", &format!("k{i}"), b"p"),
+            Outcome::Duplicate
+        );
+    }
+    assert_eq!(deliver(&restored, "s", "short", b"p"), Outcome::Processed);
+}
