@@ -29,6 +29,7 @@ struct Cluster {
 }
 
 fn cluster() -> Cluster {
+    logs();
     match std::env::var("KAFKA_BOOTSTRAP") {
         Ok(b) if !b.is_empty() => Cluster {
             _mock: None,
@@ -161,6 +162,26 @@ fn committed_and_end(bootstrap: &str, group: &str, topic: &str) -> Vec<(i64, i64
         .collect()
 }
 
+/// Sets a stop flag when dropped, so a failed assertion does not leave a source running
+/// (and the test hanging) inside a thread scope.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+fn logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+}
+
 fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !f() {
@@ -170,9 +191,9 @@ fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 }
 
 fn at_log_end(bootstrap: &str, group: &str, topic: &str) -> bool {
-    committed_and_end(bootstrap, group, topic)
-        .iter()
-        .all(|(c, e)| *e == 0 || c == e)
+    let ends = committed_and_end(bootstrap, group, topic);
+    tracing::debug!(?ends, topic, "committed offsets and log ends");
+    ends.iter().all(|(c, e)| *e == 0 || c == e)
 }
 
 fn kafka_config(bootstrap: &str) -> KafkaConfig {
@@ -251,6 +272,7 @@ handler = "{}"
     let stop = AtomicBool::new(false);
     let summary = std::thread::scope(|s| {
         let run = s.spawn(|| kafka::run(ledger.clone(), &k, &stop));
+        let _guard = StopOnDrop(&stop);
         wait_until("offsets at the log end", Duration::from_secs(60), || {
             at_log_end(&c.bootstrap, &format!("g-{orders}"), &orders)
                 && at_log_end(&c.bootstrap, &format!("g-{payments}"), &payments)
@@ -325,10 +347,11 @@ fn rebalance_moves_partitions_without_double_processing() {
         // Production goes on while the group rebalances, so the revoked member has work
         // in flight.
         let producer = s.spawn(|| {
-            for chunk in 0..20 {
-                let recs: Vec<Rec<'_>> = (0..N / 20)
+            // ~10 s of traffic: longer than a rebalance takes on the mock cluster.
+            for chunk in 0..40 {
+                let recs: Vec<Rec<'_>> = (0..N / 40)
                     .map(|i| {
-                        let n = chunk * (N / 20) + i;
+                        let n = chunk * (N / 40) + i;
                         Rec {
                             key: if n % 2 == 0 { "a" } else { "b" },
                             headers: vec![("message-id", format!("m-{n}"))],
@@ -337,7 +360,7 @@ fn rebalance_moves_partitions_without_double_processing() {
                     })
                     .collect();
                 produce(&c.bootstrap, &t, &recs);
-                std::thread::sleep(Duration::from_millis(150));
+                std::thread::sleep(Duration::from_millis(250));
             }
         });
         let run = |i: usize| {
@@ -345,6 +368,7 @@ fn rebalance_moves_partitions_without_double_processing() {
             move || kafka::run_subscription(ledger, k, sub, stop, st, &RunOptions::default())
         };
         let a = s.spawn(run(0));
+        let _guards = (StopOnDrop(&stops[0]), StopOnDrop(&stops[1]));
         wait_until("the first member to process", Duration::from_secs(30), || {
             stats[0].released.load(Ordering::Relaxed) > 300
         });
@@ -375,6 +399,24 @@ fn rebalance_moves_partitions_without_double_processing() {
     assert!(processed[1] > 0, "a partition moved to the second member");
     assert!(stats[0].revoked_partitions.load(Ordering::Relaxed) > 0);
     assert_eq!(stats[0].revoke_drain_timeouts.load(Ordering::Relaxed), 0);
+}
+
+/// Log lines without terminal colour codes.
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn write_config(dir: &Path, bootstrap: &str, topic: &str, group: &str, commit_interval: &str) -> PathBuf {
@@ -429,6 +471,7 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
         .arg("--data-dir")
         .arg(&data)
         .env("RUST_LOG", "dedupd=info")
+        .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -436,7 +479,7 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
     let stderr = BufReader::new(child.stderr.take().unwrap());
     let mut released_before_kill = 0u64;
     for line in stderr.lines() {
-        let line = line.unwrap();
+        let line = strip_ansi(&line.unwrap());
         if let Some(v) = line.split("released=").nth(1) {
             let n: u64 = v.split_whitespace().next().unwrap().parse().unwrap();
             if n > 0 {
@@ -480,9 +523,7 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
     let (processed, duplicate) = (k["processed"].as_u64().unwrap(), k["duplicate"].as_u64().unwrap());
     assert_eq!(processed + duplicate, N as u64, "{summary}");
     assert!(duplicate >= released_before_kill, "{summary}: run 1 released {released_before_kill}");
-    assert!(committed_and_end(&c.bootstrap, &group, &t)
-        .iter()
-        .all(|(c, e)| c == e));
+    assert!(at_log_end(&c.bootstrap, &group, &t), "offsets end at the log end");
 
     // Every message claimed exactly once across both runs.
     let config = Config::load(&cfg).unwrap();

@@ -30,8 +30,6 @@ use rdkafka::ClientContext;
 
 use crate::envelope::fingerprint;
 use crate::ledger::{Done, Job, Ledger, Outcome, Subscriber};
-#[allow(unused_imports)]
-use super::shim::{LedgerCompat, SubscriberCompat};
 use crate::telemetry::Latency;
 
 use super::keying::{key_record, RecordView};
@@ -246,9 +244,7 @@ impl Worker {
                 tracing::error!(subscriber = %self.sub.name, "in-flight work of revoked partitions did not finish within kafka.drain_timeout; their unfinished messages will be delivered again to the new owner");
             }
             if self.fatal.is_none() {
-                if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
-                    tracing::warn!(subscriber = %self.sub.name, "commit before revoke failed: {e}");
-                }
+                commit(consumer, &self.sub.name, "commit before revoke");
             }
         } else {
             tracing::warn!(subscriber = %self.sub.name, "kafka assignment lost; in-flight offsets are not stored");
@@ -384,7 +380,7 @@ impl Worker {
                     .collect();
                 job.partition_key = k.partition_key;
                 job.received_at_ms = now_ms();
-                // SHIM job.origin = Some(origin);
+                job.origin = Some(origin);
                 let shard = self.ledger.route(k.route);
                 self.staged[shard].push(job);
                 if self.staged[shard].len() >= CHUNK {
@@ -617,7 +613,13 @@ impl Worker {
         };
         let released = p.tracker.advance(self.latency.is_some());
         if let Some(next) = released.store {
-            if let Err(e) = consumer.store_offset(&p.topic, p.partition, next) {
+            // `store_offsets` stores exactly `next`; the per-message `store_offset` would
+            // store its argument + 1.
+            let mut tpl = TopicPartitionList::with_capacity(1);
+            let stored = tpl
+                .add_partition_offset(&p.topic, p.partition, rdkafka::Offset::Offset(next))
+                .and_then(|()| consumer.store_offsets(&tpl));
+            if let Err(e) = stored {
                 tracing::warn!(subscriber = %self.sub.name, topic = %p.topic, partition = p.partition, "storing offset failed: {e}");
             } else {
                 self.stats.offset_stores.fetch_add(1, Ordering::Relaxed);
@@ -720,6 +722,7 @@ pub fn run_subscription(
         .map_err(|e| KafkaError::Client(e.to_string()))?;
     tracing::info!(subscriber = %sub.name, group = kafka.group_of(subscription), ?topics, "kafka consumer started");
     let mut last_log = Instant::now();
+    let mut last_released = 0;
     loop {
         if stop.load(Ordering::Relaxed) {
             break;
@@ -758,12 +761,14 @@ pub fn run_subscription(
                 None => {}
             }
         }
-        if last_log.elapsed() >= Duration::from_secs(1) {
+        let released = stats.released.load(Ordering::Relaxed);
+        if last_log.elapsed() >= Duration::from_secs(1) && released != last_released {
             last_log = Instant::now();
+            last_released = released;
             tracing::info!(
                 subscriber = %sub.name,
                 received = stats.received.load(Ordering::Relaxed),
-                released = stats.released.load(Ordering::Relaxed),
+                released,
                 processed = stats.processed.load(Ordering::Relaxed),
                 duplicate = stats.duplicate.load(Ordering::Relaxed),
                 "kafka progress"
@@ -785,13 +790,7 @@ pub fn run_subscription(
         if !drained {
             tracing::error!(subscriber = %sub.name, "in-flight messages did not finish within kafka.drain_timeout; they will be delivered again");
         }
-        match consumer.commit_consumer_state(CommitMode::Sync) {
-            Ok(())
-            | Err(rdkafka::error::KafkaError::ConsumerCommit(
-                rdkafka::types::RDKafkaErrorCode::NoOffset,
-            )) => {}
-            Err(e) => tracing::warn!(subscriber = %sub.name, "final offset commit failed: {e}"),
-        }
+        commit(&consumer, &sub.name, "final offset commit");
         w.latency.take()
     };
     tracing::info!(
@@ -802,6 +801,17 @@ pub fn run_subscription(
     );
     drop(consumer);
     Ok(latency)
+}
+
+/// Commits the stored offsets synchronously; "nothing stored since the last commit" is fine.
+fn commit(consumer: &BaseConsumer<WorkerContext>, subscriber: &str, what: &str) {
+    match consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(())
+        | Err(rdkafka::error::KafkaError::ConsumerCommit(
+            rdkafka::types::RDKafkaErrorCode::NoOffset,
+        )) => {}
+        Err(e) => tracing::warn!(subscriber, "{what} failed (retried with the next commit): {e}"),
+    }
 }
 
 fn consumer_config(kafka: &KafkaConfig, subscription: &SubscriptionConfig) -> ClientConfig {
@@ -819,6 +829,13 @@ fn consumer_config(kafka: &KafkaConfig, subscription: &SubscriptionConfig) -> Cl
         .set("heartbeat.interval.ms", (session_ms / 3).max(1).to_string())
         .set("enable.partition.eof", "false")
         .set("statistics.interval.ms", "5000");
+    if !kafka.options.contains_key("partition.assignment.strategy") {
+        // Incremental rebalancing: partitions that stay are never revoked, and the ones
+        // that move are revoked while the group is stable, so the commit made before
+        // releasing them is accepted (a group coordinator refuses commits while an eager
+        // rebalance is in progress).
+        c.set("partition.assignment.strategy", "cooperative-sticky");
+    }
     c
 }
 

@@ -19,7 +19,6 @@ mod consumer;
 mod keying;
 mod offsets;
 mod outbox;
-mod shim;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -13,8 +13,6 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::ClientContext;
 
 use crate::ledger::Ledger;
-#[allow(unused_imports)]
-use super::shim::LedgerCompat;
 
 use super::{KafkaConfig, KafkaError};
 
