@@ -305,7 +305,10 @@ fn run(cli: Cli) -> Result<()> {
             }
             if let Some(h) = &handler {
                 if !h.exists() {
-                    bail!("handler {} not found: build the plugins first (plugins/build.sh)", h.display());
+                    bail!(
+                        "handler {} not found: build the plugins first (plugins/build.sh)",
+                        h.display()
+                    );
                 }
             }
             let params = kafka::bench::KafkaBenchParams {
@@ -338,10 +341,16 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 println!("produce   {:>12.0} msgs/s", report.produce_msgs_per_sec);
-                println!("baseline  {:>12.0} msgs/s  consume only ({:.2} s)", report.baseline_msgs_per_sec, report.baseline_s);
+                println!(
+                    "baseline  {:>12.0} msgs/s  consume only ({:.2} s)",
+                    report.baseline_msgs_per_sec, report.baseline_s
+                );
                 println!("engine    {:>12.0} msgs/s  consume -> dedup -> handler -> offsets stored ({:.2} s)", report.engine_msgs_per_sec, report.engine_s);
                 println!("ratio     {:>12.2}x  engine / baseline", report.ratio);
-                println!("outcomes  processed {}  duplicate {}  quarantined {}  dead-lettered {}", report.processed, report.duplicate, report.quarantined, report.dead_lettered);
+                println!(
+                    "outcomes  processed {}  duplicate {}  quarantined {}  dead-lettered {}",
+                    report.processed, report.duplicate, report.quarantined, report.dead_lettered
+                );
                 println!("backlog   p99 {:.1} ms from produce timestamp to offset stored (whole topic produced first)", report.backlog_p99_ms);
                 if report.params.live_messages > 0 {
                     println!("live      {:.0} msgs/s paced: produce timestamp -> offset stored p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms", report.live_rate, report.live_p50_ms, report.live_p99_ms, report.live_max_ms);
@@ -546,7 +555,10 @@ fn run_kafka(dir: &Path, config: &Config, kafka_config: &kafka::KafkaConfig) -> 
     let summary = result?;
     closed?;
     println!("{}", serde_json::json!({ "kafka": summary }));
-    tracing::info!(?summary, "stopped; every stored offset covers durable outcomes");
+    tracing::info!(
+        ?summary,
+        "stopped; every stored offset covers durable outcomes"
+    );
     Ok(())
 }
 
@@ -555,7 +567,11 @@ fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
     let broker = kafka::DevBroker::start(brokers)?;
     for t in topics {
         let (name, partitions) = match t.split_once(':') {
-            Some((n, p)) => (n, p.parse::<i32>().with_context(|| format!("--topic {t}: partitions must be a number"))?),
+            Some((n, p)) => (
+                n,
+                p.parse::<i32>()
+                    .with_context(|| format!("--topic {t}: partitions must be a number"))?,
+            ),
             None => (t.as_str(), 4),
         };
         broker.create_topic(name, partitions)?;
@@ -564,7 +580,10 @@ fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
     writeln!(out, "{}", broker.bootstrap_servers())?;
     out.flush()?;
     drop(out);
-    eprintln!("dedupd dev-broker: mock Kafka cluster at {} (in memory; stop with Ctrl-C)", broker.bootstrap_servers());
+    eprintln!(
+        "dedupd dev-broker: mock Kafka cluster at {} (in memory; stop with Ctrl-C)",
+        broker.bootstrap_servers()
+    );
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }

@@ -20,7 +20,9 @@ use rdkafka::{Offset, TopicPartitionList};
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::Ledger;
-use dedupd::source::kafka::{self, DevBroker, KafkaConfig, RunOptions, SourceStats, SubscriptionConfig};
+use dedupd::source::kafka::{
+    self, DevBroker, KafkaConfig, RunOptions, SourceStats, SubscriptionConfig,
+};
 
 /// A cluster for one test: the mock broker, or the one `KAFKA_BOOTSTRAP` names.
 struct Cluster {
@@ -141,7 +143,9 @@ fn committed_and_end(bootstrap: &str, group: &str, topic: &str) -> Vec<(i64, i64
         .set("group.id", group)
         .create()
         .unwrap();
-    let md = c.fetch_metadata(Some(topic), Duration::from_secs(5)).unwrap();
+    let md = c
+        .fetch_metadata(Some(topic), Duration::from_secs(5))
+        .unwrap();
     let parts = md.topics()[0].partitions().len() as i32;
     let mut tpl = TopicPartitionList::new();
     for p in 0..parts {
@@ -250,11 +254,31 @@ handler = "{}"
         &c.bootstrap,
         &orders,
         &[
-            Rec { key: "o-1", headers: id("m1"), payload: r#"{"n":1}"#.into() },
-            Rec { key: "o-1", headers: id("m2"), payload: r#"{"n":2,"permanent":true}"#.into() },
-            Rec { key: "o-1", headers: id("m3"), payload: r#"{"n":3,"retry":true}"#.into() },
-            Rec { key: "o-1", headers: vec![], payload: r#"{"n":4,"no":"key"}"#.into() },
-            Rec { key: "o-1", headers: id("m5"), payload: r#"{"n":5}"#.into() },
+            Rec {
+                key: "o-1",
+                headers: id("m1"),
+                payload: r#"{"n":1}"#.into(),
+            },
+            Rec {
+                key: "o-1",
+                headers: id("m2"),
+                payload: r#"{"n":2,"permanent":true}"#.into(),
+            },
+            Rec {
+                key: "o-1",
+                headers: id("m3"),
+                payload: r#"{"n":3,"retry":true}"#.into(),
+            },
+            Rec {
+                key: "o-1",
+                headers: vec![],
+                payload: r#"{"n":4,"no":"key"}"#.into(),
+            },
+            Rec {
+                key: "o-1",
+                headers: id("m5"),
+                payload: r#"{"n":5}"#.into(),
+            },
         ],
     );
     let pay: Vec<Rec<'_>> = (0..3)
@@ -295,19 +319,36 @@ handler = "{}"
         .map(|m| (header(m, "dedupd-original-offset").unwrap(), m))
         .collect();
     let permanent = by_offset["1"];
-    assert_eq!(header(permanent, "dedupd-subscriber").as_deref(), Some("orders"));
-    assert_eq!(header(permanent, "dedupd-original-topic").as_deref(), Some(orders.as_str()));
+    assert_eq!(
+        header(permanent, "dedupd-subscriber").as_deref(),
+        Some("orders")
+    );
+    assert_eq!(
+        header(permanent, "dedupd-original-topic").as_deref(),
+        Some(orders.as_str())
+    );
     assert!(header(permanent, "dedupd-original-partition").is_some());
     assert_eq!(header(permanent, "dedupd-attempts").as_deref(), Some("1"));
-    assert!(header(permanent, "dedupd-reason").unwrap().contains("permanent"));
-    assert_eq!(header(permanent, "trace").as_deref(), Some("t-1"), "original headers kept");
+    assert!(header(permanent, "dedupd-reason")
+        .unwrap()
+        .contains("permanent"));
+    assert_eq!(
+        header(permanent, "trace").as_deref(),
+        Some("t-1"),
+        "original headers kept"
+    );
     assert_eq!(permanent.key(), Some(&b"o-1"[..]));
-    assert_eq!(permanent.payload(), Some(&br#"{"n":2,"permanent":true}"#[..]));
+    assert_eq!(
+        permanent.payload(),
+        Some(&br#"{"n":2,"permanent":true}"#[..])
+    );
     let retried = by_offset["2"];
     assert_eq!(header(retried, "dedupd-attempts").as_deref(), Some("2"));
     let unkeyed = by_offset["3"];
     assert_eq!(header(unkeyed, "dedupd-attempts").as_deref(), Some("0"));
-    assert!(header(unkeyed, "dedupd-reason").unwrap().contains("message-id"));
+    assert!(header(unkeyed, "dedupd-reason")
+        .unwrap()
+        .contains("message-id"));
 
     // Outbox rows: produced with their deterministic message id, then deleted.
     assert_eq!(relayed.len(), 3);
@@ -341,7 +382,10 @@ fn rebalance_moves_partitions_without_double_processing() {
         .iter()
         .map(|d| Arc::new(Ledger::open(d.path(), &config, Arc::new(SystemClock)).unwrap()))
         .collect();
-    let stats = [Arc::new(SourceStats::default()), Arc::new(SourceStats::default())];
+    let stats = [
+        Arc::new(SourceStats::default()),
+        Arc::new(SourceStats::default()),
+    ];
     let stops = [AtomicBool::new(false), AtomicBool::new(false)];
     std::thread::scope(|s| {
         // Production goes on while the group rebalances, so the revoked member has work
@@ -353,7 +397,7 @@ fn rebalance_moves_partitions_without_double_processing() {
                     .map(|i| {
                         let n = chunk * (N / 40) + i;
                         Rec {
-                            key: if n % 2 == 0 { "a" } else { "b" },
+                            key: ["a", "b", "c", "d"][n % 4],
                             headers: vec![("message-id", format!("m-{n}"))],
                             payload: format!(r#"{{"n":{n}}}"#),
                         }
@@ -364,38 +408,64 @@ fn rebalance_moves_partitions_without_double_processing() {
             }
         });
         let run = |i: usize| {
-            let (ledger, k, sub, stop, st) = (ledgers[i].clone(), &k, &sub, &stops[i], stats[i].clone());
+            let (ledger, k, sub, stop, st) =
+                (ledgers[i].clone(), &k, &sub, &stops[i], stats[i].clone());
             move || kafka::run_subscription(ledger, k, sub, stop, st, &RunOptions::default())
         };
         let a = s.spawn(run(0));
         let _guards = (StopOnDrop(&stops[0]), StopOnDrop(&stops[1]));
-        wait_until("the first member to process", Duration::from_secs(30), || {
-            stats[0].released.load(Ordering::Relaxed) > 300
-        });
+        wait_until(
+            "the first member to process",
+            Duration::from_secs(30),
+            || stats[0].released.load(Ordering::Relaxed) > 300,
+        );
         let b = s.spawn(run(1));
-        wait_until("the second member to get partitions", Duration::from_secs(30), || {
-            stats[1].released.load(Ordering::Relaxed) > 0
-        });
+        wait_until(
+            "the second member to get partitions",
+            Duration::from_secs(30),
+            || stats[1].released.load(Ordering::Relaxed) > 0,
+        );
         producer.join().unwrap();
         wait_until("offsets at the log end", Duration::from_secs(60), || {
             let ends = committed_and_end(&c.bootstrap, &group, &t);
-            ends.iter().map(|(_, e)| e).sum::<i64>() == N as i64 && at_log_end(&c.bootstrap, &group, &t)
+            ends.iter().map(|(_, e)| e).sum::<i64>() == N as i64
+                && at_log_end(&c.bootstrap, &group, &t)
         });
         stops[0].store(true, Ordering::Relaxed);
         stops[1].store(true, Ordering::Relaxed);
         a.join().unwrap().unwrap();
         b.join().unwrap().unwrap();
     });
-    let processed: Vec<u64> = stats.iter().map(|s| s.processed.load(Ordering::Relaxed)).collect();
-    let duplicates: u64 = stats.iter().map(|s| s.duplicate.load(Ordering::Relaxed)).sum();
+    let processed: Vec<u64> = stats
+        .iter()
+        .map(|s| s.processed.load(Ordering::Relaxed))
+        .collect();
+    let duplicates: u64 = stats
+        .iter()
+        .map(|s| s.duplicate.load(Ordering::Relaxed))
+        .sum();
     let claims: Vec<u64> = ledgers
         .iter()
-        .map(|l| l.report().unwrap().subscribers.iter().map(|s| s.claims).sum())
+        .map(|l| {
+            l.report()
+                .unwrap()
+                .subscribers
+                .iter()
+                .map(|s| s.claims)
+                .sum()
+        })
         .collect();
     // Two separate ledgers: a message processed by both would be claimed twice.
     assert_eq!(claims[0] + claims[1], N as u64, "claims {claims:?}");
-    assert_eq!(processed[0] + processed[1], N as u64, "processed {processed:?}");
-    assert_eq!(duplicates, 0, "no message was delivered again to the same member");
+    assert_eq!(
+        processed[0] + processed[1],
+        N as u64,
+        "processed {processed:?}"
+    );
+    assert_eq!(
+        duplicates, 0,
+        "no message was delivered again to the same member"
+    );
     assert!(processed[1] > 0, "a partition moved to the second member");
     assert!(stats[0].revoked_partitions.load(Ordering::Relaxed) > 0);
     assert_eq!(stats[0].revoke_drain_timeouts.load(Ordering::Relaxed), 0);
@@ -419,7 +489,13 @@ fn strip_ansi(s: &str) -> String {
     out
 }
 
-fn write_config(dir: &Path, bootstrap: &str, topic: &str, group: &str, commit_interval: &str) -> PathBuf {
+fn write_config(
+    dir: &Path,
+    bootstrap: &str,
+    topic: &str,
+    group: &str,
+    commit_interval: &str,
+) -> PathBuf {
     let path = dir.join("dedupd.toml");
     std::fs::write(
         &path,
@@ -492,7 +568,9 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
     child.wait().unwrap();
     assert!(released_before_kill > 0);
     assert!(
-        committed_and_end(&c.bootstrap, &group, &t).iter().all(|(c, _)| *c < 0),
+        committed_and_end(&c.bootstrap, &group, &t)
+            .iter()
+            .all(|(c, _)| *c < 0),
         "run 1 committed no offsets"
     );
 
@@ -516,19 +594,37 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
         .unwrap();
     assert!(status.success());
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "graceful stop exits 0: {:?}", out.status);
-    let summary: serde_json::Value =
-        serde_json::from_slice(out.stdout.trim_ascii()).unwrap();
+    assert!(
+        out.status.success(),
+        "graceful stop exits 0: {:?}",
+        out.status
+    );
+    let summary: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii()).unwrap();
     let k = &summary["kafka"];
-    let (processed, duplicate) = (k["processed"].as_u64().unwrap(), k["duplicate"].as_u64().unwrap());
+    let (processed, duplicate) = (
+        k["processed"].as_u64().unwrap(),
+        k["duplicate"].as_u64().unwrap(),
+    );
     assert_eq!(processed + duplicate, N as u64, "{summary}");
-    assert!(duplicate >= released_before_kill, "{summary}: run 1 released {released_before_kill}");
-    assert!(at_log_end(&c.bootstrap, &group, &t), "offsets end at the log end");
+    assert!(
+        duplicate >= released_before_kill,
+        "{summary}: run 1 released {released_before_kill}"
+    );
+    assert!(
+        at_log_end(&c.bootstrap, &group, &t),
+        "offsets end at the log end"
+    );
 
     // Every message claimed exactly once across both runs.
     let config = Config::load(&cfg).unwrap();
     let ledger = Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap();
-    let claims: u64 = ledger.report().unwrap().subscribers.iter().map(|s| s.claims).sum();
+    let claims: u64 = ledger
+        .report()
+        .unwrap()
+        .subscribers
+        .iter()
+        .map(|s| s.claims)
+        .sum();
     assert_eq!(claims, N as u64);
     ledger.close().unwrap();
 }
@@ -551,7 +647,9 @@ fn dev_broker_prints_a_bootstrap_address_and_stops_on_sigterm() {
         .set("bootstrap.servers", &addr)
         .create()
         .unwrap();
-    let md = c.fetch_metadata(Some("t1"), Duration::from_secs(10)).unwrap();
+    let md = c
+        .fetch_metadata(Some("t1"), Duration::from_secs(10))
+        .unwrap();
     assert_eq!(md.topics()[0].partitions().len(), 2);
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])

@@ -28,7 +28,10 @@ use crate::config::{Config, KeySource, PartitionSource, SubscriberConfig};
 use crate::ledger::Ledger;
 use crate::source::generator::{Event, Traffic, TrafficSpec};
 
-use super::{run_subscription, DevBroker, KafkaConfig, KafkaError, RunOptions, SourceStats, SubscriptionConfig};
+use super::{
+    run_subscription, DevBroker, KafkaConfig, KafkaError, RunOptions, SourceStats,
+    SubscriptionConfig,
+};
 
 /// What to measure.
 #[derive(Debug, Clone, Serialize)]
@@ -151,9 +154,7 @@ fn produce(
             }
         }
     }
-    producer
-        .flush(Duration::from_secs(120))
-        .map_err(client)?;
+    producer.flush(Duration::from_secs(120)).map_err(client)?;
     Ok(n as f64 / start.elapsed().as_secs_f64().max(1e-9))
 }
 
@@ -180,7 +181,9 @@ fn baseline(
     let deadline = Instant::now() + Duration::from_secs(600);
     while n < total {
         if Instant::now() > deadline {
-            return Err(client("baseline consumer did not read every message in 10 minutes"));
+            return Err(client(
+                "baseline consumer did not read every message in 10 minutes",
+            ));
         }
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
@@ -214,7 +217,7 @@ fn engine(
     topic: &str,
     total: u64,
     phase: &'static str,
-    feed: Option<&mut dyn FnMut() -> Result<f64, KafkaError>>,
+    feed: Option<&mut (dyn FnMut() -> Result<f64, KafkaError> + Send)>,
     progress: &mut dyn FnMut(BenchProgress),
 ) -> Result<(f64, Arc<SourceStats>, crate::telemetry::Latency), KafkaError> {
     let stats = Arc::new(SourceStats::default());
@@ -240,7 +243,21 @@ fn engine(
                 )
             })
         };
-        let fed = feed.map(|f| f());
+        // Traffic of the live phase starts once the group has assigned the partitions, so
+        // the group join does not count as latency.
+        let feeder = feed.map(|f| {
+            let stats = &stats;
+            scope.spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while stats.assigned_partitions.load(Ordering::Relaxed) == 0 {
+                    if Instant::now() > deadline {
+                        return Err(client("the live consumer got no partitions in 60 s"));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                f()
+            })
+        });
         let mut first: Option<Instant> = None;
         let mut last = Instant::now();
         let deadline = Instant::now() + Duration::from_secs(1800);
@@ -276,8 +293,9 @@ fn engine(
             .join()
             .unwrap_or_else(|_| Err(client("the Kafka source panicked")))?;
         outcome?;
-        if let Some(f) = fed {
-            f?;
+        if let Some(f) = feeder {
+            f.join()
+                .unwrap_or_else(|_| Err(client("the live producer panicked")))?;
         }
         Ok((secs, stats.clone(), latency.unwrap_or_default()))
     })

@@ -309,7 +309,10 @@ brokers = "127.0.0.1:9092"
     fn subscriber_keyed_by_envelope_id_is_refused() {
         let text = "[kafka]\nbrokers = \"b:9092\"\n[[kafka.subscription]]\nsubscriber = \"x\"\ntopics = [\"t\"]\n";
         let err = parse(text).unwrap_err();
-        assert!(err.to_string().contains("kafka.subscription[0].subscriber"), "{err}");
+        assert!(
+            err.to_string().contains("kafka.subscription[0].subscriber"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -318,7 +321,10 @@ brokers = "127.0.0.1:9092"
             "{BASE}\n[[kafka.subscription]]\nsubscriber = \"billing\"\ntopics = [\"a b\"]\n"
         );
         let err = parse(&text).unwrap_err();
-        assert!(err.to_string().contains("kafka.subscription[0].topics"), "{err}");
+        assert!(
+            err.to_string().contains("kafka.subscription[0].topics"),
+            "{err}"
+        );
     }
 
     #[test]

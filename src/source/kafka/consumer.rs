@@ -60,8 +60,10 @@ pub struct SourceStats {
     /// Partitions revoked from this member, and revocations whose drain timed out.
     pub revoked_partitions: AtomicU64,
     pub revoke_drain_timeouts: AtomicU64,
-    /// Offsets stored (calls to `store_offset`).
+    /// Offsets stored (calls to `store_offsets`).
     pub offset_stores: AtomicU64,
+    /// Partitions currently assigned to this member.
+    pub assigned_partitions: AtomicU64,
 }
 
 /// What was kept of a message that may still go to the dead-letter topic.
@@ -176,11 +178,15 @@ impl ConsumerContext for WorkerContext {
     // the worker lock.
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
         match result {
-            Ok(()) => tracing::debug!(subscriber = %self.subscriber, "committed {} partition offsets", offsets.count()),
+            Ok(()) => {
+                tracing::debug!(subscriber = %self.subscriber, "committed {} partition offsets", offsets.count())
+            }
             Err(rdkafka::error::KafkaError::ConsumerCommit(
                 rdkafka::types::RDKafkaErrorCode::NoOffset,
             )) => {}
-            Err(e) => tracing::warn!(subscriber = %self.subscriber, "offset commit failed (retried with the next commit): {e}"),
+            Err(e) => {
+                tracing::warn!(subscriber = %self.subscriber, "offset commit failed (retried with the next commit): {e}")
+            }
         }
     }
 }
@@ -221,6 +227,9 @@ impl Worker {
                 },
             );
             self.by_tp.insert(tp, slot);
+            self.stats
+                .assigned_partitions
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -253,7 +262,12 @@ impl Worker {
             if let Some(p) = self.parts.remove(&slot) {
                 tracing::info!(subscriber = %self.sub.name, topic = %p.topic, partition = p.partition, in_flight = p.tracker.in_flight(), "kafka partition revoked");
                 self.by_tp.remove(&(p.topic.clone(), p.partition));
-                self.stats.revoked_partitions.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .revoked_partitions
+                    .fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .assigned_partitions
+                    .fetch_sub(1, Ordering::Relaxed);
             }
         }
     }
@@ -287,7 +301,11 @@ impl Worker {
     /// Waits up to `timeout` for an outcome or a delivery report and handles all ready.
     fn wait_and_handle(&mut self, consumer: &BaseConsumer<WorkerContext>, timeout: Duration) {
         let never = crossbeam_channel::never();
-        let reports = self.dlq.as_ref().map(|d| d.reports.clone()).unwrap_or(never);
+        let reports = self
+            .dlq
+            .as_ref()
+            .map(|d| d.reports.clone())
+            .unwrap_or(never);
         select! {
             recv(self.ack_rx) -> d => if let Ok(d) = d { self.on_done(consumer, d) },
             recv(reports) -> r => if let Ok(r) = r { self.on_delivery(consumer, r) },
@@ -301,10 +319,7 @@ impl Worker {
         while let Ok(d) = self.ack_rx.try_recv() {
             self.on_done(consumer, d);
         }
-        loop {
-            let Some(r) = self.dlq.as_ref().and_then(|d| d.reports.try_recv().ok()) else {
-                break;
-            };
+        while let Some(r) = self.dlq.as_ref().and_then(|d| d.reports.try_recv().ok()) {
             self.on_delivery(consumer, r);
         }
     }
@@ -510,7 +525,11 @@ impl Worker {
         }
     }
 
-    fn on_delivery(&mut self, consumer: &BaseConsumer<WorkerContext>, (seq, result): DeliveryReport) {
+    fn on_delivery(
+        &mut self,
+        consumer: &BaseConsumer<WorkerContext>,
+        (seq, result): DeliveryReport,
+    ) {
         let seq = seq as u64;
         let (slot, local) = (seq >> LOCAL_BITS, seq & LOCAL_MASK);
         let Some(p) = self.parts.get_mut(&slot) else {
@@ -810,7 +829,10 @@ fn commit(consumer: &BaseConsumer<WorkerContext>, subscriber: &str, what: &str) 
         | Err(rdkafka::error::KafkaError::ConsumerCommit(
             rdkafka::types::RDKafkaErrorCode::NoOffset,
         )) => {}
-        Err(e) => tracing::warn!(subscriber, "{what} failed (retried with the next commit): {e}"),
+        Err(e) => tracing::warn!(
+            subscriber,
+            "{what} failed (retried with the next commit): {e}"
+        ),
     }
 }
 

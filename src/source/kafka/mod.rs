@@ -5,7 +5,7 @@
 //!   flush-before-revoke, backpressure by pausing partitions, dead-letter topic.
 //! - [`outbox`](run_relay): relays handler outbox rows with an idempotent producer.
 //! - [`DevBroker`]: librdkafka's mock cluster for development and tests.
-//! - [`bench`]: consume-only baseline against consume -> dedup -> handler -> offsets.
+//! - [`bench`](mod@bench): consume-only baseline against consume -> dedup -> handler -> offsets.
 //!
 //! Dead letters on the topic carry the original key, payload and headers plus
 //! `dedupd-subscriber`, `dedupd-reason`, `dedupd-attempts` (0 for rejected input),
@@ -143,8 +143,14 @@ pub fn run(
                 std::thread::Builder::new()
                     .name(format!("dedupd-kafka-{}", sub.subscriber))
                     .spawn_scoped(scope, move || {
-                        let r =
-                            run_subscription(ledger, kafka, sub, internal, st, &RunOptions::default());
+                        let r = run_subscription(
+                            ledger,
+                            kafka,
+                            sub,
+                            internal,
+                            st,
+                            &RunOptions::default(),
+                        );
                         if r.is_err() {
                             failed.store(true, Ordering::Relaxed);
                         }
@@ -170,7 +176,9 @@ pub fn run(
                 Ok(handle) => handle
                     .join()
                     .unwrap_or_else(|_| Err(KafkaError::Client("consumer thread panicked".into()))),
-                Err(e) => Err(KafkaError::Client(format!("cannot start consumer thread: {e}"))),
+                Err(e) => Err(KafkaError::Client(format!(
+                    "cannot start consumer thread: {e}"
+                ))),
             };
             if let Err(e) = r {
                 first_err.get_or_insert(e);
@@ -183,7 +191,9 @@ pub fn run(
                 Ok(handle) => handle
                     .join()
                     .unwrap_or_else(|_| Err(KafkaError::Client("outbox relay panicked".into()))),
-                Err(e) => Err(KafkaError::Client(format!("cannot start outbox relay: {e}"))),
+                Err(e) => Err(KafkaError::Client(format!(
+                    "cannot start outbox relay: {e}"
+                ))),
             };
             if let Err(e) = r {
                 first_err.get_or_insert(e);

@@ -85,12 +85,11 @@ pub fn run_relay(
         }
         let mut sent = 0usize;
         for (i, row) in rows.iter().enumerate() {
-            let mut headers = OwnedHeaders::new_with_capacity(row.headers.len() + 1).insert(
-                Header {
+            let mut headers =
+                OwnedHeaders::new_with_capacity(row.headers.len() + 1).insert(Header {
                     key: "dedupd-message-id",
                     value: Some(row.message_id.as_bytes()),
-                },
-            );
+                });
             for (k, v) in &row.headers {
                 headers = headers.insert(Header {
                     key: k,
@@ -108,7 +107,10 @@ pub fn run_relay(
                 Ok(()) => sent += 1,
                 Err((e, _)) => {
                     stats.failed.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("outbox relay: producing to {} failed, retrying later: {e}", row.topic);
+                    tracing::warn!(
+                        "outbox relay: producing to {} failed, retrying later: {e}",
+                        row.topic
+                    );
                 }
             }
         }
