@@ -1,18 +1,23 @@
 //! `dedupd kafka-bench`: the Kafka source against a consume-only baseline, in one run.
 //!
-//! 1. Produce `messages` generated OrderPlaced events (fixed seed, `dup_rate` redeliveries;
-//!    record key = order id, header `message-id` = event id) to a fresh topic.
-//! 2. Baseline: a plain rdkafka consumer reads them all (no processing, no offsets).
-//! 3. Engine: the Kafka source reads them all in another group: dedup, handler, durable
-//!    commit, offsets stored. Throughput is timed from the first message received to the
-//!    last offset stored in both phases.
-//! 4. Live: events are produced at a fixed rate (half the engine's rate) while the engine
-//!    consumes them; the latency from each message's produce timestamp to its offset
-//!    being stored is the end-to-end figure (in phase 3 it would mostly measure the backlog).
+//! librdkafka's mock broker keeps only the newest 5 MB of each partition, so a topic of
+//! 2M messages cannot be produced up front. Each phase therefore produces its `messages`
+//! generated OrderPlaced events (fixed seed, `dup_rate` redeliveries; record key = order
+//! id, header `message-id` = event id) to its own 4-partition topic *while* it consumes,
+//! the producer never more than [`WINDOW`] messages ahead of the consumer. Both phases
+//! carry the same producer load on the same machine:
+//!
+//! 1. Baseline: a plain rdkafka consumer reads every message (no processing, no offsets).
+//! 2. Engine: the Kafka source reads every message: dedup, handler, durable commit,
+//!    offsets stored. Throughput is timed from the first message received to the last
+//!    message read (baseline) or the last offset stored (engine).
+//! 3. Live: events are produced at half the engine's rate; the latency from each message's
+//!    produce timestamp to its offset being stored is the end-to-end figure (in phase 2 it
+//!    also counts the time a message waits in the producer's lead).
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -64,7 +69,6 @@ pub struct BenchProgress {
 #[derive(Debug, Clone, Serialize)]
 pub struct KafkaBenchReport {
     pub params: KafkaBenchParams,
-    pub produce_msgs_per_sec: f64,
     pub baseline_msgs_per_sec: f64,
     pub baseline_s: f64,
     pub engine_msgs_per_sec: f64,
@@ -75,7 +79,7 @@ pub struct KafkaBenchReport {
     pub duplicate: u64,
     pub quarantined: u64,
     pub dead_lettered: u64,
-    /// Produce timestamp -> offset stored, phase 3 (includes waiting in the backlog).
+    /// Produce timestamp -> offset stored in phase 2 (includes the producer's lead).
     pub backlog_p99_ms: f64,
     /// Live phase: rate produced and latency from produce timestamp to offset stored.
     pub live_rate: f64,
@@ -83,6 +87,10 @@ pub struct KafkaBenchReport {
     pub live_p99_ms: f64,
     pub live_max_ms: f64,
 }
+
+/// Most messages the producer may be ahead of the consumer (about 15k per partition,
+/// well inside the mock broker's 5 MB per partition).
+pub const WINDOW: u64 = 60_000;
 
 fn client(err: impl std::fmt::Display) -> KafkaError {
     KafkaError::Client(err.to_string())
@@ -94,8 +102,8 @@ fn produce(
     topic: &str,
     spec: TrafficSpec,
     rate: Option<f64>,
-    progress: &mut dyn FnMut(BenchProgress),
-    phase: &'static str,
+    consumed: &AtomicU64,
+    stop: &AtomicBool,
 ) -> Result<f64, KafkaError> {
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
@@ -110,8 +118,13 @@ fn produce(
     let mut key = String::new();
     let start = Instant::now();
     let mut n = 0u64;
-    let mut last = Instant::now();
     while traffic.next_into(&mut ev) {
+        while n >= consumed.load(Ordering::Relaxed) + WINDOW {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(0.0);
+            }
+            producer.poll(Duration::from_millis(1));
+        }
         if let Some(r) = rate {
             let due = start + Duration::from_secs_f64(n as f64 / r);
             let now = Instant::now();
@@ -143,28 +156,21 @@ fn produce(
         n += 1;
         if n.is_multiple_of(1024) {
             producer.poll(Duration::ZERO);
-            if last.elapsed() >= Duration::from_millis(500) {
-                last = Instant::now();
-                progress(BenchProgress {
-                    phase,
-                    done: n,
-                    total: spec.messages,
-                    elapsed: start.elapsed(),
-                });
-            }
         }
     }
     producer.flush(Duration::from_secs(120)).map_err(client)?;
     Ok(n as f64 / start.elapsed().as_secs_f64().max(1e-9))
 }
 
-/// Reads `total` messages with a plain consumer; returns seconds from the first to the last.
+/// Reads `total` messages with a plain consumer while they are produced; returns seconds
+/// from the first message to the last.
 fn baseline(
     brokers: &str,
     topic: &str,
-    total: u64,
+    spec: TrafficSpec,
     progress: &mut dyn FnMut(BenchProgress),
 ) -> Result<f64, KafkaError> {
+    let total = spec.messages;
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", "dedupd-bench-baseline")
@@ -174,38 +180,51 @@ fn baseline(
         .create()
         .map_err(client)?;
     consumer.subscribe(&[topic]).map_err(client)?;
-    let mut n = 0u64;
-    let mut bytes = 0usize;
-    let mut first: Option<Instant> = None;
-    let mut last = Instant::now();
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while n < total {
-        if Instant::now() > deadline {
-            return Err(client(
-                "baseline consumer did not read every message in 10 minutes",
-            ));
-        }
-        match consumer.poll(Duration::from_millis(100)) {
-            Some(Ok(m)) => {
-                first.get_or_insert_with(Instant::now);
-                bytes += m.payload_len();
-                n += 1;
+    let consumed = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let producer = scope.spawn(|| produce(brokers, topic, spec, None, &consumed, &stop));
+        let mut n = 0u64;
+        let mut bytes = 0usize;
+        let mut first: Option<Instant> = None;
+        let mut last = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(900);
+        let mut outcome = Ok(());
+        while n < total {
+            if Instant::now() > deadline || producer.is_finished() && n == 0 {
+                outcome = Err(client(format!("the baseline consumer read {n} of {total} messages")));
+                break;
             }
-            Some(Err(e)) => tracing::warn!("baseline consumer: {e}"),
-            None => {}
+            match consumer.poll(Duration::from_millis(100)) {
+                Some(Ok(m)) => {
+                    first.get_or_insert_with(Instant::now);
+                    bytes += m.payload_len();
+                    n += 1;
+                    if n.is_multiple_of(256) {
+                        consumed.store(n, Ordering::Relaxed);
+                    }
+                }
+                Some(Err(e)) => tracing::warn!("baseline consumer: {e}"),
+                None => {}
+            }
+            if last.elapsed() >= Duration::from_millis(500) {
+                last = Instant::now();
+                progress(BenchProgress {
+                    phase: "baseline",
+                    done: n,
+                    total,
+                    elapsed: first.map(|f| f.elapsed()).unwrap_or_default(),
+                });
+            }
         }
-        if last.elapsed() >= Duration::from_millis(500) {
-            last = Instant::now();
-            progress(BenchProgress {
-                phase: "base",
-                done: n,
-                total,
-                elapsed: first.map(|f| f.elapsed()).unwrap_or_default(),
-            });
-        }
-    }
-    std::hint::black_box(bytes);
-    Ok(first.map(|f| f.elapsed().as_secs_f64()).unwrap_or(0.0))
+        let secs = first.map(|f| f.elapsed().as_secs_f64()).unwrap_or(0.0);
+        stop.store(true, Ordering::Relaxed);
+        std::hint::black_box(bytes);
+        producer
+            .join()
+            .unwrap_or_else(|_| Err(client("the producer panicked")))?;
+        outcome.map(|()| secs)
+    })
 }
 
 /// Runs the Kafka source on `topic` until `total` offsets are stored.
@@ -217,7 +236,8 @@ fn engine(
     topic: &str,
     total: u64,
     phase: &'static str,
-    feed: Option<&mut (dyn FnMut() -> Result<f64, KafkaError> + Send)>,
+    spec: TrafficSpec,
+    rate: Option<f64>,
     progress: &mut dyn FnMut(BenchProgress),
 ) -> Result<(f64, Arc<SourceStats>, crate::telemetry::Latency), KafkaError> {
     let stats = Arc::new(SourceStats::default());
@@ -243,21 +263,22 @@ fn engine(
                 )
             })
         };
-        // Traffic of the live phase starts once the group has assigned the partitions, so
-        // the group join does not count as latency.
-        let feeder = feed.map(|f| {
-            let stats = &stats;
+        // Traffic starts once the group has assigned the partitions, so the group join
+        // does not count as latency.
+        let feeder = {
+            let (stats, stop) = (&stats, &stop);
+            let brokers = kafka.brokers.clone();
             scope.spawn(move || {
                 let deadline = Instant::now() + Duration::from_secs(60);
                 while stats.assigned_partitions.load(Ordering::Relaxed) == 0 {
                     if Instant::now() > deadline {
-                        return Err(client("the live consumer got no partitions in 60 s"));
+                        return Err(client("the consumer got no partitions in 60 s"));
                     }
                     std::thread::sleep(Duration::from_millis(10));
                 }
-                f()
+                produce(&brokers, topic, spec, rate, &stats.received, stop)
             })
-        });
+        };
         let mut first: Option<Instant> = None;
         let mut last = Instant::now();
         let deadline = Instant::now() + Duration::from_secs(1800);
@@ -293,10 +314,9 @@ fn engine(
             .join()
             .unwrap_or_else(|_| Err(client("the Kafka source panicked")))?;
         outcome?;
-        if let Some(f) = feeder {
-            f.join()
-                .unwrap_or_else(|_| Err(client("the live producer panicked")))?;
-        }
+        feeder
+            .join()
+            .unwrap_or_else(|_| Err(client("the producer panicked")))?;
         Ok((secs, stats.clone(), latency.unwrap_or_default()))
     })
 }
@@ -316,11 +336,13 @@ pub fn run(
         (None, None) => return Err(client("no broker")),
     };
     let run_id = format!("{}-{}", std::process::id(), params.seed);
+    let base_topic = format!("dedupd-bench-base-{run_id}");
     let topic = format!("dedupd-bench-{run_id}");
     let live_topic = format!("dedupd-bench-live-{run_id}");
     if let Some(d) = &broker {
-        d.create_topic(&topic, params.partitions)?;
-        d.create_topic(&live_topic, params.partitions)?;
+        for t in [&base_topic, &topic, &live_topic] {
+            d.create_topic(t, params.partitions)?;
+        }
     }
     let spec = TrafficSpec {
         seed: params.seed,
@@ -329,8 +351,7 @@ pub fn run(
         mismatch_rate: 0.0,
         subscribers: 1,
     };
-    let produce_rate = produce(&brokers, &topic, spec, None, progress, "produce")?;
-    let baseline_s = baseline(&brokers, &topic, params.messages, progress)?;
+    let baseline_s = baseline(&brokers, &base_topic, spec, progress)?;
 
     let dir = tempfile::Builder::new()
         .prefix("dedupd-kafka-bench-")
@@ -365,6 +386,7 @@ pub fn run(
         &topic,
         params.messages,
         "engine",
+        spec,
         None,
         progress,
     )?;
@@ -378,18 +400,6 @@ pub fn run(
             messages: params.live_messages,
             ..spec
         };
-        let brokers = brokers.clone();
-        let live_topic2 = live_topic.clone();
-        let mut feed = move || {
-            produce(
-                &brokers,
-                &live_topic2,
-                live_spec,
-                Some(live_rate),
-                &mut |_| {},
-                "live",
-            )
-        };
         let (_, _, lat) = engine(
             &ledger,
             &kafka,
@@ -397,7 +407,8 @@ pub fn run(
             &live_topic,
             params.live_messages,
             "live",
-            Some(&mut feed),
+            live_spec,
+            Some(live_rate),
             progress,
         )?;
         live = lat;
@@ -405,7 +416,6 @@ pub fn run(
     let baseline_rate = params.messages as f64 / baseline_s.max(1e-9);
     let report = KafkaBenchReport {
         params: params.clone(),
-        produce_msgs_per_sec: produce_rate,
         baseline_msgs_per_sec: baseline_rate,
         baseline_s,
         engine_msgs_per_sec: engine_rate,

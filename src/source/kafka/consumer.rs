@@ -120,7 +120,9 @@ struct Worker {
     ack_rx: Receiver<Vec<Done>>,
     dlq: Option<DeadLetterTopic>,
     parts: HashMap<u64, PartitionState>,
-    by_tp: HashMap<(Arc<str>, i32), u64>,
+    /// (topic, partition) -> slot of the partitions owned now; a few entries, scanned
+    /// without allocating for every message.
+    by_tp: Vec<(Arc<str>, i32, u64)>,
     next_slot: u64,
     staged: Vec<Vec<Job>>,
     max_in_flight: usize,
@@ -208,10 +210,17 @@ fn attempts_from_reason(reason: &str) -> u32 {
 }
 
 impl Worker {
+    fn slot_of(&self, topic: &str, partition: i32) -> Option<u64> {
+        self.by_tp
+            .iter()
+            .find(|(t, p, _)| *p == partition && &**t == topic)
+            .map(|(_, _, s)| *s)
+    }
+
     fn assign(&mut self, tpl: &TopicPartitionList) {
         for e in tpl.elements() {
             let tp: (Arc<str>, i32) = (Arc::from(e.topic()), e.partition());
-            if self.by_tp.contains_key(&tp) {
+            if self.slot_of(&tp.0, tp.1).is_some() {
                 continue;
             }
             let slot = self.next_slot;
@@ -226,7 +235,7 @@ impl Worker {
                     paused: false,
                 },
             );
-            self.by_tp.insert(tp, slot);
+            self.by_tp.push((tp.0, tp.1, slot));
             self.stats
                 .assigned_partitions
                 .fetch_add(1, Ordering::Relaxed);
@@ -237,11 +246,7 @@ impl Worker {
         let slots: Vec<u64> = tpl
             .elements()
             .iter()
-            .filter_map(|e| {
-                self.by_tp
-                    .get(&(Arc::from(e.topic()), e.partition()))
-                    .copied()
-            })
+            .filter_map(|e| self.slot_of(e.topic(), e.partition()))
             .collect();
         let lost = consumer.assignment_lost();
         if !lost {
@@ -261,7 +266,7 @@ impl Worker {
         for slot in slots {
             if let Some(p) = self.parts.remove(&slot) {
                 tracing::info!(subscriber = %self.sub.name, topic = %p.topic, partition = p.partition, in_flight = p.tracker.in_flight(), "kafka partition revoked");
-                self.by_tp.remove(&(p.topic.clone(), p.partition));
+                self.by_tp.retain(|(_, _, s)| *s != slot);
                 self.stats
                     .revoked_partitions
                     .fetch_add(1, Ordering::Relaxed);
@@ -340,7 +345,7 @@ impl Worker {
     }
 
     fn accept(&mut self, consumer: &BaseConsumer<WorkerContext>, m: &BorrowedMessage<'_>) {
-        let Some(&slot) = self.by_tp.get(&(Arc::from(m.topic()), m.partition())) else {
+        let Some(slot) = self.slot_of(m.topic(), m.partition()) else {
             // Not (or no longer) ours: the owner gets it; nothing is stored for it.
             return;
         };
@@ -718,7 +723,7 @@ pub fn run_subscription(
         ack_rx,
         dlq,
         parts: HashMap::new(),
-        by_tp: HashMap::new(),
+        by_tp: Vec::new(),
         next_slot: 0,
         staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
         max_in_flight: kafka.max_in_flight_per_partition.get(),
