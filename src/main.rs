@@ -544,6 +544,19 @@ fn stop_flag() -> Result<Arc<std::sync::atomic::AtomicBool>> {
 
 fn run_kafka(dir: &Path, config: &Config, kafka_config: &kafka::KafkaConfig) -> Result<()> {
     let stop = stop_flag()?;
+    // librdkafka can block a consumer's close for long when no broker answers; durable
+    // outcomes are safe without it (uncommitted offsets only mean redelivery), so a stop
+    // that takes far longer than the drain allows ends the process.
+    let limit = kafka_config.drain_timeout * 2 + std::time::Duration::from_secs(10);
+    let watchdog_stop = stop.clone();
+    std::thread::spawn(move || {
+        while !watchdog_stop.load(std::sync::atomic::Ordering::Relaxed) {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        std::thread::sleep(limit);
+        eprintln!("dedupd: shutdown did not finish within {limit:?} (Kafka unreachable?); exiting; uncommitted offsets will be redelivered as duplicates");
+        std::process::exit(1);
+    });
     let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
     dedupd::pipeline::install_handlers(&ledger, config)?;
     let result = kafka::run(ledger.clone(), kafka_config, &stop);

@@ -471,6 +471,16 @@ fn rebalance_moves_partitions_without_double_processing() {
     assert_eq!(stats[0].revoke_drain_timeouts.load(Ordering::Relaxed), 0);
 }
 
+/// Kills a child process when dropped, so a failed test leaves no engine running.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Log lines without terminal colour codes.
 fn strip_ansi(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
@@ -541,18 +551,20 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
 
     // Run 1: offsets are never committed (1h interval); killed once some outcomes are durable.
     let cfg = write_config(dir.path(), &c.bootstrap, &t, &group, "1h");
-    let mut child = Command::new(bin)
-        .args(["run", "--config"])
-        .arg(&cfg)
-        .arg("--data-dir")
-        .arg(&data)
-        .env("RUST_LOG", "dedupd=info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut child = KillOnDrop(
+        Command::new(bin)
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .arg("--data-dir")
+            .arg(&data)
+            .env("RUST_LOG", "dedupd=info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = BufReader::new(child.0.stderr.take().unwrap());
     let mut released_before_kill = 0u64;
     for line in stderr.lines() {
         let line = strip_ansi(&line.unwrap());
@@ -564,8 +576,7 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
             }
         }
     }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    drop(child); // SIGKILL
     assert!(released_before_kill > 0);
     assert!(
         committed_and_end(&c.bootstrap, &group, &t)
@@ -576,24 +587,34 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
 
     // Run 2: everything is delivered again; what run 1 claimed is a duplicate now.
     let cfg = write_config(dir.path(), &c.bootstrap, &t, &group, "200ms");
-    let child = Command::new(bin)
-        .args(["run", "--config"])
-        .arg(&cfg)
-        .arg("--data-dir")
-        .arg(&data)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        Command::new(bin)
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .arg("--data-dir")
+            .arg(&data)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stdout = child.0.stdout.take().unwrap();
     wait_until("offsets at the log end", Duration::from_secs(90), || {
         at_log_end(&c.bootstrap, &group, &t)
     });
     let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let out = child.wait_with_output().unwrap();
+    let mut printed = Vec::new();
+    std::io::Read::read_to_end(&mut stdout, &mut printed).unwrap();
+    let exit = child.0.wait().unwrap();
+    let out = std::process::Output {
+        status: exit,
+        stdout: printed,
+        stderr: Vec::new(),
+    };
     assert!(
         out.status.success(),
         "graceful stop exits 0: {:?}",
@@ -631,14 +652,16 @@ fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
 
 #[test]
 fn dev_broker_prints_a_bootstrap_address_and_stops_on_sigterm() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dedupd"))
-        .args(["dev-broker", "--topic", "t1:2"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_dedupd"))
+            .args(["dev-broker", "--topic", "t1:2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
+    BufReader::new(child.0.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
     let addr = line.trim().to_string();
@@ -652,8 +675,8 @@ fn dev_broker_prints_a_bootstrap_address_and_stops_on_sigterm() {
         .unwrap();
     assert_eq!(md.topics()[0].partitions().len(), 2);
     Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status()
         .unwrap();
-    assert!(child.wait().unwrap().success());
+    assert!(child.0.wait().unwrap().success());
 }

@@ -68,7 +68,9 @@ pub fn run_relay(
             let since = *stopping_since.get_or_insert_with(Instant::now);
             if since.elapsed() > kafka.drain_timeout {
                 // Rows stay in the outbox and are relayed after the next start.
-                tracing::warn!("outbox relay: stopping with rows not yet relayed (broker unreachable?)");
+                tracing::warn!(
+                    "outbox relay: stopping with rows not yet relayed (broker unreachable?)"
+                );
                 return Ok(());
             }
         }
