@@ -93,6 +93,11 @@ pub struct KafkaBenchReport {
 /// per partition (about 8k messages per partition on average).
 pub const WINDOW: u64 = 32_768;
 
+/// `fetch.wait.max.ms` of both consumers. The mock broker holds an empty fetch for the
+/// whole wait instead of answering when data arrives (a real broker answers at once), so
+/// librdkafka's default of 500 ms would be measured as end-to-end latency.
+const FETCH_WAIT_MS: &str = "10";
+
 fn client(err: impl std::fmt::Display) -> KafkaError {
     KafkaError::Client(err.to_string())
 }
@@ -178,6 +183,7 @@ fn baseline(
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .set("session.timeout.ms", "6000")
+        .set("fetch.wait.max.ms", FETCH_WAIT_MS)
         .create()
         .map_err(client)?;
     consumer.subscribe(&[topic]).map_err(client)?;
@@ -391,6 +397,9 @@ pub fn run(
         .map_err(|e| KafkaError::Config(format!("cannot load the handler: {e}")))?;
     let mut kafka = KafkaConfig::new(brokers.clone());
     kafka.session_timeout = Duration::from_secs(6);
+    kafka
+        .options
+        .insert("fetch.wait.max.ms".into(), FETCH_WAIT_MS.into());
     let (engine_s, stats, backlog) = engine(
         &ledger,
         &kafka,
