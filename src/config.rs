@@ -404,13 +404,15 @@ pub fn validate_subscriber_name(field: &str, name: &str) -> Result<(), ConfigErr
         && name.len() <= 64
         && name
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+        // Names become file and directory names (handler store, backups): never `.` or `..`.
+        && !name.bytes().all(|b| b == b'.');
     if ok {
         Ok(())
     } else {
         Err(invalid(
             field,
-            format!("{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -)"),
+            format!("{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -, not only dots)"),
         ))
     }
 }

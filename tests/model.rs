@@ -1,6 +1,6 @@
 //! Model-based test: a seeded random mix of new ids, redeliveries, reused ids with other
 //! payloads, several subscribers (one with sliding TTL), clock jumps past the TTL, forced
-//! sealing and merging, and restarts — checked after every step against a `BTreeMap`
+//! sealing and merging, forgotten claims, and restarts — checked after every step against a `BTreeMap`
 //! reference. A failure names its seed; rerun one with `DEDUPD_MODEL_SEED=N`.
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
@@ -70,6 +70,15 @@ impl Model {
         }
     }
 
+    /// `forget`: the live claim goes away; true if there was one.
+    fn forget(&mut self, sub: usize, id: u64, now: u64) -> bool {
+        let live = self.live(sub, id, now).is_some();
+        if live {
+            self.claims.remove(&(sub, id));
+        }
+        live
+    }
+
     fn live(&self, sub: usize, id: u64, now: u64) -> Option<u64> {
         self.claims
             .get(&(sub, id))
@@ -89,6 +98,7 @@ struct Coverage {
     merges: u64,
     dropped: u64,
     restarts: u64,
+    forgets: u64,
 }
 
 fn add_metrics(cov: &mut Coverage, l: &Ledger) {
@@ -164,6 +174,19 @@ fn run_seed(seed: u64, steps: usize) -> Coverage {
                 ledger = Some(Ledger::open(dir.path(), &config, Arc::new(clock.clone())).unwrap());
                 restarts += 1;
             }
+            // An operator forgets a few claims (live, expired, forgotten or never seen).
+            97 => {
+                let now = clock.now();
+                for _ in 0..5 {
+                    let sub = rng.random_range(0..SUBSCRIBERS.len());
+                    let id = rng.random_range(0..next_id + 2);
+                    let got = l
+                        .forget(SUBSCRIBERS[sub], key_hash(id_text(id).as_bytes()))
+                        .unwrap();
+                    assert_eq!(got, model.forget(sub, id, now), "{ctx}: forget {sub}/{id}");
+                    cov.forgets += u64::from(got);
+                }
+            }
             // Point lookups agree with the model on liveness and fingerprint.
             _ => {
                 let now = clock.now();
@@ -220,6 +243,7 @@ fn engine_matches_reference_model() {
         total.merges += c.merges;
         total.dropped += c.dropped;
         total.restarts += c.restarts;
+        total.forgets += c.forgets;
     }
     eprintln!("model coverage: {total:?}");
     // The mix must have exercised every generation transition, or it proves little.
@@ -227,4 +251,5 @@ fn engine_matches_reference_model() {
     assert!(total.merges > 3, "{total:?}");
     assert!(total.dropped > 3, "{total:?}");
     assert!(total.restarts > 10, "{total:?}");
+    assert!(total.forgets > 10, "{total:?}");
 }

@@ -198,6 +198,14 @@ fn dead_letters_page_replay_through_the_current_handler_and_discard() {
         5
     );
 
+    let failures = ledger
+        .subscriber("labels")
+        .unwrap()
+        .counters
+        .handler_failures_by_kind();
+    assert!(failures.contains(&("permanent", 6)), "{failures:?}");
+    assert!(failures.contains(&("trap", 0)), "{failures:?}");
+
     // A fixed handler: replay processes, writes state and outbox, removes the record.
     fail.store(false, Ordering::SeqCst);
     ledger

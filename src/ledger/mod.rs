@@ -90,6 +90,25 @@ pub struct SubscriberCounters {
     pub dead_lettered: AtomicU64,
     /// Handler attempts that failed and were scheduled again.
     pub retries: AtomicU64,
+    /// Failed handler attempts by kind, in the order of [`HANDLER_FAILURE_KINDS`].
+    pub handler_failures: [AtomicU64; 5],
+}
+
+/// Kinds of handler failure counted in [`SubscriberCounters::handler_failures`]
+/// (the names of `Failure::kind`).
+pub const HANDLER_FAILURE_KINDS: [&str; 5] =
+    ["retryable", "permanent", "timeout", "memory", "trap"];
+
+impl SubscriberCounters {
+    /// Failed handler attempts by kind name.
+    pub fn handler_failures_by_kind(&self) -> [(&'static str, u64); 5] {
+        std::array::from_fn(|i| {
+            (
+                HANDLER_FAILURE_KINDS[i],
+                self.handler_failures[i].load(Ordering::Relaxed),
+            )
+        })
+    }
 }
 
 /// A subscriber known to the ledger.
@@ -165,7 +184,7 @@ impl Registry {
         }
         validate_subscriber_name("subscriber", name).map_err(|_| {
             LedgerError::InvalidSubscriber(format!(
-                "{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -)"
+                "{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -, not only dots)"
             ))
         })?;
         let configured = self.config.subscribers.iter().any(|s| s.name == name);

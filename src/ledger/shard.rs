@@ -948,6 +948,15 @@ impl Shard {
                                 handled
                             }
                         };
+                        if let Err(f) = &handled {
+                            let kind = f.kind();
+                            if let (Some(i), Some(spec)) = (
+                                super::HANDLER_FAILURE_KINDS.iter().position(|k| *k == kind),
+                                self.ctx.registry.get(job.subscriber),
+                            ) {
+                                spec.counters.handler_failures[i].fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
                         match handled {
                             Ok(handler_version) => {
                                 let claim = ClaimRecord {
