@@ -54,6 +54,9 @@ pub struct Config {
     /// The admin and ingest HTTP server (`dedupd serve`; `dedupd run` starts it when set).
     #[serde(default)]
     pub http: Option<crate::admin::HttpConfig>,
+    /// The Kafka source (`dedupd run` consumes it when present).
+    #[serde(default)]
+    pub kafka: Option<crate::source::kafka::KafkaConfig>,
 }
 
 impl Default for Config {
@@ -66,6 +69,7 @@ impl Default for Config {
             default_subscriber: "default".to_string(),
             subscribers: Vec::new(),
             http: None,
+            kafka: None,
         }
     }
 }
@@ -330,6 +334,9 @@ impl Config {
         }
         if self.ledger.generation_max_age < Duration::from_secs(1) {
             return Err(invalid("ledger.generation_max_age", "must be at least 1s"));
+        }
+        if let Some(kafka) = &self.kafka {
+            kafka.validate(self)?;
         }
         Ok(())
     }

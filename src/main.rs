@@ -14,6 +14,7 @@ use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::Ledger;
 use dedupd::pipeline::run_pipe;
+use dedupd::source::kafka;
 
 /// Shard writers free what sources allocate (ids, payloads, batches); mimalloc handles that
 /// cross-thread pattern with far less contention than glibc malloc (measured in the bench).
@@ -42,8 +43,11 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
-    /// The long-running engine. Sources: stdin, plus the HTTP API when the config has an
-    /// `[http]` section (then it keeps serving after stdin ends, until SIGINT/SIGTERM).
+    /// The long-running engine. With a `[kafka]` section it consumes the configured
+    /// subscriptions and relays the outbox until SIGTERM/SIGINT (then it drains, stores and
+    /// commits offsets, and exits 0); without one it runs the stdin pipe. With an `[http]`
+    /// section it also serves the admin and ingest API (and keeps serving after stdin ends,
+    /// until SIGINT/SIGTERM).
     Run {
         #[arg(long)]
         config: PathBuf,
@@ -115,6 +119,46 @@ enum Command {
         /// Run this handler component for every new message.
         #[arg(long)]
         handler: Option<PathBuf>,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Starts librdkafka's mock Kafka cluster on loopback, prints its bootstrap address on
+    /// stdout, and serves until SIGTERM/SIGINT. For development and tests only (in memory).
+    DevBroker {
+        /// Brokers in the cluster.
+        #[arg(long, default_value_t = 1)]
+        brokers: i32,
+        /// Topics to create up front, as NAME or NAME:PARTITIONS (others are auto-created
+        /// with 4 partitions).
+        #[arg(long = "topic")]
+        topics: Vec<String>,
+    },
+    /// Kafka source against a consume-only rdkafka baseline on the mock broker, same run.
+    KafkaBench {
+        #[arg(long, default_value_t = 2_000_000)]
+        messages: u64,
+        /// Fraction of messages that redeliver an earlier message.
+        #[arg(long, default_value_t = 0.1)]
+        dup_rate: f64,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        #[arg(long, default_value_t = 4)]
+        partitions: i32,
+        /// Messages of the paced phase that measures end-to-end latency (0 skips it).
+        #[arg(long, default_value_t = 200_000)]
+        live_messages: u64,
+        /// Handler component run for every new message.
+        #[arg(long)]
+        handler: Option<PathBuf>,
+        #[arg(long)]
+        shards: Option<usize>,
+        /// Directory in which the temporary data directory is created.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// Use this cluster instead of the built-in mock broker.
+        #[arg(long)]
+        brokers: Option<String>,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
@@ -249,9 +293,10 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let config = load_config(Some(&config))?;
             let dir = data_dir(dir, &config)?;
-            match config.http.clone() {
-                None => pipe(&dir, &config),
-                Some(http) => run_with_http(&dir, &config, http, true),
+            match (config.kafka.clone(), config.http.clone()) {
+                (None, None) => pipe(&dir, &config),
+                (None, Some(http)) => run_with_http(&dir, &config, http, true),
+                (Some(kafka), http) => run_kafka(&dir, &config, &kafka, http),
             }
         }
         Command::Serve {
@@ -266,6 +311,79 @@ fn run(cli: Cli) -> Result<()> {
                 http.bind = b;
             }
             run_with_http(&dir, &config, http, false)
+        }
+        Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics),
+        Command::KafkaBench {
+            messages,
+            dup_rate,
+            seed,
+            partitions,
+            live_messages,
+            handler,
+            shards,
+            dir,
+            brokers,
+            json,
+        } => {
+            if !(0.0..1.0).contains(&dup_rate) {
+                bail!("--dup-rate must be in [0, 1)");
+            }
+            if messages == 0 || partitions < 1 {
+                bail!("--messages and --partitions must be at least 1");
+            }
+            if let Some(h) = &handler {
+                if !h.exists() {
+                    bail!(
+                        "handler {} not found: build the plugins first (plugins/build.sh)",
+                        h.display()
+                    );
+                }
+            }
+            let params = kafka::bench::KafkaBenchParams {
+                messages,
+                dup_rate,
+                seed,
+                partitions,
+                live_messages,
+                handler,
+                shards,
+                dir,
+                brokers,
+            };
+            eprintln!("kafka-bench: {messages} messages, dup rate {dup_rate}, seed {seed}, {partitions} partitions, handler {}, then {live_messages} paced messages for end-to-end latency", params.handler.as_ref().map(|h| h.display().to_string()).unwrap_or_else(|| "none".into()));
+            let report = kafka::bench::run(&params, &mut |p| {
+                let rate = p.done as f64 / p.elapsed.as_secs_f64().max(1e-9);
+                let mut err = std::io::stderr().lock();
+                let _ = write!(
+                    err,
+                    "\r{:>8} {:>5.1}%  {:>10} msgs  {:>9.0} msgs/s   ",
+                    p.phase,
+                    100.0 * p.done as f64 / p.total.max(1) as f64,
+                    p.done,
+                    rate
+                );
+                let _ = err.flush();
+            })?;
+            eprintln!();
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!(
+                    "baseline  {:>12.0} msgs/s  consume only, producing alongside ({:.2} s)",
+                    report.baseline_msgs_per_sec, report.baseline_s
+                );
+                println!("engine    {:>12.0} msgs/s  consume -> dedup -> handler -> offsets stored, producing alongside ({:.2} s)", report.engine_msgs_per_sec, report.engine_s);
+                println!("ratio     {:>12.2}x  engine / baseline", report.ratio);
+                println!(
+                    "outcomes  processed {}  duplicate {}  quarantined {}  dead-lettered {}",
+                    report.processed, report.duplicate, report.quarantined, report.dead_lettered
+                );
+                println!("lead      p99 {:.1} ms from produce timestamp to offset stored (producer up to {} messages ahead)", report.backlog_p99_ms, kafka::bench::WINDOW);
+                if report.params.live_messages > 0 {
+                    println!("live      {:.0} msgs/s paced: produce timestamp -> offset stored p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms", report.live_rate, report.live_p50_ms, report.live_p99_ms, report.live_max_ms);
+                }
+            }
+            Ok(())
         }
         Command::Demo { messages, handler } => {
             let handler = (handler != "none").then(|| PathBuf::from(handler));
@@ -442,17 +560,27 @@ fn pipe(dir: &Path, config: &Config) -> Result<()> {
     Ok(())
 }
 
-/// The HTTP API (and, with `stdin`, pipe mode on stdin) over one ledger, until SIGINT or
-/// SIGTERM. A storage error stops everything and exits non-zero (G7).
-fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> Result<()> {
+/// The admin and ingest HTTP server, running on its own tokio runtime.
+struct HttpServer {
+    runtime: tokio::runtime::Runtime,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    stop_tx: tokio::sync::oneshot::Sender<()>,
+}
+
+/// Starts the HTTP API over `ledger`. It stops on [`HttpServer::stop`], on SIGINT/SIGTERM
+/// when `signals` is set, or when the ledger fails (G7).
+fn start_http(
+    ledger: &Arc<Ledger>,
+    config: &Config,
+    http: HttpConfig,
+    signals: bool,
+) -> Result<HttpServer> {
     let token = http.resolve_token()?;
     dedupd::admin::install_metrics();
     let listener = std::net::TcpListener::bind(http.bind)
         .with_context(|| format!("cannot listen on {} (http.bind)", http.bind))?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
-    dedupd::pipeline::install_handlers(&ledger, config)?;
     let mut config = config.clone();
     config.http = Some(http);
     let state = AdminState::new(ledger.clone(), &config, token)?;
@@ -462,7 +590,7 @@ fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> 
         .build()?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let watched = ledger.clone();
-    let server = runtime.spawn(async move {
+    let task = runtime.spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let shutdown = async move {
             let poisoned = async {
@@ -473,15 +601,61 @@ fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> 
                     }
                 }
             };
+            let signalled = async {
+                if signals {
+                    termination().await
+                } else {
+                    std::future::pending().await
+                }
+            };
             tokio::select! {
                 _ = stop_rx => {}
-                _ = termination() => {}
+                _ = signalled => {}
                 _ = poisoned => {}
             }
         };
         dedupd::admin::serve(listener, state, shutdown).await
     });
     eprintln!("dedupd: HTTP API on http://{addr} (dashboard at /, OpenAPI at /openapi.json)");
+    Ok(HttpServer {
+        runtime,
+        task,
+        stop_tx,
+    })
+}
+
+impl HttpServer {
+    /// Waits until the server stops by itself (signal or ledger failure).
+    fn wait(self) -> Result<()> {
+        let HttpServer {
+            runtime,
+            task,
+            stop_tx,
+        } = self;
+        let served = runtime.block_on(task);
+        drop(stop_tx);
+        runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+        served.context("HTTP server task failed")??;
+        Ok(())
+    }
+
+    /// Stops accepting requests, lets requests in progress finish, and waits.
+    fn stop(self) -> Result<()> {
+        let _ = self.stop_tx.send(());
+        let served = self.runtime.block_on(self.task);
+        self.runtime
+            .shutdown_timeout(std::time::Duration::from_secs(5));
+        served.context("HTTP server task failed")??;
+        Ok(())
+    }
+}
+
+/// The HTTP API (and, with `stdin`, pipe mode on stdin) over one ledger, until SIGINT or
+/// SIGTERM. A storage error stops everything and exits non-zero (G7).
+fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> Result<()> {
+    let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
+    dedupd::pipeline::install_handlers(&ledger, config)?;
+    let server = start_http(&ledger, config, http, true)?;
     if stdin {
         let config2 = config.clone();
         let ledger2 = ledger.clone();
@@ -500,10 +674,7 @@ fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> 
                 }
             })?;
     }
-    let served = runtime.block_on(server);
-    drop(stop_tx);
-    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
-    served.context("HTTP server task failed")??;
+    server.wait()?;
     if let Some(reason) = ledger.poison_reason() {
         bail!("the ledger stopped after a storage error: {reason}");
     }
@@ -511,6 +682,93 @@ fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> 
     // files; every acknowledged outcome was committed before it was acknowledged (G1).
     if let Ok(l) = Arc::try_unwrap(ledger) {
         l.close()?;
+    }
+    Ok(())
+}
+
+/// Set by SIGTERM or SIGINT.
+fn stop_flag() -> Result<Arc<std::sync::atomic::AtomicBool>> {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stop.clone())
+            .with_context(|| format!("cannot install a handler for signal {sig}"))?;
+    }
+    Ok(stop)
+}
+
+/// The Kafka source (and the HTTP API when configured) over one ledger, until SIGINT or
+/// SIGTERM: then the API stops taking requests, the consumers drain and store their
+/// offsets, and the outbox is relayed.
+fn run_kafka(
+    dir: &Path,
+    config: &Config,
+    kafka_config: &kafka::KafkaConfig,
+    http: Option<HttpConfig>,
+) -> Result<()> {
+    let stop = stop_flag()?;
+    // librdkafka can block a consumer's close for long when no broker answers; durable
+    // outcomes are safe without it (uncommitted offsets only mean redelivery), so a stop
+    // that takes far longer than the drain allows ends the process.
+    let limit = kafka_config.drain_timeout * 2 + std::time::Duration::from_secs(10);
+    let watchdog_stop = stop.clone();
+    std::thread::spawn(move || {
+        while !watchdog_stop.load(std::sync::atomic::Ordering::Relaxed) {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        std::thread::sleep(limit);
+        eprintln!("dedupd: shutdown did not finish within {limit:?} (Kafka unreachable?); exiting; uncommitted offsets will be redelivered as duplicates");
+        std::process::exit(1);
+    });
+    // Sources that record through the metrics facade before the server starts are kept.
+    dedupd::admin::install_metrics();
+    let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
+    dedupd::pipeline::install_handlers(&ledger, config)?;
+    let server = match http {
+        Some(http) => Some(start_http(&ledger, config, http, false)?),
+        None => None,
+    };
+    let result = kafka::run(ledger.clone(), kafka_config, &stop);
+    if let Some(server) = server {
+        server.stop()?;
+    }
+    let closed = match Arc::try_unwrap(ledger) {
+        Ok(l) => l.close(),
+        Err(_) => Ok(()),
+    };
+    let summary = result?;
+    closed?;
+    println!("{}", serde_json::json!({ "kafka": summary }));
+    tracing::info!(
+        ?summary,
+        "stopped; every stored offset covers durable outcomes"
+    );
+    Ok(())
+}
+
+fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
+    let stop = stop_flag()?;
+    let broker = kafka::DevBroker::start(brokers)?;
+    for t in topics {
+        let (name, partitions) = match t.split_once(':') {
+            Some((n, p)) => (
+                n,
+                p.parse::<i32>()
+                    .with_context(|| format!("--topic {t}: partitions must be a number"))?,
+            ),
+            None => (t.as_str(), 4),
+        };
+        broker.create_topic(name, partitions)?;
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", broker.bootstrap_servers())?;
+    out.flush()?;
+    drop(out);
+    eprintln!(
+        "dedupd dev-broker: mock Kafka cluster at {} (in memory; stop with Ctrl-C)",
+        broker.bootstrap_servers()
+    );
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
     Ok(())
 }

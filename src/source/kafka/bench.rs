@@ -1,0 +1,460 @@
+//! `dedupd kafka-bench`: the Kafka source against a consume-only baseline, in one run.
+//!
+//! librdkafka's mock broker keeps only the newest 5 MB of each partition, so a topic of
+//! 2M messages cannot be produced up front. Each phase therefore produces its `messages`
+//! generated OrderPlaced events (fixed seed, `dup_rate` redeliveries; record key = order
+//! id, header `message-id` = event id) to its own 4-partition topic *while* it consumes,
+//! the producer never more than [`WINDOW`] messages ahead of the consumer. Both phases
+//! carry the same producer load on the same machine:
+//!
+//! 1. Baseline: a plain rdkafka consumer reads every message (no processing, no offsets).
+//! 2. Engine: the Kafka source reads every message: dedup, handler, durable commit,
+//!    offsets stored. Throughput is timed from the first message received to the last
+//!    message read (baseline) or the last offset stored (engine).
+//! 3. Live: events are produced at half the engine's rate; the latency from each message's
+//!    produce timestamp to its offset being stored is the end-to-end figure (in phase 2 it
+//!    also counts the time a message waits in the producer's lead).
+
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use serde::Serialize;
+
+use crate::clock::SystemClock;
+use crate::config::{Config, KeySource, PartitionSource, SubscriberConfig};
+use crate::ledger::Ledger;
+use crate::source::generator::{Event, Traffic, TrafficSpec};
+
+use super::{
+    run_subscription, DevBroker, KafkaConfig, KafkaError, RunOptions, SourceStats,
+    SubscriptionConfig,
+};
+
+/// What to measure.
+#[derive(Debug, Clone, Serialize)]
+pub struct KafkaBenchParams {
+    pub messages: u64,
+    pub dup_rate: f64,
+    pub seed: u64,
+    pub partitions: i32,
+    /// Messages of the live (paced) phase; 0 skips it.
+    pub live_messages: u64,
+    pub handler: Option<PathBuf>,
+    /// Shards (default: number of cores).
+    pub shards: Option<usize>,
+    /// Directory for the temporary data directory.
+    pub dir: PathBuf,
+    /// An existing cluster instead of the built-in mock broker.
+    pub brokers: Option<String>,
+}
+
+/// Progress of a phase.
+#[derive(Debug, Clone, Copy)]
+pub struct BenchProgress {
+    pub phase: &'static str,
+    pub done: u64,
+    pub total: u64,
+    pub elapsed: Duration,
+}
+
+/// The figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct KafkaBenchReport {
+    pub params: KafkaBenchParams,
+    pub baseline_msgs_per_sec: f64,
+    pub baseline_s: f64,
+    pub engine_msgs_per_sec: f64,
+    pub engine_s: f64,
+    /// engine / baseline.
+    pub ratio: f64,
+    pub processed: u64,
+    pub duplicate: u64,
+    pub quarantined: u64,
+    pub dead_lettered: u64,
+    /// Produce timestamp -> offset stored in phase 2 (includes the producer's lead).
+    pub backlog_p99_ms: f64,
+    /// Live phase: rate produced and latency from produce timestamp to offset stored.
+    pub live_rate: f64,
+    pub live_p50_ms: f64,
+    pub live_p99_ms: f64,
+    pub live_max_ms: f64,
+}
+
+/// Most messages the producer may be ahead of the consumer: in the engine phase, of the
+/// offsets stored, so even a paused partition stays well inside the mock broker's 5 MB
+/// per partition (about 8k messages per partition on average).
+pub const WINDOW: u64 = 32_768;
+
+/// `fetch.wait.max.ms` of both consumers. The mock broker holds an empty fetch for the
+/// whole wait instead of answering when data arrives (a real broker answers at once), so
+/// librdkafka's default of 500 ms would be measured as end-to-end latency.
+const FETCH_WAIT_MS: &str = "10";
+
+fn client(err: impl std::fmt::Display) -> KafkaError {
+    KafkaError::Client(err.to_string())
+}
+
+/// Produces `spec`'s events to `topic`, at most `rate` per second when given.
+fn produce(
+    brokers: &str,
+    topic: &str,
+    spec: TrafficSpec,
+    rate: Option<f64>,
+    consumed: &AtomicU64,
+    stop: &AtomicBool,
+) -> Result<f64, KafkaError> {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", if rate.is_some() { "1" } else { "20" })
+        .set("batch.num.messages", "10000")
+        .set("queue.buffering.max.messages", "500000")
+        .set("compression.type", "none")
+        .create()
+        .map_err(client)?;
+    let mut traffic = Traffic::new(spec);
+    let mut ev = Event::default();
+    let mut key = String::new();
+    let start = Instant::now();
+    let mut n = 0u64;
+    while traffic.next_into(&mut ev) {
+        while n >= consumed.load(Ordering::Relaxed) + WINDOW {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(0.0);
+            }
+            producer.poll(Duration::from_millis(1));
+        }
+        if let Some(r) = rate {
+            let due = start + Duration::from_secs_f64(n as f64 / r);
+            let now = Instant::now();
+            if due > now {
+                producer.poll(Duration::ZERO);
+                std::thread::sleep(due - now);
+            }
+        }
+        key.clear();
+        key.push_str("o-");
+        key.push_str(&ev.order.to_string());
+        loop {
+            let headers = OwnedHeaders::new_with_capacity(1).insert(Header {
+                key: "message-id",
+                value: Some(ev.id.as_bytes()),
+            });
+            let record = BaseRecord::to(topic)
+                .key(key.as_str())
+                .payload(ev.payload.as_slice())
+                .headers(headers);
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((RdError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    producer.poll(Duration::from_millis(5));
+                }
+                Err((e, _)) => return Err(client(e)),
+            }
+        }
+        n += 1;
+        if n.is_multiple_of(1024) {
+            producer.poll(Duration::ZERO);
+        }
+    }
+    producer.flush(Duration::from_secs(120)).map_err(client)?;
+    Ok(n as f64 / start.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Reads `total` messages with a plain consumer while they are produced; returns seconds
+/// from the first message to the last.
+fn baseline(
+    brokers: &str,
+    topic: &str,
+    spec: TrafficSpec,
+    progress: &mut dyn FnMut(BenchProgress),
+) -> Result<f64, KafkaError> {
+    let total = spec.messages;
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", "dedupd-bench-baseline")
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "6000")
+        .set("fetch.wait.max.ms", FETCH_WAIT_MS)
+        .create()
+        .map_err(client)?;
+    consumer.subscribe(&[topic]).map_err(client)?;
+    let consumed = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let producer = scope.spawn(|| produce(brokers, topic, spec, None, &consumed, &stop));
+        let mut n = 0u64;
+        let mut bytes = 0usize;
+        let mut first: Option<Instant> = None;
+        let mut last = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(900);
+        let mut outcome = Ok(());
+        while n < total {
+            if Instant::now() > deadline || producer.is_finished() && n == 0 {
+                outcome = Err(client(format!(
+                    "the baseline consumer read {n} of {total} messages"
+                )));
+                break;
+            }
+            match consumer.poll(Duration::from_millis(100)) {
+                Some(Ok(m)) => {
+                    first.get_or_insert_with(Instant::now);
+                    bytes += m.payload_len();
+                    n += 1;
+                    if n.is_multiple_of(256) {
+                        consumed.store(n, Ordering::Relaxed);
+                    }
+                }
+                Some(Err(e)) => tracing::warn!("baseline consumer: {e}"),
+                None => {}
+            }
+            if last.elapsed() >= Duration::from_millis(500) {
+                last = Instant::now();
+                progress(BenchProgress {
+                    phase: "baseline",
+                    done: n,
+                    total,
+                    elapsed: first.map(|f| f.elapsed()).unwrap_or_default(),
+                });
+            }
+        }
+        let secs = first.map(|f| f.elapsed().as_secs_f64()).unwrap_or(0.0);
+        stop.store(true, Ordering::Relaxed);
+        std::hint::black_box(bytes);
+        producer
+            .join()
+            .unwrap_or_else(|_| Err(client("the producer panicked")))?;
+        outcome.map(|()| secs)
+    })
+}
+
+/// Runs the Kafka source on `topic` until `total` offsets are stored.
+#[allow(clippy::too_many_arguments)]
+fn engine(
+    ledger: &Arc<Ledger>,
+    kafka: &KafkaConfig,
+    subscriber: &str,
+    topic: &str,
+    total: u64,
+    phase: &'static str,
+    spec: TrafficSpec,
+    rate: Option<f64>,
+    progress: &mut dyn FnMut(BenchProgress),
+) -> Result<(f64, Arc<SourceStats>, crate::telemetry::Latency), KafkaError> {
+    let stats = Arc::new(SourceStats::default());
+    let stop = AtomicBool::new(false);
+    let sub = SubscriptionConfig {
+        subscriber: subscriber.into(),
+        topics: vec![topic.into()],
+        group: Some(format!("dedupd-bench-{subscriber}")),
+    };
+    std::thread::scope(|scope| {
+        let worker = {
+            let (ledger, stats, stop, sub) = (ledger.clone(), stats.clone(), &stop, &sub);
+            scope.spawn(move || {
+                run_subscription(
+                    ledger,
+                    kafka,
+                    sub,
+                    stop,
+                    stats,
+                    &RunOptions {
+                        record_latency: true,
+                    },
+                )
+            })
+        };
+        // Traffic starts once the group has assigned the partitions, so the group join
+        // does not count as latency.
+        let feeder = {
+            let (stats, stop) = (&stats, &stop);
+            let brokers = kafka.brokers.clone();
+            scope.spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while stats.assigned_partitions.load(Ordering::Relaxed) == 0 {
+                    if Instant::now() > deadline {
+                        return Err(client("the consumer got no partitions in 60 s"));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                produce(&brokers, topic, spec, rate, &stats.released, stop)
+            })
+        };
+        let mut first: Option<Instant> = None;
+        let mut last = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(1800);
+        let mut outcome = Ok(());
+        let (mut last_released, mut last_change) = (0, Instant::now());
+        loop {
+            let released = stats.released.load(Ordering::Relaxed);
+            if released != last_released {
+                (last_released, last_change) = (released, Instant::now());
+            } else if last_change.elapsed() > Duration::from_secs(60) {
+                outcome = Err(client(format!(
+                    "no progress for 60 s at {released} of {total} offsets stored"
+                )));
+                break;
+            }
+            if first.is_none() && stats.received.load(Ordering::Relaxed) > 0 {
+                first = Some(Instant::now());
+            }
+            if released >= total {
+                break;
+            }
+            if worker.is_finished() || Instant::now() > deadline {
+                outcome = Err(client(format!(
+                    "the Kafka source stopped or stalled after {released} of {total} offsets"
+                )));
+                break;
+            }
+            if last.elapsed() >= Duration::from_millis(500) {
+                last = Instant::now();
+                progress(BenchProgress {
+                    phase,
+                    done: released,
+                    total,
+                    elapsed: first.map(|f| f.elapsed()).unwrap_or_default(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let secs = first.map(|f| f.elapsed().as_secs_f64()).unwrap_or(0.0);
+        stop.store(true, Ordering::Relaxed);
+        let latency = worker
+            .join()
+            .unwrap_or_else(|_| Err(client("the Kafka source panicked")))?;
+        outcome?;
+        feeder
+            .join()
+            .unwrap_or_else(|_| Err(client("the producer panicked")))?;
+        Ok((secs, stats.clone(), latency.unwrap_or_default()))
+    })
+}
+
+/// Runs the whole benchmark.
+pub fn run(
+    params: &KafkaBenchParams,
+    progress: &mut dyn FnMut(BenchProgress),
+) -> Result<KafkaBenchReport, KafkaError> {
+    let broker = match &params.brokers {
+        Some(_) => None,
+        None => Some(DevBroker::start(1)?),
+    };
+    let brokers = match (&params.brokers, &broker) {
+        (Some(b), _) => b.clone(),
+        (None, Some(d)) => d.bootstrap_servers(),
+        (None, None) => return Err(client("no broker")),
+    };
+    let run_id = format!("{}-{}", std::process::id(), params.seed);
+    let base_topic = format!("dedupd-bench-base-{run_id}");
+    let topic = format!("dedupd-bench-{run_id}");
+    let live_topic = format!("dedupd-bench-live-{run_id}");
+    if let Some(d) = &broker {
+        for t in [&base_topic, &topic, &live_topic] {
+            d.create_topic(t, params.partitions)?;
+        }
+    }
+    let spec = TrafficSpec {
+        seed: params.seed,
+        messages: params.messages,
+        dup_rate: params.dup_rate,
+        mismatch_rate: 0.0,
+        subscribers: 1,
+    };
+    let baseline_s = baseline(&brokers, &base_topic, spec, progress)?;
+
+    let dir = tempfile::Builder::new()
+        .prefix("dedupd-kafka-bench-")
+        .tempdir_in(&params.dir)
+        .map_err(|e| client(format!("cannot create a data directory: {e}")))?;
+    let mut config = Config::default();
+    config.ledger.shards = params.shards.and_then(NonZeroUsize::new);
+    for name in ["bench", "bench-live"] {
+        config.subscribers.push(SubscriberConfig {
+            name: name.into(),
+            key: Some(KeySource::Header {
+                name: "message-id".into(),
+            }),
+            // One writer per order: the handler's per-order state stays consistent.
+            partition_key: Some(PartitionSource::EnvelopeKey),
+            handler: params.handler.clone(),
+            ..Default::default()
+        });
+    }
+    let ledger = Arc::new(
+        Ledger::open(dir.path(), &config, Arc::new(SystemClock))
+            .map_err(|e| KafkaError::Ledger(e.to_string()))?,
+    );
+    crate::pipeline::install_handlers(&ledger, &config)
+        .map_err(|e| KafkaError::Config(format!("cannot load the handler: {e}")))?;
+    let mut kafka = KafkaConfig::new(brokers.clone());
+    kafka.session_timeout = Duration::from_secs(6);
+    kafka
+        .options
+        .insert("fetch.wait.max.ms".into(), FETCH_WAIT_MS.into());
+    let (engine_s, stats, backlog) = engine(
+        &ledger,
+        &kafka,
+        "bench",
+        &topic,
+        params.messages,
+        "engine",
+        spec,
+        None,
+        progress,
+    )?;
+    let engine_rate = params.messages as f64 / engine_s.max(1e-9);
+
+    let (mut live_rate, mut live) = (0.0, crate::telemetry::Latency::default());
+    if params.live_messages > 0 {
+        live_rate = (engine_rate * 0.5).max(1.0);
+        let live_spec = TrafficSpec {
+            seed: params.seed ^ 0x5eed,
+            messages: params.live_messages,
+            ..spec
+        };
+        let (_, _, lat) = engine(
+            &ledger,
+            &kafka,
+            "bench-live",
+            &live_topic,
+            params.live_messages,
+            "live",
+            live_spec,
+            Some(live_rate),
+            progress,
+        )?;
+        live = lat;
+    }
+    let baseline_rate = params.messages as f64 / baseline_s.max(1e-9);
+    let report = KafkaBenchReport {
+        params: params.clone(),
+        baseline_msgs_per_sec: baseline_rate,
+        baseline_s,
+        engine_msgs_per_sec: engine_rate,
+        engine_s,
+        ratio: engine_rate / baseline_rate.max(1e-9),
+        processed: stats.processed.load(Ordering::Relaxed),
+        duplicate: stats.duplicate.load(Ordering::Relaxed),
+        quarantined: stats.quarantined.load(Ordering::Relaxed),
+        dead_lettered: stats.dead_lettered.load(Ordering::Relaxed),
+        backlog_p99_ms: backlog.quantile_ms(0.99),
+        live_rate,
+        live_p50_ms: live.quantile_ms(0.5),
+        live_p99_ms: live.quantile_ms(0.99),
+        live_max_ms: live.max_ms(),
+    };
+    match Arc::try_unwrap(ledger) {
+        Ok(l) => l.close().map_err(|e| KafkaError::Ledger(e.to_string()))?,
+        Err(_) => return Err(KafkaError::Ledger("the ledger is still in use".into())),
+    }
+    Ok(report)
+}

@@ -1,0 +1,886 @@
+//! One consumer-group member feeding one subscriber.
+//!
+//! Offsets (G1): `enable.auto.offset.store=false`; an offset is stored only when every
+//! earlier message of its partition has a durable outcome (and dead letters were
+//! acknowledged by the dead-letter topic). Stored offsets are committed every
+//! `commit_interval`, before partitions are revoked, and at shutdown. A crash loses at most
+//! uncommitted offsets: those messages are delivered again and the ledger answers
+//! `duplicate`.
+//!
+//! Rebalance: librdkafka calls the rebalance callback from inside `poll` on this thread.
+//! Before revoked partitions are released, their staged jobs are submitted, their
+//! outcomes awaited (up to `drain_timeout`), their offsets stored and committed; then their
+//! state is dropped, so a late outcome for them is ignored and no offset is ever stored for
+//! a partition this member no longer owns.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{select, unbounded, Receiver, Sender};
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::KafkaResult;
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, ProducerContext, ThreadedProducer};
+use rdkafka::statistics::Statistics;
+use rdkafka::topic_partition_list::TopicPartitionList;
+use rdkafka::ClientContext;
+
+use crate::envelope::fingerprint;
+use crate::ledger::{Done, Job, Ledger, Outcome, Subscriber};
+use crate::telemetry::Latency;
+
+use super::keying::{key_record, RecordView};
+use super::offsets::OffsetTracker;
+use super::{KafkaConfig, KafkaError, SubscriptionConfig};
+
+/// Bits of a job's `seq` that hold the message's local number in its partition; the bits
+/// above name the partition's slot (one per assignment, never reused).
+const LOCAL_BITS: u32 = 40;
+const LOCAL_MASK: u64 = (1 << LOCAL_BITS) - 1;
+/// Jobs per submission to one shard.
+const CHUNK: usize = 512;
+/// Messages taken from the consumer before staged jobs are submitted and acks handled.
+const BURST: usize = 2048;
+
+/// Live counters of a subscription, readable while it runs.
+#[derive(Debug, Default)]
+pub struct SourceStats {
+    /// Messages received from Kafka.
+    pub received: AtomicU64,
+    /// Messages whose offsets were stored (outcome durable, dead letters delivered).
+    pub released: AtomicU64,
+    pub processed: AtomicU64,
+    pub duplicate: AtomicU64,
+    pub quarantined: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub rejected: AtomicU64,
+    /// Partitions revoked from this member, and revocations whose drain timed out.
+    pub revoked_partitions: AtomicU64,
+    pub revoke_drain_timeouts: AtomicU64,
+    /// Offsets stored (calls to `store_offsets`).
+    pub offset_stores: AtomicU64,
+    /// Partitions currently assigned to this member.
+    pub assigned_partitions: AtomicU64,
+}
+
+/// What was kept of a message that may still go to the dead-letter topic.
+#[derive(Debug)]
+pub(crate) struct Retained {
+    key: Option<Vec<u8>>,
+    payload: Vec<u8>,
+    headers: Vec<(String, Vec<u8>)>,
+    /// Set when the message is dead-lettered.
+    reason: String,
+    attempts: u32,
+}
+
+struct PartitionState {
+    topic: Arc<str>,
+    partition: i32,
+    tracker: OffsetTracker<Retained>,
+    paused: bool,
+}
+
+/// Delivery reports of the dead-letter producer: (job seq, result).
+type DeliveryReport = (usize, Result<(), String>);
+
+struct DeliveryContext {
+    tx: Sender<DeliveryReport>,
+}
+
+impl ClientContext for DeliveryContext {}
+
+impl ProducerContext for DeliveryContext {
+    type DeliveryOpaque = usize;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, seq: usize) {
+        let r = match result {
+            Ok(_) => Ok(()),
+            Err((e, _)) => Err(e.to_string()),
+        };
+        let _ = self.tx.send((seq, r));
+    }
+}
+
+/// The producer for the dead-letter topic.
+struct DeadLetterTopic {
+    topic: String,
+    producer: ThreadedProducer<DeliveryContext>,
+    reports: Receiver<DeliveryReport>,
+}
+
+/// Everything the poll loop and the rebalance callback share.
+struct Worker {
+    ledger: Arc<Ledger>,
+    sub: Arc<Subscriber>,
+    ack_tx: Sender<Vec<Done>>,
+    ack_rx: Receiver<Vec<Done>>,
+    dlq: Option<DeadLetterTopic>,
+    parts: HashMap<u64, PartitionState>,
+    /// (topic, partition) -> slot of the partitions owned now; a few entries, scanned
+    /// without allocating for every message.
+    by_tp: Vec<(Arc<str>, i32, u64)>,
+    next_slot: u64,
+    staged: Vec<Vec<Job>>,
+    max_in_flight: usize,
+    drain_timeout: Duration,
+    stats: Arc<SourceStats>,
+    latency: Option<Latency>,
+    fatal: Option<String>,
+    /// Dead letters whose produce call failed (slot, local), tried again by the poll loop.
+    unsent: Vec<(u64, u64)>,
+}
+
+/// The consumer's context: rebalance callbacks and statistics.
+struct WorkerContext {
+    worker: Mutex<Worker>,
+    subscriber: Arc<str>,
+}
+
+impl WorkerContext {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Worker> {
+        self.worker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl ClientContext for WorkerContext {
+    fn stats(&self, statistics: Statistics) {
+        for (topic, t) in &statistics.topics {
+            for (partition, p) in &t.partitions {
+                if *partition < 0 || p.consumer_lag_stored < 0 {
+                    continue;
+                }
+                metrics::gauge!(
+                    "dedupd_kafka_consumer_lag",
+                    "topic" => topic.clone(),
+                    "partition" => partition.to_string()
+                )
+                .set(p.consumer_lag_stored as f64);
+            }
+        }
+    }
+}
+
+impl ConsumerContext for WorkerContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let mut w = self.lock();
+        match rebalance {
+            Rebalance::Assign(tpl) => w.assign(tpl),
+            Rebalance::Revoke(tpl) => w.revoke(consumer, tpl),
+            Rebalance::Error(e) => {
+                tracing::warn!(subscriber = %self.subscriber, "kafka rebalance error: {e}")
+            }
+        }
+    }
+
+    // Runs inside synchronous commits made by the rebalance callback: it must not take
+    // the worker lock.
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        match result {
+            Ok(()) => {
+                tracing::debug!(subscriber = %self.subscriber, "committed {} partition offsets", offsets.count())
+            }
+            Err(rdkafka::error::KafkaError::ConsumerCommit(
+                rdkafka::types::RDKafkaErrorCode::NoOffset,
+            )) => {}
+            Err(e) => {
+                tracing::warn!(subscriber = %self.subscriber, "offset commit failed (retried with the next commit): {e}")
+            }
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Digits of the attempt count at the end of a dead-letter reason ("... (attempt 3 of 3)").
+fn attempts_from_reason(reason: &str) -> u32 {
+    reason
+        .rsplit_once("(attempt ")
+        .and_then(|(_, rest)| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1)
+}
+
+impl Worker {
+    fn slot_of(&self, topic: &str, partition: i32) -> Option<u64> {
+        self.by_tp
+            .iter()
+            .find(|(t, p, _)| *p == partition && &**t == topic)
+            .map(|(_, _, s)| *s)
+    }
+
+    fn assign(&mut self, tpl: &TopicPartitionList) {
+        for e in tpl.elements() {
+            let tp: (Arc<str>, i32) = (Arc::from(e.topic()), e.partition());
+            if self.slot_of(&tp.0, tp.1).is_some() {
+                continue;
+            }
+            let slot = self.next_slot;
+            self.next_slot += 1;
+            tracing::info!(subscriber = %self.sub.name, topic = %tp.0, partition = tp.1, "kafka partition assigned");
+            self.parts.insert(
+                slot,
+                PartitionState {
+                    topic: tp.0.clone(),
+                    partition: tp.1,
+                    tracker: OffsetTracker::default(),
+                    paused: false,
+                },
+            );
+            self.by_tp.push((tp.0, tp.1, slot));
+            self.stats
+                .assigned_partitions
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn revoke(&mut self, consumer: &BaseConsumer<WorkerContext>, tpl: &TopicPartitionList) {
+        let slots: Vec<u64> = tpl
+            .elements()
+            .iter()
+            .filter_map(|e| self.slot_of(e.topic(), e.partition()))
+            .collect();
+        let lost = consumer.assignment_lost();
+        if !lost {
+            let deadline = Instant::now() + self.drain_timeout;
+            if !self.drain(consumer, Some(&slots), deadline) {
+                self.stats
+                    .revoke_drain_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::error!(subscriber = %self.sub.name, "in-flight work of revoked partitions did not finish within kafka.drain_timeout; their unfinished messages will be delivered again to the new owner");
+            }
+            if self.fatal.is_none() {
+                commit(consumer, &self.sub.name, "commit before revoke");
+            }
+        } else {
+            tracing::warn!(subscriber = %self.sub.name, "kafka assignment lost; in-flight offsets are not stored");
+        }
+        for slot in slots {
+            if let Some(p) = self.parts.remove(&slot) {
+                tracing::info!(subscriber = %self.sub.name, topic = %p.topic, partition = p.partition, in_flight = p.tracker.in_flight(), "kafka partition revoked");
+                self.by_tp.retain(|(_, _, s)| *s != slot);
+                self.stats
+                    .revoked_partitions
+                    .fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .assigned_partitions
+                    .fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Submits staged jobs, then handles outcomes until the given partitions (all when
+    /// `None`) have nothing in flight, or the deadline passes. Returns whether they drained.
+    fn drain(
+        &mut self,
+        consumer: &BaseConsumer<WorkerContext>,
+        slots: Option<&[u64]>,
+        deadline: Instant,
+    ) -> bool {
+        self.flush();
+        loop {
+            let busy = |w: &Worker| match slots {
+                Some(s) => s
+                    .iter()
+                    .any(|slot| w.parts.get(slot).is_some_and(|p| p.tracker.in_flight() > 0)),
+                None => w.parts.values().any(|p| p.tracker.in_flight() > 0),
+            };
+            if !busy(self) {
+                return true;
+            }
+            if self.fatal.is_some() || Instant::now() >= deadline {
+                return false;
+            }
+            self.wait_and_handle(consumer, Duration::from_millis(20));
+        }
+    }
+
+    /// Waits up to `timeout` for an outcome or a delivery report and handles all ready.
+    fn wait_and_handle(&mut self, consumer: &BaseConsumer<WorkerContext>, timeout: Duration) {
+        let never = crossbeam_channel::never();
+        let reports = self
+            .dlq
+            .as_ref()
+            .map(|d| d.reports.clone())
+            .unwrap_or(never);
+        select! {
+            recv(self.ack_rx) -> d => if let Ok(d) = d { self.on_done(consumer, d) },
+            recv(reports) -> r => if let Ok(r) = r { self.on_delivery(consumer, r) },
+            default(timeout) => {},
+        }
+        self.handle_ready(consumer);
+    }
+
+    /// Handles every outcome and delivery report already waiting.
+    fn handle_ready(&mut self, consumer: &BaseConsumer<WorkerContext>) {
+        while let Ok(d) = self.ack_rx.try_recv() {
+            self.on_done(consumer, d);
+        }
+        while let Some(r) = self.dlq.as_ref().and_then(|d| d.reports.try_recv().ok()) {
+            self.on_delivery(consumer, r);
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.fatal.is_some() {
+            return;
+        }
+        for shard in 0..self.staged.len() {
+            if !self.staged[shard].is_empty() {
+                let jobs = std::mem::take(&mut self.staged[shard]);
+                if let Err(e) = self.ledger.submit(shard, jobs) {
+                    self.fatal = Some(e.to_string());
+                    return;
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self, consumer: &BaseConsumer<WorkerContext>, m: &BorrowedMessage<'_>) {
+        let Some(slot) = self.slot_of(m.topic(), m.partition()) else {
+            // Not (or no longer) ours: the owner gets it; nothing is stored for it.
+            return;
+        };
+        self.stats.received.fetch_add(1, Ordering::Relaxed);
+        let payload = m.payload().unwrap_or_default();
+        let headers: Vec<(String, Vec<u8>)> = m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let settings = self.sub.settings();
+        let keyed = key_record(
+            &RecordView {
+                key: m.key(),
+                payload,
+                headers: &headers,
+            },
+            &settings,
+        );
+        let retain = self.dlq.is_some() || keyed.is_err();
+        let retained = retain.then(|| Retained {
+            key: m.key().map(<[u8]>::to_vec),
+            payload: payload.to_vec(),
+            headers: headers.clone(),
+            reason: String::new(),
+            attempts: 0,
+        });
+        let Some(p) = self.parts.get_mut(&slot) else {
+            return;
+        };
+        let ts = m.timestamp().to_millis().unwrap_or(0);
+        let local = p.tracker.push(m.offset(), ts, retained);
+        let seq = (slot << LOCAL_BITS) | (local & LOCAL_MASK);
+        let origin = format!("kafka:{}/{}/{}", m.topic(), m.partition(), m.offset());
+        match keyed {
+            Ok(k) => {
+                let mut job = Job::new(
+                    seq,
+                    self.sub.id,
+                    k.key.hash,
+                    fingerprint(payload),
+                    &k.key.text,
+                    payload,
+                    self.ack_tx.clone(),
+                );
+                job.headers = headers
+                    .into_iter()
+                    .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+                    .collect();
+                job.partition_key = k.partition_key;
+                job.received_at_ms = now_ms();
+                job.origin = Some(origin);
+                let shard = self.ledger.route(k.route);
+                self.staged[shard].push(job);
+                if self.staged[shard].len() >= CHUNK {
+                    let jobs = std::mem::take(&mut self.staged[shard]);
+                    if let Err(e) = self.ledger.submit(shard, jobs) {
+                        self.fatal = Some(e.to_string());
+                    }
+                }
+            }
+            Err(reason) => self.reject(consumer, slot, local, &origin, reason),
+        }
+        let max = self.max_in_flight;
+        if let Some(p) = self.parts.get_mut(&slot) {
+            if !p.paused && p.tracker.in_flight() >= max {
+                let mut tpl = TopicPartitionList::new();
+                tpl.add_partition(&p.topic, p.partition);
+                match consumer.pause(&tpl) {
+                    Ok(()) => p.paused = true,
+                    Err(e) => tracing::warn!("pausing partition failed: {e}"),
+                }
+            }
+        }
+    }
+
+    /// Input with no usable key: kept in the ledger as a dead letter, then (if configured)
+    /// produced to the dead-letter topic; never dropped, never a crash.
+    fn reject(
+        &mut self,
+        consumer: &BaseConsumer<WorkerContext>,
+        slot: u64,
+        local: u64,
+        origin: &str,
+        reason: String,
+    ) {
+        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("dedupd_kafka_messages_total", "outcome" => "rejected").increment(1);
+        let Some(p) = self.parts.get_mut(&slot) else {
+            return;
+        };
+        let Some(mut r) = p.tracker.take_retained(local) else {
+            return;
+        };
+        let record = serde_json::json!({
+            "reason": reason,
+            "attempts": 0,
+            "origin": origin,
+            "key": r.key.as_deref().map(String::from_utf8_lossy),
+            "headers": r.headers.iter().map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned())).collect::<Vec<_>>(),
+            "payload": String::from_utf8_lossy(&r.payload),
+        });
+        if let Err(e) = self.ledger.add_dead_letter(&self.sub.name, record) {
+            self.fatal = Some(e.to_string());
+            return;
+        }
+        r.reason = reason;
+        r.attempts = 0;
+        self.dead_letter(consumer, slot, local, r);
+    }
+
+    /// Sends a dead letter to the topic; without one, the ledger's record is all there is
+    /// and the message is resolved at once.
+    fn dead_letter(
+        &mut self,
+        _consumer: &BaseConsumer<WorkerContext>,
+        slot: u64,
+        local: u64,
+        r: Retained,
+    ) {
+        let Some(p) = self.parts.get_mut(&slot) else {
+            return;
+        };
+        let Some(dlq) = &self.dlq else {
+            p.tracker.resolve(local);
+            return;
+        };
+        let seq = ((slot << LOCAL_BITS) | local) as usize;
+        let offset = p.tracker.offset_of(local).unwrap_or(-1);
+        let mut headers = OwnedHeaders::new_with_capacity(6 + r.headers.len());
+        let attempts = r.attempts.to_string();
+        let partition = p.partition.to_string();
+        let offset_text = offset.to_string();
+        for (k, v) in [
+            ("dedupd-subscriber", &*self.sub.name),
+            ("dedupd-reason", r.reason.as_str()),
+            ("dedupd-attempts", attempts.as_str()),
+            ("dedupd-original-topic", &*p.topic),
+            ("dedupd-original-partition", partition.as_str()),
+            ("dedupd-original-offset", offset_text.as_str()),
+        ] {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
+        }
+        for (k, v) in &r.headers {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_slice()),
+            });
+        }
+        let mut record: BaseRecord<'_, [u8], [u8], usize> =
+            BaseRecord::with_opaque_to(&dlq.topic, seq)
+                .payload(r.payload.as_slice())
+                .headers(headers);
+        if let Some(k) = r.key.as_deref() {
+            record = record.key(k);
+        }
+        let sent = dlq.producer.send(record).map_err(|(e, _)| e.to_string());
+        if let Err(e) = sent {
+            // Queue full or similar: the poll loop tries again shortly.
+            tracing::warn!(subscriber = %self.sub.name, "dead-letter produce failed, retrying: {e}");
+            self.unsent.push((slot, local));
+        }
+        p.tracker.put_retained(local, r);
+    }
+
+    /// Produces again the dead letters whose `send` failed.
+    fn retry_unsent(&mut self, consumer: &BaseConsumer<WorkerContext>) {
+        for (slot, local) in std::mem::take(&mut self.unsent) {
+            let r = self
+                .parts
+                .get_mut(&slot)
+                .and_then(|p| p.tracker.take_retained(local));
+            if let Some(r) = r {
+                self.dead_letter(consumer, slot, local, r);
+            }
+        }
+    }
+
+    fn on_delivery(
+        &mut self,
+        consumer: &BaseConsumer<WorkerContext>,
+        (seq, result): DeliveryReport,
+    ) {
+        let seq = seq as u64;
+        let (slot, local) = (seq >> LOCAL_BITS, seq & LOCAL_MASK);
+        let Some(p) = self.parts.get_mut(&slot) else {
+            return;
+        };
+        match result {
+            Ok(()) => {
+                let _ = p.tracker.take_retained(local);
+                p.tracker.resolve(local);
+                self.advance(consumer, slot);
+            }
+            Err(e) => {
+                tracing::warn!(subscriber = %self.sub.name, "dead-letter delivery failed, producing again: {e}");
+                if let Some(r) = p.tracker.take_retained(local) {
+                    self.dead_letter(consumer, slot, local, r);
+                }
+            }
+        }
+    }
+
+    fn on_done(&mut self, consumer: &BaseConsumer<WorkerContext>, dones: Vec<Done>) {
+        let mut counts = [0u64; 5];
+        let mut touched: Vec<u64> = Vec::new();
+        for d in dones {
+            let (slot, local) = (d.seq >> LOCAL_BITS, d.seq & LOCAL_MASK);
+            if !self.parts.contains_key(&slot) {
+                continue; // revoked: its offset is not ours to store
+            }
+            match d.outcome {
+                Outcome::Processed => counts[0] += 1,
+                Outcome::Duplicate => counts[1] += 1,
+                // Kept in the ledger (admin lists and replays it), not sent to the topic.
+                Outcome::Quarantined { .. } => counts[2] += 1,
+                Outcome::DeadLettered { reason } | Outcome::Rejected { reason } => {
+                    counts[3] += 1;
+                    let r = self
+                        .parts
+                        .get_mut(&slot)
+                        .and_then(|p| p.tracker.take_retained(local));
+                    match r {
+                        Some(mut r) => {
+                            r.attempts = attempts_from_reason(&reason);
+                            r.reason = reason;
+                            self.dead_letter(consumer, slot, local, r);
+                        }
+                        None => {
+                            if let Some(p) = self.parts.get_mut(&slot) {
+                                p.tracker.resolve(local);
+                            }
+                        }
+                    }
+                    if touched.last() != Some(&slot) {
+                        touched.push(slot);
+                    }
+                    continue;
+                }
+                Outcome::Failed { reason } => {
+                    self.fatal = Some(reason);
+                    counts[4] += 1;
+                    continue;
+                }
+            }
+            if let Some(p) = self.parts.get_mut(&slot) {
+                p.tracker.resolve(local);
+            }
+            if touched.last() != Some(&slot) {
+                touched.push(slot);
+            }
+        }
+        let s = &self.stats;
+        for (i, (counter, name)) in [
+            (&s.processed, "processed"),
+            (&s.duplicate, "duplicate"),
+            (&s.quarantined, "quarantined"),
+            (&s.dead_lettered, "dead_lettered"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            if counts[i] > 0 {
+                counter.fetch_add(counts[i], Ordering::Relaxed);
+                metrics::counter!("dedupd_kafka_messages_total", "outcome" => name)
+                    .increment(counts[i]);
+            }
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        for slot in touched {
+            self.advance(consumer, slot);
+        }
+    }
+
+    /// Stores the partition's new watermark and resumes it when it has room again.
+    fn advance(&mut self, consumer: &BaseConsumer<WorkerContext>, slot: u64) {
+        if self.fatal.is_some() {
+            return; // G7: nothing more is acknowledged after a storage failure
+        }
+        let Some(p) = self.parts.get_mut(&slot) else {
+            return;
+        };
+        let released = p.tracker.advance(self.latency.is_some());
+        if let Some(next) = released.store {
+            // `store_offsets` stores exactly `next`; the per-message `store_offset` would
+            // store its argument + 1.
+            let mut tpl = TopicPartitionList::with_capacity(1);
+            let stored = tpl
+                .add_partition_offset(&p.topic, p.partition, rdkafka::Offset::Offset(next))
+                .and_then(|()| consumer.store_offsets(&tpl));
+            if let Err(e) = stored {
+                tracing::warn!(subscriber = %self.sub.name, topic = %p.topic, partition = p.partition, "storing offset failed: {e}");
+            } else {
+                self.stats.offset_stores.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if let Some(lat) = &mut self.latency {
+            let now = now_ms() as i64;
+            for ts in &released.timestamps_ms {
+                lat.record_us(((now - ts).max(0) as u64) * 1000);
+            }
+        }
+        if released.count > 0 {
+            self.stats
+                .released
+                .fetch_add(released.count, Ordering::Relaxed);
+        }
+        if p.paused && p.tracker.in_flight() <= self.max_in_flight / 2 {
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(&p.topic, p.partition);
+            match consumer.resume(&tpl) {
+                Ok(()) => p.paused = false,
+                Err(e) => tracing::warn!("resuming partition failed: {e}"),
+            }
+        }
+    }
+}
+
+impl Worker {
+    fn any_in_flight(&self) -> bool {
+        !self.unsent.is_empty() || self.parts.values().any(|p| p.tracker.in_flight() > 0)
+    }
+}
+
+/// Settings of one running subscription that a config file does not carry.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Record the latency from each message's produce timestamp to its offset being
+    /// stored (the benchmark's end-to-end figure).
+    pub record_latency: bool,
+}
+
+/// Consumes one subscription until `stop` is set, then drains in-flight work, stores and
+/// commits offsets. Returns the latency histogram when asked to record one.
+///
+/// An error leaves the ledger's durable state as it was; offsets stored before it are
+/// committed (they only cover durable outcomes), nothing after.
+pub fn run_subscription(
+    ledger: Arc<Ledger>,
+    kafka: &KafkaConfig,
+    subscription: &SubscriptionConfig,
+    stop: &AtomicBool,
+    stats: Arc<SourceStats>,
+    options: &RunOptions,
+) -> Result<Option<Latency>, KafkaError> {
+    let sub = ledger
+        .subscriber(&subscription.subscriber)
+        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
+    let dlq = match &kafka.dead_letter_topic {
+        Some(topic) => {
+            let (tx, reports) = unbounded();
+            let producer: ThreadedProducer<DeliveryContext> = super::producer_config(kafka)
+                .create_with_context(DeliveryContext { tx })
+                .map_err(|e| KafkaError::Client(e.to_string()))?;
+            Some(DeadLetterTopic {
+                topic: topic.clone(),
+                producer,
+                reports,
+            })
+        }
+        None => None,
+    };
+    let worker = Worker {
+        ledger: ledger.clone(),
+        sub: sub.clone(),
+        ack_tx,
+        ack_rx,
+        dlq,
+        parts: HashMap::new(),
+        by_tp: Vec::new(),
+        next_slot: 0,
+        staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
+        max_in_flight: kafka.max_in_flight_per_partition.get(),
+        drain_timeout: kafka.drain_timeout,
+        stats: stats.clone(),
+        latency: options.record_latency.then(Latency::default),
+        fatal: None,
+        unsent: Vec::new(),
+    };
+    let ctx = WorkerContext {
+        worker: Mutex::new(worker),
+        subscriber: sub.name.clone(),
+    };
+    let consumer: BaseConsumer<WorkerContext> = consumer_config(kafka, subscription)
+        .create_with_context(ctx)
+        .map_err(|e| KafkaError::Client(e.to_string()))?;
+    let topics: Vec<&str> = subscription.topics.iter().map(String::as_str).collect();
+    consumer
+        .subscribe(&topics)
+        .map_err(|e| KafkaError::Client(e.to_string()))?;
+    tracing::info!(subscriber = %sub.name, group = kafka.group_of(subscription), ?topics, "kafka consumer started");
+    let mut last_log = Instant::now();
+    let mut last_released = 0;
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        if let Some(f) = consumer.context().lock().fatal.clone() {
+            return Err(KafkaError::Ledger(f));
+        }
+        let mut got = 0;
+        while got < BURST {
+            match consumer.poll(Duration::ZERO) {
+                Some(Ok(m)) => {
+                    consumer.context().lock().accept(&consumer, &m);
+                    got += 1;
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(subscriber = %sub.name, "kafka consumer error: {e}");
+                    break;
+                }
+                None => break,
+            }
+        }
+        let in_flight = {
+            let mut w = consumer.context().lock();
+            w.flush();
+            w.retry_unsent(&consumer);
+            w.handle_ready(&consumer);
+            if got == 0 && w.any_in_flight() {
+                w.wait_and_handle(&consumer, Duration::from_millis(2));
+            }
+            w.any_in_flight()
+        };
+        if got == 0 && !in_flight {
+            match consumer.poll(Duration::from_millis(50)) {
+                Some(Ok(m)) => consumer.context().lock().accept(&consumer, &m),
+                Some(Err(e)) => tracing::warn!(subscriber = %sub.name, "kafka consumer error: {e}"),
+                None => {}
+            }
+        }
+        let released = stats.released.load(Ordering::Relaxed);
+        if last_log.elapsed() >= Duration::from_secs(1) && released != last_released {
+            last_log = Instant::now();
+            last_released = released;
+            tracing::info!(
+                subscriber = %sub.name,
+                received = stats.received.load(Ordering::Relaxed),
+                released,
+                processed = stats.processed.load(Ordering::Relaxed),
+                duplicate = stats.duplicate.load(Ordering::Relaxed),
+                "kafka progress"
+            );
+        }
+    }
+    // Graceful stop: no new messages; finish what is in flight, store and commit.
+    let latency = {
+        let mut w = consumer.context().lock();
+        let deadline = Instant::now() + kafka.drain_timeout;
+        let mut drained = w.drain(&consumer, None, deadline);
+        while drained && !w.unsent.is_empty() && Instant::now() < deadline {
+            w.retry_unsent(&consumer);
+            drained = w.drain(&consumer, None, deadline);
+        }
+        if let Some(f) = w.fatal.clone() {
+            return Err(KafkaError::Ledger(f));
+        }
+        if !drained {
+            tracing::error!(subscriber = %sub.name, "in-flight messages did not finish within kafka.drain_timeout; they will be delivered again");
+        }
+        commit(&consumer, &sub.name, "final offset commit");
+        w.latency.take()
+    };
+    tracing::info!(
+        subscriber = %sub.name,
+        received = stats.received.load(Ordering::Relaxed),
+        released = stats.released.load(Ordering::Relaxed),
+        "kafka consumer stopped; offsets committed"
+    );
+    drop(consumer);
+    Ok(latency)
+}
+
+/// Commits the stored offsets synchronously; "nothing stored since the last commit" is fine.
+fn commit(consumer: &BaseConsumer<WorkerContext>, subscriber: &str, what: &str) {
+    match consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(())
+        | Err(rdkafka::error::KafkaError::ConsumerCommit(
+            rdkafka::types::RDKafkaErrorCode::NoOffset,
+        )) => {}
+        Err(e) => tracing::warn!(
+            subscriber,
+            "{what} failed (retried with the next commit): {e}"
+        ),
+    }
+}
+
+fn consumer_config(kafka: &KafkaConfig, subscription: &SubscriptionConfig) -> ClientConfig {
+    let mut c = super::client_config(kafka);
+    let session_ms = kafka.session_timeout.as_millis().max(1);
+    c.set("group.id", kafka.group_of(subscription))
+        .set("enable.auto.offset.store", "false")
+        .set("enable.auto.commit", "true")
+        .set(
+            "auto.commit.interval.ms",
+            kafka.commit_interval.as_millis().max(1).to_string(),
+        )
+        .set("auto.offset.reset", kafka.start.as_librdkafka())
+        .set("session.timeout.ms", session_ms.to_string())
+        .set("heartbeat.interval.ms", (session_ms / 3).max(1).to_string())
+        .set("enable.partition.eof", "false")
+        .set("statistics.interval.ms", "5000");
+    if !kafka.options.contains_key("partition.assignment.strategy") {
+        // Incremental rebalancing: partitions that stay are never revoked, and the ones
+        // that move are revoked while the group is stable, so the commit made before
+        // releasing them is accepted (a group coordinator refuses commits while an eager
+        // rebalance is in progress).
+        c.set("partition.assignment.strategy", "cooperative-sticky");
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attempts_are_read_from_the_reason() {
+        assert_eq!(attempts_from_reason("boom (attempt 3 of 3)"), 3);
+        assert_eq!(attempts_from_reason("permanent: bad (attempt 1 of 5)"), 1);
+        assert_eq!(attempts_from_reason("no count"), 1);
+    }
+
+    #[test]
+    fn seq_encodes_slot_and_local_number() {
+        let (slot, local) = (7u64, 123_456u64);
+        let seq = (slot << LOCAL_BITS) | local;
+        assert_eq!((seq >> LOCAL_BITS, seq & LOCAL_MASK), (slot, local));
+    }
+}

@@ -1,0 +1,183 @@
+//! From a Kafka record to an idempotency key and a routing hash.
+//!
+//! The record key is a partition key (ordering and routing), never an idempotency key:
+//! the idempotency key comes from a header, a JSON pointer into the payload or CloudEvents
+//! (structured: `source`/`id` in a JSON payload; binary: `ce_source`/`ce_id` headers).
+//! The payload fingerprint is over the record's raw bytes: a Kafka redelivery is
+//! byte-identical.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::config::{KeySource, PartitionSource, SubscriberSettings};
+use crate::envelope::{derive_key, derive_partition, Envelope, IdempotencyKey};
+
+/// The parts of a record key extraction looks at.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordView<'a> {
+    pub key: Option<&'a [u8]>,
+    pub payload: &'a [u8],
+    /// Header name and raw value, in record order.
+    pub headers: &'a [(String, Vec<u8>)],
+}
+
+/// A keyed record: idempotency key and routing hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keyed {
+    pub key: IdempotencyKey,
+    pub route: u128,
+    /// The record key as text (the job's partition key).
+    pub partition_key: Option<String>,
+}
+
+/// Whether the settings need the payload parsed as JSON.
+fn needs_json(settings: &SubscriberSettings) -> bool {
+    matches!(
+        settings.key,
+        KeySource::JsonPointer { .. } | KeySource::Cloudevents
+    ) || matches!(settings.partition_key, PartitionSource::JsonPointer { .. })
+}
+
+/// Derives the idempotency key and routing hash of a record, or the reason it has none
+/// (the record is then dead-lettered as `rejected`).
+pub fn key_record(record: &RecordView<'_>, settings: &SubscriberSettings) -> Result<Keyed, String> {
+    let payload = if needs_json(settings) {
+        // A payload that is not JSON simply has nothing at any pointer; the key source's
+        // own error says what was missing.
+        serde_json::from_slice(record.payload).unwrap_or(Value::Null)
+    } else {
+        Value::Null
+    };
+    let partition_key = record
+        .key
+        .filter(|k| !k.is_empty())
+        .map(|k| String::from_utf8_lossy(k).into_owned());
+    let mut headers = BTreeMap::new();
+    for (name, value) in record.headers {
+        // Later headers with the same name win, as in most Kafka clients' "last value".
+        headers.insert(name.clone(), String::from_utf8_lossy(value).into_owned());
+    }
+    let env = Envelope {
+        subscriber: None,
+        id: None,
+        key: partition_key.clone(),
+        headers,
+        payload,
+    };
+    let key = derive_key(&env, record.payload, settings).map_err(|e| e.to_string())?;
+    let route = derive_partition(&env, &key, settings).map_err(|e| e.to_string())?;
+    Ok(Keyed {
+        key,
+        route,
+        partition_key,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{cloudevents_key, key_hash};
+
+    fn settings(key: KeySource) -> SubscriberSettings {
+        SubscriberSettings {
+            key,
+            ..SubscriberSettings::default()
+        }
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn header_key_ignores_record_key() {
+        let h = headers(&[("message-id", "m-1")]);
+        let rec = RecordView {
+            key: Some(b"o-1"),
+            payload: b"not json",
+            headers: &h,
+        };
+        let s = settings(KeySource::Header {
+            name: "message-id".into(),
+        });
+        let k = key_record(&rec, &s).expect("keyed");
+        assert_eq!(k.key.text, "m-1");
+        assert_eq!(k.partition_key.as_deref(), Some("o-1"));
+        assert_eq!(k.route, k.key.hash, "routes by idempotency key by default");
+    }
+
+    #[test]
+    fn record_key_routes_when_asked() {
+        let h = headers(&[("message-id", "m-1")]);
+        let rec = RecordView {
+            key: Some(b"o-1"),
+            payload: b"{}",
+            headers: &h,
+        };
+        let mut s = settings(KeySource::Header {
+            name: "message-id".into(),
+        });
+        s.partition_key = PartitionSource::EnvelopeKey;
+        assert_eq!(key_record(&rec, &s).expect("keyed").route, key_hash(b"o-1"));
+    }
+
+    #[test]
+    fn json_pointer_key_reads_payload() {
+        let rec = RecordView {
+            key: None,
+            payload: br#"{"order":{"id":"A-7"}}"#,
+            headers: &[],
+        };
+        let s = settings(KeySource::JsonPointer {
+            pointer: "/order/id".into(),
+        });
+        assert_eq!(key_record(&rec, &s).expect("keyed").key.text, "A-7");
+    }
+
+    #[test]
+    fn cloudevents_structured_and_binary_agree() {
+        let s = settings(KeySource::Cloudevents);
+        let structured = RecordView {
+            key: None,
+            payload: br#"{"specversion":"1.0","source":"/shop","id":"E1","data":{}}"#,
+            headers: &[],
+        };
+        let h = headers(&[("ce_source", "/shop"), ("ce_id", "E1")]);
+        let binary = RecordView {
+            key: None,
+            payload: b"\x00binary data",
+            headers: &h,
+        };
+        let a = key_record(&structured, &s).expect("structured");
+        let b = key_record(&binary, &s).expect("binary");
+        assert_eq!(a.key, b.key);
+        assert_eq!(a.key, cloudevents_key("/shop", "E1"));
+    }
+
+    #[test]
+    fn missing_key_is_a_reason_not_a_panic() {
+        let s = settings(KeySource::Header {
+            name: "message-id".into(),
+        });
+        let rec = RecordView {
+            key: None,
+            payload: b"",
+            headers: &[],
+        };
+        let reason = key_record(&rec, &s).unwrap_err();
+        assert!(reason.contains("message-id"), "{reason}");
+        let s = settings(KeySource::JsonPointer {
+            pointer: "/id".into(),
+        });
+        let garbage = RecordView {
+            key: None,
+            payload: b"\xff\xfe not json",
+            headers: &[],
+        };
+        assert!(key_record(&garbage, &s).unwrap_err().contains("/id"));
+    }
+}

@@ -1,0 +1,169 @@
+//! The outbox relay: rows that handlers emitted are produced to their topics after the
+//! transaction that wrote them committed, each with its deterministic `dedupd-message-id`
+//! header, by an idempotent producer (`enable.idempotence=true`, `acks=all`). A row is
+//! deleted only after the broker acknowledged it, so a crash relays it again (at least
+//! once; consumers deduplicate by the message id).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{unbounded, Sender};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::ClientContext;
+
+use crate::ledger::Ledger;
+
+use super::{KafkaConfig, KafkaError};
+
+/// Live counters of the relay.
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    /// Rows produced and acknowledged by the broker (then deleted from the outbox).
+    pub relayed: AtomicU64,
+    /// Produce attempts that failed (the row stays and is tried again).
+    pub failed: AtomicU64,
+}
+
+struct RelayContext {
+    tx: Sender<(usize, Result<(), String>)>,
+}
+
+impl ClientContext for RelayContext {}
+
+impl ProducerContext for RelayContext {
+    type DeliveryOpaque = usize;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, index: usize) {
+        let r = match result {
+            Ok(_) => Ok(()),
+            Err((e, _)) => Err(e.to_string()),
+        };
+        let _ = self.tx.send((index, r));
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Relays outbox rows until `stop` is set and a last round found nothing more.
+pub fn run_relay(
+    ledger: &Ledger,
+    kafka: &KafkaConfig,
+    stop: &AtomicBool,
+    stats: &RelayStats,
+) -> Result<(), KafkaError> {
+    let (tx, reports) = unbounded();
+    let producer: ThreadedProducer<RelayContext> = super::producer_config(kafka)
+        .create_with_context(RelayContext { tx })
+        .map_err(|e| KafkaError::Client(e.to_string()))?;
+    let batch = kafka.outbox.batch.get();
+    let mut stopping_since: Option<Instant> = None;
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            let since = *stopping_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > kafka.drain_timeout {
+                // Rows stay in the outbox and are relayed after the next start.
+                tracing::warn!(
+                    "outbox relay: stopping with rows not yet relayed (broker unreachable?)"
+                );
+                return Ok(());
+            }
+        }
+        let rows = ledger
+            .outbox_pending(batch)
+            .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+        let oldest = rows.iter().map(|r| r.written_at_ms).min();
+        metrics::gauge!("dedupd_outbox_relay_lag_rows").set(rows.len() as f64);
+        metrics::gauge!("dedupd_outbox_relay_lag_seconds").set(
+            oldest
+                .map(|t| now_ms().saturating_sub(t) as f64 / 1000.0)
+                .unwrap_or(0.0),
+        );
+        if rows.is_empty() {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let until = Instant::now() + kafka.outbox.poll_interval;
+            while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(10).min(kafka.outbox.poll_interval));
+            }
+            continue;
+        }
+        let mut sent = 0usize;
+        for (i, row) in rows.iter().enumerate() {
+            let mut headers =
+                OwnedHeaders::new_with_capacity(row.headers.len() + 1).insert(Header {
+                    key: "dedupd-message-id",
+                    value: Some(row.message_id.as_bytes()),
+                });
+            for (k, v) in &row.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: Some(v.as_bytes()),
+                });
+            }
+            let mut record: BaseRecord<'_, str, [u8], usize> =
+                BaseRecord::with_opaque_to(&row.topic, i)
+                    .payload(row.payload.as_slice())
+                    .headers(headers);
+            if let Some(k) = &row.key {
+                record = record.key(k.as_str());
+            }
+            match producer.send(record) {
+                Ok(()) => sent += 1,
+                Err((e, _)) => {
+                    stats.failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        "outbox relay: producing to {} failed, retrying later: {e}",
+                        row.topic
+                    );
+                }
+            }
+        }
+        if let Err(e) = producer.flush(kafka.drain_timeout) {
+            tracing::warn!("outbox relay: flush did not finish: {e}");
+        }
+        // A finished flush means every delivery report was served (librdkafka counts
+        // unserved reports as outstanding); a report still missing leaves its row pending.
+        let mut acked = Vec::with_capacity(sent);
+        let deadline = Instant::now() + Duration::from_millis(100);
+        while acked.len() < sent {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match reports.recv_timeout(left) {
+                Ok((i, Ok(()))) => {
+                    if let Some(row) = rows.get(i) {
+                        acked.push(row.id.clone());
+                    }
+                }
+                Ok((i, Err(e))) => {
+                    sent -= 1;
+                    stats.failed.fetch_add(1, Ordering::Relaxed);
+                    if let Some(row) = rows.get(i) {
+                        tracing::warn!(
+                            "outbox relay: {} not delivered, retrying later: {e}",
+                            row.topic
+                        );
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        if !acked.is_empty() {
+            ledger
+                .outbox_ack(&acked)
+                .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+            stats
+                .relayed
+                .fetch_add(acked.len() as u64, Ordering::Relaxed);
+        }
+        if acked.len() < rows.len() {
+            // Something failed: do not spin on it.
+            std::thread::sleep(kafka.outbox.poll_interval);
+        }
+    }
+}

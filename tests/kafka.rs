@@ -1,0 +1,682 @@
+//! The Kafka source against librdkafka's mock cluster (or a real cluster when
+//! `KAFKA_BOOTSTRAP` is set): crash redelivery with the real binary, rebalance between two
+//! engines, dead-letter and outbox topics, poison messages.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+
+use dedupd::clock::SystemClock;
+use dedupd::config::Config;
+use dedupd::ledger::Ledger;
+use dedupd::source::kafka::{
+    self, DevBroker, KafkaConfig, RunOptions, SourceStats, SubscriptionConfig,
+};
+
+/// A cluster for one test: the mock broker, or the one `KAFKA_BOOTSTRAP` names.
+struct Cluster {
+    _mock: Option<DevBroker>,
+    bootstrap: String,
+}
+
+fn cluster() -> Cluster {
+    logs();
+    match std::env::var("KAFKA_BOOTSTRAP") {
+        Ok(b) if !b.is_empty() => Cluster {
+            _mock: None,
+            bootstrap: b,
+        },
+        _ => {
+            let mock = DevBroker::start(1).unwrap();
+            Cluster {
+                bootstrap: mock.bootstrap_servers(),
+                _mock: Some(mock),
+            }
+        }
+    }
+}
+
+/// Topic names unique per run, so a real cluster can be reused.
+fn topic(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("{name}-{}-{nanos}", std::process::id())
+}
+
+fn component(name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("plugins/target/wasm32-wasip2/release")
+        .join(format!("{name}.wasm"));
+    assert!(
+        p.exists(),
+        "{} is missing: run plugins/build.sh first",
+        p.display()
+    );
+    p
+}
+
+struct Rec<'a> {
+    key: &'a str,
+    headers: Vec<(&'a str, String)>,
+    payload: String,
+}
+
+fn produce(bootstrap: &str, topic: &str, records: &[Rec<'_>]) {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("linger.ms", "5")
+        .create()
+        .unwrap();
+    for r in records {
+        let mut h = OwnedHeaders::new();
+        for (k, v) in &r.headers {
+            h = h.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
+        }
+        let rec = BaseRecord::to(topic)
+            .key(r.key)
+            .payload(r.payload.as_str())
+            .headers(h);
+        let mut rec = rec;
+        loop {
+            match producer.send(rec) {
+                Ok(()) => break,
+                Err((_, back)) => {
+                    producer.poll(Duration::from_millis(10));
+                    rec = back;
+                }
+            }
+        }
+        producer.poll(Duration::ZERO);
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+}
+
+/// Every message of a topic, read by a fresh group.
+fn read_all(bootstrap: &str, topic: &str, want: usize) -> Vec<OwnedMessage> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", format!("reader-{topic}"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "3000")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out.len() < want && Instant::now() < deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+            out.push(m.detach());
+        }
+    }
+    out
+}
+
+fn header(m: &OwnedMessage, name: &str) -> Option<String> {
+    m.headers()?
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// (committed, log end) per partition of `topic` for `group`.
+fn committed_and_end(bootstrap: &str, group: &str, topic: &str) -> Vec<(i64, i64)> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let md = c
+        .fetch_metadata(Some(topic), Duration::from_secs(5))
+        .unwrap();
+    let parts = md.topics()[0].partitions().len() as i32;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..parts {
+        tpl.add_partition(topic, p);
+    }
+    let committed = c.committed_offsets(tpl, Duration::from_secs(5)).unwrap();
+    (0..parts)
+        .map(|p| {
+            let (_, high) = c
+                .fetch_watermarks(topic, p, Duration::from_secs(5))
+                .unwrap();
+            let off = match committed.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o,
+                _ => -1,
+            };
+            (off, high)
+        })
+        .collect()
+}
+
+/// Sets a stop flag when dropped, so a failed assertion does not leave a source running
+/// (and the test hanging) inside a thread scope.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+fn logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn at_log_end(bootstrap: &str, group: &str, topic: &str) -> bool {
+    let ends = committed_and_end(bootstrap, group, topic);
+    tracing::debug!(?ends, topic, "committed offsets and log ends");
+    ends.iter().all(|(c, e)| *e == 0 || c == e)
+}
+
+fn kafka_config(bootstrap: &str) -> KafkaConfig {
+    let mut k = KafkaConfig::new(bootstrap);
+    k.session_timeout = Duration::from_secs(3);
+    k.commit_interval = Duration::from_millis(200);
+    k.drain_timeout = Duration::from_secs(10);
+    k
+}
+
+#[test]
+fn dead_letters_and_outbox_reach_their_topics_with_headers_and_poison_does_not_block() {
+    let c = cluster();
+    let (orders, payments, dlq) = (topic("orders"), topic("payments"), topic("dlq"));
+    let mut config = Config::parse(&format!(
+        r#"
+[[subscriber]]
+name = "orders"
+key = {{ source = "header", name = "message-id" }}
+handler = "{}"
+max_attempts = 2
+retry_backoff = "10ms"
+
+[[subscriber]]
+name = "payments"
+key = {{ source = "json_pointer", pointer = "/payment_id" }}
+handler = "{}"
+"#,
+        component("fixture_errors").display(),
+        component("payment_capture").display()
+    ))
+    .unwrap();
+    let mut k = kafka_config(&c.bootstrap);
+    k.dead_letter_topic = Some(dlq.clone());
+    k.outbox.poll_interval = Duration::from_millis(20);
+    k.subscriptions = vec![
+        SubscriptionConfig {
+            subscriber: "orders".into(),
+            topics: vec![orders.clone()],
+            group: Some(format!("g-{orders}")),
+        },
+        SubscriptionConfig {
+            subscriber: "payments".into(),
+            topics: vec![payments.clone()],
+            group: Some(format!("g-{payments}")),
+        },
+    ];
+    config.kafka = Some(k.clone());
+    config.validate().unwrap();
+
+    // One record key, so all land in one partition behind the poison messages.
+    let id = |s: &str| vec![("message-id", s.to_string()), ("trace", "t-1".to_string())];
+    produce(
+        &c.bootstrap,
+        &orders,
+        &[
+            Rec {
+                key: "o-1",
+                headers: id("m1"),
+                payload: r#"{"n":1}"#.into(),
+            },
+            Rec {
+                key: "o-1",
+                headers: id("m2"),
+                payload: r#"{"n":2,"permanent":true}"#.into(),
+            },
+            Rec {
+                key: "o-1",
+                headers: id("m3"),
+                payload: r#"{"n":3,"retry":true}"#.into(),
+            },
+            Rec {
+                key: "o-1",
+                headers: vec![],
+                payload: r#"{"n":4,"no":"key"}"#.into(),
+            },
+            Rec {
+                key: "o-1",
+                headers: id("m5"),
+                payload: r#"{"n":5}"#.into(),
+            },
+        ],
+    );
+    let pay: Vec<Rec<'_>> = (0..3)
+        .map(|i| Rec {
+            key: "p",
+            headers: vec![],
+            payload: format!(r#"{{"payment_id":"p-{i}","amount_cents":100}}"#),
+        })
+        .collect();
+    produce(&c.bootstrap, &payments, &pay);
+
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+    dedupd::pipeline::install_handlers(&ledger, &config).unwrap();
+    let stop = AtomicBool::new(false);
+    let summary = std::thread::scope(|s| {
+        let run = s.spawn(|| kafka::run(ledger.clone(), &k, &stop));
+        let _guard = StopOnDrop(&stop);
+        wait_until("offsets at the log end", Duration::from_secs(60), || {
+            at_log_end(&c.bootstrap, &format!("g-{orders}"), &orders)
+                && at_log_end(&c.bootstrap, &format!("g-{payments}"), &payments)
+        });
+        let dead = read_all(&c.bootstrap, &dlq, 3);
+        let relayed = read_all(&c.bootstrap, "payments.captured", 3);
+        stop.store(true, Ordering::Relaxed);
+        let summary = run.join().unwrap().unwrap();
+        (summary, dead, relayed)
+    });
+    let (summary, dead, relayed) = summary;
+    assert_eq!(summary.processed, 2 + 3, "{summary:?}");
+    assert_eq!(summary.dead_lettered, 2, "{summary:?}");
+    assert_eq!(summary.rejected, 1, "{summary:?}");
+
+    // Dead letters: the poison messages and the unkeyed one, with the documented headers.
+    assert_eq!(dead.len(), 3);
+    let by_offset: HashMap<String, &OwnedMessage> = dead
+        .iter()
+        .map(|m| (header(m, "dedupd-original-offset").unwrap(), m))
+        .collect();
+    let permanent = by_offset["1"];
+    assert_eq!(
+        header(permanent, "dedupd-subscriber").as_deref(),
+        Some("orders")
+    );
+    assert_eq!(
+        header(permanent, "dedupd-original-topic").as_deref(),
+        Some(orders.as_str())
+    );
+    assert!(header(permanent, "dedupd-original-partition").is_some());
+    assert_eq!(header(permanent, "dedupd-attempts").as_deref(), Some("1"));
+    assert!(header(permanent, "dedupd-reason")
+        .unwrap()
+        .contains("permanent"));
+    assert_eq!(
+        header(permanent, "trace").as_deref(),
+        Some("t-1"),
+        "original headers kept"
+    );
+    assert_eq!(permanent.key(), Some(&b"o-1"[..]));
+    assert_eq!(
+        permanent.payload(),
+        Some(&br#"{"n":2,"permanent":true}"#[..])
+    );
+    let retried = by_offset["2"];
+    assert_eq!(header(retried, "dedupd-attempts").as_deref(), Some("2"));
+    let unkeyed = by_offset["3"];
+    assert_eq!(header(unkeyed, "dedupd-attempts").as_deref(), Some("0"));
+    assert!(header(unkeyed, "dedupd-reason")
+        .unwrap()
+        .contains("message-id"));
+
+    // Outbox rows: produced with their deterministic message id, then deleted.
+    assert_eq!(relayed.len(), 3);
+    for m in &relayed {
+        assert!(header(m, "dedupd-message-id").is_some_and(|v| !v.is_empty()));
+        assert!(header(m, "operation-key").is_some());
+    }
+    assert!(ledger.outbox_pending(10).unwrap().is_empty());
+    let ledger = Arc::try_unwrap(ledger).ok().unwrap();
+    ledger.close().unwrap();
+}
+
+#[test]
+fn rebalance_moves_partitions_without_double_processing() {
+    let c = cluster();
+    let t = topic("rebalance");
+    let group = format!("g-{t}");
+    let config = Config::parse(
+        "[[subscriber]]\nname = \"s\"\nkey = { source = \"header\", name = \"message-id\" }\n",
+    )
+    .unwrap();
+    let k = kafka_config(&c.bootstrap);
+    let sub = SubscriptionConfig {
+        subscriber: "s".into(),
+        topics: vec![t.clone()],
+        group: Some(group.clone()),
+    };
+    const N: usize = 6000;
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let ledgers: Vec<Arc<Ledger>> = dirs
+        .iter()
+        .map(|d| Arc::new(Ledger::open(d.path(), &config, Arc::new(SystemClock)).unwrap()))
+        .collect();
+    let stats = [
+        Arc::new(SourceStats::default()),
+        Arc::new(SourceStats::default()),
+    ];
+    let stops = [AtomicBool::new(false), AtomicBool::new(false)];
+    std::thread::scope(|s| {
+        // Production goes on while the group rebalances, so the revoked member has work
+        // in flight.
+        let producer = s.spawn(|| {
+            // ~10 s of traffic: longer than a rebalance takes on the mock cluster.
+            for chunk in 0..40 {
+                let recs: Vec<Rec<'_>> = (0..N / 40)
+                    .map(|i| {
+                        let n = chunk * (N / 40) + i;
+                        Rec {
+                            key: ["a", "b", "c", "d"][n % 4],
+                            headers: vec![("message-id", format!("m-{n}"))],
+                            payload: format!(r#"{{"n":{n}}}"#),
+                        }
+                    })
+                    .collect();
+                produce(&c.bootstrap, &t, &recs);
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        });
+        let run = |i: usize| {
+            let (ledger, k, sub, stop, st) =
+                (ledgers[i].clone(), &k, &sub, &stops[i], stats[i].clone());
+            move || kafka::run_subscription(ledger, k, sub, stop, st, &RunOptions::default())
+        };
+        let a = s.spawn(run(0));
+        let _guards = (StopOnDrop(&stops[0]), StopOnDrop(&stops[1]));
+        wait_until(
+            "the first member to process",
+            Duration::from_secs(30),
+            || stats[0].released.load(Ordering::Relaxed) > 300,
+        );
+        let b = s.spawn(run(1));
+        wait_until(
+            "the second member to get partitions",
+            Duration::from_secs(30),
+            || stats[1].released.load(Ordering::Relaxed) > 0,
+        );
+        producer.join().unwrap();
+        wait_until("offsets at the log end", Duration::from_secs(60), || {
+            let ends = committed_and_end(&c.bootstrap, &group, &t);
+            ends.iter().map(|(_, e)| e).sum::<i64>() == N as i64
+                && at_log_end(&c.bootstrap, &group, &t)
+        });
+        stops[0].store(true, Ordering::Relaxed);
+        stops[1].store(true, Ordering::Relaxed);
+        a.join().unwrap().unwrap();
+        b.join().unwrap().unwrap();
+    });
+    let processed: Vec<u64> = stats
+        .iter()
+        .map(|s| s.processed.load(Ordering::Relaxed))
+        .collect();
+    let duplicates: u64 = stats
+        .iter()
+        .map(|s| s.duplicate.load(Ordering::Relaxed))
+        .sum();
+    let claims: Vec<u64> = ledgers
+        .iter()
+        .map(|l| {
+            l.report()
+                .unwrap()
+                .subscribers
+                .iter()
+                .map(|s| s.claims)
+                .sum()
+        })
+        .collect();
+    // Two separate ledgers: a message processed by both would be claimed twice.
+    assert_eq!(claims[0] + claims[1], N as u64, "claims {claims:?}");
+    assert_eq!(
+        processed[0] + processed[1],
+        N as u64,
+        "processed {processed:?}"
+    );
+    assert_eq!(
+        duplicates, 0,
+        "no message was delivered again to the same member"
+    );
+    assert!(processed[1] > 0, "a partition moved to the second member");
+    assert!(stats[0].revoked_partitions.load(Ordering::Relaxed) > 0);
+    assert_eq!(stats[0].revoke_drain_timeouts.load(Ordering::Relaxed), 0);
+}
+
+/// Kills a child process when dropped, so a failed test leaves no engine running.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Log lines without terminal colour codes.
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn write_config(
+    dir: &Path,
+    bootstrap: &str,
+    topic: &str,
+    group: &str,
+    commit_interval: &str,
+) -> PathBuf {
+    let path = dir.join("dedupd.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[[subscriber]]
+name = "orders"
+key = {{ source = "header", name = "message-id" }}
+
+[kafka]
+brokers = "{bootstrap}"
+group = "{group}"
+session_timeout = "3s"
+commit_interval = "{commit_interval}"
+
+[[kafka.subscription]]
+subscriber = "orders"
+topics = ["{topic}"]
+"#
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn crash_after_commit_before_offsets_redelivers_as_duplicates() {
+    let c = cluster();
+    let t = topic("crash");
+    let group = format!("g-{t}");
+    const N: usize = 20_000;
+    let recs: Vec<Rec<'_>> = (0..N)
+        .map(|n| Rec {
+            key: ["a", "b", "c", "d"][n % 4],
+            headers: vec![("message-id", format!("m-{n}"))],
+            payload: format!(r#"{{"n":{n}}}"#),
+        })
+        .collect();
+    produce(&c.bootstrap, &t, &recs);
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let bin = env!("CARGO_BIN_EXE_dedupd");
+
+    // Run 1: offsets are never committed (1h interval); killed once some outcomes are durable.
+    let cfg = write_config(dir.path(), &c.bootstrap, &t, &group, "1h");
+    let mut child = KillOnDrop(
+        Command::new(bin)
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .arg("--data-dir")
+            .arg(&data)
+            .env("RUST_LOG", "dedupd=info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = BufReader::new(child.0.stderr.take().unwrap());
+    let mut released_before_kill = 0u64;
+    for line in stderr.lines() {
+        let line = strip_ansi(&line.unwrap());
+        if let Some(v) = line.split("released=").nth(1) {
+            let n: u64 = v.split_whitespace().next().unwrap().parse().unwrap();
+            if n > 0 {
+                released_before_kill = n;
+                break;
+            }
+        }
+    }
+    drop(child); // SIGKILL
+    assert!(released_before_kill > 0);
+    assert!(
+        committed_and_end(&c.bootstrap, &group, &t)
+            .iter()
+            .all(|(c, _)| *c < 0),
+        "run 1 committed no offsets"
+    );
+
+    // Run 2: everything is delivered again; what run 1 claimed is a duplicate now.
+    let cfg = write_config(dir.path(), &c.bootstrap, &t, &group, "200ms");
+    let mut child = KillOnDrop(
+        Command::new(bin)
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .arg("--data-dir")
+            .arg(&data)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stdout = child.0.stdout.take().unwrap();
+    wait_until("offsets at the log end", Duration::from_secs(90), || {
+        at_log_end(&c.bootstrap, &group, &t)
+    });
+    let status = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut printed = Vec::new();
+    std::io::Read::read_to_end(&mut stdout, &mut printed).unwrap();
+    let exit = child.0.wait().unwrap();
+    let out = std::process::Output {
+        status: exit,
+        stdout: printed,
+        stderr: Vec::new(),
+    };
+    assert!(
+        out.status.success(),
+        "graceful stop exits 0: {:?}",
+        out.status
+    );
+    let summary: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii()).unwrap();
+    let k = &summary["kafka"];
+    let (processed, duplicate) = (
+        k["processed"].as_u64().unwrap(),
+        k["duplicate"].as_u64().unwrap(),
+    );
+    assert_eq!(processed + duplicate, N as u64, "{summary}");
+    assert!(
+        duplicate >= released_before_kill,
+        "{summary}: run 1 released {released_before_kill}"
+    );
+    assert!(
+        at_log_end(&c.bootstrap, &group, &t),
+        "offsets end at the log end"
+    );
+
+    // Every message claimed exactly once across both runs.
+    let config = Config::load(&cfg).unwrap();
+    let ledger = Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap();
+    let claims: u64 = ledger
+        .report()
+        .unwrap()
+        .subscribers
+        .iter()
+        .map(|s| s.claims)
+        .sum();
+    assert_eq!(claims, N as u64);
+    ledger.close().unwrap();
+}
+
+#[test]
+fn dev_broker_prints_a_bootstrap_address_and_stops_on_sigterm() {
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_dedupd"))
+            .args(["dev-broker", "--topic", "t1:2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    BufReader::new(child.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line.trim().to_string();
+    assert!(addr.contains(':'), "{addr:?}");
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &addr)
+        .create()
+        .unwrap();
+    let md = c
+        .fetch_metadata(Some("t1"), Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(md.topics()[0].partitions().len(), 2);
+    Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(child.0.wait().unwrap().success());
+}
