@@ -1147,21 +1147,8 @@ impl Shard {
     fn remove_settled(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
         for (kind, sub, seq) in std::mem::take(&mut self.settled) {
             let idx = self.sub_index(sub)?;
-            let Some(st) = self.subs[idx].as_mut() else {
-                continue;
-            };
-            let mut t = txn
-                .open_table(record_table(kind))
-                .map_err(|e| storage(&self.ctx.path, e))?;
-            let removed = t
-                .remove((&*st.name, seq))
-                .map_err(|e| storage(&self.ctx.path, e))?
-                .is_some();
-            if removed {
-                match kind {
-                    RecordKind::Quarantine => st.quarantined = st.quarantined.saturating_sub(1),
-                    RecordKind::DeadLetter => st.dead_lettered = st.dead_lettered.saturating_sub(1),
-                }
+            if let Some(st) = self.subs[idx].as_mut() {
+                remove_record(txn, &self.ctx.path, st, kind, seq)?;
             }
         }
         Ok(())
@@ -1858,24 +1845,9 @@ impl Shard {
         seq: u64,
     ) -> Result<bool, LedgerError> {
         let idx = self.sub_index(sub)?;
-        self.small_commit(|shard, txn| {
-            let Some(st) = shard.subs[idx].as_mut() else {
-                return Ok(false);
-            };
-            let mut t = txn
-                .open_table(record_table(kind))
-                .map_err(|e| storage(&shard.ctx.path, e))?;
-            let removed = t
-                .remove((&*st.name, seq))
-                .map_err(|e| storage(&shard.ctx.path, e))?
-                .is_some();
-            if removed {
-                match kind {
-                    RecordKind::Quarantine => st.quarantined = st.quarantined.saturating_sub(1),
-                    RecordKind::DeadLetter => st.dead_lettered = st.dead_lettered.saturating_sub(1),
-                }
-            }
-            Ok(removed)
+        self.small_commit(|shard, txn| match shard.subs[idx].as_mut() {
+            Some(st) => remove_record(txn, &shard.ctx.path, st, kind, seq),
+            None => Ok(false),
         })
     }
 
@@ -2135,6 +2107,31 @@ fn append_records(
         *next_seq += 1;
     }
     Ok(())
+}
+
+/// Deletes one quarantine or dead-letter record of a subscriber and keeps its count in step.
+fn remove_record(
+    txn: &WriteTransaction,
+    path: &std::path::Path,
+    st: &mut SubState,
+    kind: RecordKind,
+    seq: u64,
+) -> Result<bool, LedgerError> {
+    let mut t = txn
+        .open_table(record_table(kind))
+        .map_err(|e| storage(path, e))?;
+    let removed = t
+        .remove((&*st.name, seq))
+        .map_err(|e| storage(path, e))?
+        .is_some();
+    if removed {
+        let count = match kind {
+            RecordKind::Quarantine => &mut st.quarantined,
+            RecordKind::DeadLetter => &mut st.dead_lettered,
+        };
+        *count = count.saturating_sub(1);
+    }
+    Ok(removed)
 }
 
 /// Sends each job's outcome to its source, grouped per source channel.
