@@ -102,10 +102,15 @@ fn failed_commit_poisons_and_nothing_after_is_acked() {
 #[test]
 fn pipe_stops_with_an_error_when_a_commit_fails() {
     let dir = tempfile::tempdir().unwrap();
-    let config = config();
+    let mut config = config();
+    // Small batches and a budget of several commits: the shard holding the first line gets
+    // to commit before the fault even when the other shard's thread runs ahead (with a
+    // budget of 4 fsyncs a loaded machine sometimes let one shard spend it all), and
+    // 120k lines still need far more commits than the budget allows.
+    config.ledger.max_batch = std::num::NonZeroUsize::new(1024).unwrap();
     let (ledger, fault) =
         Ledger::open_with_fault_switch(dir.path(), &config, Arc::new(SystemClock)).unwrap();
-    fault.fail_after_fsyncs(4);
+    fault.fail_after_fsyncs(16);
     let input: String = (0..120_000u64)
         .map(|i| format!("{{\"id\":\"{}\",\"payload\":{{\"n\":{i}}}}}\n", id(i)))
         .collect();
