@@ -21,6 +21,25 @@ use dedupd::source::kafka;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `purge_delay` option (its index in `mi_option_t`; libmimalloc-sys names only
+/// some options).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Keeps freed memory committed for 10 s instead of mimalloc's default 1 s before giving it
+/// back to the OS. Shards free and reallocate batch-sized buffers continuously; with the
+/// default, those pages were purged and faulted back in (as zeroed transparent huge pages)
+/// all the time: 5,000-8,000 faults and 10-12 % more CPU per million shipping-label messages,
+/// ~1,000 faults with this setting (`perf stat -e page-faults,task-clock dedupd bench ...`).
+/// Memory is still returned when idle.
+fn tune_allocator() {
+    // SAFETY: `mi_option_set` only stores an integer in mimalloc's option table; the index
+    // is `mi_option_purge_delay` of the bundled mimalloc v3 header, and any value is valid.
+    #[allow(unsafe_code)]
+    unsafe {
+        libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 10_000);
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "dedupd",
@@ -201,6 +220,7 @@ enum StateCommand {
 const DEFAULT_DEMO_HANDLER: &str = "plugins/target/wasm32-wasip2/release/shipping_label.wasm";
 
 fn main() -> ExitCode {
+    tune_allocator();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
