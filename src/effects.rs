@@ -38,8 +38,8 @@ pub struct OutboxMessage {
 pub struct Effects {
     /// Key -> new value (`None`: delete).
     pub state: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
-    /// `(namespace, key)` pairs recorded by `insert-unique`.
-    pub uniques: BTreeSet<(String, String)>,
+    /// Marks recorded by `insert-unique`, each encoded by [`unique_key`].
+    pub uniques: BTreeSet<Vec<u8>>,
     /// Versions advanced by `advance-version`.
     pub versions: BTreeMap<String, u64>,
     pub outbox: Vec<OutboxMessage>,
@@ -62,13 +62,24 @@ impl Effects {
     }
 }
 
+/// An `insert-unique` mark as stored: `namespace 0x00 key`. Namespaces hold no NUL byte, so
+/// the encoding is unambiguous, and one byte string compares with a single memcmp.
+pub fn unique_key(namespace: &str, key: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(namespace.len() + key.len() + 1);
+    k.extend_from_slice(namespace.as_bytes());
+    k.push(0);
+    k.extend_from_slice(key.as_bytes());
+    k
+}
+
 /// Committed state of one subscriber as of this batch, including the effects of earlier
 /// successful messages of the same batch.
 pub trait StateReader: Send {
     fn get(&self, key: &[u8]) -> Option<Vec<u8>>;
     /// Entries with `prefix`, in key order, at most `limit`.
     fn scan(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry>;
-    fn unique_exists(&self, namespace: &str, key: &str) -> bool;
+    /// Whether a mark (encoded by [`unique_key`]) exists.
+    fn unique_exists(&self, mark: &[u8]) -> bool;
     fn version(&self, key: &str) -> Option<u64>;
     /// Folds the effects of a message that succeeded into the view, so later messages of
     /// the same batch read them.
@@ -88,7 +99,7 @@ impl StateReader for EmptyState {
     fn scan(&self, _prefix: &[u8], _limit: usize) -> Vec<StateEntry> {
         Vec::new()
     }
-    fn unique_exists(&self, _namespace: &str, _key: &str) -> bool {
+    fn unique_exists(&self, _mark: &[u8]) -> bool {
         false
     }
     fn version(&self, _key: &str) -> Option<u64> {

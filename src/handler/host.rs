@@ -10,7 +10,7 @@ use xxhash_rust::xxh3::xxh3_128;
 
 use super::bindings::dedupd::handler::host::{self, Entry, Level};
 use super::output::GuestOutput;
-use crate::effects::{Effects, EmptyState, HandlerMessage, OutboxMessage, StateReader};
+use crate::effects::{unique_key, Effects, EmptyState, HandlerMessage, OutboxMessage, StateReader};
 
 /// Largest key and value a handler may store; more is a trap (a bug, not a retry).
 const MAX_KEY: usize = 1024;
@@ -236,11 +236,11 @@ impl host::Host for HostState {
                 namespace.len() + key.len()
             );
         }
-        let pair = (namespace, key);
-        if self.effects.uniques.contains(&pair) || self.reader.unique_exists(&pair.0, &pair.1) {
+        let mark = unique_key(&namespace, &key);
+        if self.effects.uniques.contains(&mark) || self.reader.unique_exists(&mark) {
             return Ok(false);
         }
-        self.effects.uniques.insert(pair);
+        self.effects.uniques.insert(mark);
         Ok(true)
     }
 
