@@ -102,6 +102,16 @@ fn client(err: impl std::fmt::Display) -> KafkaError {
     KafkaError::Client(err.to_string())
 }
 
+/// Serves delivery reports, then sleeps. `BaseProducer::poll(timeout)` loops until its
+/// deadline and hands librdkafka the remaining time in whole milliseconds, so the last
+/// millisecond of every wait is a busy spin (all of a 1 ms wait): measured, the benchmark's
+/// producer spun most of a core while waiting for the consumer, CPU the engine under test
+/// needed on a 2-core machine.
+fn idle(producer: &BaseProducer, pause: Duration) {
+    producer.poll(Duration::ZERO);
+    std::thread::sleep(pause);
+}
+
 /// Produces `spec`'s events to `topic`, at most `rate` per second when given.
 fn produce(
     brokers: &str,
@@ -129,7 +139,7 @@ fn produce(
             if stop.load(Ordering::Relaxed) {
                 return Ok(0.0);
             }
-            producer.poll(Duration::from_millis(1));
+            idle(&producer, Duration::from_millis(1));
         }
         if let Some(r) = rate {
             let due = start + Duration::from_secs_f64(n as f64 / r);
@@ -154,7 +164,7 @@ fn produce(
             match producer.send(record) {
                 Ok(()) => break,
                 Err((RdError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                    producer.poll(Duration::from_millis(5));
+                    idle(&producer, Duration::from_millis(1));
                 }
                 Err((e, _)) => return Err(client(e)),
             }
