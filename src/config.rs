@@ -95,6 +95,11 @@ pub struct LedgerConfig {
     pub merge_max_claims: NonZeroUsize,
     /// Sealed generations per subscriber and shard above which merging starts.
     pub merge_trigger_generations: NonZeroUsize,
+    /// Handler state entries (puts, deletes, uniqueness marks, versions) buffered in memory
+    /// per subscriber and shard, and logged, before they are applied to the sorted state
+    /// tables in key order. Larger: fewer, denser rewrites of the tables; more memory
+    /// (roughly 150-250 bytes per entry, up to twice this many while one buffer is applied).
+    pub state_buffer_entries: NonZeroUsize,
     /// redb page cache per shard, in MiB. The OS page cache serves the rest.
     pub cache_mib: NonZeroUsize,
     /// Verify every page checksum when a shard file is opened, so a file damaged outside
@@ -112,6 +117,7 @@ impl Default for LedgerConfig {
             generation_max_age: Duration::from_secs(3600),
             merge_max_claims: nz(1 << 23),
             merge_trigger_generations: nz(8),
+            state_buffer_entries: nz(1 << 17),
             cache_mib: nz(32),
             verify_on_open: true,
         }

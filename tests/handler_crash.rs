@@ -55,10 +55,10 @@ fn component() -> PathBuf {
     p
 }
 
-fn write_config(dir: &Path) -> PathBuf {
+fn write_config(dir: &Path, ledger: &str) -> PathBuf {
     let path = dir.join("dedupd.toml");
     let text = format!(
-        "[defaults]\nhandler = {:?}\nhandler_cpu_budget = \"2s\"\npartition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\n",
+        "{ledger}[defaults]\nhandler = {:?}\nhandler_cpu_budget = \"2s\"\npartition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\n",
         component().display().to_string()
     );
     std::fs::write(&path, text).unwrap();
@@ -122,9 +122,20 @@ fn run(
 
 #[test]
 fn one_label_per_order_after_repeated_kill_9_and_full_redelivery() {
+    kill_9_rounds("");
+}
+
+/// The same with a tiny handler state buffer: kills land while buffers are frozen, applied
+/// slice by slice and their log rows deleted, and restarts rebuild buffers from the log.
+#[test]
+fn one_label_per_order_with_state_buffers_applied_between_kills() {
+    kill_9_rounds("[ledger]\nstate_buffer_entries = 64\n");
+}
+
+fn kill_9_rounds(ledger: &str) {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let config = write_config(dir.path());
+    let config = write_config(dir.path(), ledger);
     let lines = stream();
     let mut processed: BTreeMap<String, usize> = BTreeMap::new();
     let mut acked_processed: BTreeSet<String> = BTreeSet::new();

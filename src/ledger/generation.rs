@@ -133,6 +133,8 @@ pub(crate) struct SubState {
     /// What handlers read during the current batch (opened on first use); it collects
     /// the effects of the batch's successful messages, written at commit.
     pub view: Option<Box<dyn crate::effects::StateReader>>,
+    /// Handler effects committed (in the state log) but not yet in the sorted tables.
+    pub state_buf: super::handlers::StateBuffer,
 }
 
 /// Where a lookup found the newest record of a key.

@@ -1,11 +1,21 @@
 //! Handler state in redb: the read view a handler sees during a batch, and the writes that
 //! commit with the claims.
 //!
-//! A handler reads the subscriber's state as of the last commit (a read transaction taken
-//! when the batch starts) overlaid with the effects of earlier successful messages of the
-//! same batch; its own writes are overlaid by the host (read-your-writes). The effects of
-//! successful messages are written into the batch's write transaction, so they commit with
-//! the claims or not at all (G2, G6).
+//! A handler reads the subscriber's state in layers, newest first: its own writes (the host,
+//! read-your-writes), the effects of earlier successful messages of the same batch, the
+//! shard's *buffered* effects of earlier batches, and the sorted state tables as of the
+//! batch's start (a read transaction).
+//!
+//! Writes are buffered like claims are: each batch's effects commit with its claims as one
+//! row of a per-subscriber log (`statelog_v1/<sub>`, one sequential write), and join an
+//! in-memory buffer. When the buffer holds `ledger.state_buffer_entries` entries it is
+//! frozen and applied to the sorted tables in key order, a slice per batch; the transaction
+//! of the last slice also deletes the log rows it covered. Random keys inserted a batch at a
+//! time rewrite a B-tree leaf per key per commit; applied in bulk and in key order, many
+//! keys share each leaf rewrite (measured: 11.3 s -> 2.8-4.2 s of CPU for 450k random
+//! inserts into two tables of 450k entries). A crash leaves the log: the buffer is rebuilt
+//! from it when the subscriber is next used on the shard (replaying rows in order is
+//! idempotent, later rows win). Everything commits with the claims or not at all (G2, G6).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -43,6 +53,323 @@ pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox_v1"
 pub const DEAD_LETTERS: TableDefinition<(&str, u64), &[u8]> =
     TableDefinition::new("deadletters_v1");
 
+/// Buffered handler effects, one row per committed batch: row number -> encoded [`Effects`]
+/// (without outbox messages, which go to `outbox_v1` at once).
+pub fn state_log_name(sub: &str) -> String {
+    format!("statelog_v1/{sub}")
+}
+type StateLogDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
+
+/// A subscriber's handler state effects not yet applied to its sorted tables, on one shard.
+#[derive(Default)]
+pub(crate) struct StateBuffer {
+    /// Effects of batches committed since the last freeze, merged (later wins).
+    pub active: Arc<Effects>,
+    /// A frozen buffer being applied to the sorted tables, a slice per batch.
+    pub frozen: Option<Frozen>,
+    /// First log row not yet deleted.
+    pub first_row: u64,
+    /// Next log row to write.
+    pub next_row: u64,
+}
+
+pub(crate) struct Frozen {
+    pub effects: Arc<Effects>,
+    /// Log rows `..=last_row` are covered by this buffer.
+    last_row: u64,
+    /// Where applying resumes.
+    cursor: Cursor,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Cursor {
+    State(Option<Vec<u8>>),
+    Uniques(Option<Vec<u8>>),
+    Versions(Option<String>),
+    Done,
+}
+
+/// Entries of buffered effects (what the freeze threshold counts).
+pub(crate) fn entries(e: &Effects) -> usize {
+    e.state.len() + e.uniques.len() + e.versions.len()
+}
+
+impl StateBuffer {
+    /// Rebuilds the buffer from the subscriber's log (rows left by a crash or a stop).
+    pub fn load(db: &Database, sub: &str) -> Result<StateBuffer, redb::Error> {
+        let txn = db.begin_read()?;
+        let mut buf = StateBuffer::default();
+        let Some(t) = missing_is_none(txn.open_table(StateLogDef::new(&state_log_name(sub))))?
+        else {
+            return Ok(buf);
+        };
+        let mut active = Effects::default();
+        let mut first = None;
+        for row in t.iter()? {
+            let (k, v) = row?;
+            first.get_or_insert(k.value());
+            buf.next_row = k.value() + 1;
+            let effects = decode_effects(v.value()).ok_or_else(|| {
+                redb::Error::Corrupted(format!(
+                    "{} row {} does not decode",
+                    state_log_name(sub),
+                    k.value()
+                ))
+            })?;
+            active.merge(effects);
+        }
+        buf.first_row = first.unwrap_or(0);
+        buf.active = Arc::new(active);
+        Ok(buf)
+    }
+
+    /// Whether applying work is pending (a frozen buffer, or a full active one).
+    pub fn has_work(&self, threshold: usize) -> bool {
+        self.frozen.is_some() || entries(&self.active) >= threshold
+    }
+
+    /// Writes one batch's effects as a log row and adds them to the active buffer.
+    pub fn append(
+        &mut self,
+        txn: &WriteTransaction,
+        sub: &str,
+        effects: Effects,
+    ) -> Result<(), redb::Error> {
+        let mut t = txn.open_table(StateLogDef::new(&state_log_name(sub)))?;
+        t.insert(self.next_row, encode_effects(&effects).as_slice())?;
+        self.next_row += 1;
+        Arc::make_mut(&mut self.active).merge(effects);
+        Ok(())
+    }
+
+    /// Freezes a full active buffer (or any non-empty one when `all`) when none is being
+    /// applied, then applies up to `budget` entries of the frozen one (all when `all`).
+    /// Returns whether it wrote anything.
+    pub fn maintain(
+        &mut self,
+        txn: &WriteTransaction,
+        sub: &str,
+        threshold: usize,
+        budget: usize,
+        all: bool,
+    ) -> Result<bool, redb::Error> {
+        let mut wrote = false;
+        loop {
+            if self.frozen.is_none() {
+                let n = entries(&self.active);
+                if n == 0 || (n < threshold && !all) {
+                    return Ok(wrote);
+                }
+                self.frozen = Some(Frozen {
+                    effects: std::mem::take(&mut self.active),
+                    last_row: self.next_row.saturating_sub(1),
+                    cursor: Cursor::State(None),
+                });
+            }
+            let Some(f) = self.frozen.as_mut() else {
+                return Ok(wrote);
+            };
+            let limit = if all { usize::MAX } else { budget };
+            apply_slice(txn, sub, &f.effects, &mut f.cursor, limit)?;
+            wrote = true;
+            if f.cursor != Cursor::Done {
+                return Ok(wrote);
+            }
+            // Applied in full: the log rows it covers go in the same transaction.
+            let last = f.last_row;
+            self.frozen = None;
+            let mut t = txn.open_table(StateLogDef::new(&state_log_name(sub)))?;
+            for row in self.first_row..=last {
+                t.remove(row)?;
+            }
+            self.first_row = last + 1;
+            if !all {
+                return Ok(wrote);
+            }
+        }
+    }
+}
+
+/// Applies up to `limit` entries of `effects` from `cursor` on, in key order per table.
+fn apply_slice(
+    txn: &WriteTransaction,
+    sub: &str,
+    effects: &Effects,
+    cursor: &mut Cursor,
+    mut limit: usize,
+) -> Result<(), redb::Error> {
+    use std::ops::Bound::{self, Excluded, Unbounded};
+    fn after<K: ?Sized>(k: Option<&K>) -> (Bound<&K>, Bound<&K>) {
+        (k.map_or(Unbounded, Excluded), Unbounded)
+    }
+    if let Cursor::State(start) = cursor.clone() {
+        let mut rows = effects
+            .state
+            .range::<[u8], _>(after(start.as_deref()))
+            .peekable();
+        // A table is only opened (and so created) when it has something to write.
+        let mut t = match rows.peek() {
+            Some(_) if limit > 0 => Some(txn.open_table(StateDef::new(&state_name(sub)))?),
+            _ => None,
+        };
+        let mut last = None;
+        for (k, v) in rows {
+            let Some(t) = t.as_mut() else { break };
+            if limit == 0 {
+                break;
+            }
+            match v {
+                Some(v) => t.insert(k.as_slice(), v.as_slice())?,
+                None => t.remove(k.as_slice())?,
+            };
+            last = Some(k);
+            limit -= 1;
+        }
+        if limit == 0 {
+            if let Some(k) = last {
+                *cursor = Cursor::State(Some(k.clone()));
+            }
+            return Ok(());
+        }
+        *cursor = Cursor::Uniques(None);
+    }
+    if let Cursor::Uniques(start) = cursor.clone() {
+        let mut rows = effects
+            .uniques
+            .range::<[u8], _>(after(start.as_deref()))
+            .peekable();
+        // A table is only opened (and so created) when it has something to write.
+        let mut t = match rows.peek() {
+            Some(_) if limit > 0 => Some(txn.open_table(UniqueDef::new(&unique_name(sub)))?),
+            _ => None,
+        };
+        let mut last = None;
+        for mark in rows {
+            let Some(t) = t.as_mut() else { break };
+            if limit == 0 {
+                break;
+            }
+            t.insert(mark.as_slice(), ())?;
+            last = Some(mark);
+            limit -= 1;
+        }
+        if limit == 0 {
+            if let Some(k) = last {
+                *cursor = Cursor::Uniques(Some(k.clone()));
+            }
+            return Ok(());
+        }
+        *cursor = Cursor::Versions(None);
+    }
+    if let Cursor::Versions(start) = cursor.clone() {
+        let mut rows = effects
+            .versions
+            .range::<str, _>(after(start.as_deref()))
+            .peekable();
+        // A table is only opened (and so created) when it has something to write.
+        let mut t = match rows.peek() {
+            Some(_) if limit > 0 => Some(txn.open_table(VersionDef::new(&versions_name(sub)))?),
+            _ => None,
+        };
+        let mut last = None;
+        for (k, v) in rows {
+            let Some(t) = t.as_mut() else { break };
+            if limit == 0 {
+                break;
+            }
+            t.insert(k.as_str(), *v)?;
+            last = Some(k);
+            limit -= 1;
+        }
+        if limit == 0 {
+            if let Some(k) = last {
+                *cursor = Cursor::Versions(Some(k.clone()));
+            }
+            return Ok(());
+        }
+        *cursor = Cursor::Done;
+    }
+    Ok(())
+}
+
+/// Log row format (v1): three sections, each `count u32` then entries; integers are little
+/// endian, byte strings `len u32` + bytes.
+/// state: key, tag (0 delete, 1 put), value when put; uniques: mark; versions: key, u64.
+fn encode_effects(e: &Effects) -> Vec<u8> {
+    fn bytes(out: &mut Vec<u8>, b: &[u8]) {
+        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        out.extend_from_slice(b);
+    }
+    let mut out = Vec::with_capacity(
+        12 + e
+            .state
+            .iter()
+            .map(|(k, v)| 9 + k.len() + v.as_ref().map_or(0, Vec::len))
+            .sum::<usize>()
+            + e.uniques.iter().map(|m| 4 + m.len()).sum::<usize>()
+            + e.versions.keys().map(|k| 12 + k.len()).sum::<usize>(),
+    );
+    out.extend_from_slice(&(e.state.len() as u32).to_le_bytes());
+    for (k, v) in &e.state {
+        bytes(&mut out, k);
+        match v {
+            Some(v) => {
+                out.push(1);
+                bytes(&mut out, v);
+            }
+            None => out.push(0),
+        }
+    }
+    out.extend_from_slice(&(e.uniques.len() as u32).to_le_bytes());
+    for m in &e.uniques {
+        bytes(&mut out, m);
+    }
+    out.extend_from_slice(&(e.versions.len() as u32).to_le_bytes());
+    for (k, v) in &e.versions {
+        bytes(&mut out, k.as_bytes());
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Decodes a log row; `None` when it is not a well-formed row.
+fn decode_effects(mut b: &[u8]) -> Option<Effects> {
+    fn take<'a>(b: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        if b.len() < n {
+            return None;
+        }
+        let (head, rest) = b.split_at(n);
+        *b = rest;
+        Some(head)
+    }
+    fn u32_(b: &mut &[u8]) -> Option<usize> {
+        Some(u32::from_le_bytes(take(b, 4)?.try_into().ok()?) as usize)
+    }
+    fn bytes(b: &mut &[u8]) -> Option<Vec<u8>> {
+        let n = u32_(b)?;
+        Some(take(b, n)?.to_vec())
+    }
+    let mut e = Effects::default();
+    for _ in 0..u32_(&mut b)? {
+        let k = bytes(&mut b)?;
+        let v = match take(&mut b, 1)?[0] {
+            0 => None,
+            1 => Some(bytes(&mut b)?),
+            _ => return None,
+        };
+        e.state.insert(k, v);
+    }
+    for _ in 0..u32_(&mut b)? {
+        e.uniques.insert(bytes(&mut b)?);
+    }
+    for _ in 0..u32_(&mut b)? {
+        let k = String::from_utf8(bytes(&mut b)?).ok()?;
+        let v = u64::from_le_bytes(take(&mut b, 8)?.try_into().ok()?);
+        e.versions.insert(k, v);
+    }
+    b.is_empty().then_some(e)
+}
+
 /// A subscriber's handler as instantiated on one shard.
 pub(crate) struct ShardHandler {
     pub factory: Arc<dyn HandlerFactory>,
@@ -63,23 +390,42 @@ pub(crate) struct BatchView {
     state: Option<ReadOnlyTable<&'static [u8], &'static [u8]>>,
     uniques: Option<ReadOnlyTable<&'static [u8], ()>>,
     versions: Option<ReadOnlyTable<&'static str, u64>>,
+    /// Buffered effects of earlier batches, newest first (active, then frozen).
+    buffered: Vec<Arc<Effects>>,
+    /// Effects of this batch's earlier successful messages.
     overlay: Effects,
 }
 
 impl BatchView {
-    pub fn open(db: &Database, sub: &str) -> Result<BatchView, redb::Error> {
+    pub fn open(db: &Database, sub: &str, buffer: &StateBuffer) -> Result<BatchView, redb::Error> {
         let txn = db.begin_read()?;
         let state = missing_is_none(txn.open_table(StateDef::new(&state_name(sub))))?;
         let uniques = missing_is_none(txn.open_table(UniqueDef::new(&unique_name(sub))))?;
         let versions = missing_is_none(txn.open_table(VersionDef::new(&versions_name(sub))))?;
+        let mut buffered = vec![buffer.active.clone()];
+        buffered.extend(buffer.frozen.as_ref().map(|f| f.effects.clone()));
         Ok(BatchView {
             _txn: txn,
             state,
             uniques,
             versions,
+            buffered,
             overlay: Effects::default(),
         })
     }
+
+    /// The in-memory layers, newest first.
+    fn layers(&self) -> impl Iterator<Item = &Effects> {
+        std::iter::once(&self.overlay).chain(self.buffered.iter().map(|e| &**e))
+    }
+}
+
+/// Keys from `prefix` on (a borrowed range over `Vec<u8>` keys).
+fn from_prefix(prefix: &[u8]) -> (std::ops::Bound<&[u8]>, std::ops::Bound<&[u8]>) {
+    (
+        std::ops::Bound::Included(prefix),
+        std::ops::Bound::Unbounded,
+    )
 }
 
 /// Storage errors while a handler reads are reported to the log and read as "absent"; the
@@ -91,14 +437,26 @@ fn logged<T>(r: Result<T, redb::StorageError>) -> Option<T> {
 
 impl StateReader for BatchView {
     fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
-        if let Some(v) = self.overlay.state.get(key) {
-            return v.clone();
+        for layer in self.layers() {
+            if let Some(v) = layer.state.get(key) {
+                return v.clone();
+            }
         }
         let t = self.state.as_ref()?;
         logged(t.get(key))?.map(|v| v.value().to_vec())
     }
 
     fn scan(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry> {
+        // Each in-memory entry under the prefix can hide at most one table row.
+        let shadowing: usize = self
+            .layers()
+            .map(|l| {
+                l.state
+                    .range::<[u8], _>(from_prefix(prefix))
+                    .take_while(|(k, _)| k.starts_with(prefix))
+                    .count()
+            })
+            .sum();
         let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
         if let Some(t) = &self.state {
             if let Some(range) = logged(t.range::<&[u8]>(prefix..)) {
@@ -108,26 +466,30 @@ impl StateReader for BatchView {
                         break;
                     }
                     merged.insert(k.value().to_vec(), v.value().to_vec());
-                    if merged.len() >= limit + self.overlay.state.len() {
+                    if merged.len() >= limit + shadowing {
                         break;
                     }
                 }
             }
         }
-        for (k, v) in self.overlay.state.range(prefix.to_vec()..) {
-            if !k.starts_with(prefix) {
-                break;
+        // Oldest layer first, so newer writes win.
+        let layers: Vec<&Effects> = self.layers().collect();
+        for layer in layers.into_iter().rev() {
+            for (k, v) in layer.state.range::<[u8], _>(from_prefix(prefix)) {
+                if !k.starts_with(prefix) {
+                    break;
+                }
+                match v {
+                    Some(v) => merged.insert(k.clone(), v.clone()),
+                    None => merged.remove(k),
+                };
             }
-            match v {
-                Some(v) => merged.insert(k.clone(), v.clone()),
-                None => merged.remove(k),
-            };
         }
         merged.into_iter().take(limit).collect()
     }
 
     fn unique_exists(&self, mark: &[u8]) -> bool {
-        if self.overlay.uniques.contains(mark) {
+        if self.layers().any(|l| l.uniques.contains(mark)) {
             return true;
         }
         self.uniques
@@ -137,8 +499,10 @@ impl StateReader for BatchView {
     }
 
     fn version(&self, key: &str) -> Option<u64> {
-        if let Some(v) = self.overlay.versions.get(key) {
-            return Some(*v);
+        for layer in self.layers() {
+            if let Some(v) = layer.versions.get(key) {
+                return Some(*v);
+            }
         }
         let t = self.versions.as_ref()?;
         logged(t.get(key))?.map(|v| v.value())
@@ -153,61 +517,35 @@ impl StateReader for BatchView {
     }
 }
 
-/// Writes the effects of a batch's successful messages into its write transaction.
-pub(crate) fn apply(
+/// Writes the outbox messages of a batch's successful handler calls into its transaction;
+/// they are relayed after commit.
+pub(crate) fn write_outbox(
     txn: &WriteTransaction,
     sub: &str,
-    effects: &Effects,
+    outbox: &[crate::effects::OutboxMessage],
     next_outbox_seq: &mut u64,
     now_ms: u64,
 ) -> Result<(), redb::Error> {
-    if !effects.state.is_empty() {
-        let name = state_name(sub);
-        let mut t = txn.open_table(StateDef::new(&name))?;
-        for (k, v) in &effects.state {
-            match v {
-                Some(v) => {
-                    t.insert(k.as_slice(), v.as_slice())?;
-                }
-                None => {
-                    t.remove(k.as_slice())?;
-                }
-            }
-        }
+    if outbox.is_empty() {
+        return Ok(());
     }
-    if !effects.uniques.is_empty() {
-        let name = unique_name(sub);
-        let mut t = txn.open_table(UniqueDef::new(&name))?;
-        for mark in &effects.uniques {
-            t.insert(mark.as_slice(), ())?;
-        }
-    }
-    if !effects.versions.is_empty() {
-        let name = versions_name(sub);
-        let mut t = txn.open_table(VersionDef::new(&name))?;
-        for (k, v) in &effects.versions {
-            t.insert(k.as_str(), *v)?;
-        }
-    }
-    if !effects.outbox.is_empty() {
-        let mut t = txn.open_table(OUTBOX)?;
-        for m in &effects.outbox {
-            let row = serde_json::json!({
-                "v": 1,
-                "subscriber": sub,
-                "id": m.id,
-                "topic": m.topic,
-                "key": m.key,
-                "headers": m.headers,
-                "written_at_ms": now_ms,
-                "payload": String::from_utf8_lossy(&m.payload),
-            });
-            t.insert(
-                *next_outbox_seq,
-                serde_json::to_vec(&row).unwrap_or_default().as_slice(),
-            )?;
-            *next_outbox_seq += 1;
-        }
+    let mut t = txn.open_table(OUTBOX)?;
+    for m in outbox {
+        let row = serde_json::json!({
+            "v": 1,
+            "subscriber": sub,
+            "id": m.id,
+            "topic": m.topic,
+            "key": m.key,
+            "headers": m.headers,
+            "written_at_ms": now_ms,
+            "payload": String::from_utf8_lossy(&m.payload),
+        });
+        t.insert(
+            *next_outbox_seq,
+            serde_json::to_vec(&row).unwrap_or_default().as_slice(),
+        )?;
+        *next_outbox_seq += 1;
     }
     Ok(())
 }
@@ -233,5 +571,106 @@ pub(crate) fn state_len(db: &Database, sub: &str) -> Result<u64, redb::Error> {
     match missing_is_none(txn.open_table(StateDef::new(&state_name(sub))))? {
         Some(t) => Ok(t.len()?),
         None => Ok(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::effects::unique_key;
+
+    fn put(e: &mut Effects, k: &str, v: Option<&str>) {
+        e.state
+            .insert(k.as_bytes().to_vec(), v.map(|v| v.as_bytes().to_vec()));
+    }
+
+    fn commit(db: &Database, f: impl FnOnce(&WriteTransaction)) {
+        let txn = db.begin_write().unwrap();
+        f(&txn);
+        txn.commit().unwrap();
+    }
+
+    #[test]
+    fn log_rows_round_trip_and_reject_garbage() {
+        let mut e = Effects::default();
+        put(&mut e, "a", Some("1"));
+        put(&mut e, "b", None);
+        e.uniques.insert(unique_key("label", "o-1"));
+        e.versions.insert("order/1".into(), 7);
+        let row = encode_effects(&e);
+        assert_eq!(decode_effects(&row), Some(e));
+        assert_eq!(decode_effects(&row[..row.len() - 1]), None);
+        let mut longer = row.clone();
+        longer.push(0);
+        assert_eq!(decode_effects(&longer), None);
+    }
+
+    /// Batches buffered, frozen, applied one entry per "batch", with restarts (the buffer
+    /// rebuilt from the log) in between: every read through a view equals a reference map,
+    /// and once applied the log is empty and the tables hold exactly the reference.
+    #[test]
+    fn buffered_effects_read_the_same_before_during_and_after_applying() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let mut db = Database::create(&path).unwrap();
+        let mut buf = StateBuffer::default();
+        let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        let mut marks = Vec::new();
+        for batch in 0u32..40 {
+            let mut e = Effects::default();
+            for i in 0..3 {
+                let k = format!("k/{:02}", (batch * 7 + i * 13) % 23);
+                if (batch + i) % 5 == 0 {
+                    put(&mut e, &k, None);
+                    reference.remove(k.as_bytes());
+                } else {
+                    let v = format!("v{batch}.{i}");
+                    put(&mut e, &k, Some(&v));
+                    reference.insert(k.into_bytes(), v.into_bytes());
+                }
+            }
+            let mark = unique_key("n", &batch.to_string());
+            e.uniques.insert(mark.clone());
+            marks.push(mark);
+            e.versions.insert("ver".into(), u64::from(batch));
+            commit(&db, |txn| {
+                buf.append(txn, "s", e).unwrap();
+                buf.maintain(txn, "s", 10, 1, false).unwrap();
+            });
+            if batch % 9 == 4 {
+                drop(db);
+                db = Database::open(&path).unwrap();
+                buf = StateBuffer::load(&db, "s").unwrap();
+            }
+            let view = BatchView::open(&db, "s", &buf).unwrap();
+            for k in 0..23 {
+                let k = format!("k/{k:02}").into_bytes();
+                assert_eq!(view.get(&k), reference.get(&k).cloned(), "batch {batch}");
+            }
+            let scanned = view.scan(b"k/", 5);
+            let want: Vec<StateEntry> = reference
+                .iter()
+                .take(5)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            assert_eq!(scanned, want, "batch {batch}");
+            assert!(marks.iter().all(|m| view.unique_exists(m)));
+            assert!(!view.unique_exists(&unique_key("n", "never")));
+            assert_eq!(view.version("ver"), Some(u64::from(batch)));
+        }
+        commit(&db, |txn| {
+            buf.maintain(txn, "s", 10, usize::MAX, true).unwrap();
+        });
+        assert!(buf.frozen.is_none() && entries(&buf.active) == 0);
+        let reloaded = StateBuffer::load(&db, "s").unwrap();
+        assert_eq!(
+            entries(&reloaded.active),
+            0,
+            "the log is empty once applied"
+        );
+        assert_eq!(
+            state_entries(&db, "s").unwrap(),
+            reference.into_iter().collect::<Vec<_>>()
+        );
     }
 }

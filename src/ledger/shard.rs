@@ -28,7 +28,7 @@ use super::generation::{
     merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob, SealedGen,
     SealingGen, SubState,
 };
-use super::handlers::{self, BatchView, ShardHandler};
+use super::handlers::{self, BatchView, ShardHandler, StateBuffer};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
 use super::tables::{self, ClaimsTable, LogTable};
 use super::{
@@ -414,6 +414,7 @@ impl Shard {
             let spec = self.ctx.registry.resolve(&name, true)?;
             gens.sort_by_key(|(_, m)| m.order);
             let mut st = new_sub_state(&spec);
+            st.state_buf = StateBuffer::load(&self.db, &name).map_err(|e| self.err(e))?;
             st.next_order = gens.last().map_or(1, |(_, m)| m.order + 1);
             let mut logs: Vec<(u64, GenMeta)> = Vec::new();
             for (id, m) in gens {
@@ -760,7 +761,10 @@ impl Shard {
             let spec = self.ctx.registry.get(id).ok_or_else(|| {
                 LedgerError::InvalidSubscriber(format!("unknown subscriber id {}", id.0))
             })?;
-            self.subs[idx] = Some(new_sub_state(&spec));
+            let mut st = new_sub_state(&spec);
+            // Buffered handler effects a crash or stop left in the log (see handlers.rs).
+            st.state_buf = StateBuffer::load(&self.db, &spec.name).map_err(|e| self.err(e))?;
+            self.subs[idx] = Some(st);
         }
         Ok(idx)
     }
@@ -927,7 +931,7 @@ impl Shard {
                                 let view = match st.view.take() {
                                     Some(v) => v,
                                     None => Box::new(
-                                        BatchView::open(&self.db, &st.name)
+                                        BatchView::open(&self.db, &st.name, &st.state_buf)
                                             .map_err(|e| storage(&self.ctx.path, e))?,
                                     ),
                                 };
@@ -1093,9 +1097,13 @@ impl Shard {
             let Some(view) = st.view.take() else {
                 continue;
             };
-            let effects = view.into_effects();
+            let mut effects = view.into_effects();
+            let outbox = std::mem::take(&mut effects.outbox);
+            handlers::write_outbox(txn, &st.name, &outbox, &mut self.next_outbox_seq, now)
+                .map_err(|e| storage(&path, e))?;
             if !effects.is_empty() {
-                handlers::apply(txn, &st.name, &effects, &mut self.next_outbox_seq, now)
+                st.state_buf
+                    .append(txn, &st.name, effects)
                     .map_err(|e| storage(&path, e))?;
             }
         }
@@ -1194,7 +1202,8 @@ impl Shard {
         let expiry_due = now.saturating_sub(self.last_expiry_check_ms) >= EXPIRY_CHECK_MS;
         !self.retired_logs.is_empty()
             || self.subs.iter().flatten().any(|st| {
-                st.sealing.is_some()
+                st.state_buf.has_work(cfg.state_buffer_entries.get())
+                    || st.sealing.is_some()
                     || st.merging.is_some()
                     || st.sealed.len() > cfg.merge_trigger_generations.get()
                     || (expiry_due && st.sealed.iter().any(|g| g.max_expires_ms <= now))
@@ -1287,7 +1296,16 @@ impl Shard {
         expiry_due: bool,
         cfg: &LedgerConfig,
     ) -> Result<bool, LedgerError> {
-        let mut did = false;
+        let mut did = st
+            .state_buf
+            .maintain(
+                txn,
+                &st.name,
+                cfg.state_buffer_entries.get(),
+                budget,
+                seal_all,
+            )
+            .map_err(|e| self.err(e))?;
         // Start sealing a full or old active generation.
         let due = st.active.as_ref().is_some_and(|a| {
             a.next_row > 0
@@ -1717,11 +1735,15 @@ impl Shard {
                 let _ = reply.send(Ok(self.report()));
             }
             Control::StateLen { subscriber, reply } => {
-                let r = handlers::state_len(&self.db, &subscriber).map_err(|e| self.err(e));
+                let r = self.flush_state(&subscriber).and_then(|()| {
+                    handlers::state_len(&self.db, &subscriber).map_err(|e| self.err(e))
+                });
                 let _ = reply.send(r);
             }
             Control::StateEntries { subscriber, reply } => {
-                let r = handlers::state_entries(&self.db, &subscriber).map_err(|e| self.err(e));
+                let r = self.flush_state(&subscriber).and_then(|()| {
+                    handlers::state_entries(&self.db, &subscriber).map_err(|e| self.err(e))
+                });
                 let _ = reply.send(r);
             }
             Control::Forget { sub, key, reply } => {
@@ -1785,6 +1807,29 @@ impl Shard {
             self.poison(e.clone());
         }
         result
+    }
+
+    /// Applies a subscriber's buffered handler effects to its sorted state tables, so they
+    /// can be read whole (state dump, counts).
+    fn flush_state(&mut self, subscriber: &str) -> Result<(), LedgerError> {
+        let spec = self.ctx.registry.resolve(subscriber, true)?;
+        let idx = self.sub_index(spec.id)?;
+        let threshold = self.ctx.config.state_buffer_entries.get();
+        let pending = self.subs[idx]
+            .as_ref()
+            .is_some_and(|st| st.state_buf.frozen.is_some() || !st.state_buf.active.is_empty());
+        if !pending {
+            return Ok(());
+        }
+        self.small_commit(|shard, txn| {
+            let Some(st) = shard.subs[idx].as_mut() else {
+                return Ok(());
+            };
+            st.state_buf
+                .maintain(txn, &st.name, threshold, usize::MAX, true)
+                .map(|_| ())
+                .map_err(|e| storage(&shard.ctx.path, e))
+        })
     }
 
     /// Writes a tombstone over a live claim so the next delivery is processed again.
@@ -2030,6 +2075,7 @@ fn new_sub_state(spec: &super::Subscriber) -> SubState {
         settings_epoch: 0,
         handler: None,
         view: None,
+        state_buf: StateBuffer::default(),
     };
     apply_settings(&mut st, spec);
     st
