@@ -44,6 +44,8 @@ pub struct BenchParams {
     /// Run this handler component for every new message (messages then route by order id,
     /// so one order's events meet the same shard).
     pub handler: Option<PathBuf>,
+    /// Random order ids instead of numbers in sequence (see `TrafficSpec`).
+    pub random_order_ids: bool,
     #[serde(skip)]
     pub config: Config,
 }
@@ -175,6 +177,7 @@ pub fn run(
         dup_rate: params.dup_rate,
         mismatch_rate: params.mismatch_rate,
         subscribers: params.subscribers.max(1),
+        random_order_ids: params.random_order_ids,
     };
     // Fixed structures (active and sealing indexes, redb caches) peak once two
     // generations per shard and subscriber exist; RSS growth after that is per key.

@@ -46,6 +46,7 @@ pub fn run(
         dir,
         keep: true,
         handler: handler.clone(),
+        random_order_ids: false,
         config: Config::default(),
     };
     let run = bench::run(&params, progress)?;
@@ -58,6 +59,7 @@ pub fn run(
         dup_rate: params.dup_rate,
         mismatch_rate: params.mismatch_rate,
         subscribers: params.subscribers,
+        random_order_ids: false,
     });
     let subs: Vec<_> = (0..params.subscribers)
         .map(|i| ledger.subscriber(&format!("bench-{i}")))

@@ -138,6 +138,10 @@ enum Command {
         /// Run this handler component for every new message.
         #[arg(long)]
         handler: Option<PathBuf>,
+        /// Order ids as random 16-hex-digit strings (like UUIDs or hashes) instead of
+        /// numbers in sequence: handler state keys then land anywhere in the sorted tables.
+        #[arg(long)]
+        random_order_ids: bool,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
@@ -427,6 +431,7 @@ fn run(cli: Cli) -> Result<()> {
             keep,
             config,
             handler,
+            random_order_ids,
             json,
         } => {
             if !(0.0..1.0).contains(&dup_rate)
@@ -451,13 +456,15 @@ fn run(cli: Cli) -> Result<()> {
                 seed,
                 window,
                 naive_messages: naive_messages.unwrap_or(messages),
+                random_order_ids,
                 dir,
                 keep,
                 handler,
                 config,
             };
             eprintln!(
-                "bench: {messages} messages, dup rate {dup_rate}, mismatch rate {mismatch_rate}, {subscribers} subscriber(s), seed {seed}, window {window}, durable commits"
+                "bench: {messages} messages, dup rate {dup_rate}, mismatch rate {mismatch_rate}, {subscribers} subscriber(s), seed {seed}, window {window}, durable commits{}",
+                if random_order_ids { ", random order ids" } else { "" }
             );
             let report = bench::run(&params, print_progress)?;
             eprintln!();

@@ -18,6 +18,9 @@ pub struct TrafficSpec {
     /// Fraction of messages that reuse an earlier id with a different payload.
     pub mismatch_rate: f64,
     pub subscribers: u32,
+    /// `order_id` as 16 hex digits of a hash of the order number, instead of the number:
+    /// what UUID-like ids look like to sorted state tables (any position, not appends).
+    pub random_order_ids: bool,
 }
 
 /// Share of new events that carry an earlier event's order id under a fresh event id (a
@@ -129,10 +132,19 @@ impl Traffic {
         );
         ev.payload.clear();
         let amount = (h2 % 100_000) + variant * 17;
+        let mut out = VecWriter(&mut ev.payload);
         let _ = write!(
-            VecWriter(&mut ev.payload),
-            r#"{{"amount_cents":{amount},"currency":"EUR","order_id":"o-{}","qty":{},"sku":"SKU-{:05}","type":"OrderPlaced"}}"#,
-            ev.order,
+            out,
+            r#"{{"amount_cents":{amount},"currency":"EUR","order_id":"o-"#
+        );
+        if self.spec.random_order_ids {
+            let _ = write!(out, "{:016x}", mix(ev.order ^ 0x5eed_0bde_5eed_0bde));
+        } else {
+            let _ = write!(out, "{}", ev.order);
+        }
+        let _ = write!(
+            out,
+            r#"","qty":{},"sku":"SKU-{:05}","type":"OrderPlaced"}}"#,
             1 + h % 5,
             h2 % 50_000
         );
@@ -159,6 +171,7 @@ mod tests {
             dup_rate: 0.1,
             mismatch_rate: 0.01,
             subscribers: 3,
+            random_order_ids: false,
         }
     }
 

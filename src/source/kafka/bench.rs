@@ -378,6 +378,7 @@ pub fn run(
         dup_rate: params.dup_rate,
         mismatch_rate: 0.0,
         subscribers: 1,
+        random_order_ids: false,
     };
     let baseline_s = baseline(&brokers, &base_topic, spec, progress)?;
 
