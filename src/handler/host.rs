@@ -84,6 +84,8 @@ pub(crate) struct HostState {
     pub limiter: MemoryCap,
     output: GuestOutput,
     call: Option<Call>,
+    /// The last call's record, reused by the next.
+    spare: Option<Call>,
     reader: Box<dyn StateReader>,
     effects: Effects,
 }
@@ -96,6 +98,7 @@ impl HostState {
             limiter,
             output,
             call: None,
+            spare: None,
             reader: Box::new(EmptyState),
             effects: Effects::default(),
         }
@@ -106,19 +109,27 @@ impl HostState {
         self.reader = reader;
         self.effects = Effects::default();
         self.limiter.denied = false;
-        self.call = Some(Call {
-            subscriber: msg.subscriber.clone(),
-            id: msg.id.clone(),
-            received_at_ms: msg.received_at_ms,
+        // Reuses the previous call's strings (`finish` keeps them): no allocation per call.
+        let mut call = self.spare.take().unwrap_or(Call {
+            subscriber: String::new(),
+            id: String::new(),
+            received_at_ms: 0,
             emits: 0,
             logs: 0,
         });
+        call.subscriber.clone_from(&msg.subscriber);
+        call.id.clone_from(&msg.id);
+        call.received_at_ms = msg.received_at_ms;
+        call.emits = 0;
+        call.logs = 0;
+        self.call = Some(call);
     }
 
     /// Ends a call: hands back the reader, the effects and whether memory was refused.
     pub fn finish(&mut self) -> (Box<dyn StateReader>, Effects, bool) {
         if let Some(call) = self.call.take() {
             self.output.flush_to_log(&call.subscriber);
+            self.spare = Some(call);
         }
         let reader = std::mem::replace(&mut self.reader, Box::new(EmptyState));
         (

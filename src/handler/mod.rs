@@ -231,6 +231,15 @@ impl Component {
             name: self.path.display().to_string(),
             limits: self.limits,
             live: None,
+            input: guest::Message {
+                subscriber: String::new(),
+                id: String::new(),
+                key: None,
+                headers: Vec::new(),
+                payload: Vec::new(),
+                attempt: 0,
+                received_at_ms: 0,
+            },
         }
     }
 }
@@ -258,6 +267,7 @@ pub struct WasmHandler {
     name: String,
     limits: Limits,
     live: Option<(Store<HostState>, bindings::DedupdHandler)>,
+    input: guest::Message,
 }
 
 impl WasmHandler {
@@ -307,18 +317,18 @@ impl MessageHandler for WasmHandler {
         };
         store.data_mut().begin(msg, state);
         store.set_epoch_deadline(ticks);
-        let input = guest::Message {
-            subscriber: msg.subscriber.clone(),
-            id: msg.id.clone(),
-            key: msg.key.clone(),
-            headers: msg.headers.clone(),
-            payload: msg.payload.clone(),
-            attempt: msg.attempt,
-            received_at_ms: msg.received_at_ms,
-        };
+        // The guest's copy reuses the previous call's buffers: no allocation per call.
+        let input = &mut self.input;
+        input.subscriber.clone_from(&msg.subscriber);
+        input.id.clone_from(&msg.id);
+        input.key.clone_from(&msg.key);
+        input.headers.clone_from(&msg.headers);
+        input.payload.clone_from(&msg.payload);
+        input.attempt = msg.attempt;
+        input.received_at_ms = msg.received_at_ms;
         let called = bindings
             .dedupd_handler_handler()
-            .call_handle(&mut *store, &input);
+            .call_handle(&mut *store, input);
         store.set_epoch_deadline(PARKED);
         let (reader, effects, memory_denied) = store.data_mut().finish();
         let result = match called {
