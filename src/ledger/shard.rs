@@ -158,6 +158,8 @@ pub(crate) struct Shard {
     settled: Vec<(RecordKind, SubscriberId, u64)>,
     next_outbox_seq: u64,
     next_dead_seq: u64,
+    /// Scratch message handed to handlers, reused between calls.
+    handler_msg: HandlerMessage,
 }
 
 /// A message waiting for its next attempt; the heap pops the earliest due first.
@@ -300,6 +302,15 @@ impl Shard {
             settled: Vec::new(),
             next_outbox_seq: 1,
             next_dead_seq: 1,
+            handler_msg: HandlerMessage {
+                subscriber: String::new(),
+                id: String::new(),
+                key: None,
+                headers: Vec::new(),
+                payload: Vec::new(),
+                attempt: 0,
+                received_at_ms: 0,
+            },
             ctx,
         };
         let mut txn = shard.db.begin_write().map_err(|e| err(e.into()))?;
@@ -935,16 +946,19 @@ impl Shard {
                                             .map_err(|e| storage(&self.ctx.path, e))?,
                                     ),
                                 };
-                                let msg = HandlerMessage {
-                                    subscriber: st.name.to_string(),
-                                    id: job.id.to_string(),
-                                    key: job.partition_key.clone(),
-                                    headers: job.headers.clone(),
-                                    payload: job.payload.to_vec(),
-                                    attempt: job.attempt,
-                                    received_at_ms: job.received_at_ms,
-                                };
-                                let (mut view, result) = h.instance.handle(&msg, view);
+                                // Reuses the previous message's buffers.
+                                let msg = &mut self.handler_msg;
+                                msg.subscriber.clear();
+                                msg.subscriber.push_str(&st.name);
+                                msg.id.clear();
+                                msg.id.push_str(&job.id);
+                                msg.key.clone_from(&job.partition_key);
+                                msg.headers.clone_from(&job.headers);
+                                msg.payload.clear();
+                                msg.payload.extend_from_slice(&job.payload);
+                                msg.attempt = job.attempt;
+                                msg.received_at_ms = job.received_at_ms;
+                                let (mut view, result) = h.instance.handle(msg, view);
                                 let version = h.factory.version();
                                 let handled = result.map(|effects| {
                                     view.absorb(effects);
