@@ -255,7 +255,7 @@ fn trap_after_write_rolls_back_and_is_dead_lettered_while_neighbours_commit() {
     assert_eq!(out[0], Outcome::Processed);
     assert_eq!(out[2], Outcome::Processed);
     match &out[1] {
-        Outcome::DeadLettered { reason } => {
+        Outcome::DeadLettered { reason, .. } => {
             assert!(reason.contains("trapped"), "{reason}");
             assert!(reason.contains("attempt 3 of 3"), "{reason}");
         }
@@ -288,14 +288,14 @@ fn retryable_error_is_retried_then_dead_lettered_and_permanent_is_not_retried() 
         ("errs", "ok", r#"{"order_id":"o-3"}"#),
     ]);
     match &out[0] {
-        Outcome::DeadLettered { reason } => {
+        Outcome::DeadLettered { reason, .. } => {
             assert!(reason.contains("retryable"), "{reason}");
             assert!(reason.contains("attempt 4 of 4"), "{reason}");
         }
         other => panic!("{other:?}"),
     }
     match &out[1] {
-        Outcome::DeadLettered { reason } => {
+        Outcome::DeadLettered { reason, .. } => {
             assert!(reason.contains("permanent"), "{reason}");
             assert!(reason.contains("attempt 1 of 4"), "{reason}");
         }

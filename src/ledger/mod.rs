@@ -248,8 +248,9 @@ pub enum Outcome {
     Duplicate,
     /// A live claim exists with another payload fingerprint; the message is kept aside (G4).
     Quarantined { stored_fingerprint: u64 },
-    /// The message could not be processed and was set aside with a reason.
-    DeadLettered { reason: String },
+    /// The message could not be processed and was set aside with a reason, after
+    /// `attempts` handler calls (the last one included).
+    DeadLettered { reason: String, attempts: u32 },
     /// The input was unusable (malformed, no key, oversized key, unknown subscriber).
     Rejected { reason: String },
     /// The ledger failed to make the outcome durable; nothing may be acknowledged (G7).
@@ -273,7 +274,7 @@ impl Outcome {
             Outcome::Quarantined { stored_fingerprint } => Some(format!(
                 "same id, different payload (stored fingerprint {stored_fingerprint:016x})"
             )),
-            Outcome::DeadLettered { reason }
+            Outcome::DeadLettered { reason, .. }
             | Outcome::Rejected { reason }
             | Outcome::Failed { reason } => Some(reason.clone()),
             Outcome::Processed | Outcome::Duplicate => None,

@@ -1027,7 +1027,10 @@ impl Shard {
                                 st.dead_lettered += 1;
                                 c[6] += 1;
                                 wrote = true;
-                                Decision::Done(Outcome::DeadLettered { reason })
+                                Decision::Done(Outcome::DeadLettered {
+                                    reason,
+                                    attempts: job.attempt,
+                                })
                             }
                         }
                     }

@@ -200,15 +200,6 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Digits of the attempt count at the end of a dead-letter reason ("... (attempt 3 of 3)").
-fn attempts_from_reason(reason: &str) -> u32 {
-    reason
-        .rsplit_once("(attempt ")
-        .and_then(|(_, rest)| rest.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(1)
-}
-
 impl Worker {
     fn slot_of(&self, topic: &str, partition: i32) -> Option<u64> {
         self.by_tp
@@ -555,6 +546,38 @@ impl Worker {
         }
     }
 
+    /// A dead-lettered or rejected message: to the dead-letter topic when it was retained
+    /// for that, else its offset is released at once.
+    fn set_aside(
+        &mut self,
+        consumer: &BaseConsumer<WorkerContext>,
+        slot: u64,
+        local: u64,
+        reason: String,
+        attempts: u32,
+        touched: &mut Vec<u64>,
+    ) {
+        let r = self
+            .parts
+            .get_mut(&slot)
+            .and_then(|p| p.tracker.take_retained(local));
+        match r {
+            Some(mut r) => {
+                r.attempts = attempts;
+                r.reason = reason;
+                self.dead_letter(consumer, slot, local, r);
+            }
+            None => {
+                if let Some(p) = self.parts.get_mut(&slot) {
+                    p.tracker.resolve(local);
+                }
+            }
+        }
+        if touched.last() != Some(&slot) {
+            touched.push(slot);
+        }
+    }
+
     fn on_done(&mut self, consumer: &BaseConsumer<WorkerContext>, dones: Vec<Done>) {
         let mut counts = [0u64; 5];
         let mut touched: Vec<u64> = Vec::new();
@@ -568,27 +591,14 @@ impl Worker {
                 Outcome::Duplicate => counts[1] += 1,
                 // Kept in the ledger (admin lists and replays it), not sent to the topic.
                 Outcome::Quarantined { .. } => counts[2] += 1,
-                Outcome::DeadLettered { reason } | Outcome::Rejected { reason } => {
+                Outcome::DeadLettered { reason, attempts } => {
                     counts[3] += 1;
-                    let r = self
-                        .parts
-                        .get_mut(&slot)
-                        .and_then(|p| p.tracker.take_retained(local));
-                    match r {
-                        Some(mut r) => {
-                            r.attempts = attempts_from_reason(&reason);
-                            r.reason = reason;
-                            self.dead_letter(consumer, slot, local, r);
-                        }
-                        None => {
-                            if let Some(p) = self.parts.get_mut(&slot) {
-                                p.tracker.resolve(local);
-                            }
-                        }
-                    }
-                    if touched.last() != Some(&slot) {
-                        touched.push(slot);
-                    }
+                    self.set_aside(consumer, slot, local, reason, attempts, &mut touched);
+                    continue;
+                }
+                Outcome::Rejected { reason } => {
+                    counts[3] += 1;
+                    self.set_aside(consumer, slot, local, reason, 0, &mut touched);
                     continue;
                 }
                 Outcome::Failed { reason } => {
@@ -869,13 +879,6 @@ fn consumer_config(kafka: &KafkaConfig, subscription: &SubscriptionConfig) -> Cl
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn attempts_are_read_from_the_reason() {
-        assert_eq!(attempts_from_reason("boom (attempt 3 of 3)"), 3);
-        assert_eq!(attempts_from_reason("permanent: bad (attempt 1 of 5)"), 1);
-        assert_eq!(attempts_from_reason("no count"), 1);
-    }
 
     #[test]
     fn seq_encodes_slot_and_local_number() {
