@@ -17,8 +17,10 @@
 //! from it when the subscriber is next used on the shard (replaying rows in order is
 //! idempotent, later rows win). Everything commits with the claims or not at all (G2, G6).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
+
+use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
 use redb::{
     Database, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable, TableDefinition,
@@ -60,11 +62,38 @@ pub fn state_log_name(sub: &str) -> String {
 }
 type StateLogDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
 
+/// Buffered effects, merged (later wins). Marks and versions are only ever looked up by key,
+/// so they live in hash tables (two of a new order's three lookups); state keeps its order
+/// for prefix scans.
+#[derive(Default, Clone)]
+pub(crate) struct Buffered {
+    state: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    uniques: HashSet<Vec<u8>, Xxh3DefaultBuilder>,
+    versions: HashMap<String, u64, Xxh3DefaultBuilder>,
+}
+
+impl Buffered {
+    fn merge(&mut self, e: Effects) {
+        self.state.extend(e.state);
+        self.uniques.extend(e.uniques);
+        self.versions.extend(e.versions);
+    }
+
+    /// Entries (what the freeze threshold counts).
+    pub fn len(&self) -> usize {
+        self.state.len() + self.uniques.len() + self.versions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// A subscriber's handler state effects not yet applied to its sorted tables, on one shard.
 #[derive(Default)]
 pub(crate) struct StateBuffer {
-    /// Effects of batches committed since the last freeze, merged (later wins).
-    pub active: Arc<Effects>,
+    /// Effects of batches committed since the last freeze.
+    pub active: Arc<Buffered>,
     /// A frozen buffer being applied to the sorted tables, a slice per batch.
     pub frozen: Option<Frozen>,
     /// First log row not yet deleted.
@@ -74,7 +103,10 @@ pub(crate) struct StateBuffer {
 }
 
 pub(crate) struct Frozen {
-    pub effects: Arc<Effects>,
+    pub effects: Arc<Buffered>,
+    /// Marks and versions in key order, for applying.
+    uniques: Vec<Vec<u8>>,
+    versions: Vec<(String, u64)>,
     /// Log rows `..=last_row` are covered by this buffer.
     last_row: u64,
     /// Where applying resumes.
@@ -83,15 +115,12 @@ pub(crate) struct Frozen {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Cursor {
+    /// After this state key (from the first when `None`).
     State(Option<Vec<u8>>),
-    Uniques(Option<Vec<u8>>),
-    Versions(Option<String>),
+    /// From this index of the sorted marks / versions.
+    Uniques(usize),
+    Versions(usize),
     Done,
-}
-
-/// Entries of buffered effects (what the freeze threshold counts).
-pub(crate) fn entries(e: &Effects) -> usize {
-    e.state.len() + e.uniques.len() + e.versions.len()
 }
 
 impl StateBuffer {
@@ -103,7 +132,7 @@ impl StateBuffer {
         else {
             return Ok(buf);
         };
-        let mut active = Effects::default();
+        let mut active = Buffered::default();
         let mut first = None;
         for row in t.iter()? {
             let (k, v) = row?;
@@ -125,7 +154,7 @@ impl StateBuffer {
 
     /// Whether applying work is pending (a frozen buffer, or a full active one).
     pub fn has_work(&self, threshold: usize) -> bool {
-        self.frozen.is_some() || entries(&self.active) >= threshold
+        self.frozen.is_some() || self.active.len() >= threshold
     }
 
     /// Writes one batch's effects as a log row and adds them to the active buffer.
@@ -156,12 +185,23 @@ impl StateBuffer {
         let mut wrote = false;
         loop {
             if self.frozen.is_none() {
-                let n = entries(&self.active);
+                let n = self.active.len();
                 if n == 0 || (n < threshold && !all) {
                     return Ok(wrote);
                 }
+                let effects = std::mem::take(&mut self.active);
+                let mut uniques: Vec<Vec<u8>> = effects.uniques.iter().cloned().collect();
+                uniques.sort_unstable();
+                let mut versions: Vec<(String, u64)> = effects
+                    .versions
+                    .iter()
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect();
+                versions.sort_unstable();
                 self.frozen = Some(Frozen {
-                    effects: std::mem::take(&mut self.active),
+                    effects,
+                    uniques,
+                    versions,
                     last_row: self.next_row.saturating_sub(1),
                     cursor: Cursor::State(None),
                 });
@@ -170,7 +210,7 @@ impl StateBuffer {
                 return Ok(wrote);
             };
             let limit = if all { usize::MAX } else { budget };
-            apply_slice(txn, sub, &f.effects, &mut f.cursor, limit)?;
+            apply_slice(txn, sub, f, limit)?;
             wrote = true;
             if f.cursor != Cursor::Done {
                 return Ok(wrote);
@@ -190,22 +230,21 @@ impl StateBuffer {
     }
 }
 
-/// Applies up to `limit` entries of `effects` from `cursor` on, in key order per table.
+/// Applies up to `limit` entries of a frozen buffer from its cursor on, in key order per
+/// table.
 fn apply_slice(
     txn: &WriteTransaction,
     sub: &str,
-    effects: &Effects,
-    cursor: &mut Cursor,
+    f: &mut Frozen,
     mut limit: usize,
 ) -> Result<(), redb::Error> {
-    use std::ops::Bound::{self, Excluded, Unbounded};
-    fn after<K: ?Sized>(k: Option<&K>) -> (Bound<&K>, Bound<&K>) {
-        (k.map_or(Unbounded, Excluded), Unbounded)
-    }
-    if let Cursor::State(start) = cursor.clone() {
-        let mut rows = effects
+    use std::ops::Bound::{Excluded, Unbounded};
+    if let Cursor::State(start) = &f.cursor {
+        let from = start.as_deref().map_or(Unbounded, Excluded);
+        let mut rows = f
+            .effects
             .state
-            .range::<[u8], _>(after(start.as_deref()))
+            .range::<[u8], _>((from, Unbounded))
             .peekable();
         // A table is only opened (and so created) when it has something to write.
         let mut t = match rows.peek() {
@@ -227,67 +266,43 @@ fn apply_slice(
         }
         if limit == 0 {
             if let Some(k) = last {
-                *cursor = Cursor::State(Some(k.clone()));
+                f.cursor = Cursor::State(Some(k.clone()));
             }
             return Ok(());
         }
-        *cursor = Cursor::Uniques(None);
+        f.cursor = Cursor::Uniques(0);
     }
-    if let Cursor::Uniques(start) = cursor.clone() {
-        let mut rows = effects
-            .uniques
-            .range::<[u8], _>(after(start.as_deref()))
-            .peekable();
-        // A table is only opened (and so created) when it has something to write.
-        let mut t = match rows.peek() {
-            Some(_) if limit > 0 => Some(txn.open_table(UniqueDef::new(&unique_name(sub)))?),
-            _ => None,
-        };
-        let mut last = None;
-        for mark in rows {
-            let Some(t) = t.as_mut() else { break };
-            if limit == 0 {
-                break;
+    if let Cursor::Uniques(from) = f.cursor {
+        let rest = &f.uniques[from.min(f.uniques.len())..];
+        let n = rest.len().min(limit);
+        if n > 0 {
+            let mut t = txn.open_table(UniqueDef::new(&unique_name(sub)))?;
+            for mark in &rest[..n] {
+                t.insert(mark.as_slice(), ())?;
             }
-            t.insert(mark.as_slice(), ())?;
-            last = Some(mark);
-            limit -= 1;
         }
+        limit -= n;
         if limit == 0 {
-            if let Some(k) = last {
-                *cursor = Cursor::Uniques(Some(k.clone()));
-            }
+            f.cursor = Cursor::Uniques(from + n);
             return Ok(());
         }
-        *cursor = Cursor::Versions(None);
+        f.cursor = Cursor::Versions(0);
     }
-    if let Cursor::Versions(start) = cursor.clone() {
-        let mut rows = effects
-            .versions
-            .range::<str, _>(after(start.as_deref()))
-            .peekable();
-        // A table is only opened (and so created) when it has something to write.
-        let mut t = match rows.peek() {
-            Some(_) if limit > 0 => Some(txn.open_table(VersionDef::new(&versions_name(sub)))?),
-            _ => None,
-        };
-        let mut last = None;
-        for (k, v) in rows {
-            let Some(t) = t.as_mut() else { break };
-            if limit == 0 {
-                break;
+    if let Cursor::Versions(from) = f.cursor {
+        let rest = &f.versions[from.min(f.versions.len())..];
+        let n = rest.len().min(limit);
+        if n > 0 {
+            let mut t = txn.open_table(VersionDef::new(&versions_name(sub)))?;
+            for (k, v) in &rest[..n] {
+                t.insert(k.as_str(), *v)?;
             }
-            t.insert(k.as_str(), *v)?;
-            last = Some(k);
-            limit -= 1;
         }
+        limit -= n;
         if limit == 0 {
-            if let Some(k) = last {
-                *cursor = Cursor::Versions(Some(k.clone()));
-            }
+            f.cursor = Cursor::Versions(from + n);
             return Ok(());
         }
-        *cursor = Cursor::Done;
+        f.cursor = Cursor::Done;
     }
     Ok(())
 }
@@ -391,7 +406,7 @@ pub(crate) struct BatchView {
     uniques: Option<ReadOnlyTable<&'static [u8], ()>>,
     versions: Option<ReadOnlyTable<&'static str, u64>>,
     /// Buffered effects of earlier batches, newest first (active, then frozen).
-    buffered: Vec<Arc<Effects>>,
+    buffered: Vec<Arc<Buffered>>,
     /// Effects of this batch's earlier successful messages.
     overlay: Effects,
 }
@@ -414,9 +429,9 @@ impl BatchView {
         })
     }
 
-    /// The in-memory layers, newest first.
-    fn layers(&self) -> impl Iterator<Item = &Effects> {
-        std::iter::once(&self.overlay).chain(self.buffered.iter().map(|e| &**e))
+    /// The in-memory state layers, newest first.
+    fn state_layers(&self) -> impl Iterator<Item = &BTreeMap<Vec<u8>, Option<Vec<u8>>>> {
+        std::iter::once(&self.overlay.state).chain(self.buffered.iter().map(|b| &b.state))
     }
 }
 
@@ -437,8 +452,8 @@ fn logged<T>(r: Result<T, redb::StorageError>) -> Option<T> {
 
 impl StateReader for BatchView {
     fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
-        for layer in self.layers() {
-            if let Some(v) = layer.state.get(key) {
+        for layer in self.state_layers() {
+            if let Some(v) = layer.get(key) {
                 return v.clone();
             }
         }
@@ -449,10 +464,9 @@ impl StateReader for BatchView {
     fn scan(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry> {
         // Each in-memory entry under the prefix can hide at most one table row.
         let shadowing: usize = self
-            .layers()
+            .state_layers()
             .map(|l| {
-                l.state
-                    .range::<[u8], _>(from_prefix(prefix))
+                l.range::<[u8], _>(from_prefix(prefix))
                     .take_while(|(k, _)| k.starts_with(prefix))
                     .count()
             })
@@ -473,9 +487,9 @@ impl StateReader for BatchView {
             }
         }
         // Oldest layer first, so newer writes win.
-        let layers: Vec<&Effects> = self.layers().collect();
+        let layers: Vec<_> = self.state_layers().collect();
         for layer in layers.into_iter().rev() {
-            for (k, v) in layer.state.range::<[u8], _>(from_prefix(prefix)) {
+            for (k, v) in layer.range::<[u8], _>(from_prefix(prefix)) {
                 if !k.starts_with(prefix) {
                     break;
                 }
@@ -489,7 +503,9 @@ impl StateReader for BatchView {
     }
 
     fn unique_exists(&self, mark: &[u8]) -> bool {
-        if self.layers().any(|l| l.uniques.contains(mark)) {
+        if self.overlay.uniques.contains(mark)
+            || self.buffered.iter().any(|b| b.uniques.contains(mark))
+        {
             return true;
         }
         self.uniques
@@ -499,8 +515,11 @@ impl StateReader for BatchView {
     }
 
     fn version(&self, key: &str) -> Option<u64> {
-        for layer in self.layers() {
-            if let Some(v) = layer.versions.get(key) {
+        if let Some(v) = self.overlay.versions.get(key) {
+            return Some(*v);
+        }
+        for b in &self.buffered {
+            if let Some(v) = b.versions.get(key) {
                 return Some(*v);
             }
         }
@@ -661,13 +680,9 @@ mod tests {
         commit(&db, |txn| {
             buf.maintain(txn, "s", 10, usize::MAX, true).unwrap();
         });
-        assert!(buf.frozen.is_none() && entries(&buf.active) == 0);
+        assert!(buf.frozen.is_none() && buf.active.is_empty());
         let reloaded = StateBuffer::load(&db, "s").unwrap();
-        assert_eq!(
-            entries(&reloaded.active),
-            0,
-            "the log is empty once applied"
-        );
+        assert!(reloaded.active.is_empty(), "the log is empty once applied");
         assert_eq!(
             state_entries(&db, "s").unwrap(),
             reference.into_iter().collect::<Vec<_>>()
