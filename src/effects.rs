@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 pub type StateEntry = (Vec<u8>, Vec<u8>);
 
 /// A message as a handler sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct HandlerMessage {
     pub subscriber: String,
     pub id: String,

@@ -69,6 +69,8 @@ impl wasmtime::ResourceLimiter for MemoryCap {
     }
 }
 
+/// The message being handled. Its buffers are reused from call to call.
+#[derive(Default)]
 struct Call {
     subscriber: String,
     id: String,
@@ -83,9 +85,9 @@ pub(crate) struct HostState {
     pub table: ResourceTable,
     pub limiter: MemoryCap,
     output: GuestOutput,
-    call: Option<Call>,
-    /// The last call's record, reused by the next.
-    spare: Option<Call>,
+    call: Call,
+    /// Whether a call is running (`begin` .. `finish`).
+    in_call: bool,
     reader: Box<dyn StateReader>,
     effects: Effects,
 }
@@ -97,8 +99,8 @@ impl HostState {
             table: ResourceTable::new(),
             limiter,
             output,
-            call: None,
-            spare: None,
+            call: Call::default(),
+            in_call: false,
             reader: Box::new(EmptyState),
             effects: Effects::default(),
         }
@@ -109,27 +111,20 @@ impl HostState {
         self.reader = reader;
         self.effects = Effects::default();
         self.limiter.denied = false;
-        // Reuses the previous call's strings (`finish` keeps them): no allocation per call.
-        let mut call = self.spare.take().unwrap_or(Call {
-            subscriber: String::new(),
-            id: String::new(),
-            received_at_ms: 0,
-            emits: 0,
-            logs: 0,
-        });
+        // Reuses the previous call's strings: no allocation per call.
+        let call = &mut self.call;
         call.subscriber.clone_from(&msg.subscriber);
         call.id.clone_from(&msg.id);
         call.received_at_ms = msg.received_at_ms;
         call.emits = 0;
         call.logs = 0;
-        self.call = Some(call);
+        self.in_call = true;
     }
 
     /// Ends a call: hands back the reader, the effects and whether memory was refused.
     pub fn finish(&mut self) -> (Box<dyn StateReader>, Effects, bool) {
-        if let Some(call) = self.call.take() {
-            self.output.flush_to_log(&call.subscriber);
-            self.spare = Some(call);
+        if std::mem::take(&mut self.in_call) {
+            self.output.flush_to_log(&self.call.subscriber);
         }
         let reader = std::mem::replace(&mut self.reader, Box::new(EmptyState));
         (
@@ -140,9 +135,17 @@ impl HostState {
     }
 
     fn call(&self) -> wasmtime::Result<&Call> {
-        self.call
-            .as_ref()
-            .ok_or_else(|| wasmtime::Error::msg("host called outside a message"))
+        match self.in_call {
+            true => Ok(&self.call),
+            false => Err(wasmtime::Error::msg("host called outside a message")),
+        }
+    }
+
+    fn call_mut(&mut self) -> wasmtime::Result<&mut Call> {
+        match self.in_call {
+            true => Ok(&mut self.call),
+            false => Err(wasmtime::Error::msg("host called outside a message")),
+        }
     }
 
     /// Read-your-writes: this call's effects first, then the batch's committed view.
@@ -174,10 +177,7 @@ fn check_key(key: &[u8]) -> wasmtime::Result<()> {
 
 impl host::Host for HostState {
     fn log(&mut self, level: Level, text: String) -> wasmtime::Result<()> {
-        let call = self
-            .call
-            .as_mut()
-            .ok_or_else(|| wasmtime::Error::msg("log outside a message"))?;
+        let call = self.call_mut()?;
         call.logs += 1;
         if call.logs > MAX_LOG_LINES {
             return Ok(());
@@ -292,10 +292,7 @@ impl host::Host for HostState {
         payload: Vec<u8>,
     ) -> wasmtime::Result<String> {
         let n = {
-            let call = self
-                .call
-                .as_mut()
-                .ok_or_else(|| wasmtime::Error::msg("emit outside a message"))?;
+            let call = self.call_mut()?;
             call.emits += 1;
             call.emits
         };

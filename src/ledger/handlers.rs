@@ -152,6 +152,11 @@ impl StateBuffer {
         Ok(buf)
     }
 
+    /// Whether nothing is buffered.
+    pub fn is_empty(&self) -> bool {
+        self.frozen.is_none() && self.active.is_empty()
+    }
+
     /// Whether applying work is pending (a frozen buffer, or a full active one).
     pub fn has_work(&self, threshold: usize) -> bool {
         self.frozen.is_some() || self.active.len() >= threshold
@@ -273,14 +278,13 @@ fn apply_slice(
         f.cursor = Cursor::Uniques(0);
     }
     if let Cursor::Uniques(from) = f.cursor {
-        let rest = &f.uniques[from.min(f.uniques.len())..];
-        let n = rest.len().min(limit);
-        if n > 0 {
+        let n = apply_sorted(&f.uniques, from, limit, |marks| {
             let mut t = txn.open_table(UniqueDef::new(&unique_name(sub)))?;
-            for mark in &rest[..n] {
+            for mark in marks {
                 t.insert(mark.as_slice(), ())?;
             }
-        }
+            Ok(())
+        })?;
         limit -= n;
         if limit == 0 {
             f.cursor = Cursor::Uniques(from + n);
@@ -289,14 +293,13 @@ fn apply_slice(
         f.cursor = Cursor::Versions(0);
     }
     if let Cursor::Versions(from) = f.cursor {
-        let rest = &f.versions[from.min(f.versions.len())..];
-        let n = rest.len().min(limit);
-        if n > 0 {
+        let n = apply_sorted(&f.versions, from, limit, |versions| {
             let mut t = txn.open_table(VersionDef::new(&versions_name(sub)))?;
-            for (k, v) in &rest[..n] {
+            for (k, v) in versions {
                 t.insert(k.as_str(), *v)?;
             }
-        }
+            Ok(())
+        })?;
         limit -= n;
         if limit == 0 {
             f.cursor = Cursor::Versions(from + n);
@@ -305,6 +308,22 @@ fn apply_slice(
         f.cursor = Cursor::Done;
     }
     Ok(())
+}
+
+/// Hands `write` the rows from `from` on, at most `limit` (not called when there are none,
+/// so no table is created for nothing); returns how many it wrote.
+fn apply_sorted<T>(
+    rows: &[T],
+    from: usize,
+    limit: usize,
+    write: impl FnOnce(&[T]) -> Result<(), redb::Error>,
+) -> Result<usize, redb::Error> {
+    let rest = &rows[from.min(rows.len())..];
+    let n = rest.len().min(limit);
+    if n > 0 {
+        write(&rest[..n])?;
+    }
+    Ok(n)
 }
 
 /// Log row format (v1): three sections, each `count u32` then entries; integers are little

@@ -302,15 +302,7 @@ impl Shard {
             settled: Vec::new(),
             next_outbox_seq: 1,
             next_dead_seq: 1,
-            handler_msg: HandlerMessage {
-                subscriber: String::new(),
-                id: String::new(),
-                key: None,
-                headers: Vec::new(),
-                payload: Vec::new(),
-                attempt: 0,
-                received_at_ms: 0,
-            },
+            handler_msg: HandlerMessage::default(),
             ctx,
         };
         let mut txn = shard.db.begin_write().map_err(|e| err(e.into()))?;
@@ -424,8 +416,7 @@ impl Shard {
         for (name, mut gens) in by_sub {
             let spec = self.ctx.registry.resolve(&name, true)?;
             gens.sort_by_key(|(_, m)| m.order);
-            let mut st = new_sub_state(&spec);
-            st.state_buf = StateBuffer::load(&self.db, &name).map_err(|e| self.err(e))?;
+            let mut st = new_sub_state(&spec, &self.db).map_err(|e| self.err(e))?;
             st.next_order = gens.last().map_or(1, |(_, m)| m.order + 1);
             let mut logs: Vec<(u64, GenMeta)> = Vec::new();
             for (id, m) in gens {
@@ -772,9 +763,7 @@ impl Shard {
             let spec = self.ctx.registry.get(id).ok_or_else(|| {
                 LedgerError::InvalidSubscriber(format!("unknown subscriber id {}", id.0))
             })?;
-            let mut st = new_sub_state(&spec);
-            // Buffered handler effects a crash or stop left in the log (see handlers.rs).
-            st.state_buf = StateBuffer::load(&self.db, &spec.name).map_err(|e| self.err(e))?;
+            let st = new_sub_state(&spec, &self.db).map_err(|e| self.err(e))?;
             self.subs[idx] = Some(st);
         }
         Ok(idx)
@@ -1832,10 +1821,10 @@ impl Shard {
         let spec = self.ctx.registry.resolve(subscriber, true)?;
         let idx = self.sub_index(spec.id)?;
         let threshold = self.ctx.config.state_buffer_entries.get();
-        let pending = self.subs[idx]
+        if self.subs[idx]
             .as_ref()
-            .is_some_and(|st| st.state_buf.frozen.is_some() || !st.state_buf.active.is_empty());
-        if !pending {
+            .is_none_or(|st| st.state_buf.is_empty())
+        {
             return Ok(());
         }
         self.small_commit(|shard, txn| {
@@ -2071,7 +2060,9 @@ impl Shard {
     }
 }
 
-fn new_sub_state(spec: &super::Subscriber) -> SubState {
+/// A subscriber's state on this shard, with the handler effects a crash or stop left in its
+/// state log (see handlers.rs).
+fn new_sub_state(spec: &super::Subscriber, db: &Database) -> Result<SubState, redb::Error> {
     let mut pending_log = Vec::new();
     LogRow::start(&mut pending_log);
     let mut st = SubState {
@@ -2092,10 +2083,10 @@ fn new_sub_state(spec: &super::Subscriber) -> SubState {
         settings_epoch: 0,
         handler: None,
         view: None,
-        state_buf: StateBuffer::default(),
+        state_buf: StateBuffer::load(db, &spec.name)?,
     };
     apply_settings(&mut st, spec);
-    st
+    Ok(st)
 }
 
 /// Takes a subscriber's current settings into its shard state (between batches).
