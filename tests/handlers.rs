@@ -80,9 +80,11 @@ fn cpu_budget_obeyed_by_slow_but_bounded_handler() {
 
 #[test]
 fn memory_cap_violated_is_a_memory_failure() {
+    // A roomy CPU budget: on a loaded machine the default 10 ms could run out before the
+    // hog reaches 4 MiB, and this test is about memory, not time.
     let limits = Limits {
         memory_bytes: 4 << 20,
-        ..Limits::default()
+        ..roomy()
     };
     let c = load("fixture_memory_hog", limits);
     assert_eq!(
