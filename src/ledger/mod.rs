@@ -10,6 +10,7 @@
 //! (exact in-memory index + append-only log table), sealed generations (sorted tables with
 //! a static filter each), merged when small, dropped whole when every claim has expired.
 
+mod blocks;
 mod fault;
 pub mod filter;
 mod generation;

@@ -309,6 +309,7 @@ impl Shard {
         txn.set_durability(Durability::Immediate)
             .map_err(|e| err(redb::Error::from(redb::StorageError::Backend(Box::new(e)))))?;
         let loaded = shard.check_meta_and_load(&txn)?;
+        handlers::upgrade_v1_tables(&txn, &loaded.tables).map_err(|e| shard.err(e))?;
         shard.recover(&txn, loaded)?;
         txn.commit().map_err(|e| err(e.into()))?;
         Ok(shard)
