@@ -403,7 +403,10 @@ mod tests {
                 prev_last = Some(last.value().to_vec());
             }
             if round == 59 {
-                assert!(blocks > 50, "the test should split into many blocks: {blocks}");
+                assert!(
+                    blocks > 50,
+                    "the test should split into many blocks: {blocks}"
+                );
             }
         }
     }
