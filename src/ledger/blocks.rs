@@ -107,7 +107,7 @@ struct Packer {
     n: u32,
     last_key: Vec<u8>,
     /// Finished blocks: (last key, bytes).
-    done: Vec<(Vec<u8>, Vec<u8>)>,
+    done: Vec<OwnedBlock>,
 }
 
 impl Packer {
@@ -142,17 +142,20 @@ impl Packer {
         self.n = 0;
     }
 
-    fn finish(mut self) -> Vec<(Vec<u8>, Vec<u8>)> {
+    fn finish(mut self) -> Vec<OwnedBlock> {
         self.seal();
         self.done
     }
 }
 
-/// The block that holds or would hold `key`, as (its last key, its bytes).
+/// A block as (its last key, its bytes).
+type OwnedBlock = (Vec<u8>, Vec<u8>);
+
+/// The block that holds or would hold `key`.
 fn block_for<T: ReadableTable<&'static [u8], &'static [u8]>>(
     t: &T,
     key: &[u8],
-) -> Result<Option<(Vec<u8>, Vec<u8>)>, StorageError> {
+) -> Result<Option<OwnedBlock>, StorageError> {
     match t.range::<&[u8]>(key..)?.next() {
         Some(row) => {
             let (k, v) = row?;
