@@ -169,11 +169,13 @@ impl SubState {
         (active + sealing + sealed, active)
     }
 
+    /// Filters of sealed generations and of handler uniqueness marks.
     pub fn filter_bytes(&self) -> u64 {
         self.sealed
             .iter()
             .map(|g| g.filter.memory_bytes() as u64)
-            .sum()
+            .sum::<u64>()
+            + self.state_buf.marks.memory_bytes()
     }
 
     pub fn index_bytes(&self) -> u64 {

@@ -27,7 +27,10 @@ use redb::{
     TableError, WriteTransaction,
 };
 
+use fastbloom::AtomicBloomFilter;
+
 use super::blocks::{self, BlockDef};
+use super::marks::{self, MarkFilter};
 use crate::effects::{Effects, HandlerFactory, MessageHandler, StateEntry, StateReader};
 
 /// Handler key-value state: key -> value, packed into blocks (see [`super::blocks`]).
@@ -95,6 +98,8 @@ pub(crate) struct StateBuffer {
     pub first_row: u64,
     /// Next log row to write.
     pub next_row: u64,
+    /// Filter over the marks applied to the unique table and frozen on their way there.
+    pub marks: MarkFilter,
 }
 
 pub(crate) struct Frozen {
@@ -147,6 +152,15 @@ impl StateBuffer {
         Ok(buf)
     }
 
+    /// Lets the mark filter take a finished build or start one (see [`MarkFilter::tend`]).
+    pub fn tend_marks(&mut self, db: &Arc<Database>, sub: &str) {
+        let frozen = self
+            .frozen
+            .as_ref()
+            .map_or(&[][..], |f| f.uniques.as_slice());
+        self.marks.tend(db, sub, frozen);
+    }
+
     /// Whether nothing is buffered.
     pub fn is_empty(&self) -> bool {
         self.frozen.is_none() && self.active.is_empty()
@@ -192,6 +206,7 @@ impl StateBuffer {
                 let effects = std::mem::take(&mut self.active);
                 let mut uniques: Vec<Vec<u8>> = effects.uniques.iter().cloned().collect();
                 uniques.sort_unstable();
+                self.marks.add(&uniques);
                 let mut versions: Vec<(String, [u8; 8])> = effects
                     .versions
                     .iter()
@@ -415,6 +430,8 @@ pub(crate) struct BatchView {
     buffered: Vec<Arc<Buffered>>,
     /// Effects of this batch's earlier successful messages.
     overlay: Effects,
+    /// Says "certainly absent" for most new marks (once built).
+    marks: Option<Arc<AtomicBloomFilter>>,
 }
 
 impl BatchView {
@@ -433,6 +450,7 @@ impl BatchView {
             versions,
             buffered,
             overlay: Effects::default(),
+            marks: buffer.marks.bloom(),
         })
     }
 
@@ -508,6 +526,11 @@ impl StateReader for BatchView {
             || self.buffered.iter().any(|b| b.uniques.contains(mark))
         {
             return true;
+        }
+        if let Some(f) = &self.marks {
+            if !f.contains_hash(marks::hash(mark)) {
+                return false;
+            }
         }
         self.uniques
             .as_ref()

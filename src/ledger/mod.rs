@@ -15,6 +15,7 @@ mod fault;
 pub mod filter;
 mod generation;
 mod handlers;
+mod marks;
 mod ops;
 pub mod record;
 mod shard;

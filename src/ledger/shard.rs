@@ -132,7 +132,7 @@ pub(crate) struct ShardContext {
 
 pub(crate) struct Shard {
     ctx: ShardContext,
-    db: Database,
+    db: Arc<Database>,
     subs: Vec<Option<SubState>>,
     next_table_id: u64,
     next_quarantine_seq: u64,
@@ -283,7 +283,7 @@ impl Shard {
         };
         let (built_tx, built_rx) = unbounded();
         let mut shard = Shard {
-            db,
+            db: Arc::new(db),
             subs: Vec::new(),
             next_table_id: 1,
             next_quarantine_seq: 1,
@@ -931,10 +931,13 @@ impl Shard {
                             Some(h) => {
                                 let view = match st.view.take() {
                                     Some(v) => v,
-                                    None => Box::new(
-                                        BatchView::open(&self.db, &st.name, &st.state_buf)
-                                            .map_err(|e| storage(&self.ctx.path, e))?,
-                                    ),
+                                    None => {
+                                        st.state_buf.tend_marks(&self.db, &st.name);
+                                        Box::new(
+                                            BatchView::open(&self.db, &st.name, &st.state_buf)
+                                                .map_err(|e| storage(&self.ctx.path, e))?,
+                                        )
+                                    }
                                 };
                                 // Reuses the previous message's buffers.
                                 let msg = &mut self.handler_msg;
