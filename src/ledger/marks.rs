@@ -175,7 +175,8 @@ mod tests {
             let mut t = txn
                 .open_table(BlockDef::new(&super::super::handlers::unique_name("s")))
                 .unwrap();
-            let marks: Vec<Vec<u8>> = (0..1000).map(mark).collect();
+            let mut marks: Vec<Vec<u8>> = (0..1000).map(mark).collect();
+            marks.sort();
             let rows: Vec<(&[u8], Option<&[u8]>)> = marks
                 .iter()
                 .map(|m| (m.as_slice(), Some(&[][..])))
