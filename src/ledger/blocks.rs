@@ -19,10 +19,11 @@ use redb::{ReadableTable, StorageError, Table, TableDefinition};
 
 pub(crate) type BlockDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
 
-/// Entry bytes a block is filled to before the next one starts. Small enough that a key
-/// landing alone in a block (random keys) rewrites little; large enough that keys in order
-/// share each block write with dozens of others.
-const BLOCK_TARGET: usize = 1024;
+/// Entry bytes a block is filled to before the next one starts. Measured on shipping-label
+/// runs (alternating, 2M messages): 3 KiB blocks gave a median of ~261k msgs/s against
+/// ~229k with 1 KiB, and random keys were no slower (189k/205k vs 182k/202k at 1M). A key
+/// landing alone in a block rewrites the whole block, so much larger is not better.
+const BLOCK_TARGET: usize = 3072;
 
 fn corrupt(what: &str) -> StorageError {
     StorageError::Corrupted(format!("handler state block: {what}"))
