@@ -99,7 +99,7 @@ pub(crate) struct StateBuffer {
     pub first_row: u64,
     /// Next log row to write.
     pub next_row: u64,
-    /// Filter over the marks applied to the unique table and frozen on their way there.
+    /// Filter over every committed mark: in the unique table or buffered on the way there.
     pub marks: MarkFilter,
 }
 
@@ -155,11 +155,14 @@ impl StateBuffer {
 
     /// Lets the mark filter take a finished build or start one (see [`MarkFilter::tend`]).
     pub fn tend_marks(&mut self, db: &Arc<Database>, sub: &str) {
-        let frozen = self
-            .frozen
-            .as_ref()
-            .map_or(&[][..], |f| f.uniques.as_slice());
-        self.marks.tend(db, sub, frozen);
+        // Marks not in the table yet: a new build's snapshot does not have them.
+        let frozen = self.frozen.as_ref().map(|f| &f.effects.uniques);
+        let unapplied = self
+            .active
+            .uniques
+            .iter()
+            .chain(frozen.into_iter().flatten());
+        self.marks.tend(db, sub, unapplied.map(Vec::as_slice));
     }
 
     /// Whether nothing is buffered.
@@ -182,6 +185,7 @@ impl StateBuffer {
         let mut t = txn.open_table(StateLogDef::new(&state_log_name(sub)))?;
         t.insert(self.next_row, encode_effects(&effects).as_slice())?;
         self.next_row += 1;
+        self.marks.add(effects.uniques.iter().map(Vec::as_slice));
         Arc::make_mut(&mut self.active).merge(effects);
         Ok(())
     }
@@ -207,7 +211,6 @@ impl StateBuffer {
                 let effects = std::mem::take(&mut self.active);
                 let mut uniques: Vec<Vec<u8>> = effects.uniques.iter().cloned().collect();
                 uniques.sort_unstable();
-                self.marks.add(&uniques);
                 let mut versions: Vec<(String, [u8; 8])> = effects
                     .versions
                     .iter()
@@ -523,15 +526,18 @@ impl StateReader for BatchView {
     }
 
     fn unique_exists(&self, mark: &[u8]) -> bool {
-        if self.overlay.uniques.contains(mark)
-            || self.buffered.iter().any(|b| b.uniques.contains(mark))
-        {
+        if self.overlay.uniques.contains(mark) {
             return true;
         }
+        // The filter holds every committed mark, buffered or applied: most new marks stop
+        // here without touching the buffers' hash sets or the table.
         if let Some(f) = &self.marks {
             if !f.contains_hash(marks::hash(mark)) {
                 return false;
             }
+        }
+        if self.buffered.iter().any(|b| b.uniques.contains(mark)) {
+            return true;
         }
         self.uniques
             .as_ref()

@@ -8,10 +8,12 @@
 //! The filter is built on a thread from a read snapshot of the table, when the subscriber
 //! is first used on the shard and again each time its marks outgrow it (twice the marks
 //! it was built for), so neither startup nor the batch loop waits for a scan of the
-//! table. Until the first build lands, every check goes to the table. A build covers the
-//! marks in its snapshot; marks frozen for applying while it runs, and the ones frozen but
-//! not yet applied when it starts, are kept as hashes and added when it lands. Marks are
-//! never removed, so a Bloom filter (which cannot delete) fits.
+//! table. Until the first build lands, every check goes to the buffers and the table. A
+//! build covers the marks in its snapshot; marks committed to the state buffer while it
+//! runs, and the buffered ones not yet applied when it starts, are kept as hashes and added
+//! when it lands. Once built, the filter holds every committed mark, so a "no" also skips
+//! the buffers' hash sets. Marks are never removed, so a Bloom filter (which cannot delete)
+//! fits.
 
 use std::sync::Arc;
 
@@ -35,7 +37,7 @@ type Built = Result<(AtomicBloomFilter, u64, u64), redb::Error>;
 
 #[derive(Default)]
 pub(crate) struct MarkFilter {
-    /// Holds every mark in the table and every frozen one, once the first build lands.
+    /// Holds every committed mark (applied or buffered), once the first build lands.
     bloom: Option<Arc<AtomicBloomFilter>>,
     /// Marks the filter was sized for.
     capacity: u64,
@@ -46,7 +48,7 @@ pub(crate) struct MarkFilter {
 
 struct Building {
     rx: Receiver<Built>,
-    /// Marks frozen since the build started (and frozen, unapplied ones when it started).
+    /// Marks committed since the build started, and the unapplied ones when it started.
     since: Vec<u64>,
 }
 
@@ -61,8 +63,8 @@ impl MarkFilter {
         self.bloom.as_ref().map_or(0, |b| b.num_bits() as u64 / 8)
     }
 
-    /// Marks frozen for applying to the table.
-    pub fn add(&mut self, marks: &[Vec<u8>]) {
+    /// Marks committed to the state buffer (on their way to the table).
+    pub fn add<'a>(&mut self, marks: impl Iterator<Item = &'a [u8]>) {
         for m in marks {
             let h = hash(m);
             if let Some(b) = &self.bloom {
@@ -71,14 +73,19 @@ impl MarkFilter {
             if let Some(p) = &mut self.building {
                 p.since.push(h);
             }
+            self.count += 1;
         }
-        self.count += marks.len() as u64;
     }
 
     /// Takes a finished build, and starts one when there is no filter yet or the marks have
-    /// outgrown it. `frozen` are the marks frozen but not yet applied (not in the snapshot
-    /// a new build reads).
-    pub fn tend(&mut self, db: &Arc<Database>, sub: &str, frozen: &[Vec<u8>]) {
+    /// outgrown it. `unapplied` are the buffered marks not yet applied to the table (not in
+    /// the snapshot a new build reads).
+    pub fn tend<'a>(
+        &mut self,
+        db: &Arc<Database>,
+        sub: &str,
+        unapplied: impl Iterator<Item = &'a [u8]>,
+    ) {
         if let Some(p) = &mut self.building {
             match p.rx.try_recv() {
                 Err(TryRecvError::Empty) => return,
@@ -117,7 +124,7 @@ impl MarkFilter {
         if spawned.is_ok() {
             self.building = Some(Building {
                 rx,
-                since: frozen.iter().map(|m| hash(m)).collect(),
+                since: unapplied.map(hash).collect(),
             });
         }
     }
@@ -152,9 +159,9 @@ fn build(db: &Database, table: &str, known: u64) -> Built {
 mod tests {
     use super::*;
 
-    fn wait_built(f: &mut MarkFilter, db: &Arc<Database>, frozen: &[Vec<u8>]) {
+    fn wait_built(f: &mut MarkFilter, db: &Arc<Database>) {
         for _ in 0..10_000 {
-            f.tend(db, "s", frozen);
+            f.tend(db, "s", std::iter::empty());
             if f.building.is_none() && f.bloom.is_some() {
                 return;
             }
@@ -163,7 +170,7 @@ mod tests {
         panic!("the filter build did not land");
     }
 
-    /// Marks in the table, frozen ones, and ones frozen while a build runs are all in the
+    /// Marks in the table, buffered ones, and ones committed while a build runs are all in the
     /// filter (no false negatives), and it grows when the marks outgrow it.
     #[test]
     fn the_filter_never_misses_a_mark() {
@@ -186,12 +193,12 @@ mod tests {
         txn.commit().unwrap();
 
         let mut f = MarkFilter::default();
-        let frozen: Vec<Vec<u8>> = (1000..1100).map(mark).collect();
-        f.tend(&db, "s", &frozen);
-        // Frozen while the build runs.
+        let buffered: Vec<Vec<u8>> = (1000..1100).map(mark).collect();
+        f.tend(&db, "s", buffered.iter().map(Vec::as_slice));
+        // Committed while the build runs.
         let late: Vec<Vec<u8>> = (1100..1200).map(mark).collect();
-        f.add(&late);
-        wait_built(&mut f, &db, &[]);
+        f.add(late.iter().map(Vec::as_slice));
+        wait_built(&mut f, &db);
         let bloom = f.bloom().unwrap();
         for i in 0..1200 {
             assert!(bloom.contains_hash(hash(&mark(i))), "mark {i} missed");
@@ -206,12 +213,12 @@ mod tests {
 
         // Outgrowing the filter starts a larger build.
         let many: Vec<Vec<u8>> = (2000..2000 + MIN_CAPACITY + 1).map(mark).collect();
-        f.add(&many);
+        f.add(many.iter().map(Vec::as_slice));
         let before = f.memory_bytes();
-        // Not in the table yet: all frozen, waiting to be applied.
+        // Not in the table yet: all buffered, waiting to be applied.
         let unapplied: Vec<Vec<u8>> = (1000..1200).map(mark).chain(many.iter().cloned()).collect();
-        f.tend(&db, "s", &unapplied);
-        wait_built(&mut f, &db, &[]);
+        f.tend(&db, "s", unapplied.iter().map(Vec::as_slice));
+        wait_built(&mut f, &db);
         assert!(f.memory_bytes() > before);
         let bloom = f.bloom().unwrap();
         assert!(many.iter().all(|m| bloom.contains_hash(hash(m))));
