@@ -15,7 +15,7 @@
 //! Block format (v1): `n: u32`, then `n` offsets (`u32`, into the entries), then the
 //! entries, each `key_len: u32, key, value_len: u32, value`. Little endian.
 
-use redb::{ReadableTable, StorageError, Table, TableDefinition};
+use redb::{ReadableTable, ReadableTableMetadata, StorageError, Table, TableDefinition};
 
 pub(crate) type BlockDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
 
@@ -214,6 +214,7 @@ pub(crate) fn for_each_from<T: ReadableTable<&'static [u8], &'static [u8]>>(
 }
 
 /// Number of entries (reads every block's header).
+#[cfg(test)]
 pub(crate) fn len<T: ReadableTable<&'static [u8], &'static [u8]>>(
     t: &T,
 ) -> Result<u64, StorageError> {
@@ -297,6 +298,168 @@ pub(crate) fn apply(
     Ok(())
 }
 
+/// Updates that land inside the blocks' key range are written as rows of their own (the
+/// *row table*) when there are fewer than one per this many blocks: a block rewritten for a
+/// single key costs two B-tree descents and a few KiB, where a row costs one descent.
+/// Measured with random order ids at 4M messages: rewriting blocks for sparse keys made
+/// the run ~30 % slower than one row per entry; keys in order still go to blocks.
+const SPARSE_BLOCKS: u64 = 2;
+
+/// Applies `updates` (strictly ascending keys; `None` deletes) to a block table and its row
+/// table. Keys past the last block, and keys dense enough inside the blocks' range, go to
+/// blocks; sparse keys inside the range go to rows. A row shadows a block entry with the
+/// same key, so a key written to blocks is removed from the rows (when there are any), and
+/// a delete removes the key from both.
+pub(crate) fn apply_mixed(
+    blocks: &mut Table<&'static [u8], &'static [u8]>,
+    rows: &mut Table<&'static [u8], &'static [u8]>,
+    updates: &[(&[u8], Option<&[u8]>)],
+) -> Result<(), StorageError> {
+    let last: Option<Vec<u8>> = match blocks.iter()?.next_back() {
+        Some(row) => Some(row?.0.value().to_vec()),
+        None => None,
+    };
+    let split = last
+        .as_deref()
+        .map_or(0, |l| updates.partition_point(|u| u.0 <= l));
+    let (inside, beyond) = updates.split_at(split);
+    let rows_used = !rows.is_empty()?;
+    let sparse =
+        !inside.is_empty() && (inside.len() as u64).saturating_mul(SPARSE_BLOCKS) < blocks.len()?;
+    if sparse {
+        let mut deletes = Vec::new();
+        for &(k, v) in inside {
+            match v {
+                Some(v) => {
+                    rows.insert(k, v)?;
+                }
+                None => {
+                    rows.remove(k)?;
+                    deletes.push((k, None));
+                }
+            }
+        }
+        apply(blocks, &deletes)?;
+    } else {
+        if rows_used {
+            for &(k, _) in inside {
+                rows.remove(k)?;
+            }
+        }
+        apply(blocks, inside)?;
+    }
+    if rows_used {
+        for &(k, _) in beyond {
+            rows.remove(k)?;
+        }
+    }
+    apply(blocks, beyond)
+}
+
+/// The value of `key` in a block table and its row table (rows win).
+pub(crate) fn get_mixed<T: ReadableTable<&'static [u8], &'static [u8]>>(
+    blocks: Option<&T>,
+    rows: Option<&T>,
+    key: &[u8],
+) -> Result<Option<Vec<u8>>, StorageError> {
+    if let Some(r) = rows {
+        if let Some(v) = r.get(key)? {
+            return Ok(Some(v.value().to_vec()));
+        }
+    }
+    match blocks {
+        Some(b) => get(b, key),
+        None => Ok(None),
+    }
+}
+
+/// Whether `key` is in a block table or its row table.
+pub(crate) fn contains_mixed<T: ReadableTable<&'static [u8], &'static [u8]>>(
+    blocks: Option<&T>,
+    rows: Option<&T>,
+    key: &[u8],
+) -> Result<bool, StorageError> {
+    if let Some(r) = rows {
+        if r.get(key)?.is_some() {
+            return Ok(true);
+        }
+    }
+    match blocks {
+        Some(b) => contains(b, key),
+        None => Ok(false),
+    }
+}
+
+/// Calls `f` for every entry of a block table and its row table from `from` on, in key
+/// order (a row wins over a block entry with the same key), until it returns `false`.
+pub(crate) fn for_each_mixed<T: ReadableTable<&'static [u8], &'static [u8]>>(
+    blocks: Option<&T>,
+    rows: Option<&T>,
+    from: &[u8],
+    mut f: impl FnMut(&[u8], &[u8]) -> bool,
+) -> Result<(), StorageError> {
+    let mut pending = match rows {
+        Some(r) => Some(r.range::<&[u8]>(from..)?.peekable()),
+        None => None,
+    };
+    let mut failed: Option<StorageError> = None;
+    let mut stopped = false;
+    // Emits rows before `key` (all of them when `None`); true when one equals `key`.
+    let mut drain = |key: Option<&[u8]>,
+                     f: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+                     failed: &mut Option<StorageError>,
+                     stopped: &mut bool|
+     -> bool {
+        let Some(it) = pending.as_mut() else {
+            return false;
+        };
+        while let Some(row) = it.peek() {
+            let (k, v) = match row {
+                Ok((k, v)) => (k, v),
+                Err(_) => {
+                    if let Some(Err(e)) = it.next() {
+                        *failed = Some(e);
+                    }
+                    *stopped = true;
+                    return false;
+                }
+            };
+            let order = key.map(|key| k.value().cmp(key));
+            if order == Some(std::cmp::Ordering::Greater) {
+                return false;
+            }
+            if !f(k.value(), v.value()) {
+                *stopped = true;
+                return false;
+            }
+            it.next();
+            if order == Some(std::cmp::Ordering::Equal) {
+                return true;
+            }
+        }
+        false
+    };
+    if let Some(b) = blocks {
+        for_each_from(b, from, |k, v| {
+            if drain(Some(k), &mut f, &mut failed, &mut stopped) {
+                return !stopped; // the row with this key was emitted instead
+            }
+            if stopped {
+                return false;
+            }
+            stopped = !f(k, v);
+            !stopped
+        })?;
+    }
+    if !stopped {
+        drain(None, &mut f, &mut failed, &mut stopped);
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,12 +467,24 @@ mod tests {
     use std::collections::BTreeMap;
 
     const T: BlockDef = TableDefinition::new("t");
+    const R: BlockDef = TableDefinition::new("t_rows");
 
     /// Pseudo-random updates (puts, deletes, in-order appends, values of all sizes) applied
     /// in slices: every lookup, scan and count matches a BTreeMap, and every block stays
     /// within its key range.
     #[test]
     fn blocks_match_a_reference_map_through_random_updates() {
+        random_updates(false);
+    }
+
+    /// The same with a row table beside the blocks: small slices of keys inside the blocks'
+    /// range go to rows, and reads that merge both still match the reference.
+    #[test]
+    fn blocks_and_rows_match_a_reference_map_through_random_updates() {
+        random_updates(true);
+    }
+
+    fn random_updates(mixed: bool) {
         let dir = tempfile::tempdir().unwrap();
         let db = Database::create(dir.path().join("b.redb")).unwrap();
         let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
@@ -343,8 +518,13 @@ mod tests {
             let txn = db.begin_write().unwrap();
             {
                 let mut t = txn.open_table(T).unwrap();
+                let mut r = txn.open_table(R).unwrap();
                 for chunk in updates.chunks(1 + rand(120) as usize) {
-                    apply(&mut t, chunk).unwrap();
+                    if mixed {
+                        apply_mixed(&mut t, &mut r, chunk).unwrap();
+                    } else {
+                        apply(&mut t, chunk).unwrap();
+                    }
                 }
             }
             txn.commit().unwrap();
@@ -357,7 +537,18 @@ mod tests {
 
             let txn = db.begin_read().unwrap();
             let t = txn.open_table(T).unwrap();
-            assert_eq!(len(&t).unwrap(), reference.len() as u64, "round {round}");
+            let r = txn.open_table(R).unwrap();
+            let rows = mixed.then_some(&r);
+            let mut n = 0;
+            for_each_mixed(Some(&t), rows, b"", |_, _| {
+                n += 1;
+                true
+            })
+            .unwrap();
+            assert_eq!(n, reference.len(), "round {round}");
+            if !mixed {
+                assert_eq!(len(&t).unwrap(), reference.len() as u64, "round {round}");
+            }
             for probe in 0..200 {
                 let k = format!(
                     "k/{:06}",
@@ -369,17 +560,17 @@ mod tests {
                         }
                 );
                 assert_eq!(
-                    get(&t, k.as_bytes()).unwrap(),
+                    get_mixed(Some(&t), rows, k.as_bytes()).unwrap(),
                     reference.get(k.as_bytes()).cloned()
                 );
                 assert_eq!(
-                    contains(&t, k.as_bytes()).unwrap(),
+                    contains_mixed(Some(&t), rows, k.as_bytes()).unwrap(),
                     reference.contains_key(k.as_bytes())
                 );
             }
             let from = format!("k/{:06}", rand(2000));
             let mut seen = Vec::new();
-            for_each_from(&t, from.as_bytes(), |k, v| {
+            for_each_mixed(Some(&t), rows, from.as_bytes(), |k, v| {
                 seen.push((k.to_vec(), v.to_vec()));
                 seen.len() < 50
             })
@@ -407,10 +598,14 @@ mod tests {
                 prev_last = Some(last.value().to_vec());
             }
             if round == 59 {
+                let wanted = if mixed { 10 } else { 50 };
                 assert!(
-                    blocks > 50,
+                    blocks > wanted,
                     "the test should split into many blocks: {blocks}"
                 );
+                if mixed {
+                    assert!(r.len().unwrap() > 100, "sparse keys should go to rows");
+                }
             }
         }
     }

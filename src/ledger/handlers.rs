@@ -46,6 +46,11 @@ pub fn unique_name(sub: &str) -> String {
 pub fn versions_name(sub: &str) -> String {
     format!("versions_v2/{sub}")
 }
+/// The row table beside a block table: entries written one row each, for keys that land
+/// sparsely inside the blocks' range (see [`blocks::apply_mixed`]).
+pub fn rows_name(block_table: &str) -> String {
+    block_table.replacen("_v2/", "_v2_rows/", 1)
+}
 
 /// Outbox rows: seq -> JSON, relayed after commit (see the Kafka source).
 pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox_v1");
@@ -269,8 +274,7 @@ fn apply_slice(
             .collect();
         // A table is only opened (and so created) when it has something to write.
         if let Some((last, _)) = rows.last() {
-            let mut t = txn.open_table(BlockDef::new(&state_name(sub)))?;
-            blocks::apply(&mut t, &rows)?;
+            apply_to(txn, &state_name(sub), &rows)?;
             limit -= rows.len();
             if limit == 0 {
                 f.cursor = Cursor::State(Some(last.to_vec()));
@@ -285,8 +289,7 @@ fn apply_slice(
                 .iter()
                 .map(|m| (m.as_slice(), Some(&[][..])))
                 .collect();
-            let mut t = txn.open_table(BlockDef::new(&unique_name(sub)))?;
-            Ok(blocks::apply(&mut t, &rows)?)
+            apply_to(txn, &unique_name(sub), &rows)
         })?;
         limit -= n;
         if limit == 0 {
@@ -301,8 +304,7 @@ fn apply_slice(
                 .iter()
                 .map(|(k, v)| (k.as_bytes(), Some(&v[..])))
                 .collect();
-            let mut t = txn.open_table(BlockDef::new(&versions_name(sub)))?;
-            Ok(blocks::apply(&mut t, &rows)?)
+            apply_to(txn, &versions_name(sub), &rows)
         })?;
         limit -= n;
         if limit == 0 {
@@ -312,6 +314,17 @@ fn apply_slice(
         f.cursor = Cursor::Done;
     }
     Ok(())
+}
+
+/// Applies sorted updates to a block table and its row table.
+fn apply_to(
+    txn: &WriteTransaction,
+    table: &str,
+    updates: &[(&[u8], Option<&[u8]>)],
+) -> Result<(), redb::Error> {
+    let mut blocks = txn.open_table(BlockDef::new(table))?;
+    let mut rows = txn.open_table(BlockDef::new(&rows_name(table)))?;
+    Ok(blocks::apply_mixed(&mut blocks, &mut rows, updates)?)
 }
 
 /// Hands `write` the rows from `from` on, at most `limit` (not called when there are none,
@@ -424,12 +437,45 @@ fn missing_is_none<T>(r: Result<T, TableError>) -> Result<Option<T>, redb::Error
 
 type BlockTable = ReadOnlyTable<&'static [u8], &'static [u8]>;
 
+/// A block table and its row table, each absent until first written.
+#[derive(Default)]
+struct Tables {
+    blocks: Option<BlockTable>,
+    rows: Option<BlockTable>,
+}
+
+impl Tables {
+    fn open(txn: &ReadTransaction, name: &str) -> Result<Tables, redb::Error> {
+        Ok(Tables {
+            blocks: missing_is_none(txn.open_table(BlockDef::new(name)))?,
+            rows: missing_is_none(txn.open_table(BlockDef::new(&rows_name(name))))?,
+        })
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, redb::StorageError> {
+        blocks::get_mixed(self.blocks.as_ref(), self.rows.as_ref(), key)
+    }
+
+    fn contains(&self, key: &[u8]) -> Result<bool, redb::StorageError> {
+        blocks::contains_mixed(self.blocks.as_ref(), self.rows.as_ref(), key)
+    }
+
+    fn for_each_from(
+        &self,
+        from: &[u8],
+        f: impl FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<(), redb::StorageError> {
+        blocks::for_each_mixed(self.blocks.as_ref(), self.rows.as_ref(), from, f)
+    }
+}
+
 /// The state a handler reads during one batch.
 pub(crate) struct BatchView {
     _txn: ReadTransaction,
-    state: Option<BlockTable>,
-    uniques: Option<BlockTable>,
-    versions: Option<BlockTable>,
+    /// Each kind as (block table, row table).
+    state: Tables,
+    uniques: Tables,
+    versions: Tables,
     /// Buffered effects of earlier batches, newest first (active, then frozen).
     buffered: Vec<Arc<Buffered>>,
     /// Effects of this batch's earlier successful messages.
@@ -441,10 +487,9 @@ pub(crate) struct BatchView {
 impl BatchView {
     pub fn open(db: &Database, sub: &str, buffer: &StateBuffer) -> Result<BatchView, redb::Error> {
         let txn = db.begin_read()?;
-        let open = |name: String| missing_is_none(txn.open_table(BlockDef::new(&name)));
-        let state = open(state_name(sub))?;
-        let uniques = open(unique_name(sub))?;
-        let versions = open(versions_name(sub))?;
+        let state = Tables::open(&txn, &state_name(sub))?;
+        let uniques = Tables::open(&txn, &unique_name(sub))?;
+        let versions = Tables::open(&txn, &versions_name(sub))?;
         let mut buffered = vec![buffer.active.clone()];
         buffered.extend(buffer.frozen.as_ref().map(|f| f.effects.clone()));
         Ok(BatchView {
@@ -486,7 +531,7 @@ impl StateReader for BatchView {
                 return v.clone();
             }
         }
-        logged(blocks::get(self.state.as_ref()?, key))?
+        logged(self.state.get(key))?
     }
 
     fn scan(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry> {
@@ -500,15 +545,13 @@ impl StateReader for BatchView {
             })
             .sum();
         let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-        if let Some(t) = &self.state {
-            logged(blocks::for_each_from(t, prefix, |k, v| {
-                if !k.starts_with(prefix) {
-                    return false;
-                }
-                merged.insert(k.to_vec(), v.to_vec());
-                merged.len() < limit + shadowing
-            }));
-        }
+        logged(self.state.for_each_from(prefix, |k, v| {
+            if !k.starts_with(prefix) {
+                return false;
+            }
+            merged.insert(k.to_vec(), v.to_vec());
+            merged.len() < limit + shadowing
+        }));
         // Oldest layer first, so newer writes win.
         let layers: Vec<_> = self.state_layers().collect();
         for layer in layers.into_iter().rev() {
@@ -539,10 +582,7 @@ impl StateReader for BatchView {
         if self.buffered.iter().any(|b| b.uniques.contains(mark)) {
             return true;
         }
-        self.uniques
-            .as_ref()
-            .and_then(|t| logged(blocks::contains(t, mark)))
-            .unwrap_or(false)
+        logged(self.uniques.contains(mark)).unwrap_or(false)
     }
 
     fn version(&self, key: &str) -> Option<u64> {
@@ -554,7 +594,7 @@ impl StateReader for BatchView {
                 return Some(*v);
             }
         }
-        let v = logged(blocks::get(self.versions.as_ref()?, key.as_bytes()))??;
+        let v = logged(self.versions.get(key.as_bytes()))??;
         Some(u64::from_le_bytes(v.as_slice().try_into().ok()?))
     }
 
@@ -698,11 +738,8 @@ pub(crate) fn upgrade_v1_tables(
 /// All state entries of a subscriber in one shard file, in key order.
 pub(crate) fn state_entries(db: &Database, sub: &str) -> Result<Vec<StateEntry>, redb::Error> {
     let txn = db.begin_read()?;
-    let Some(t) = missing_is_none(txn.open_table(BlockDef::new(&state_name(sub))))? else {
-        return Ok(Vec::new());
-    };
     let mut out = Vec::new();
-    blocks::for_each_from(&t, b"", |k, v| {
+    Tables::open(&txn, &state_name(sub))?.for_each_from(b"", |k, v| {
         out.push((k.to_vec(), v.to_vec()));
         true
     })?;
@@ -712,10 +749,12 @@ pub(crate) fn state_entries(db: &Database, sub: &str) -> Result<Vec<StateEntry>,
 /// Number of state entries of a subscriber in one shard file.
 pub(crate) fn state_len(db: &Database, sub: &str) -> Result<u64, redb::Error> {
     let txn = db.begin_read()?;
-    match missing_is_none(txn.open_table(BlockDef::new(&state_name(sub))))? {
-        Some(t) => Ok(blocks::len(&t)?),
-        None => Ok(0),
-    }
+    let mut n = 0u64;
+    Tables::open(&txn, &state_name(sub))?.for_each_from(b"", |_, _| {
+        n += 1;
+        true
+    })?;
+    Ok(n)
 }
 
 #[cfg(test)]

@@ -134,15 +134,18 @@ impl MarkFilter {
 /// twice `known`, the marks counted so far, when that is more: some are not applied yet).
 fn build(db: &Database, table: &str, known: u64) -> Built {
     let txn = db.begin_read()?;
+    let open = |name: &str| match txn.open_table(BlockDef::new(name)) {
+        Ok(t) => Ok(Some(t)),
+        Err(TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(e),
+    };
+    let blocks = open(table)?;
+    let rows = open(&super::handlers::rows_name(table))?;
     let mut hashes = Vec::new();
-    match txn.open_table(BlockDef::new(table)) {
-        Ok(t) => blocks::for_each_from(&t, b"", |k, _| {
-            hashes.push(hash(k));
-            true
-        })?,
-        Err(TableError::TableDoesNotExist(_)) => {}
-        Err(e) => return Err(e.into()),
-    }
+    blocks::for_each_mixed(blocks.as_ref(), rows.as_ref(), b"", |k, _| {
+        hashes.push(hash(k));
+        true
+    })?;
     let capacity = (hashes.len() as u64)
         .max(known)
         .saturating_mul(2)
