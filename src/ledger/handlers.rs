@@ -16,6 +16,9 @@
 //! inserts into two tables of 450k entries). A crash leaves the log: the buffer is rebuilt
 //! from it when the subscriber is next used on the shard (replaying rows in order is
 //! idempotent, later rows win). Everything commits with the claims or not at all (G2, G6).
+//!
+//! The sorted tables are block tables with a row table beside each ([`super::blocks`]), and
+//! new `insert-unique` marks are answered by a filter ([`super::marks`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
