@@ -430,7 +430,7 @@ pub(crate) struct ShardHandler {
     pub instance: Box<dyn MessageHandler>,
 }
 
-fn missing_is_none<T>(r: Result<T, TableError>) -> Result<Option<T>, redb::Error> {
+pub(crate) fn missing_is_none<T>(r: Result<T, TableError>) -> Result<Option<T>, redb::Error> {
     match r {
         Ok(t) => Ok(Some(t)),
         Err(TableError::TableDoesNotExist(_)) => Ok(None),
@@ -653,89 +653,74 @@ pub(crate) fn upgrade_v1_tables(
     txn: &WriteTransaction,
     tables: &[String],
 ) -> Result<(), redb::Error> {
-    type V1State<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
-    type V1Unique<'a> = TableDefinition<'a, &'static [u8], ()>;
-    type V1Versions<'a> = TableDefinition<'a, &'static str, u64>;
     for name in tables {
         let Some((kind, sub)) = name.split_once("_v1/") else {
             continue;
         };
-        let target = match kind {
-            "state" => state_name(sub),
-            "unique" => unique_name(sub),
-            "versions" => versions_name(sub),
+        let (target, deleted) = match kind {
+            "state" => {
+                let def = TableDefinition::<&[u8], &[u8]>::new(name);
+                let target = state_name(sub);
+                let n = upgrade_table(txn, def, &target, |k, v| (k.to_vec(), v.to_vec()))?;
+                (target, n)
+            }
+            "unique" => {
+                let def = TableDefinition::<&[u8], ()>::new(name);
+                let target = unique_name(sub);
+                let n = upgrade_table(txn, def, &target, |k, ()| (k.to_vec(), Vec::new()))?;
+                (target, n)
+            }
+            "versions" => {
+                let def = TableDefinition::<&str, u64>::new(name);
+                let target = versions_name(sub);
+                let n = upgrade_table(txn, def, &target, |k, v| {
+                    (k.as_bytes().to_vec(), v.to_le_bytes().to_vec())
+                })?;
+                (target, n)
+            }
             _ => continue,
         };
-        let mut after: Option<Vec<u8>> = None;
-        loop {
-            // One chunk of rows after `after`, owned, so the old table is closed while the
-            // new one is written.
-            let from = after.as_deref();
-            let chunk: Vec<(Vec<u8>, Vec<u8>)> = match kind {
-                "state" => {
-                    let t = txn.open_table(V1State::new(name))?;
-                    let rows = match from {
-                        Some(k) => t.range::<&[u8]>((
-                            std::ops::Bound::Excluded(k),
-                            std::ops::Bound::Unbounded,
-                        ))?,
-                        None => t.range::<&[u8]>(..)?,
-                    };
-                    rows.take(UPGRADE_CHUNK)
-                        .map(|r| r.map(|(k, v)| (k.value().to_vec(), v.value().to_vec())))
-                        .collect::<Result<_, _>>()?
-                }
-                "unique" => {
-                    let t = txn.open_table(V1Unique::new(name))?;
-                    let rows = match from {
-                        Some(k) => t.range::<&[u8]>((
-                            std::ops::Bound::Excluded(k),
-                            std::ops::Bound::Unbounded,
-                        ))?,
-                        None => t.range::<&[u8]>(..)?,
-                    };
-                    rows.take(UPGRADE_CHUNK)
-                        .map(|r| r.map(|(k, _)| (k.value().to_vec(), Vec::new())))
-                        .collect::<Result<_, _>>()?
-                }
-                _ => {
-                    let t = txn.open_table(V1Versions::new(name))?;
-                    let from = from.map(|k| String::from_utf8_lossy(k).into_owned());
-                    let rows = match &from {
-                        Some(k) => t.range::<&str>((
-                            std::ops::Bound::Excluded(k.as_str()),
-                            std::ops::Bound::Unbounded,
-                        ))?,
-                        None => t.range::<&str>(..)?,
-                    };
-                    rows.take(UPGRADE_CHUNK)
-                        .map(|r| {
-                            r.map(|(k, v)| {
-                                (
-                                    k.value().as_bytes().to_vec(),
-                                    v.value().to_le_bytes().to_vec(),
-                                )
-                            })
-                        })
-                        .collect::<Result<_, _>>()?
-                }
-            };
-            let Some((last, _)) = chunk.last() else { break };
-            after = Some(last.clone());
-            let rows: Vec<(&[u8], Option<&[u8]>)> = chunk
-                .iter()
-                .map(|(k, v)| (k.as_slice(), Some(v.as_slice())))
-                .collect();
-            blocks::apply(&mut txn.open_table(BlockDef::new(&target))?, &rows)?;
-        }
-        let deleted = match kind {
-            "state" => txn.delete_table(V1State::new(name))?,
-            "unique" => txn.delete_table(V1Unique::new(name))?,
-            _ => txn.delete_table(V1Versions::new(name))?,
-        };
-        tracing::info!(table = %name, into = %target, deleted, "handler state table upgraded to blocks");
+        tracing::info!(table = %name, into = %target, entries = deleted, "handler state table upgraded to blocks");
     }
     Ok(())
+}
+
+/// Copies one first-layout table into a block table, `UPGRADE_CHUNK` rows at a time (its
+/// keys are already in order), deletes it and returns how many entries it held.
+fn upgrade_table<K: redb::Key + 'static, V: redb::Value + 'static>(
+    txn: &WriteTransaction,
+    def: TableDefinition<K, V>,
+    target: &str,
+    entry: impl for<'a> Fn(K::SelfType<'a>, V::SelfType<'a>) -> (Vec<u8>, Vec<u8>),
+) -> Result<u64, redb::Error> {
+    let mut copied = 0;
+    {
+        let old = txn.open_table(def)?;
+        let mut new = txn.open_table(BlockDef::new(target))?;
+        let mut chunk = Vec::with_capacity(UPGRADE_CHUNK);
+        let mut rows = old.iter()?;
+        loop {
+            let row = rows.next().transpose()?;
+            let done = row.is_none();
+            if let Some((k, v)) = row {
+                chunk.push(entry(k.value(), v.value()));
+            }
+            if chunk.len() == UPGRADE_CHUNK || (done && !chunk.is_empty()) {
+                let updates: Vec<(&[u8], Option<&[u8]>)> = chunk
+                    .iter()
+                    .map(|(k, v)| (k.as_slice(), Some(v.as_slice())))
+                    .collect();
+                blocks::apply(&mut new, &updates)?;
+                copied += chunk.len() as u64;
+                chunk.clear();
+            }
+            if done {
+                break;
+            }
+        }
+    }
+    txn.delete_table(def)?;
+    Ok(copied)
 }
 
 /// All state entries of a subscriber in one shard file, in key order.

@@ -19,10 +19,11 @@ use std::sync::Arc;
 
 use crossbeam_channel::{bounded, Receiver, TryRecvError};
 use fastbloom::AtomicBloomFilter;
-use redb::{Database, ReadableDatabase, TableError};
+use redb::{Database, ReadableDatabase};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::blocks::{self, BlockDef};
+use super::handlers::{missing_is_none, rows_name};
 
 /// About 10 bits per mark.
 const FALSE_POSITIVE_RATE: f64 = 0.01;
@@ -134,13 +135,9 @@ impl MarkFilter {
 /// twice `known`, the marks counted so far, when that is more: some are not applied yet).
 fn build(db: &Database, table: &str, known: u64) -> Built {
     let txn = db.begin_read()?;
-    let open = |name: &str| match txn.open_table(BlockDef::new(name)) {
-        Ok(t) => Ok(Some(t)),
-        Err(TableError::TableDoesNotExist(_)) => Ok(None),
-        Err(e) => Err(e),
-    };
+    let open = |name: &str| missing_is_none(txn.open_table(BlockDef::new(name)));
     let blocks = open(table)?;
-    let rows = open(&super::handlers::rows_name(table))?;
+    let rows = open(&rows_name(table))?;
     let mut hashes = Vec::new();
     blocks::for_each_mixed(blocks.as_ref(), rows.as_ref(), b"", |k, _| {
         hashes.push(hash(k));
