@@ -18,7 +18,7 @@ use crossbeam_channel::unbounded;
 use serde::Serialize;
 
 use crate::clock::SystemClock;
-use crate::config::Config;
+use crate::config::{Config, PartitionSource};
 use crate::envelope::{fingerprint, key_hash};
 use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome};
 use crate::pipeline::Sequencer;
@@ -41,9 +41,13 @@ pub struct BenchParams {
     pub dir: PathBuf,
     /// Keep the data directory afterwards.
     pub keep: bool,
-    /// Run this handler component for every new message (messages then route by order id,
-    /// so one order's events meet the same shard).
+    /// Run this handler component for every new message.
     pub handler: Option<PathBuf>,
+    /// With a handler: the subscribers' `partition_key` JSON pointer, as the docs
+    /// recommend for per-order state (`/order_id`); `None`: no partition key, so each
+    /// subscriber's handler runs on one shard. Routing goes through `Ledger::place`, as
+    /// for every source.
+    pub partition_pointer: Option<String>,
     /// Random order ids instead of numbers in sequence (see `TrafficSpec`).
     pub random_order_ids: bool,
     #[serde(skip)]
@@ -148,6 +152,41 @@ pub fn rss_slope(samples: &[(u64, u64)]) -> Option<(f64, f64)> {
     Some((slope, my - slope * mx))
 }
 
+/// The config a run uses: the given one, with the documented partition key for handler
+/// runs when it configures none.
+pub fn bench_config(params: &BenchParams) -> Config {
+    let mut config = params.config.clone();
+    if let (Some(_), Some(pointer)) = (&params.handler, &params.partition_pointer) {
+        if config.defaults.partition_key == PartitionSource::IdempotencyKey {
+            config.defaults.partition_key = PartitionSource::JsonPointer {
+                pointer: pointer.clone(),
+            };
+        }
+    }
+    config
+}
+
+/// Routes a generated event as a source would: the entity (when the subscriber configures
+/// a partition key) comes from its JSON payload, then `Ledger::place`.
+pub fn place_event(
+    ledger: &Ledger,
+    sub: &crate::ledger::Subscriber,
+    settings: &crate::config::SubscriberSettings,
+    job: &mut Job,
+) -> Result<usize, LedgerError> {
+    let entity = if settings.partition_key == PartitionSource::IdempotencyKey {
+        None
+    } else {
+        let env = crate::envelope::Envelope {
+            payload: serde_json::from_slice(&job.payload).unwrap_or_default(),
+            ..Default::default()
+        };
+        crate::envelope::derive_entity(&env, settings)
+            .map_err(|e| LedgerError::Invalid(format!("generated event: {e}")))?
+    };
+    Ok(ledger.place(sub, job, entity))
+}
+
 /// Runs the engine part and, unless disabled, the naive baseline.
 pub fn run(
     params: &BenchParams,
@@ -158,7 +197,8 @@ pub fn run(
         .tempdir_in(&params.dir)
         .map_err(|e| BenchError::Dir(params.dir.clone(), e))?;
     let data_dir = tmp.path().join("engine");
-    let ledger = Ledger::open(&data_dir, &params.config, Arc::new(SystemClock))?;
+    let config = bench_config(params);
+    let ledger = Ledger::open(&data_dir, &config, Arc::new(SystemClock))?;
     let shards = ledger.shard_count();
     let subs: Vec<_> = (0..params.subscribers.max(1))
         .map(|i| ledger.subscriber(&format!("bench-{i}")))
@@ -169,7 +209,7 @@ pub fn run(
             ledger.set_handler(&s.name, Some(factory.clone()))?;
         }
     }
-    let by_order = params.handler.is_some();
+    let settings: Vec<_> = subs.iter().map(|s| s.settings()).collect();
     let window = params.window.max(1);
     let spec = TrafficSpec {
         seed: params.seed,
@@ -271,14 +311,10 @@ pub fn run(
             _ => expected[2] += 1,
         }
         let key = key_hash(ev.id.as_bytes());
-        let route = if by_order {
-            key_hash(&ev.order.to_le_bytes())
-        } else {
-            key
-        };
-        let job = Job::new(
+        let sub = &subs[ev.subscriber as usize];
+        let mut job = Job::new(
             seq,
-            subs[ev.subscriber as usize].id,
+            sub.id,
             key,
             fingerprint(&ev.payload),
             &ev.id,
@@ -287,7 +323,7 @@ pub fn run(
         );
         submitted_at[(seq % window) as usize]
             .store(start.elapsed().as_micros() as u64, Ordering::Release);
-        let shard = ledger.route(route);
+        let shard = place_event(&ledger, sub, &settings[ev.subscriber as usize], &mut job)?;
         staged[shard].push(job);
         if staged[shard].len() >= 256 {
             ledger.submit(shard, std::mem::take(&mut staged[shard]))?;

@@ -146,12 +146,14 @@ pub enum KeySource {
     ContentHash,
 }
 
-/// What routes a message to its shard. Messages that share a partition key are decided by
-/// the same writer, so handler state keyed by it (one label per order) is consistent.
+/// The entity of a handler subscriber's state (see "Placements" in `docs/design.md`):
+/// messages that share a partition key run on the same shard and see one store of their
+/// own. Without a handler it is not used; the idempotency key (the default) means "no
+/// entity": the handler's state is one store and it runs on one shard.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "source", rename_all = "snake_case", deny_unknown_fields)]
 pub enum PartitionSource {
-    /// The idempotency key itself (spreads load evenly; fine without handler state).
+    /// No entity: a handler's state is one store (and the handler runs on one shard).
     #[default]
     IdempotencyKey,
     /// The envelope's `key` field (a Kafka record key, say).
@@ -175,8 +177,8 @@ pub struct SubscriberSettings {
     pub key: KeySource,
     /// Keys longer than this are rejected.
     pub max_key_bytes: usize,
-    /// What routes a message to its shard. Part of the on-disk layout: a message must
-    /// always carry the same partition key, or its claim is looked up on another shard.
+    /// The entity of handler state (a store per value); unused without a handler. A
+    /// redelivery may carry another one: its claim is still found.
     pub partition_key: PartitionSource,
     /// WebAssembly component run for each new message (none: claim only).
     pub handler: Option<PathBuf>,

@@ -46,12 +46,17 @@ pub fn run(
         dir,
         keep: true,
         handler: handler.clone(),
+        partition_pointer: Some("/order_id".into()),
         random_order_ids: false,
         config: Config::default(),
     };
     let run = bench::run(&params, progress)?;
     // Restart on the same files and redeliver the first part of the stream.
-    let ledger = Ledger::open(&run.data_dir, &params.config, Arc::new(SystemClock))?;
+    let ledger = Ledger::open(
+        &run.data_dir,
+        &bench::bench_config(&params),
+        Arc::new(SystemClock),
+    )?;
     let redeliver = (messages / 5).max(1);
     let mut traffic = Traffic::new(TrafficSpec {
         seed: params.seed,
@@ -91,21 +96,18 @@ pub fn run(
     let mut in_flight = 0u64;
     while traffic.next_into(&mut ev) {
         let key = key_hash(ev.id.as_bytes());
-        let route = if handler.is_some() {
-            key_hash(&ev.order.to_le_bytes())
-        } else {
-            key
-        };
-        let job = Job::new(
+        let sub = &subs[ev.subscriber as usize];
+        let mut job = Job::new(
             seq,
-            subs[ev.subscriber as usize].id,
+            sub.id,
             key,
             fingerprint(&ev.payload),
             &ev.id,
             &ev.payload,
             tx.clone(),
         );
-        ledger.submit(ledger.route(route), vec![job])?;
+        let shard = bench::place_event(&ledger, sub, &sub.settings(), &mut job)?;
+        ledger.submit(shard, vec![job])?;
         seq += 1;
         in_flight += 1;
         if in_flight >= 8192 {

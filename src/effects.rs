@@ -81,6 +81,9 @@ pub trait StateReader: Send {
     /// Whether a mark (encoded by [`unique_key`]) exists.
     fn unique_exists(&self, mark: &[u8]) -> bool;
     fn version(&self, key: &str) -> Option<u64>;
+    /// Scopes the next call's reads and writes to an entity (`None`: the whole store).
+    /// Readers without entities ignore it.
+    fn set_scope(&mut self, _entity: Option<&str>) {}
     /// Folds the effects of a message that succeeded into the view, so later messages of
     /// the same batch read them.
     fn absorb(&mut self, effects: Effects);

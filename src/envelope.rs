@@ -146,14 +146,16 @@ pub fn derive_key(
     Ok(key)
 }
 
-/// The hash that routes a message to its shard under a subscriber's settings.
-pub fn derive_partition(
+/// The entity a message belongs to: the text of the subscriber's configured partition key,
+/// or `None` when it configures none (the default). A handler subscriber with an entity
+/// runs each entity's messages on one shard and scopes its state to the entity
+/// (`ledger/placement.rs`); without a handler the entity is not used for routing.
+pub fn derive_entity(
     env: &Envelope,
-    key: &IdempotencyKey,
     settings: &SubscriberSettings,
-) -> Result<u128, KeyError> {
+) -> Result<Option<String>, KeyError> {
     let text = match &settings.partition_key {
-        PartitionSource::IdempotencyKey => return Ok(key.hash),
+        PartitionSource::IdempotencyKey => return Ok(None),
         PartitionSource::EnvelopeKey => env.key.clone(),
         PartitionSource::Header { name } => env.headers.get(name).cloned(),
         PartitionSource::JsonPointer { pointer } => match env.payload.pointer(pointer) {
@@ -163,7 +165,16 @@ pub fn derive_partition(
         },
     };
     match text {
-        Some(t) if !t.is_empty() => Ok(key_hash(t.as_bytes())),
+        // The NUL byte separates an entity from the keys in its state scope.
+        Some(t) if t.contains('\0') => Err(KeyError::Missing(format!(
+            "partition key ({:?}) contains a NUL character",
+            settings.partition_key
+        ))),
+        Some(t) if t.len() > settings.max_key_bytes => Err(KeyError::Oversized {
+            len: t.len(),
+            limit: settings.max_key_bytes,
+        }),
+        Some(t) if !t.is_empty() => Ok(Some(t)),
         _ => Err(KeyError::Missing(format!(
             "no partition key ({:?})",
             settings.partition_key
@@ -267,20 +278,27 @@ mod tests {
     }
 
     #[test]
-    fn partition_key_from_payload() {
+    fn entity_from_payload_only_when_configured() {
         let e = env(json!({"id": "e1", "payload": {"order_id": "o-9"}}));
         let mut s = settings(KeySource::Id);
-        let k = derive_key(&e, b"", &s).expect("key");
-        assert_eq!(derive_partition(&e, &k, &s).expect("default"), k.hash);
+        assert_eq!(derive_entity(&e, &s).expect("default"), None);
         s.partition_key = PartitionSource::JsonPointer {
             pointer: "/order_id".into(),
         };
         assert_eq!(
-            derive_partition(&e, &k, &s).expect("pointer"),
-            key_hash(b"o-9")
+            derive_entity(&e, &s).expect("pointer").as_deref(),
+            Some("o-9")
         );
         s.partition_key = PartitionSource::EnvelopeKey;
-        assert!(derive_partition(&e, &k, &s).is_err());
+        assert!(derive_entity(&e, &s).is_err());
+    }
+
+    #[test]
+    fn entity_with_nul_is_refused() {
+        let e = env(json!({"id": "e1", "key": "a\u{0}b"}));
+        let mut s = settings(KeySource::Id);
+        s.partition_key = PartitionSource::EnvelopeKey;
+        assert!(derive_entity(&e, &s).is_err());
     }
 
     #[test]

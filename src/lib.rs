@@ -25,10 +25,13 @@
 //! ## Architecture
 //!
 //! ```text
-//! source (stdin | HTTP ingest | generator)  -> envelope: key + fingerprint (xxh3)
-//!   -> Ledger::route(key) -> shard writer thread (one redb file each)
+//! source (stdin | HTTP ingest | Kafka | generator)  -> envelope: key + fingerprint (xxh3)
+//!   -> Ledger::place: shard by key (no handler), by subscriber (handler), or by entity
+//!      (handler + partition key; state scoped to the entity)
+//!   -> shard writer thread (one redb file each)
 //!        batch = everything queued since the last commit (group commit)
 //!        decide: active index -> sealing index -> sealed filters + tables
+//!                (-> the other shards, when the subscriber's claims may be there)
 //!        new -> handler (WASM component; its writes buffered, kept only on success)
 //!        append claims as one log row + handler effects, a slice of sealing/merging,
 //!        commit (Immediate)
@@ -52,8 +55,9 @@
 //! let (ack, outcomes) = crossbeam_channel::unbounded();
 //! for seq in 0..2 {
 //!     let key = envelope::key_hash(b"order-1");
-//!     let job = Job::new(seq, sub.id, key, 7, "order-1", b"{}", ack.clone());
-//!     ledger.submit(ledger.route(key), vec![job]).unwrap();
+//!     let mut job = Job::new(seq, sub.id, key, 7, "order-1", b"{}", ack.clone());
+//!     let shard = ledger.place(&sub, &mut job, None);
+//!     ledger.submit(shard, vec![job]).unwrap();
 //!     let done = outcomes.recv().unwrap();
 //!     let want = if seq == 0 { Outcome::Processed } else { Outcome::Duplicate };
 //!     assert_eq!(done[0].outcome, want);

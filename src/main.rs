@@ -142,6 +142,11 @@ enum Command {
         /// numbers in sequence: handler state keys then land anywhere in the sorted tables.
         #[arg(long)]
         random_order_ids: bool,
+        /// With --handler: the subscribers' partition key, a JSON pointer into the payload
+        /// (as the docs recommend for per-order state), or `none` to run each subscriber's
+        /// handler on one shard. Ignored when --config sets a partition key.
+        #[arg(long, default_value = "/order_id")]
+        partition_key: String,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
@@ -299,14 +304,20 @@ fn run(cli: Cli) -> Result<()> {
             require_data_dir(&data_dir)?;
             let ledger = Ledger::open(&data_dir, &config, Arc::new(SystemClock))?;
             let entries = ledger.state_entries(&subscriber);
+            // Under an entity placement each key is stored as `entity NUL key`.
+            let scoped = ledger.subscriber(&subscriber)?.state_per_entity();
             ledger.close()?;
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
             for (k, v) in entries? {
-                writeln!(
-                    out,
-                    "{}",
-                    serde_json::json!({"key": readable(&k), "value": readable(&v)})
-                )?;
+                let line = match k.iter().position(|b| *b == 0).filter(|_| scoped) {
+                    Some(at) => serde_json::json!({
+                        "entity": readable(&k[..at]),
+                        "key": readable(&k[at + 1..]),
+                        "value": readable(&v),
+                    }),
+                    None => serde_json::json!({"key": readable(&k), "value": readable(&v)}),
+                };
+                writeln!(out, "{line}")?;
             }
             out.flush()?;
             Ok(())
@@ -432,6 +443,7 @@ fn run(cli: Cli) -> Result<()> {
             config,
             handler,
             random_order_ids,
+            partition_key,
             json,
         } => {
             if !(0.0..1.0).contains(&dup_rate)
@@ -459,12 +471,15 @@ fn run(cli: Cli) -> Result<()> {
                 random_order_ids,
                 dir,
                 keep,
+                partition_pointer: (partition_key != "none").then(|| partition_key.clone()),
                 handler,
                 config,
             };
+            let effective = bench::bench_config(&params).defaults.partition_key;
             eprintln!(
-                "bench: {messages} messages, dup rate {dup_rate}, mismatch rate {mismatch_rate}, {subscribers} subscriber(s), seed {seed}, window {window}, durable commits{}",
-                if random_order_ids { ", random order ids" } else { "" }
+                "bench: {messages} messages, dup rate {dup_rate}, mismatch rate {mismatch_rate}, {subscribers} subscriber(s), seed {seed}, window {window}, durable commits{}{}",
+                if random_order_ids { ", random order ids" } else { "" },
+                if params.handler.is_some() { format!(", partition key {effective:?}") } else { String::new() }
             );
             let report = bench::run(&params, print_progress)?;
             eprintln!();

@@ -339,7 +339,10 @@ fn empty_input_exits_cleanly_with_no_output() {
     run.assert_success();
     assert_eq!(run.stdout, "");
     // The directory is initialised, and a second empty run is just as quiet.
-    assert_eq!(read_manifest(&dir)["format_version"], json!(1));
+    assert_eq!(
+        read_manifest(&dir)["format_version"],
+        json!(dedupd::ledger::FORMAT_VERSION)
+    );
     let run = pipe(&dir, "");
     run.assert_success();
     assert_eq!(run.stdout, "");
@@ -355,7 +358,7 @@ fn data_dir_gets_manifest_and_shard_files() {
     assert_eq!(as_strs(&run.outcomes()), ["processed"]);
     assert_eq!(
         read_manifest(&dir),
-        json!({"format_version": 1, "shards": 3})
+        json!({"format_version": dedupd::ledger::FORMAT_VERSION, "shards": 3})
     );
     for i in 0..3 {
         let shard = dir.join(format!("shard-{i:03}.redb"));

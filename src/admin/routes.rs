@@ -18,7 +18,7 @@ use super::ingest::StartError;
 use super::{AdminState, ApiError, Authorized};
 use crate::config::{validate_subscriber_name, Config, ConfigError, KeySource, SubscriberConfig};
 use crate::envelope::{
-    canonical_payload, derive_key, derive_partition, fingerprint, Envelope, IdempotencyKey,
+    canonical_payload, derive_entity, derive_key, fingerprint, Envelope, IdempotencyKey,
 };
 use crate::ledger::{Job, Ledger, Outcome, RecordKind, StoredRecord, Subscriber};
 use crate::pipeline::limits_of;
@@ -584,8 +584,8 @@ pub async fn ingest_message(
             })?
         }
     };
-    let route = derive_partition(&env, &key, &settings)
-        .map_err(|e| ApiError::bad(PARTITION_KEY, e.to_string()))?;
+    let entity =
+        derive_entity(&env, &settings).map_err(|e| ApiError::bad(PARTITION_KEY, e.to_string()))?;
     let fp = fingerprint(&canonical);
     let ingest = st.ingest();
     let (seq, outcome) = match ingest.register(Some((sub.id, key.hash))) {
@@ -610,8 +610,9 @@ pub async fn ingest_message(
     job.headers = std::mem::take(&mut env.headers).into_iter().collect();
     job.origin = Some("http".into());
     job.received_at_ms = now_ms();
+    let shard = ledger.place(&sub, &mut job, entity);
     ingest
-        .send(ledger.route(route), job)
+        .send(shard, job)
         .map_err(|_| ApiError::Unavailable("shutting down".into()))?;
     let outcome = outcome
         .await

@@ -135,6 +135,12 @@ pub(crate) struct SubState {
     pub view: Option<Box<dyn crate::effects::StateReader>>,
     /// Handler effects committed (in the state log) but not yet in the sorted tables.
     pub state_buf: super::handlers::StateBuffer,
+    /// Whether this batch asks the other shards before deciding "new" (`placement.rs`).
+    pub probe: bool,
+    /// Placement bits recorded for this subscriber in this shard's `placements_v1`.
+    pub disk_mask: u8,
+    /// Bits of claims written in the current batch, recorded with its commit.
+    pub mask_pending: u8,
 }
 
 /// Where a lookup found the newest record of a key.

@@ -485,6 +485,8 @@ pub(crate) struct BatchView {
     overlay: Effects,
     /// Says "certainly absent" for most new marks (once built).
     marks: Option<Arc<AtomicBloomFilter>>,
+    /// The current call's entity scope (empty: the subscriber's whole store).
+    scope: Vec<u8>,
 }
 
 impl BatchView {
@@ -503,7 +505,16 @@ impl BatchView {
             buffered,
             overlay: Effects::default(),
             marks: buffer.marks.bloom(),
+            scope: Vec::new(),
         })
+    }
+
+    /// The scope as text (entities are UTF-8 and end with NUL), for version keys.
+    fn scope_text(&self) -> Option<&str> {
+        if self.scope.is_empty() {
+            return None;
+        }
+        std::str::from_utf8(&self.scope).ok()
     }
 
     /// The in-memory state layers, newest first.
@@ -527,8 +538,9 @@ fn logged<T>(r: Result<T, redb::StorageError>) -> Option<T> {
         .ok()
 }
 
-impl StateReader for BatchView {
-    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+/// Reads and writes in the stored key space (scopes already applied).
+impl BatchView {
+    fn get_raw(&self, key: &[u8]) -> Option<Vec<u8>> {
         for layer in self.state_layers() {
             if let Some(v) = layer.get(key) {
                 return v.clone();
@@ -537,7 +549,7 @@ impl StateReader for BatchView {
         logged(self.state.get(key))?
     }
 
-    fn scan(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry> {
+    fn scan_raw(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry> {
         // Each in-memory entry under the prefix can hide at most one table row.
         let shadowing: usize = self
             .state_layers()
@@ -571,7 +583,7 @@ impl StateReader for BatchView {
         merged.into_iter().take(limit).collect()
     }
 
-    fn unique_exists(&self, mark: &[u8]) -> bool {
+    fn unique_raw(&self, mark: &[u8]) -> bool {
         if self.overlay.uniques.contains(mark) {
             return true;
         }
@@ -588,7 +600,7 @@ impl StateReader for BatchView {
         logged(self.uniques.contains(mark)).unwrap_or(false)
     }
 
-    fn version(&self, key: &str) -> Option<u64> {
+    fn version_raw(&self, key: &str) -> Option<u64> {
         if let Some(v) = self.overlay.versions.get(key) {
             return Some(*v);
         }
@@ -600,9 +612,81 @@ impl StateReader for BatchView {
         let v = logged(self.versions.get(key.as_bytes()))??;
         Some(u64::from_le_bytes(v.as_slice().try_into().ok()?))
     }
+}
+
+/// A handler's view: under an entity placement every key, mark and version is prefixed
+/// with the entity's scope (`placement::entity_scope`), so each entity has a store of its
+/// own and the handler never sees the prefix.
+impl StateReader for BatchView {
+    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+        if self.scope.is_empty() {
+            return self.get_raw(key);
+        }
+        self.get_raw(&[&self.scope[..], key].concat())
+    }
+
+    fn scan(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry> {
+        if self.scope.is_empty() {
+            return self.scan_raw(prefix, limit);
+        }
+        let n = self.scope.len();
+        self.scan_raw(&[&self.scope[..], prefix].concat(), limit)
+            .into_iter()
+            .map(|(mut k, v)| {
+                k.drain(..n);
+                (k, v)
+            })
+            .collect()
+    }
+
+    fn unique_exists(&self, mark: &[u8]) -> bool {
+        if self.scope.is_empty() {
+            return self.unique_raw(mark);
+        }
+        self.unique_raw(&[&self.scope[..], mark].concat())
+    }
+
+    fn version(&self, key: &str) -> Option<u64> {
+        match self.scope_text() {
+            None => self.version_raw(key),
+            Some(scope) => self.version_raw(&format!("{scope}{key}")),
+        }
+    }
 
     fn absorb(&mut self, effects: Effects) {
-        self.overlay.merge(effects);
+        if self.scope.is_empty() {
+            self.overlay.merge(effects);
+            return;
+        }
+        let scope = &self.scope;
+        let text = self.scope_text().unwrap_or_default().to_string();
+        let scoped = Effects {
+            state: effects
+                .state
+                .into_iter()
+                .map(|(k, v)| ([&scope[..], &k].concat(), v))
+                .collect(),
+            uniques: effects
+                .uniques
+                .into_iter()
+                .map(|m| [&scope[..], &m].concat())
+                .collect(),
+            versions: effects
+                .versions
+                .into_iter()
+                .map(|(k, v)| (format!("{text}{k}"), v))
+                .collect(),
+            outbox: effects.outbox,
+        };
+        self.overlay.merge(scoped);
+    }
+
+    fn set_scope(&mut self, entity: Option<&str>) {
+        self.scope.clear();
+        if let Some(e) = entity {
+            self.scope
+                .extend_from_slice(&super::placement::entity_scope(e));
+        }
     }
 
     fn into_effects(self: Box<Self>) -> Effects {
@@ -649,6 +733,25 @@ const UPGRADE_CHUNK: usize = 65_536;
 /// Rewrites handler state tables of the first layout (one redb row per entry:
 /// `state_v1/`, `unique_v1/`, `versions_v1/`) into block tables, inside the shard's
 /// opening transaction, and deletes them. `tables` lists the file's tables.
+/// The subscriber whose handler state (any layout) a table holds, if it holds state.
+pub(crate) fn state_table_subscriber(table: &str) -> Option<&str> {
+    let (kind, sub) = table.split_once('/')?;
+    matches!(
+        kind,
+        "state_v1"
+            | "unique_v1"
+            | "versions_v1"
+            | "state_v2"
+            | "unique_v2"
+            | "versions_v2"
+            | "state_v2_rows"
+            | "unique_v2_rows"
+            | "versions_v2_rows"
+            | "statelog_v1"
+    )
+    .then_some(sub)
+}
+
 pub(crate) fn upgrade_v1_tables(
     txn: &WriteTransaction,
     tables: &[String],

@@ -17,13 +17,14 @@ mod generation;
 mod handlers;
 mod marks;
 mod ops;
+mod placement;
 pub mod record;
 mod shard;
 mod tables;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
@@ -35,8 +36,9 @@ use crate::config::{validate_subscriber_name, Config, LedgerConfig, SubscriberSe
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
 pub use ops::{OutboxRow, RecordKind, StoredRecord};
+pub use placement::{entity_scope, Placement};
 pub use record::{ClaimRecord, FORMAT_VERSION};
-use shard::{Control, Shard, ShardMsg};
+use shard::{Control, PeerMsg, Shard, ShardMsg};
 
 /// What a caller should do about a ledger error is in its text; every variant is fatal for
 /// acking: after one, nothing more is acknowledged (G7).
@@ -124,6 +126,11 @@ pub struct Subscriber {
     pub counters: SubscriberCounters,
     /// The handler in force; shards pick up a change between batches.
     handler: RwLock<Option<Arc<dyn HandlerFactory>>>,
+    /// Whether `handler` holds one (read per message by [`Ledger::place`]).
+    has_handler: AtomicBool,
+    /// Placements its claims were written under, on disk and in this run (see
+    /// `placement.rs`): decides whether shards probe each other for its claims.
+    placements: AtomicU8,
 }
 
 impl Subscriber {
@@ -137,6 +144,21 @@ impl Subscriber {
 
     pub(crate) fn settings_epoch(&self) -> u64 {
         self.settings_epoch.load(Ordering::Acquire)
+    }
+
+    /// Where this subscriber's new messages are decided.
+    pub fn placement(&self) -> Placement {
+        let settings = self.settings();
+        Placement::of(
+            self.has_handler.load(Ordering::Acquire),
+            settings.partition_key != crate::config::PartitionSource::IdempotencyKey,
+        )
+    }
+
+    /// Whether its handler state is stored per entity (keys `entity NUL key`): it was
+    /// written under an entity placement (mixing scopes is refused at start).
+    pub fn state_per_entity(&self) -> bool {
+        self.placements.load(Ordering::Acquire) & placement::ENTITY != 0
     }
 
     /// The handler in force, if any.
@@ -203,20 +225,23 @@ impl Registry {
         if let Some(s) = inner.by_name.get(name) {
             return Ok(s.clone());
         }
+        let handler = if configured {
+            None
+        } else {
+            self.default_handler
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+        };
         let sub = Arc::new(Subscriber {
             id: SubscriberId(inner.by_id.len() as u32),
             name: Arc::from(name),
             settings: RwLock::new(Arc::new(settings)),
             settings_epoch: AtomicU64::new(0),
             counters: SubscriberCounters::default(),
-            handler: RwLock::new(if configured {
-                None
-            } else {
-                self.default_handler
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone()
-            }),
+            has_handler: AtomicBool::new(handler.is_some()),
+            handler: RwLock::new(handler),
+            placements: AtomicU8::new(0),
         });
         inner.by_id.push(sub.clone());
         inner.by_name.insert(name.to_string(), sub.clone());
@@ -324,6 +349,13 @@ pub struct Job {
     /// Replaces a live claim with another payload instead of quarantining (replay of a
     /// quarantined message).
     pub(crate) replace: bool,
+    /// How [`Ledger::place`] chose the shard.
+    pub placement: Placement,
+    /// The partition key's text under [`Placement::Entity`]: handler state is scoped to it.
+    pub entity: Option<Box<str>>,
+    /// The newest record the other shards hold for this key, once they were asked
+    /// (`placement.rs`). While `Some`, this shard holds the key in the in-flight set.
+    pub(crate) probed: Option<Option<ClaimRecord>>,
 }
 
 impl Job {
@@ -352,6 +384,9 @@ impl Job {
             origin: None,
             settle: None,
             replace: false,
+            placement: Placement::ByKey,
+            entity: None,
+            probed: None,
         }
     }
 }
@@ -420,6 +455,12 @@ pub struct Ledger {
     clock: Arc<dyn Clock>,
 }
 
+/// The shard a hash routes to among `shards`. Part of the on-disk format.
+#[inline]
+pub(crate) fn route_hash(hash: u128, shards: usize) -> usize {
+    ((hash >> 64) as u64 % shards as u64) as usize
+}
+
 impl Ledger {
     /// Opens (or creates) a data directory. Returns only when every shard has loaded its
     /// filters and replayed its active generations, so no message is decided against a
@@ -456,9 +497,16 @@ impl Ledger {
         let poison = Arc::new(Mutex::new(None));
         let poisoned = Arc::new(AtomicBool::new(false));
         let builder = generation::Builder::spawn();
+        let peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>> = Default::default();
+        let mut peer_txs = Vec::with_capacity(shard_count);
+        let inflight = Arc::new(placement::InFlight::default());
         let mut opening = Vec::new();
         for index in 0..shard_count {
             let (tx, rx) = bounded::<ShardMsg>(64);
+            // Unbounded: a shard never blocks sending a probe or a reply, so two shards
+            // asking each other cannot deadlock. Bounded by the messages in flight.
+            let (peer_tx, peer_rx) = crossbeam_channel::unbounded::<PeerMsg>();
+            peer_txs.push(peer_tx);
             let (ready_tx, ready_rx) = bounded(1);
             let path = data_dir.join(format!("shard-{index:03}.redb"));
             let metrics = Arc::new(Mutex::new(ShardMetrics::default()));
@@ -474,6 +522,8 @@ impl Ledger {
                 metrics: metrics.clone(),
                 builder: builder.clone(),
                 fault: fault.clone(),
+                peers: peers.clone(),
+                inflight: inflight.clone(),
             };
             let thread = std::thread::Builder::new()
                 .name(format!("dedupd-shard-{index}"))
@@ -494,7 +544,7 @@ impl Ledger {
                     match opened {
                         Ok(shard) => {
                             let _ = ready_tx.send(Ok(()));
-                            shard.run(rx);
+                            shard.run(rx, peer_rx);
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -514,6 +564,8 @@ impl Ledger {
                 metrics,
             ));
         }
+        // Set before any shard can receive a job: `open` has not returned yet.
+        let _ = peers.set(peer_txs);
         let mut shards = Vec::new();
         let mut all_metrics = Vec::new();
         let mut first_err = None;
@@ -559,11 +611,92 @@ impl Ledger {
         self.shards.len()
     }
 
-    /// The shard that owns a key. Part of the on-disk format: never change it for an
-    /// existing data directory.
+    /// The shard a hash routes to. Part of the on-disk format: never change it for an
+    /// existing data directory. Sources route jobs with [`Ledger::place`].
     #[inline]
-    pub fn route(&self, key: u128) -> usize {
-        ((key >> 64) as u64 % self.shards.len() as u64) as usize
+    pub fn route(&self, hash: u128) -> usize {
+        route_hash(hash, self.shards.len())
+    }
+
+    /// Chooses the shard that decides a keyed job under its subscriber's placement
+    /// (`placement.rs`) and records the placement in the job. `entity` is the partition
+    /// key's text when the subscriber configures one ([`crate::envelope::derive_entity`]);
+    /// it matters only to subscribers with a handler.
+    pub fn place(&self, sub: &Subscriber, job: &mut Job, entity: Option<String>) -> usize {
+        let placement = Placement::of(sub.has_handler.load(Ordering::Acquire), entity.is_some());
+        let bit = placement.bit();
+        if sub.placements.load(Ordering::Acquire) & bit == 0 {
+            sub.placements.fetch_or(bit, Ordering::AcqRel);
+        }
+        job.placement = placement;
+        match placement {
+            Placement::ByKey => self.route(job.key),
+            Placement::Subscriber => self.route(crate::envelope::key_hash(sub.name.as_bytes())),
+            Placement::Entity => {
+                let shard = self.route(crate::envelope::key_hash(
+                    entity.as_deref().unwrap_or_default().as_bytes(),
+                ));
+                job.entity = entity.map(String::into_boxed_str);
+                shard
+            }
+        }
+    }
+
+    /// Refuses a handler placement under which the subscriber's existing handler state
+    /// would be split or invisible: state written under the subscriber placement is one
+    /// unscoped store, state written under an entity placement is scoped per entity, and
+    /// state written by format 1 may be split across shards.
+    fn check_state_scope(&self, sub: &Subscriber, next: Placement) -> Result<(), LedgerError> {
+        let other = match next {
+            Placement::ByKey => return Ok(()),
+            Placement::Subscriber => placement::ENTITY | placement::ANYWHERE,
+            Placement::Entity => placement::SUBSCRIBER | placement::ANYWHERE,
+        };
+        let mask = sub.placements.load(Ordering::Acquire);
+        if mask & other == 0 || self.state_len(&sub.name)? == 0 {
+            return Ok(());
+        }
+        let written = if mask & placement::ANYWHERE != 0 {
+            "by an older dedupd (format 1), which split it by shard"
+        } else if mask & placement::ENTITY != 0 {
+            "scoped per entity (a partition key was configured)"
+        } else {
+            "as one store (no partition key was configured)"
+        };
+        let wanted = match next {
+            Placement::Entity => "scoped per entity, because a partition key is configured now",
+            _ => "as one store, because no partition key is configured now",
+        };
+        Err(LedgerError::Invalid(format!(
+            "subscriber {:?} has handler state written {written}; its handler would read it {wanted}, \
+             and would miss entries (one order, two labels). Restore the subscriber's earlier \
+             `partition_key`, or give the handler a new subscriber name or data directory \
+             (`dedupd state dump` prints the old state)",
+            sub.name
+        )))
+    }
+
+    /// Makes every shard probe for `sub`'s claims before its messages may be decided under
+    /// `next`, when its claims were written under another placement. Returns after every
+    /// shard finished the batch it was in, so no shard still decides without probing.
+    fn prepare_placement(&self, sub: &Subscriber, next: Placement) -> Result<(), LedgerError> {
+        let before = sub.placements.fetch_or(next.bit(), Ordering::AcqRel);
+        if before == 0 || before & next.bit() != 0 {
+            return Ok(());
+        }
+        tracing::info!(subscriber = %sub.name, placement = ?next,
+            "placement changed: shards now ask each other for this subscriber's claims");
+        let mut replies = Vec::new();
+        for i in 0..self.shards.len() {
+            let (tx, rx) = bounded(1);
+            self.control(i, Control::Sync { reply: tx })?;
+            replies.push(rx);
+        }
+        for rx in replies {
+            rx.recv()
+                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))?;
+        }
+        Ok(())
     }
 
     /// Looks up or registers a subscriber by name.
@@ -579,7 +712,21 @@ impl Ledger {
         handler: Option<Arc<dyn HandlerFactory>>,
     ) -> Result<(), LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
-        *sub.handler.write().unwrap_or_else(|p| p.into_inner()) = handler;
+        self.install_handler(&sub, handler)
+    }
+
+    fn install_handler(
+        &self,
+        sub: &Subscriber,
+        handler: Option<Arc<dyn HandlerFactory>>,
+    ) -> Result<(), LedgerError> {
+        let keyed = sub.settings().partition_key != crate::config::PartitionSource::IdempotencyKey;
+        let next = Placement::of(handler.is_some(), keyed);
+        self.check_state_scope(sub, next)?;
+        self.prepare_placement(sub, next)?;
+        let mut slot = sub.handler.write().unwrap_or_else(|p| p.into_inner());
+        sub.has_handler.store(handler.is_some(), Ordering::Release);
+        *slot = handler;
         Ok(())
     }
 
@@ -599,7 +746,9 @@ impl Ledger {
             .collect();
         for sub in self.registry.all() {
             if !configured.contains(&&*sub.name) {
-                *sub.handler.write().unwrap_or_else(|p| p.into_inner()) = handler.clone();
+                if let Err(e) = self.install_handler(&sub, handler.clone()) {
+                    tracing::error!(subscriber = %sub.name, error = %e, "default handler not installed");
+                }
             }
         }
     }
@@ -632,20 +781,32 @@ impl Ledger {
             .clone()
     }
 
-    /// The newest claim for `(subscriber, key)`, live or expired, or `None`.
+    /// The newest claim for `(subscriber, key)`, live or expired, or `None`. Asks every
+    /// shard: a claim lives where its message was decided, which depends on the placement
+    /// in force then (`placement.rs`); the newest record across shards wins (I2).
     pub fn lookup(&self, subscriber: &str, key: u128) -> Result<Option<ClaimRecord>, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
-        let (tx, rx) = bounded(1);
-        self.control(
-            self.route(key),
-            Control::Lookup {
-                sub: sub.id,
-                key,
-                reply: tx,
-            },
-        )?;
-        rx.recv()
-            .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))?
+        let mut replies = Vec::new();
+        for i in 0..self.shards.len() {
+            let (tx, rx) = bounded(1);
+            self.control(
+                i,
+                Control::Lookup {
+                    sub: sub.id,
+                    key,
+                    reply: tx,
+                },
+            )?;
+            replies.push(rx);
+        }
+        let mut newest: Option<ClaimRecord> = None;
+        for rx in replies {
+            let found = rx
+                .recv()
+                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??;
+            newest = ClaimRecord::newer(newest, found);
+        }
+        Ok(newest.filter(|r| !r.is_tombstone()))
     }
 
     /// Seals every active generation (when `seal_all`), then runs sealing, merging and
@@ -853,6 +1014,21 @@ fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError
                     detail: format!("manifest names {} shards", m.shards),
                 });
             }
+            if m.format_version < FORMAT_VERSION {
+                // The shards upgrade themselves on open (their own meta says which format
+                // they hold); the manifest is bumped first so an older binary refuses the
+                // directory from now on.
+                tracing::warn!(data_dir = %dir.display(), from = m.format_version, to = FORMAT_VERSION,
+                    "upgrading the data directory's format; older dedupd binaries will refuse it");
+                write_manifest(
+                    dir,
+                    &Manifest {
+                        format_version: FORMAT_VERSION,
+                        shards: m.shards,
+                    },
+                )
+                .map_err(|e| fail(e.to_string()))?;
+            }
             Ok(m.shards)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -875,17 +1051,21 @@ fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError
                 format_version: FORMAT_VERSION,
                 shards,
             };
-            let tmp = dir.join(format!("{MANIFEST}.tmp"));
-            let body = serde_json::to_vec_pretty(&m).map_err(|e| fail(e.to_string()))?;
-            write_durably(&tmp, &body).map_err(|e| fail(e.to_string()))?;
-            std::fs::rename(&tmp, &path).map_err(|e| fail(e.to_string()))?;
-            std::fs::File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| fail(e.to_string()))?;
+            write_manifest(dir, &m).map_err(|e| fail(e.to_string()))?;
             Ok(shards)
         }
         Err(e) => Err(fail(e.to_string())),
     }
+}
+
+/// Replaces the manifest atomically and durably (temporary file, fsync, rename, fsync of
+/// the directory).
+fn write_manifest(dir: &Path, m: &Manifest) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{MANIFEST}.tmp"));
+    let body = serde_json::to_vec_pretty(m).map_err(std::io::Error::other)?;
+    write_durably(&tmp, &body)?;
+    std::fs::rename(&tmp, dir.join(MANIFEST))?;
+    std::fs::File::open(dir).and_then(|d| d.sync_all())
 }
 
 fn write_durably(path: &Path, body: &[u8]) -> std::io::Result<()> {

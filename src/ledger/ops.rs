@@ -11,7 +11,7 @@ use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
 use super::shard::{Control, ShardMsg};
-use super::{AckSender, Job, Ledger, LedgerError, MANIFEST};
+use super::{AckSender, Job, Ledger, LedgerError, Placement, MANIFEST};
 use crate::config::SubscriberSettings;
 use crate::envelope::{fingerprint, key_hash};
 
@@ -97,11 +97,16 @@ impl Ledger {
     /// claim would have expired. `Ok(false)`: there was no live claim.
     pub fn forget(&self, subscriber: &str, key: u128) -> Result<bool, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
-        self.ask(self.route(key), |reply| Control::Forget {
-            sub: sub.id,
-            key,
-            reply,
-        })
+        // Every shard that holds a live copy writes its tombstone (see `placement.rs`).
+        let mut forgot = false;
+        for shard in 0..self.shards.len() {
+            forgot |= self.ask(shard, |reply| Control::Forget {
+                sub: sub.id,
+                key,
+                reply,
+            })?;
+        }
+        Ok(forgot)
     }
 
     /// Records of one subscriber in id order (shard, then sequence), starting after
@@ -216,11 +221,6 @@ impl Ledger {
             .and_then(|v| v.as_str())
             .and_then(|h| u128::from_str_radix(h, 16).ok())
             .unwrap_or_else(|| key_hash(msg_id.as_bytes()));
-        if self.route(key) != shard {
-            return Err(LedgerError::Invalid(format!(
-                "record {id} is not on the shard of its key; it cannot be replayed"
-            )));
-        }
         let payload: Vec<u8> = match (body.get("payload"), body.get("payload_base64")) {
             (Some(serde_json::Value::String(text)), _) => text.as_bytes().to_vec(),
             (_, Some(serde_json::Value::String(b64))) => {
@@ -254,9 +254,55 @@ impl Ledger {
             .get("origin")
             .and_then(|k| k.as_str())
             .map(String::from);
-        job.settle = Some((kind, record_seq));
         job.replace = kind == RecordKind::Quarantine;
-        self.submit(shard, vec![job])?;
+        // The job runs where its placement says today (its entity's state is there); the
+        // record is settled in the same transaction when it lives on that shard, and
+        // right after the durable outcome otherwise (a crash in between leaves the record,
+        // and replaying it again answers `duplicate`).
+        let env = crate::envelope::Envelope {
+            subscriber: None,
+            id: Some(msg_id.to_string()),
+            key: job.partition_key.clone(),
+            headers: job.headers.iter().cloned().collect(),
+            payload: serde_json::from_slice(&payload).unwrap_or(serde_json::Value::Null),
+        };
+        let entity = crate::envelope::derive_entity(&env, &sub.settings())
+            .map_err(|e| LedgerError::Invalid(format!("record {id}: {e}")))?;
+        let target = self.place(&sub, &mut job, entity);
+        if target == shard {
+            job.settle = Some((kind, record_seq));
+        } else {
+            let (tx, rx) = bounded::<Vec<super::Done>>(1);
+            let caller = std::mem::replace(&mut job.ack, tx);
+            let record_shard = self.shards[shard].tx.clone();
+            let sub_id = sub.id;
+            std::thread::Builder::new()
+                .name("dedupd-replay".into())
+                .spawn(move || {
+                    let Ok(done) = rx.recv() else { return };
+                    let settled = done.iter().all(|d| {
+                        !matches!(
+                            d.outcome,
+                            super::Outcome::Failed { .. } | super::Outcome::Quarantined { .. }
+                        )
+                    });
+                    if settled {
+                        let (reply, answer) = bounded(1);
+                        let asked = record_shard.send(ShardMsg::Control(Control::DeleteRecord {
+                            kind,
+                            sub: sub_id,
+                            seq: record_seq,
+                            reply,
+                        }));
+                        if asked.is_ok() {
+                            let _ = answer.recv();
+                        }
+                    }
+                    let _ = caller.send(done);
+                })
+                .map_err(|e| LedgerError::Invalid(format!("cannot start a replay: {e}")))?;
+        }
+        self.submit(target, vec![job])?;
         Ok(true)
     }
 
@@ -370,6 +416,8 @@ impl Ledger {
         settings: SubscriberSettings,
     ) -> Result<(), LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
+        let keyed = settings.partition_key != crate::config::PartitionSource::IdempotencyKey;
+        self.prepare_placement(&sub, Placement::of(sub.handler().is_some(), keyed))?;
         *sub.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(settings);
         sub.settings_epoch.fetch_add(1, Ordering::AcqRel);
         Ok(())

@@ -1,8 +1,15 @@
 //! On-disk record layouts. Fixed little-endian layouts, each with a format version, so a
 //! record can be read without a schema and a newer store is refused instead of misread.
 
-/// Version of the whole on-disk format (manifest, tables, records). Bump on any change.
-pub const FORMAT_VERSION: u64 = 1;
+/// Version of the whole on-disk format (manifest, tables, records). Bump on any change;
+/// an older binary then refuses the directory instead of misreading it.
+///
+/// - 1: claims, generations, records; handler state moved from one row per entry
+///   (`state_v1`) to blocks (`state_v2`) within format 1.
+/// - 2: placements (`placements_v1`); handler state of entity-placed subscribers is scoped
+///   to the entity. Format-1 shards are upgraded on open: their subscribers are marked as
+///   placed anywhere, so every shard is asked for their claims.
+pub const FORMAT_VERSION: u64 = 2;
 
 /// Bytes of an encoded [`ClaimRecord`].
 pub const CLAIM_LEN: usize = 32;
@@ -56,6 +63,16 @@ impl ClaimRecord {
     #[inline]
     pub fn is_tombstone(&self) -> bool {
         self.handler_version == TOMBSTONE
+    }
+
+    /// The newer of two records of one key held by different shards (I2 across shards):
+    /// the later `processed_at_ms` wins; on a tie, the first.
+    pub fn newer(a: Option<ClaimRecord>, b: Option<ClaimRecord>) -> Option<ClaimRecord> {
+        match (a, b) {
+            (Some(x), Some(y)) if y.processed_at_ms > x.processed_at_ms => Some(y),
+            (Some(x), _) => Some(x),
+            (None, y) => y,
+        }
     }
 
     /// The tombstone that forgets `claim` at `now_ms`.

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
     TableHandle, WriteTransaction,
@@ -29,6 +29,7 @@ use super::generation::{
     SealingGen, SubState,
 };
 use super::handlers::{self, BatchView, ShardHandler, StateBuffer};
+use super::placement::{self, Acquire, InFlight, Placement};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
 use super::tables::{self, ClaimsTable, LogTable};
 use super::{
@@ -49,7 +50,33 @@ pub(crate) enum ShardMsg {
     Stop,
 }
 
+/// Messages between shards (`placement.rs`): a probe for claims of keys another shard is
+/// about to decide, and its answer. Answered between batches, so only committed claims
+/// are reported.
+pub(crate) enum PeerMsg {
+    Probe {
+        from: usize,
+        group: u64,
+        keys: Vec<(SubscriberId, u128)>,
+    },
+    Reply {
+        group: u64,
+        found: Result<Vec<Option<ClaimRecord>>, LedgerError>,
+    },
+}
+
+/// Jobs waiting for the other shards' answers to one probe.
+struct ProbeGroup {
+    jobs: Vec<Job>,
+    outstanding: usize,
+    found: Vec<Option<ClaimRecord>>,
+    failed: Option<LedgerError>,
+}
+
 pub(crate) enum Control {
+    /// Answered between two batches: a barrier (see `Ledger::prepare_placement`).
+    Sync { reply: Sender<()> },
+    /// The newest record of the key in this shard, tombstones included.
     Lookup {
         sub: SubscriberId,
         key: u128,
@@ -128,6 +155,10 @@ pub(crate) struct ShardContext {
     pub builder: Builder,
     /// Test-only fault injection (see `fault.rs`).
     pub fault: Option<Arc<std::sync::atomic::AtomicI64>>,
+    /// Every shard's peer channel, by index (set before `Ledger::open` returns).
+    pub peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>>,
+    /// Keys being decided with a probe, shared by all shards.
+    pub inflight: Arc<InFlight>,
 }
 
 pub(crate) struct Shard {
@@ -160,6 +191,9 @@ pub(crate) struct Shard {
     next_dead_seq: u64,
     /// Scratch message handed to handlers, reused between calls.
     handler_msg: HandlerMessage,
+    /// Probes sent to the other shards and the jobs waiting for their answers.
+    probing: HashMap<u64, ProbeGroup>,
+    next_group: u64,
 }
 
 /// A message waiting for its next attempt; the heap pops the earliest due first.
@@ -191,7 +225,14 @@ enum Decision {
     Done(Outcome),
     /// The handler failed retryably; try again after a backoff.
     Retry(Failure),
+    /// No live claim here; the key is now held in flight: ask the other shards.
+    Probe,
+    /// Another job (here or on another shard) is deciding this key: try again shortly.
+    Wait,
 }
+
+/// How soon a job that waits for another decision of its key is tried again.
+const WAIT_FOR_KEY: Duration = Duration::from_millis(1);
 
 /// Stands in for a handler whose instance cannot be created: every call fails, so the
 /// messages are retried and dead-lettered instead of processed without their handler.
@@ -303,6 +344,8 @@ impl Shard {
             next_outbox_seq: 1,
             next_dead_seq: 1,
             handler_msg: HandlerMessage::default(),
+            probing: HashMap::new(),
+            next_group: 0,
             ctx,
         };
         let mut txn = shard.db.begin_write().map_err(|e| err(e.into()))?;
@@ -380,6 +423,11 @@ impl Shard {
                 self.next_dead_seq = get("next_dead_seq")?;
             }
         }
+        let upgrade_from = version.filter(|v| *v < FORMAT_VERSION);
+        if upgrade_from.is_some() {
+            meta.insert("format_version", FORMAT_VERSION)
+                .map_err(|e| self.err(e))?;
+        }
         drop(meta);
         let gens = txn
             .open_table(tables::GENERATIONS)
@@ -396,11 +444,38 @@ impl Shard {
         txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
         txn.open_table(tables::QUARANTINE)
             .map_err(|e| self.err(e))?;
-        let tables = txn
+        let tables: Vec<String> = txn
             .list_tables()
             .map_err(|e| self.err(e))?
             .map(|h| h.name().to_string())
             .collect();
+        let mut placements = txn
+            .open_table(tables::PLACEMENTS)
+            .map_err(|e| self.err(e))?;
+        if let Some(from) = upgrade_from {
+            // Format 1 routed by the configured partition key: a subscriber's claims may
+            // be on any shard, and its handler state is not scoped to entities.
+            let mut names: std::collections::BTreeSet<&str> =
+                metas.iter().map(|(sub, _, _)| sub.as_str()).collect();
+            names.extend(
+                tables
+                    .iter()
+                    .filter_map(|t| handlers::state_table_subscriber(t)),
+            );
+            for name in &names {
+                placements
+                    .insert(*name, placement::ANYWHERE)
+                    .map_err(|e| self.err(e))?;
+            }
+            tracing::warn!(shard = self.ctx.index, from, to = FORMAT_VERSION, subscribers = names.len(),
+                "upgraded the shard's format: its subscribers' claims are now looked up on every shard");
+        }
+        for row in placements.iter().map_err(|e| self.err(e))? {
+            let (name, mask) = row.map_err(|e| self.err(e))?;
+            let spec = self.ctx.registry.resolve(name.value(), true)?;
+            spec.placements.fetch_or(mask.value(), Ordering::AcqRel);
+        }
+        drop(placements);
         Ok(Loaded { metas, tables })
     }
 
@@ -572,18 +647,25 @@ impl Shard {
     }
 
     /// The writer loop. Returns when told to stop or when every sender is gone.
-    pub fn run(mut self, rx: Receiver<ShardMsg>) {
+    pub fn run(mut self, rx: Receiver<ShardMsg>, peer_rx: Receiver<PeerMsg>) {
         let tick = Duration::from_millis(50);
-        let max_batch = self.ctx.config.max_batch.get();
-        let linger = self.ctx.config.max_linger;
         loop {
             let wait = match self.retries.peek() {
                 Some(r) => r.due.saturating_duration_since(Instant::now()).min(tick),
                 None => tick,
             };
-            let msg = match rx.recv_timeout(wait) {
-                Ok(m) => m,
-                Err(RecvTimeoutError::Timeout) => {
+            let msg = crossbeam_channel::select! {
+                recv(rx) -> m => match m {
+                    Ok(m) => Some(m),
+                    Err(_) => break,
+                },
+                recv(peer_rx) -> m => {
+                    if let Ok(m) = m {
+                        self.peer(m);
+                    }
+                    None
+                },
+                default(wait) => {
                     self.take_due_retries();
                     if self.batch.is_empty() {
                         self.idle();
@@ -592,38 +674,170 @@ impl Shard {
                     }
                     continue;
                 }
-                Err(RecvTimeoutError::Disconnected) => break,
             };
-            let mut deferred = None;
-            match msg {
-                ShardMsg::Jobs(jobs) => {
+            let deferred = match msg {
+                Some(ShardMsg::Jobs(jobs)) => {
                     self.take_due_retries();
                     self.batch.extend(jobs);
-                    let deadline = Instant::now() + linger;
-                    while self.batch.len() < max_batch {
-                        let next = if linger.is_zero() {
-                            rx.try_recv().map_err(|e| matches!(e, TryRecvError::Empty))
-                        } else {
-                            rx.recv_deadline(deadline).map_err(|e| e.is_timeout())
-                        };
-                        match next {
-                            Ok(ShardMsg::Jobs(more)) => self.batch.extend(more),
-                            Ok(other) => {
-                                deferred = Some(other);
-                                break;
-                            }
-                            Err(_) => break,
-                        }
-                    }
+                    let deferred = self.gather(&rx);
                     self.process_batch();
+                    deferred
                 }
-                other => deferred = Some(other),
-            }
+                // Answers completed a probe: decide those jobs with whatever else is queued.
+                None if !self.batch.is_empty() => {
+                    let deferred = self.gather(&rx);
+                    self.process_batch();
+                    deferred
+                }
+                None => None,
+                other => other,
+            };
             match deferred {
                 Some(ShardMsg::Control(c)) => self.control(c),
                 Some(ShardMsg::Stop) => break,
                 Some(ShardMsg::Jobs(_)) | None => {}
             }
+        }
+        self.ctx.inflight.release_all(self.ctx.index);
+    }
+
+    /// Adds jobs queued since the batch started (group commit), up to `max_batch` or the
+    /// linger deadline. Returns a non-job message that arrived meanwhile, to run after
+    /// the batch.
+    fn gather(&mut self, rx: &Receiver<ShardMsg>) -> Option<ShardMsg> {
+        let max_batch = self.ctx.config.max_batch.get();
+        let linger = self.ctx.config.max_linger;
+        let deadline = Instant::now() + linger;
+        while self.batch.len() < max_batch {
+            let next = if linger.is_zero() {
+                rx.try_recv().map_err(|e| matches!(e, TryRecvError::Empty))
+            } else {
+                rx.recv_deadline(deadline).map_err(|e| e.is_timeout())
+            };
+            match next {
+                Ok(ShardMsg::Jobs(more)) => self.batch.extend(more),
+                Ok(other) => return Some(other),
+                Err(_) => break,
+            }
+        }
+        None
+    }
+
+    /// Answers another shard's probe from this shard's committed claims, or takes an
+    /// answer to one of ours; when every shard answered, its jobs join the next batch.
+    fn peer(&mut self, msg: PeerMsg) {
+        match msg {
+            PeerMsg::Probe { from, group, keys } => {
+                let found = self.probe_answer(&keys);
+                if let Some(peer) = self.ctx.peers.get().and_then(|p| p.get(from)) {
+                    let _ = peer.send(PeerMsg::Reply { group, found });
+                }
+            }
+            PeerMsg::Reply { group, found } => {
+                let Some(g) = self.probing.get_mut(&group) else {
+                    return;
+                };
+                match found {
+                    Ok(found) => {
+                        for (mine, theirs) in g.found.iter_mut().zip(found) {
+                            *mine = ClaimRecord::newer(*mine, theirs);
+                        }
+                    }
+                    Err(e) => {
+                        g.failed.get_or_insert(e);
+                    }
+                }
+                g.outstanding -= 1;
+                if g.outstanding == 0 {
+                    if let Some(g) = self.probing.remove(&group) {
+                        self.probe_done(g);
+                    }
+                }
+            }
+        }
+    }
+
+    fn probe_done(&mut self, g: ProbeGroup) {
+        if let Some(e) = g.failed {
+            let reason = e.to_string();
+            let pairs: Vec<_> = g.jobs.iter().map(|j| (j.subscriber, j.key)).collect();
+            self.ctx.inflight.release(pairs, self.ctx.index);
+            send_outcomes(
+                g.jobs
+                    .into_iter()
+                    .map(|j| {
+                        (
+                            j,
+                            Outcome::Failed {
+                                reason: reason.clone(),
+                            },
+                        )
+                    })
+                    .collect(),
+            );
+            return;
+        }
+        for (mut job, found) in g.jobs.into_iter().zip(g.found) {
+            job.probed = Some(found);
+            self.batch.push(job);
+        }
+    }
+
+    /// The newest record of each key in this shard, tombstones included (I2).
+    fn probe_answer(
+        &mut self,
+        keys: &[(SubscriberId, u128)],
+    ) -> Result<Vec<Option<ClaimRecord>>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let mut txn = None;
+        let mut out = Vec::with_capacity(keys.len());
+        for &(sub, key) in keys {
+            out.push(self.newest_record(sub, key, &mut txn)?);
+        }
+        Ok(out)
+    }
+
+    /// Sends this batch's probes: one message per other shard for all of its keys.
+    fn send_probes(&mut self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let keys: Vec<(SubscriberId, u128)> = jobs.iter().map(|j| (j.subscriber, j.key)).collect();
+        self.next_group += 1;
+        let group = self.next_group;
+        let mut g = ProbeGroup {
+            found: vec![None; jobs.len()],
+            jobs,
+            outstanding: 0,
+            failed: None,
+        };
+        let peers = self
+            .ctx
+            .peers
+            .get()
+            .map(|p| p.as_slice())
+            .unwrap_or_default();
+        for (i, peer) in peers.iter().enumerate() {
+            if i == self.ctx.index {
+                continue;
+            }
+            let probe = PeerMsg::Probe {
+                from: self.ctx.index,
+                group,
+                keys: keys.clone(),
+            };
+            if peer.send(probe).is_ok() {
+                g.outstanding += 1;
+            } else {
+                g.failed = Some(LedgerError::Poisoned(format!("shard {i} stopped")));
+            }
+        }
+        if g.outstanding == 0 {
+            self.probe_done(g);
+        } else {
+            self.probing.insert(group, g);
         }
     }
 
@@ -669,11 +883,27 @@ impl Shard {
         let elapsed = started.elapsed().as_micros() as u64;
         let count = jobs.len() as u64;
         let mut done = Vec::with_capacity(jobs.len());
+        let mut probes = Vec::new();
+        let mut decided_elsewhere = Vec::new();
         match decisions {
             Ok(decisions) => {
                 for (mut job, d) in jobs.drain(..).zip(decisions) {
+                    // The batch that used the other shards' answer committed: give the key
+                    // back (a retried job asks again next time).
+                    if job.probed.take().is_some() {
+                        decided_elsewhere.push((job.subscriber, job.key));
+                    }
                     match d {
                         Decision::Done(outcome) => done.push((job, outcome)),
+                        Decision::Probe => probes.push(job),
+                        Decision::Wait => {
+                            self.retry_order += 1;
+                            self.retries.push(Retry {
+                                due: Instant::now() + WAIT_FOR_KEY,
+                                order: self.retry_order,
+                                job,
+                            });
+                        }
                         Decision::Retry(failure) => {
                             let backoff = self.subs[job.subscriber.0 as usize]
                                 .as_ref()
@@ -694,6 +924,17 @@ impl Shard {
             }
             Err(e) => {
                 let reason = e.to_string();
+                self.ctx.inflight.release_all(self.ctx.index);
+                // Jobs waiting for answers will never be decided either.
+                let waiting: Vec<Job> = self.probing.drain().flat_map(|(_, g)| g.jobs).collect();
+                done.extend(waiting.into_iter().map(|j| {
+                    (
+                        j,
+                        Outcome::Failed {
+                            reason: reason.clone(),
+                        },
+                    )
+                }));
                 done.extend(jobs.drain(..).map(|j| {
                     (
                         j,
@@ -713,7 +954,9 @@ impl Shard {
                 }));
             }
         }
+        self.ctx.inflight.release(decided_elsewhere, self.ctx.index);
         send_outcomes(done);
+        self.send_probes(probes);
         metrics::histogram!("dedupd_batch_duration_seconds", "shard" => self.ctx.index.to_string())
             .record(elapsed as f64 / 1e6);
         {
@@ -790,6 +1033,10 @@ impl Shard {
                 if spec.settings_epoch() != st.settings_epoch {
                     apply_settings(st, spec);
                 }
+                st.probe = placement::needs_probe(
+                    spec.placements.load(Ordering::Acquire) | st.disk_mask,
+                    self.ctx.count,
+                );
             }
             let current = st.handler.as_ref().map(|h| &h.factory);
             let same = match (current, &want) {
@@ -876,6 +1123,26 @@ impl Shard {
                         hit
                     }
                 };
+                // No live claim here: the subscriber's claims may be on other shards too
+                // (`placement.rs`). Ask them first, holding the key in flight.
+                let existing = match (&job.probed, existing) {
+                    (_, Some(r)) if r.is_live(now) => Some(r),
+                    (Some(elsewhere), here) => ClaimRecord::newer(here, *elsewhere),
+                    (None, _) if st.probe => {
+                        let d =
+                            match self
+                                .ctx
+                                .inflight
+                                .acquire(job.subscriber, job.key, self.ctx.index)
+                            {
+                                Acquire::Taken => Decision::Probe,
+                                Acquire::Busy => Decision::Wait,
+                            };
+                        decisions.push(d);
+                        continue;
+                    }
+                    (None, here) => here,
+                };
                 let decision = match existing {
                     Some(r) if r.is_live(now) && r.fingerprint == job.fingerprint => {
                         if st.sliding {
@@ -893,6 +1160,8 @@ impl Shard {
                                 &mut self.spare_maps,
                             );
                             c[5] += 1;
+                            st.mask_pending |=
+                                placement_bit(job, self.ctx.index, self.ctx.count, &st.name);
                             wrote = true;
                         }
                         c[1] += 1;
@@ -951,6 +1220,8 @@ impl Shard {
                                 msg.payload.extend_from_slice(&job.payload);
                                 msg.attempt = job.attempt;
                                 msg.received_at_ms = job.received_at_ms;
+                                let mut view = view;
+                                view.set_scope(job.entity.as_deref());
                                 let (mut view, result) = h.instance.handle(msg, view);
                                 let version = h.factory.version();
                                 let handled = result.map(|effects| {
@@ -988,6 +1259,8 @@ impl Shard {
                                     &mut self.spare_maps,
                                 );
                                 c[0] += 1;
+                                st.mask_pending |=
+                                    placement_bit(job, self.ctx.index, self.ctx.count, &st.name);
                                 wrote = true;
                                 Decision::Done(Outcome::Processed)
                             }
@@ -1039,6 +1312,7 @@ impl Shard {
         }
         let t1 = Instant::now();
         if wrote {
+            self.write_placements(&txn)?;
             self.write_logs(&txn)?;
             self.write_quarantine(&txn)?;
             self.write_handler_effects(&txn, now)?;
@@ -1128,6 +1402,31 @@ impl Shard {
 
     /// Appends this batch's claims as one row per subscriber to its active log, and records
     /// new active generations.
+    /// Records placements of this batch's claims that this shard had not recorded yet, so
+    /// a restart knows to probe (`placement.rs`).
+    fn write_placements(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+        let mut table = None;
+        for st in self.subs.iter_mut().flatten() {
+            let new = st.mask_pending & !st.disk_mask;
+            st.mask_pending = 0;
+            if new == 0 {
+                continue;
+            }
+            if table.is_none() {
+                table = Some(
+                    txn.open_table(tables::PLACEMENTS)
+                        .map_err(|e| storage(&self.ctx.path, e))?,
+                );
+            }
+            if let Some(t) = table.as_mut() {
+                t.insert(&*st.name, st.disk_mask | new)
+                    .map_err(|e| storage(&self.ctx.path, e))?;
+            }
+            st.disk_mask |= new;
+        }
+        Ok(())
+    }
+
     fn write_logs(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
         let path = self.ctx.path.clone();
         let err = |e: redb::TableError| storage(&path, e);
@@ -1735,8 +2034,15 @@ impl Shard {
 
     fn control(&mut self, c: Control) {
         match c {
+            Control::Sync { reply } => {
+                let _ = reply.send(());
+            }
             Control::Lookup { sub, key, reply } => {
-                let _ = reply.send(self.lookup(sub, key));
+                let r = match &self.failed {
+                    Some(e) => Err(e.clone()),
+                    None => self.newest_record(sub, key, &mut None),
+                };
+                let _ = reply.send(r);
             }
             Control::Maintain { seal_all, reply } => {
                 let _ = reply.send(self.maintain_fully(seal_all));
@@ -1984,23 +2290,38 @@ impl Shard {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
+        Ok(self
+            .newest_record(sub, key, &mut None)?
+            .filter(|r| !r.is_tombstone()))
+    }
+
+    /// The newest record of a key in this shard, live, expired or tombstone (I2). `txn`
+    /// is opened on the first sealed-generation read and reused by the caller's next call.
+    fn newest_record(
+        &mut self,
+        sub: SubscriberId,
+        key: u128,
+        txn: &mut Option<redb::ReadTransaction>,
+    ) -> Result<Option<ClaimRecord>, LedgerError> {
         let idx = self.sub_index(sub)?;
         let Some(st) = self.subs[idx].as_ref() else {
             return Ok(None);
         };
         match st.find_in_memory(key) {
-            Found::Active(r) | Found::Older(r) => Ok(Some(r).filter(|r| !r.is_tombstone())),
+            Found::Active(r) | Found::Older(r) => Ok(Some(r)),
             Found::AskSealed => {
-                let txn = self.db.begin_read().map_err(|e| self.err(e))?;
                 for g in st.sealed.iter().rev() {
                     if !g.filter.may_contain(key) {
                         continue;
                     }
+                    if txn.is_none() {
+                        *txn = Some(self.db.begin_read().map_err(|e| self.err(e))?);
+                    }
+                    let Some(t) = txn.as_ref() else { continue };
                     let name = tables::claims_name(&st.name, g.table_id);
-                    let t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
+                    let t = t.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
                     if let Some(v) = t.get(key).map_err(|e| self.err(e))? {
-                        let r = ClaimRecord::decode(&v.value());
-                        return Ok(Some(r).filter(|r| !r.is_tombstone()));
+                        return Ok(Some(ClaimRecord::decode(&v.value())));
                     }
                 }
                 Ok(None)
@@ -2088,9 +2409,23 @@ fn new_sub_state(spec: &super::Subscriber, db: &Database) -> Result<SubState, re
         handler: None,
         view: None,
         state_buf: StateBuffer::load(db, &spec.name)?,
+        probe: false,
+        disk_mask: placement_mask(db, &spec.name)?,
+        mask_pending: 0,
     };
     apply_settings(&mut st, spec);
     Ok(st)
+}
+
+/// The placement bits this shard recorded for a subscriber.
+fn placement_mask(db: &Database, subscriber: &str) -> Result<u8, redb::Error> {
+    let txn = db.begin_read()?;
+    let table = match txn.open_table(tables::PLACEMENTS) {
+        Ok(t) => t,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(0),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(table.get(subscriber)?.map(|v| v.value()).unwrap_or(0))
 }
 
 /// Takes a subscriber's current settings into its shard state (between batches).
@@ -2120,6 +2455,24 @@ fn put_payload(record: &mut serde_json::Value, payload: &[u8]) {
 /// log row. Durable only once the batch commits.
 /// The index is allocated at full size up front (growing a half-million-entry hash table
 /// inside a batch was a measured 20-60 ms stall), preferably from the spare pool.
+/// The placement bit a claim of `job` written on `shard` records: its placement's, or
+/// [`placement::ANYWHERE`] when the job was decided away from the shard its placement
+/// chooses.
+fn placement_bit(job: &Job, shard: usize, count: usize, subscriber: &str) -> u8 {
+    let home = match job.placement {
+        Placement::ByKey => job.key,
+        Placement::Subscriber => crate::envelope::key_hash(subscriber.as_bytes()),
+        Placement::Entity => {
+            crate::envelope::key_hash(job.entity.as_deref().unwrap_or_default().as_bytes())
+        }
+    };
+    if super::route_hash(home, count) == shard {
+        job.placement.bit()
+    } else {
+        placement::ANYWHERE
+    }
+}
+
 fn insert_claim(
     st: &mut SubState,
     next_table_id: &mut u64,

@@ -11,6 +11,10 @@ pub const FILTERS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("f
 /// `(subscriber, seq)` -> JSON quarantine record (same id, different payload).
 pub const QUARANTINE: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("quarantine_v1");
 
+/// Subscriber -> placement mask: the placements its claims in this shard were written
+/// under (`placement.rs`).
+pub const PLACEMENTS: TableDefinition<&str, u8> = TableDefinition::new("placements_v1");
+
 pub const CLAIMS_PREFIX: &str = "claims_v1/";
 pub const LOG_PREFIX: &str = "claimlog_v1/";
 

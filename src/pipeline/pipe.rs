@@ -9,7 +9,7 @@ use crossbeam_channel::{bounded, select, unbounded, Receiver};
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::envelope::{canonical_payload, derive_key, derive_partition, fingerprint, Envelope};
+use crate::envelope::{canonical_payload, derive_entity, derive_key, fingerprint, Envelope};
 use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome};
 
 use super::Sequencer;
@@ -57,10 +57,10 @@ struct LineMeta {
     id: Option<String>,
 }
 
-/// A job and the hash that routes it.
+/// A job and the shard that decides it.
 struct Routed {
     job: Job,
-    route: u128,
+    shard: usize,
 }
 
 enum Event {
@@ -140,8 +140,7 @@ fn read_lines<R: Read>(
             Some(Ok(j)) => Some(j),
             None => None,
         };
-        if let Some(Routed { job, route }) = job {
-            let shard = ledger.route(route);
+        if let Some(Routed { job, shard }) = job {
             staged[shard].push(job);
             if staged[shard].len() >= CHUNK {
                 ledger.submit(shard, std::mem::take(&mut staged[shard]))?;
@@ -219,7 +218,7 @@ fn decide_line(
             ));
         }
     };
-    let route = match derive_partition(&env, &key, &sub.settings()) {
+    let entity = match derive_entity(&env, &sub.settings()) {
         Ok(r) => r,
         Err(e) => {
             return Err((
@@ -242,12 +241,13 @@ fn decide_line(
     );
     job.headers = env.headers.into_iter().collect();
     job.partition_key = env.key;
+    let shard = ledger.place(&sub, &mut job, entity);
     Ok((
         LineMeta {
             subscriber: Some(sub.name.clone()),
             id: Some(key.text),
         },
-        Routed { job, route },
+        Routed { job, shard },
     ))
 }
 

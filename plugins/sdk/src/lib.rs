@@ -26,6 +26,11 @@
 //! [`compare_and_set`](state::compare_and_set) and [`emit`] commits atomically with the
 //! message's claim, or not at all when `handle` returns an error or traps (a panic traps).
 //! External side effects should carry [`operation_key`] as their idempotency key.
+//!
+//! State scope: a subscriber without a `partition_key` has one store for all its messages;
+//! with a `partition_key` (say `/order_id`) every entity (order) has a store of its own, and
+//! a handler sees only its message's entity. Choose the partition key so that everything a
+//! handler reads and writes belongs to one entity.
 
 #![warn(missing_docs)]
 

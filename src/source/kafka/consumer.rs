@@ -392,7 +392,7 @@ impl Worker {
                 job.partition_key = k.partition_key;
                 job.received_at_ms = now_ms();
                 job.origin = Some(origin);
-                let shard = self.ledger.route(k.route);
+                let shard = self.ledger.place(&self.sub, &mut job, k.entity);
                 self.staged[shard].push(job);
                 if self.staged[shard].len() >= CHUNK {
                     let jobs = std::mem::take(&mut self.staged[shard]);

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use crate::config::{KeySource, PartitionSource, SubscriberSettings};
-use crate::envelope::{derive_key, derive_partition, Envelope, IdempotencyKey};
+use crate::envelope::{derive_entity, derive_key, Envelope, IdempotencyKey};
 
 /// The parts of a record key extraction looks at.
 #[derive(Debug, Clone, Copy)]
@@ -22,11 +22,11 @@ pub struct RecordView<'a> {
     pub headers: &'a [(String, Vec<u8>)],
 }
 
-/// A keyed record: idempotency key and routing hash.
+/// A keyed record: idempotency key and entity (see [`derive_entity`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Keyed {
     pub key: IdempotencyKey,
-    pub route: u128,
+    pub entity: Option<String>,
     /// The record key as text (the job's partition key).
     pub partition_key: Option<String>,
 }
@@ -66,10 +66,10 @@ pub fn key_record(record: &RecordView<'_>, settings: &SubscriberSettings) -> Res
         payload,
     };
     let key = derive_key(&env, record.payload, settings).map_err(|e| e.to_string())?;
-    let route = derive_partition(&env, &key, settings).map_err(|e| e.to_string())?;
+    let entity = derive_entity(&env, settings).map_err(|e| e.to_string())?;
     Ok(Keyed {
         key,
-        route,
+        entity,
         partition_key,
     })
 }
@@ -77,7 +77,7 @@ pub fn key_record(record: &RecordView<'_>, settings: &SubscriberSettings) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::{cloudevents_key, key_hash};
+    use crate::envelope::cloudevents_key;
 
     fn settings(key: KeySource) -> SubscriberSettings {
         SubscriberSettings {
@@ -107,7 +107,7 @@ mod tests {
         let k = key_record(&rec, &s).expect("keyed");
         assert_eq!(k.key.text, "m-1");
         assert_eq!(k.partition_key.as_deref(), Some("o-1"));
-        assert_eq!(k.route, k.key.hash, "routes by idempotency key by default");
+        assert_eq!(k.entity, None, "no entity by default");
     }
 
     #[test]
@@ -122,7 +122,10 @@ mod tests {
             name: "message-id".into(),
         });
         s.partition_key = PartitionSource::EnvelopeKey;
-        assert_eq!(key_record(&rec, &s).expect("keyed").route, key_hash(b"o-1"));
+        assert_eq!(
+            key_record(&rec, &s).expect("keyed").entity.as_deref(),
+            Some("o-1")
+        );
     }
 
     #[test]

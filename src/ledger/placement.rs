@@ -1,0 +1,189 @@
+//! Where a subscriber's messages are decided, and how a claim is found when a delivery
+//! lands on another shard than an earlier one (invariant I6 in `docs/design.md`).
+//!
+//! Routing is a performance choice, never a correctness one. Three placements exist:
+//!
+//! - [`Placement::ByKey`]: subscribers without a handler. The shard is chosen by the
+//!   idempotency key's hash, so every delivery of an id meets its claim on the same shard;
+//!   a configured `partition_key` is ignored (without handler state it has nothing to keep
+//!   together).
+//! - [`Placement::Subscriber`]: a handler subscriber without a partition key. All of its
+//!   messages run on one shard (chosen by the subscriber's name), so its handler state is
+//!   one store: `insert-unique`, `advance-version` and `get` see every earlier message.
+//! - [`Placement::Entity`]: a handler subscriber with a partition key (e.g. the order id).
+//!   Messages of one entity run on one shard, and handler state is scoped to the entity:
+//!   the host prefixes every state key, mark and version with it, so a handler sees one
+//!   store per entity whatever shard the entity lands on.
+//!
+//! A claim is written where its message was decided. When a subscriber's claims may be on
+//! more than one shard for the same id — entity placement (a redelivery can carry another
+//! entity key), a placement that changed (a handler added or removed, a partition key
+//! configured), a replay, or data written by format 1 — each shard records that in the
+//! subscriber's *placement mask* (table `placements_v1`, one byte per subscriber), and a
+//! shard that finds no live claim of its own asks the other shards before it decides
+//! "new" (a *probe*, answered between their batches, so only committed claims are seen).
+//! Two shards deciding the same id at once are kept apart by the [`InFlight`] set: a shard
+//! takes `(subscriber, key)` before it probes and gives it back only after the batch that
+//! decided it committed; the other shard waits and then finds the committed claim.
+//! Subscribers whose claims all live under one placement of ByKey or Subscriber (the
+//! default configuration) never probe and never touch the set.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::SubscriberId;
+
+/// How a message chose its shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// By the idempotency key's hash (no handler).
+    #[default]
+    ByKey,
+    /// On the subscriber's own shard (a handler, no partition key).
+    Subscriber,
+    /// On the entity's shard (a handler and a partition key); state is scoped to it.
+    Entity,
+}
+
+/// Bits of a placement mask: which placements a subscriber's claims were written under.
+pub(crate) const BY_KEY: u8 = 1;
+pub(crate) const SUBSCRIBER: u8 = 2;
+pub(crate) const ENTITY: u8 = 4;
+/// Claims that may sit on any shard: written by format 1 (routing then followed the
+/// configured partition key), or on another shard than their placement chose (replay).
+pub(crate) const ANYWHERE: u8 = 8;
+
+impl Placement {
+    pub(crate) fn bit(self) -> u8 {
+        match self {
+            Placement::ByKey => BY_KEY,
+            Placement::Subscriber => SUBSCRIBER,
+            Placement::Entity => ENTITY,
+        }
+    }
+
+    /// The placement a subscriber's new messages get.
+    pub(crate) fn of(has_handler: bool, has_partition_key: bool) -> Placement {
+        match (has_handler, has_partition_key) {
+            (false, _) => Placement::ByKey,
+            (true, false) => Placement::Subscriber,
+            (true, true) => Placement::Entity,
+        }
+    }
+}
+
+/// Whether a subscriber whose claims were written under `mask` must ask the other shards
+/// before deciding that a message is new.
+#[inline]
+pub(crate) fn needs_probe(mask: u8, shards: usize) -> bool {
+    shards > 1 && (mask & (ENTITY | ANYWHERE) != 0 || mask.count_ones() > 1)
+}
+
+/// The `(subscriber, key)` pairs that a shard is deciding with a probe, and which shard
+/// holds each. Bounded by the messages in flight.
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    held: Mutex<HashMap<(u32, u128), usize>>,
+}
+
+/// What [`InFlight::acquire`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Acquire {
+    /// Taken by the asking shard: it may probe and decide.
+    Taken,
+    /// Held by a shard (the asker itself for another job of the same key): wait.
+    Busy,
+}
+
+impl InFlight {
+    pub(crate) fn acquire(&self, sub: SubscriberId, key: u128, shard: usize) -> Acquire {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        match held.entry((sub.0, key)) {
+            std::collections::hash_map::Entry::Occupied(_) => Acquire::Busy,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(shard);
+                Acquire::Taken
+            }
+        }
+    }
+
+    /// Gives back pairs this shard holds (after the batch that decided them committed, or
+    /// when the shard stops).
+    pub(crate) fn release(
+        &self,
+        pairs: impl IntoIterator<Item = (SubscriberId, u128)>,
+        shard: usize,
+    ) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        for (sub, key) in pairs {
+            if held.get(&(sub.0, key)) == Some(&shard) {
+                held.remove(&(sub.0, key));
+            }
+        }
+    }
+
+    /// Gives back everything a shard holds.
+    pub(crate) fn release_all(&self, shard: usize) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.retain(|_, s| *s != shard);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+/// The prefix that scopes an entity's handler state: the entity's text and a NUL byte
+/// (entity keys hold no NUL; [`crate::envelope::derive_entity`] refuses them).
+pub fn entity_scope(entity: &str) -> Vec<u8> {
+    let mut s = Vec::with_capacity(entity.len() + 1);
+    s.extend_from_slice(entity.as_bytes());
+    s.push(0);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_configurations_never_probe() {
+        assert!(!needs_probe(BY_KEY, 2));
+        assert!(!needs_probe(SUBSCRIBER, 2));
+        assert!(!needs_probe(0, 2));
+    }
+
+    #[test]
+    fn entity_mixed_and_anywhere_placements_probe() {
+        assert!(needs_probe(ENTITY, 2));
+        assert!(needs_probe(BY_KEY | SUBSCRIBER, 2));
+        assert!(needs_probe(BY_KEY | ANYWHERE, 2));
+        assert!(
+            !needs_probe(ENTITY | ANYWHERE, 1),
+            "one shard has nobody to ask"
+        );
+    }
+
+    #[test]
+    fn in_flight_pair_is_held_until_released_by_its_holder() {
+        let f = InFlight::default();
+        let s = SubscriberId(0);
+        assert_eq!(f.acquire(s, 7, 0), Acquire::Taken);
+        assert_eq!(f.acquire(s, 7, 1), Acquire::Busy);
+        assert_eq!(f.acquire(s, 7, 0), Acquire::Busy);
+        f.release([(s, 7)], 1);
+        assert_eq!(f.len(), 1, "only the holder releases");
+        f.release([(s, 7)], 0);
+        assert_eq!(f.acquire(s, 7, 1), Acquire::Taken);
+        f.release_all(1);
+        assert_eq!(f.len(), 0);
+    }
+
+    #[test]
+    fn placement_follows_handler_and_partition_key() {
+        assert_eq!(Placement::of(false, true), Placement::ByKey);
+        assert_eq!(Placement::of(true, false), Placement::Subscriber);
+        assert_eq!(Placement::of(true, true), Placement::Entity);
+    }
+}
