@@ -508,6 +508,26 @@ fn payload_key_order_does_not_make_a_mismatch() {
 }
 
 #[test]
+fn numbers_differing_past_f64_precision_are_a_mismatch() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Both numbers round to the same f64; the payloads still differ.
+    let input = concat!(
+        r#"{"id":"big","payload":{"n":12345678901234567890123}}"#,
+        "\n",
+        r#"{"id":"big","payload":{"n":12345678901234567890124}}"#,
+        "\n",
+        r#"{"id":"big","payload":{ "n" : 12345678901234567890123 }}"#,
+        "\n",
+    );
+    let run = pipe(tmp.path(), input);
+    run.assert_success();
+    assert_eq!(
+        as_strs(&run.outcomes()),
+        ["processed", "quarantined", "duplicate"]
+    );
+}
+
+#[test]
 fn bad_config_is_refused_with_field_name() {
     let tmp = tempfile::tempdir().unwrap();
     let cases: &[(&str, &[&str])] = &[
