@@ -180,14 +180,20 @@ pub fn derive_partition(
 /// CloudEvents identity is the pair (source, id); the hash covers both with a length
 /// prefix so `("a#b","c")` and `("a","b#c")` stay distinct.
 pub fn cloudevents_key(source: &str, id: &str) -> IdempotencyKey {
-    let mut buf = Vec::with_capacity(source.len() + id.len() + 8);
-    buf.extend_from_slice(&(source.len() as u64).to_le_bytes());
-    buf.extend_from_slice(source.as_bytes());
-    buf.extend_from_slice(id.as_bytes());
     IdempotencyKey {
         text: format!("{source}#{id}"),
-        hash: xxh3_128(&buf),
+        hash: cloudevents_hash(source.as_bytes(), id.as_bytes()),
     }
+}
+
+/// The stored hash of a CloudEvents identity, over raw bytes (binary-mode headers need not
+/// be UTF-8).
+pub fn cloudevents_hash(source: &[u8], id: &[u8]) -> u128 {
+    let mut buf = Vec::with_capacity(source.len() + id.len() + 8);
+    buf.extend_from_slice(&(source.len() as u64).to_le_bytes());
+    buf.extend_from_slice(source);
+    buf.extend_from_slice(id);
+    xxh3_128(&buf)
 }
 
 #[cfg(test)]
