@@ -20,7 +20,7 @@
 //! - **G6 Failure rolls back.** A handler trap, timeout, memory blow-up or returned error
 //!   leaves no claim and no state; the message is retried with backoff, then dead-lettered.
 //! - **G7 Fail-stop on storage errors.** A failed commit stops all acknowledgement and the
-//!   process exits non-zero.
+//!   process exits non-zero; a shard file missing next to the manifest is refused at open.
 //!
 //! ## Architecture
 //!

@@ -618,6 +618,18 @@ fn missing_manifest_with_shard_files_is_refused() {
     assert!(!dir.join("dedupd.manifest.json").exists());
 }
 
+#[test]
+fn missing_shard_file_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = populated_dir(tmp.path());
+    let shard = dir.join("shard-001.redb");
+    std::fs::remove_file(&shard).unwrap();
+    let run = pipe(&dir, jsonl(&[json!({"id": "evt-1"})]));
+    run.assert_refused(&["shard-001.redb", "missing"]);
+    // It did not start over with an empty shard (forgetting every claim that was in it).
+    assert!(!shard.exists());
+}
+
 /// Overwrites `len` bytes of `path` at `at` with a fixed non-zero pattern.
 fn clobber(path: &Path, at: u64, len: usize) {
     use std::io::{Seek, SeekFrom};

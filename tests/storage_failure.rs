@@ -1,10 +1,12 @@
 //! G7: a failed commit poisons the ledger. Nothing is acknowledged after it, the pipe stops
-//! with an error, and every outcome that *was* acknowledged survives a reopen.
+//! with an error, and every outcome that *was* acknowledged survives a reopen. A shard file
+//! missing next to the manifest is refused instead of recreated empty.
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 use std::io::Cursor;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crossbeam_channel::unbounded;
 use dedupd::clock::SystemClock;
@@ -147,4 +149,41 @@ fn pipe_stops_with_an_error_when_a_commit_fails() {
         assert!(claim.is_some(), "acknowledged {} was lost", line["id"]);
     }
     ledger.close().unwrap();
+}
+
+/// How long a test waits for an outcome that must come "promptly"; far above a batch.
+const PROMPTLY: Duration = Duration::from_secs(30);
+
+/// Submits one job and waits (bounded) for its outcome.
+fn decide(ledger: &Ledger, subscriber: &str, id: &str) -> Outcome {
+    let sub = ledger.subscriber(subscriber).unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let key = key_hash(id.as_bytes());
+    let job = Job::new(1, sub.id, key, 1, id, b"{}", tx);
+    ledger.submit(ledger.route(key), vec![job]).unwrap();
+    let mut done = rx
+        .recv_timeout(PROMPTLY)
+        .unwrap_or_else(|e| panic!("no outcome for {id} ({e}): the shard thread died silently"));
+    assert_eq!(done.len(), 1);
+    done.remove(0).outcome
+}
+
+#[test]
+fn deleted_shard_file_is_refused_not_recreated() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &config(), Arc::new(SystemClock)).unwrap();
+    assert_eq!(decide(&ledger, "orders", "order-1"), Outcome::Processed);
+    ledger.close().unwrap();
+    let shard = dir.path().join("shard-001.redb");
+    std::fs::remove_file(&shard).unwrap();
+    let err = match Ledger::open(dir.path(), &config(), Arc::new(SystemClock)) {
+        Ok(_) => panic!("a data directory missing a shard file must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("shard-001.redb"), "{err}");
+    assert!(err.contains("missing"), "{err}");
+    assert!(
+        !shard.exists(),
+        "the missing shard file was recreated empty"
+    );
 }

@@ -59,6 +59,8 @@ pub enum LedgerError {
     },
     #[error("{path} is corrupt: {detail}. Restore it from a backup; dedupd will not guess")]
     Corrupt { path: PathBuf, detail: String },
+    #[error("shard file {path} is missing although the manifest names it; an empty one would forget every claim it held. Restore it from a backup (or, if this data directory never acknowledged anything, remove the directory)")]
+    MissingShard { path: PathBuf },
     #[error("storage error in {path}: {detail}. The ledger stopped acknowledging; restart dedupd after fixing the cause")]
     Storage { path: PathBuf, detail: String },
     #[error("cannot use data directory {path}: {detail}")]
@@ -451,7 +453,10 @@ impl Ledger {
         clock: Arc<dyn Clock>,
         fault: Option<Arc<std::sync::atomic::AtomicI64>>,
     ) -> Result<Ledger, LedgerError> {
-        let shard_count = prepare_data_dir(data_dir, &config.ledger)?;
+        let (shard_count, created) = prepare_data_dir(data_dir, &config.ledger)?;
+        if !created {
+            require_shard_files(data_dir, shard_count)?;
+        }
         let registry = Arc::new(Registry::new(config.clone()));
         let poison = Arc::new(Mutex::new(None));
         let poisoned = Arc::new(AtomicBool::new(false));
@@ -460,7 +465,7 @@ impl Ledger {
         for index in 0..shard_count {
             let (tx, rx) = bounded::<ShardMsg>(64);
             let (ready_tx, ready_rx) = bounded(1);
-            let path = data_dir.join(format!("shard-{index:03}.redb"));
+            let path = shard_path(data_dir, index);
             let metrics = Arc::new(Mutex::new(ShardMetrics::default()));
             let ctx = shard::ShardContext {
                 path,
@@ -542,6 +547,15 @@ impl Ledger {
             metrics: all_metrics,
             clock,
         };
+        if first_err.is_none() && created {
+            // The new shard files' directory entries, durable before anything is acked.
+            if let Err(e) = sync_dir(data_dir) {
+                first_err = Some(LedgerError::DataDir {
+                    path: data_dir.to_path_buf(),
+                    detail: format!("cannot sync the directory after creating shard files: {e}"),
+                });
+            }
+        }
         match first_err {
             Some(e) => {
                 ledger.shutdown();
@@ -816,14 +830,50 @@ pub fn dir_bytes(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+fn shard_path(dir: &Path, index: usize) -> PathBuf {
+    dir.join(format!("shard-{index:03}.redb"))
+}
+
+/// A shard file may only be created in the open that creates the manifest: one missing
+/// later is a lost file, and recreating it empty would forget its claims without a word.
+fn require_shard_files(dir: &Path, shards: usize) -> Result<(), LedgerError> {
+    for index in 0..shards {
+        let path = shard_path(dir, index);
+        match std::fs::symlink_metadata(&path) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(LedgerError::MissingShard { path })
+            }
+            Err(e) => {
+                return Err(LedgerError::DataDir {
+                    path: dir.to_path_buf(),
+                    detail: format!("cannot check {}: {e}", path.display()),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// Creates the directory and manifest on first use; checks them afterwards. Returns the
-/// shard count that is in force for this directory.
-fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError> {
+/// shard count that is in force for this directory, and whether this call created the
+/// manifest (only then may shard files be created).
+fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<(usize, bool), LedgerError> {
     let fail = |detail: String| LedgerError::DataDir {
         path: dir.to_path_buf(),
         detail,
     };
-    std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+    if !dir.exists() {
+        std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+        // The new directory's own entry, durable with the files about to go in it.
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            sync_dir(parent).map_err(|e| fail(e.to_string()))?;
+        }
+    }
     let path = dir.join(MANIFEST);
     match std::fs::read(&path) {
         Ok(bytes) => {
@@ -853,7 +903,7 @@ fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError
                     detail: format!("manifest names {} shards", m.shards),
                 });
             }
-            Ok(m.shards)
+            Ok((m.shards, false))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let has_shards = std::fs::read_dir(dir)
@@ -879,10 +929,8 @@ fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError
             let body = serde_json::to_vec_pretty(&m).map_err(|e| fail(e.to_string()))?;
             write_durably(&tmp, &body).map_err(|e| fail(e.to_string()))?;
             std::fs::rename(&tmp, &path).map_err(|e| fail(e.to_string()))?;
-            std::fs::File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| fail(e.to_string()))?;
-            Ok(shards)
+            sync_dir(dir).map_err(|e| fail(e.to_string()))?;
+            Ok((shards, true))
         }
         Err(e) => Err(fail(e.to_string())),
     }
