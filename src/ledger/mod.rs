@@ -63,13 +63,15 @@ pub enum LedgerError {
     MissingShard { path: PathBuf },
     #[error("storage error in {path}: {detail}. The ledger stopped acknowledging; restart dedupd after fixing the cause")]
     Storage { path: PathBuf, detail: String },
+    #[error("the writer thread of {path} panicked: {detail}. Nothing of its batch was committed and the ledger stopped acknowledging; restart dedupd (a native handler's bug repeats on the same message)")]
+    Panicked { path: PathBuf, detail: String },
     #[error("cannot use data directory {path}: {detail}")]
     DataDir { path: PathBuf, detail: String },
     #[error("subscriber {name:?} is not configured and `allow_unknown_subscribers` is false")]
     UnknownSubscriber { name: String },
     #[error("{0}")]
     InvalidSubscriber(String),
-    #[error("the ledger is stopped after an earlier storage error: {0}")]
+    #[error("the ledger is stopped after an earlier failure: {0}")]
     Poisoned(String),
     #[error("{0}")]
     NotFound(String),
@@ -484,22 +486,35 @@ impl Ledger {
                 .name(format!("dedupd-shard-{index}"))
                 .spawn(move || {
                     let path = ctx.path.clone();
+                    let (poison, poisoned) = (ctx.poison.clone(), ctx.poisoned.clone());
                     // redb may panic on a file damaged outside it (when `verify_on_open`
                     // is off); that is corruption to report, not a crash.
                     let opened =
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Shard::open(ctx)))
                             .unwrap_or_else(|panic| {
-                                let detail = panic
-                                    .downcast_ref::<&str>()
-                                    .map(|s| s.to_string())
-                                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                                    .unwrap_or_else(|| "the storage engine panicked".into());
-                                Err(LedgerError::Corrupt { path, detail })
+                                Err(LedgerError::Corrupt {
+                                    path: path.clone(),
+                                    detail: panic_message(&*panic),
+                                })
                             });
                     match opened {
                         Ok(shard) => {
                             let _ = ready_tx.send(Ok(()));
-                            shard.run(rx);
+                            // A batch catches its own panics (`Shard::process_batch`); one
+                            // anywhere else in the loop must stop the ledger too (I4), not
+                            // leave a dead shard behind a ledger that reads as ready.
+                            let ran =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    shard.run(rx)
+                                }));
+                            if let Err(panic) = ran {
+                                let e = LedgerError::Panicked {
+                                    path,
+                                    detail: panic_message(&*panic),
+                                };
+                                tracing::error!(shard = index, error = %e, "the shard stopped");
+                                set_poison(&poison, &poisoned, &e);
+                            }
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -635,7 +650,7 @@ impl Ledger {
             .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))
     }
 
-    /// The storage error that stopped the ledger, if any.
+    /// The failure (storage error or writer panic) that stopped the ledger, if any.
     pub fn poison_reason(&self) -> Option<String> {
         if !self.poisoned.load(Ordering::Acquire) {
             return None;
@@ -828,6 +843,25 @@ pub fn dir_bytes(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+/// The text of a panic's payload, for an error message.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Stops the whole ledger (I4): the first reason wins, every shard sees the flag before
+/// its next batch.
+fn set_poison(poison: &Mutex<Option<String>>, poisoned: &AtomicBool, e: &LedgerError) {
+    let mut p = poison.lock().unwrap_or_else(|p| p.into_inner());
+    if p.is_none() {
+        *p = Some(e.to_string());
+    }
+    poisoned.store(true, Ordering::Release);
 }
 
 fn shard_path(dir: &Path, index: usize) -> PathBuf {
