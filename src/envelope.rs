@@ -71,6 +71,12 @@ pub enum KeyError {
 
 /// Canonical bytes of a payload: compact JSON with object keys sorted, so re-encoding the
 /// same event (whitespace, key order) does not read as a different payload.
+///
+/// Numbers are kept as written, every digit (serde_json's `arbitrary_precision`): the
+/// bytes are also what handlers get and what quarantine records keep, so they must not
+/// round a number through `f64`. Two spellings of one value (`1.0` and `1.00`, `1e2` and
+/// `100`) are therefore different payloads: a re-encoding that respells a number reads
+/// as a mismatch and is quarantined, never dropped as a duplicate.
 pub fn canonical_payload(payload: &Value) -> Vec<u8> {
     // serde_json's default map is ordered by key, and to_vec never fails for a Value.
     serde_json::to_vec(payload).unwrap_or_default()
@@ -185,14 +191,20 @@ pub fn derive_entity(
 /// CloudEvents identity is the pair (source, id); the hash covers both with a length
 /// prefix so `("a#b","c")` and `("a","b#c")` stay distinct.
 pub fn cloudevents_key(source: &str, id: &str) -> IdempotencyKey {
-    let mut buf = Vec::with_capacity(source.len() + id.len() + 8);
-    buf.extend_from_slice(&(source.len() as u64).to_le_bytes());
-    buf.extend_from_slice(source.as_bytes());
-    buf.extend_from_slice(id.as_bytes());
     IdempotencyKey {
         text: format!("{source}#{id}"),
-        hash: xxh3_128(&buf),
+        hash: cloudevents_hash(source.as_bytes(), id.as_bytes()),
     }
+}
+
+/// The stored hash of a CloudEvents identity, over raw bytes (binary-mode headers need not
+/// be UTF-8).
+pub fn cloudevents_hash(source: &[u8], id: &[u8]) -> u128 {
+    let mut buf = Vec::with_capacity(source.len() + id.len() + 8);
+    buf.extend_from_slice(&(source.len() as u64).to_le_bytes());
+    buf.extend_from_slice(source);
+    buf.extend_from_slice(id);
+    xxh3_128(&buf)
 }
 
 #[cfg(test)]
@@ -309,6 +321,48 @@ mod tests {
             fingerprint(&canonical_payload(&a)),
             fingerprint(&canonical_payload(&b))
         );
+    }
+
+    #[test]
+    fn canonical_payload_keeps_every_digit_of_a_number() {
+        let parse = |line: &str| serde_json::from_str::<Envelope>(line).expect("envelope");
+        let a = parse(r#"{"id":"n","payload":{"n":12345678901234567890123}}"#);
+        let b = parse(r#"{"id":"n","payload":{"n":12345678901234567890124}}"#);
+        assert_eq!(
+            canonical_payload(&a.payload),
+            br#"{"n":12345678901234567890123}"#
+        );
+        assert_ne!(
+            fingerprint(&canonical_payload(&a.payload)),
+            fingerprint(&canonical_payload(&b.payload))
+        );
+        // Decimals too: neither is rounded to the nearest f64.
+        let c = parse(r#"{"payload":{"x":0.10000000000000000000001}}"#);
+        let d = parse(r#"{"payload":{"x":0.10000000000000000000002}}"#);
+        assert_ne!(canonical_payload(&c.payload), canonical_payload(&d.payload));
+    }
+
+    #[test]
+    fn canonical_payload_keeps_the_spelling_of_a_number() {
+        // Documented choice: a number is compared by its text, not its value.
+        let a: Value = serde_json::from_str(r#"{"p":1.0}"#).expect("json");
+        let b: Value = serde_json::from_str(r#"{"p":1.00}"#).expect("json");
+        assert_eq!(canonical_payload(&a), br#"{"p":1.0}"#);
+        assert_eq!(canonical_payload(&b), br#"{"p":1.00}"#);
+    }
+
+    #[test]
+    fn json_pointer_key_keeps_every_digit_of_a_number() {
+        let s = settings(KeySource::JsonPointer {
+            pointer: "/order".into(),
+        });
+        let a: Envelope = serde_json::from_str(r#"{"payload":{"order":12345678901234567890123}}"#)
+            .expect("envelope");
+        let b: Envelope = serde_json::from_str(r#"{"payload":{"order":12345678901234567890124}}"#)
+            .expect("envelope");
+        let ka = derive_key(&a, b"", &s).expect("key");
+        assert_eq!(ka.text, "12345678901234567890123");
+        assert_ne!(ka.hash, derive_key(&b, b"", &s).expect("key").hash);
     }
 
     #[test]

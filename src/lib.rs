@@ -19,8 +19,9 @@
 //! - **G5 Subscriber isolation.** Claims are scoped by subscriber.
 //! - **G6 Failure rolls back.** A handler trap, timeout, memory blow-up or returned error
 //!   leaves no claim and no state; the message is retried with backoff, then dead-lettered.
-//! - **G7 Fail-stop on storage errors.** A failed commit stops all acknowledgement and the
-//!   process exits non-zero.
+//! - **G7 Fail-stop on storage errors.** A failed commit (or a panic on a shard's writer
+//!   thread) stops all acknowledgement and the process exits non-zero; a shard file missing
+//!   next to the manifest is refused at open.
 //!
 //! ## Architecture
 //!

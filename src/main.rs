@@ -575,15 +575,16 @@ fn pipe(dir: &Path, config: &Config) -> Result<()> {
     let stdout = std::io::stdout();
     let done = std::sync::atomic::AtomicBool::new(false);
     let result = std::thread::scope(|scope| {
-        // Fail-stop (G7): after a storage error nothing more is acknowledged, and the
-        // process must not wait for stdin to close before it exits non-zero.
+        // Fail-stop (G7): after a storage error or a shard writer's panic nothing more is
+        // acknowledged, and the process must not wait for stdin to close before it exits
+        // non-zero.
         scope.spawn(|| {
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
                 std::thread::sleep(std::time::Duration::from_millis(100));
                 if let Some(reason) = ledger.poison_reason() {
                     // Give the printer a moment to flush the lines that were durable.
                     std::thread::sleep(std::time::Duration::from_millis(200));
-                    eprintln!("dedupd: the ledger stopped after a storage error: {reason}");
+                    eprintln!("dedupd: the ledger stopped: {reason}");
                     std::process::exit(1);
                 }
             }
@@ -693,7 +694,8 @@ impl HttpServer {
 }
 
 /// The HTTP API (and, with `stdin`, pipe mode on stdin) over one ledger, until SIGINT or
-/// SIGTERM. A storage error stops everything and exits non-zero (G7).
+/// SIGTERM. A storage error or a shard writer's panic stops everything and exits non-zero
+/// (G7).
 fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> Result<()> {
     let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
     dedupd::pipeline::install_handlers(&ledger, config)?;
@@ -718,7 +720,7 @@ fn run_with_http(dir: &Path, config: &Config, http: HttpConfig, stdin: bool) -> 
     }
     server.wait()?;
     if let Some(reason) = ledger.poison_reason() {
-        bail!("the ledger stopped after a storage error: {reason}");
+        bail!("the ledger stopped: {reason}");
     }
     // If the stdin thread still holds the ledger, the process exits and the OS closes the
     // files; every acknowledged outcome was committed before it was acknowledged (G1).

@@ -511,6 +511,26 @@ fn payload_key_order_does_not_make_a_mismatch() {
 }
 
 #[test]
+fn numbers_differing_past_f64_precision_are_a_mismatch() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Both numbers round to the same f64; the payloads still differ.
+    let input = concat!(
+        r#"{"id":"big","payload":{"n":12345678901234567890123}}"#,
+        "\n",
+        r#"{"id":"big","payload":{"n":12345678901234567890124}}"#,
+        "\n",
+        r#"{"id":"big","payload":{ "n" : 12345678901234567890123 }}"#,
+        "\n",
+    );
+    let run = pipe(tmp.path(), input);
+    run.assert_success();
+    assert_eq!(
+        as_strs(&run.outcomes()),
+        ["processed", "quarantined", "duplicate"]
+    );
+}
+
+#[test]
 fn bad_config_is_refused_with_field_name() {
     let tmp = tempfile::tempdir().unwrap();
     let cases: &[(&str, &[&str])] = &[
@@ -599,6 +619,18 @@ fn missing_manifest_with_shard_files_is_refused() {
     run.assert_refused(&["manifest is missing"]);
     // It did not start over with a fresh (empty) manifest.
     assert!(!dir.join("dedupd.manifest.json").exists());
+}
+
+#[test]
+fn missing_shard_file_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = populated_dir(tmp.path());
+    let shard = dir.join("shard-001.redb");
+    std::fs::remove_file(&shard).unwrap();
+    let run = pipe(&dir, jsonl(&[json!({"id": "evt-1"})]));
+    run.assert_refused(&["shard-001.redb", "missing"]);
+    // It did not start over with an empty shard (forgetting every claim that was in it).
+    assert!(!shard.exists());
 }
 
 /// Overwrites `len` bytes of `path` at `at` with a fixed non-zero pattern.

@@ -1,14 +1,20 @@
 //! G7: a failed commit poisons the ledger. Nothing is acknowledged after it, the pipe stops
-//! with an error, and every outcome that *was* acknowledged survives a reopen.
+//! with an error, and every outcome that *was* acknowledged survives a reopen. A panic on a
+//! shard's writer thread (here: a native handler's) stops the ledger the same way, and a
+//! shard file missing next to the manifest is refused instead of recreated empty.
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 use std::io::Cursor;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crossbeam_channel::unbounded;
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
+use dedupd::effects::{
+    Effects, Failure, HandlerFactory, HandlerMessage, MessageHandler, StateReader,
+};
 use dedupd::envelope::key_hash;
 use dedupd::ledger::{Done, Job, Ledger, LedgerError, Outcome};
 use dedupd::pipeline::{run_pipe, PipeError};
@@ -147,4 +153,178 @@ fn pipe_stops_with_an_error_when_a_commit_fails() {
         assert!(claim.is_some(), "acknowledged {} was lost", line["id"]);
     }
     ledger.close().unwrap();
+}
+
+/// How long a test waits for an outcome that must come "promptly"; far above a batch.
+const PROMPTLY: Duration = Duration::from_secs(30);
+
+/// A native handler with a bug: it panics on the message with id `boom` and processes
+/// everything else.
+#[derive(Debug)]
+struct PanicsOnBoom;
+
+impl MessageHandler for PanicsOnBoom {
+    fn handle(
+        &mut self,
+        msg: &HandlerMessage,
+        state: Box<dyn StateReader>,
+    ) -> (Box<dyn StateReader>, Result<Effects, Failure>) {
+        assert_ne!(msg.id, "boom", "native handler bug");
+        (state, Ok(Effects::default()))
+    }
+}
+
+impl HandlerFactory for PanicsOnBoom {
+    fn instantiate(&self) -> Result<Box<dyn MessageHandler>, String> {
+        Ok(Box::new(PanicsOnBoom))
+    }
+    fn version(&self) -> u64 {
+        1
+    }
+}
+
+/// Submits one job and waits (bounded) for its outcome.
+fn decide(ledger: &Ledger, subscriber: &str, id: &str) -> Outcome {
+    let sub = ledger.subscriber(subscriber).unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let key = key_hash(id.as_bytes());
+    let job = Job::new(1, sub.id, key, 1, id, b"{}", tx);
+    ledger.submit(ledger.route(key), vec![job]).unwrap();
+    let mut done = rx
+        .recv_timeout(PROMPTLY)
+        .unwrap_or_else(|e| panic!("no outcome for {id} ({e}): the shard thread died silently"));
+    assert_eq!(done.len(), 1);
+    done.remove(0).outcome
+}
+
+#[test]
+fn handler_panic_poisons_the_ledger_and_fails_the_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &one_shard(), Arc::new(SystemClock)).unwrap();
+    ledger
+        .set_handler("orders", Some(Arc::new(PanicsOnBoom)))
+        .unwrap();
+    assert_eq!(decide(&ledger, "orders", "fine-1"), Outcome::Processed);
+    match decide(&ledger, "orders", "boom") {
+        Outcome::Failed { reason } => {
+            assert!(reason.contains("panicked"), "{reason}");
+            assert!(reason.contains("native handler bug"), "{reason}");
+        }
+        other => panic!("a panic must fail the batch, got {other:?}"),
+    }
+    let reason = ledger.poison_reason().expect("the ledger is poisoned");
+    assert!(reason.contains("panicked"), "{reason}");
+    // Nothing more is accepted, and closing reports the failure.
+    let sub = ledger.subscriber("orders").unwrap();
+    let (tx, _rx) = unbounded::<Vec<Done>>();
+    let job = Job::new(2, sub.id, key_hash(b"fine-2"), 1, "fine-2", b"{}", tx);
+    assert!(matches!(
+        ledger.submit(0, vec![job]),
+        Err(LedgerError::Poisoned(_))
+    ));
+    assert!(matches!(ledger.close(), Err(LedgerError::Poisoned(_))));
+
+    // The claim committed before the panic is durable; the panicking message left none.
+    let ledger = Ledger::open(dir.path(), &one_shard(), Arc::new(SystemClock)).unwrap();
+    assert!(ledger
+        .lookup("orders", key_hash(b"fine-1"))
+        .unwrap()
+        .is_some());
+    assert!(ledger
+        .lookup("orders", key_hash(b"boom"))
+        .unwrap()
+        .is_none());
+    ledger.close().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn readyz_is_503_after_a_handler_panic() {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use tower::ServiceExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = one_shard();
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+    ledger
+        .set_handler("orders", Some(Arc::new(PanicsOnBoom)))
+        .unwrap();
+    let app = dedupd::admin::router(
+        dedupd::admin::AdminState::new(ledger.clone(), &config, None).unwrap(),
+    );
+    let readyz = || Request::get("/readyz").body(Body::empty()).unwrap();
+    let resp = app.clone().oneshot(readyz()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let outcome = tokio::task::spawn_blocking({
+        let ledger = ledger.clone();
+        move || decide(&ledger, "orders", "boom")
+    })
+    .await
+    .unwrap();
+    assert!(matches!(outcome, Outcome::Failed { .. }), "{outcome:?}");
+    let resp = app.oneshot(readyz()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[test]
+fn pipe_stops_with_an_error_when_a_handler_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = one_shard();
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+    ledger
+        .set_handler("default", Some(Arc::new(PanicsOnBoom)))
+        .unwrap();
+    let input: String = ["fine-1", "fine-2", "boom", "fine-3"]
+        .iter()
+        .map(|id| format!("{{\"id\":\"{id}\"}}\n"))
+        .collect();
+    // On its own thread: a pipe that hangs must fail this test, not stall it.
+    let (result_tx, result_rx) = crossbeam_channel::bounded(1);
+    let piped = ledger.clone();
+    std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let r = run_pipe(&piped, &config, Cursor::new(input), &mut out);
+        let _ = result_tx.send((r, out));
+    });
+    let (result, out) = result_rx
+        .recv_timeout(PROMPTLY)
+        .expect("pipe must stop promptly after a handler panic");
+    match &result {
+        Err(PipeError::Ledger(LedgerError::Poisoned(reason))) => {
+            assert!(reason.contains("panicked"), "{reason}")
+        }
+        other => panic!("pipe must fail after a handler panic, got {other:?}"),
+    }
+    assert!(ledger.poison_reason().is_some());
+    // Whatever was printed is a processed prefix that stops before the panicking line.
+    let printed: Vec<serde_json::Value> = String::from_utf8(out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(printed.len() < 3, "{printed:?}");
+    for (n, line) in printed.iter().enumerate() {
+        assert_eq!(line["seq"], (n + 1) as u64);
+        assert_eq!(line["outcome"], "processed");
+    }
+}
+
+#[test]
+fn deleted_shard_file_is_refused_not_recreated() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &config(), Arc::new(SystemClock)).unwrap();
+    assert_eq!(decide(&ledger, "orders", "order-1"), Outcome::Processed);
+    ledger.close().unwrap();
+    let shard = dir.path().join("shard-001.redb");
+    std::fs::remove_file(&shard).unwrap();
+    let err = match Ledger::open(dir.path(), &config(), Arc::new(SystemClock)) {
+        Ok(_) => panic!("a data directory missing a shard file must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("shard-001.redb"), "{err}");
+    assert!(err.contains("missing"), "{err}");
+    assert!(
+        !shard.exists(),
+        "the missing shard file was recreated empty"
+    );
 }

@@ -61,15 +61,19 @@ pub enum LedgerError {
     },
     #[error("{path} is corrupt: {detail}. Restore it from a backup; dedupd will not guess")]
     Corrupt { path: PathBuf, detail: String },
+    #[error("shard file {path} is missing although the manifest names it; an empty one would forget every claim it held. Restore it from a backup (or, if this data directory never acknowledged anything, remove the directory)")]
+    MissingShard { path: PathBuf },
     #[error("storage error in {path}: {detail}. The ledger stopped acknowledging; restart dedupd after fixing the cause")]
     Storage { path: PathBuf, detail: String },
+    #[error("the writer thread of {path} panicked: {detail}. Nothing of its batch was committed and the ledger stopped acknowledging; restart dedupd (a native handler's bug repeats on the same message)")]
+    Panicked { path: PathBuf, detail: String },
     #[error("cannot use data directory {path}: {detail}")]
     DataDir { path: PathBuf, detail: String },
     #[error("subscriber {name:?} is not configured and `allow_unknown_subscribers` is false")]
     UnknownSubscriber { name: String },
     #[error("{0}")]
     InvalidSubscriber(String),
-    #[error("the ledger is stopped after an earlier storage error: {0}")]
+    #[error("the ledger is stopped after an earlier failure: {0}")]
     Poisoned(String),
     #[error("{0}")]
     NotFound(String),
@@ -492,7 +496,10 @@ impl Ledger {
         clock: Arc<dyn Clock>,
         fault: Option<Arc<std::sync::atomic::AtomicI64>>,
     ) -> Result<Ledger, LedgerError> {
-        let shard_count = prepare_data_dir(data_dir, &config.ledger)?;
+        let (shard_count, created) = prepare_data_dir(data_dir, &config.ledger)?;
+        if !created {
+            require_shard_files(data_dir, shard_count)?;
+        }
         let registry = Arc::new(Registry::new(config.clone()));
         let poison = Arc::new(Mutex::new(None));
         let poisoned = Arc::new(AtomicBool::new(false));
@@ -508,7 +515,7 @@ impl Ledger {
             let (peer_tx, peer_rx) = crossbeam_channel::unbounded::<PeerMsg>();
             peer_txs.push(peer_tx);
             let (ready_tx, ready_rx) = bounded(1);
-            let path = data_dir.join(format!("shard-{index:03}.redb"));
+            let path = shard_path(data_dir, index);
             let metrics = Arc::new(Mutex::new(ShardMetrics::default()));
             let ctx = shard::ShardContext {
                 path,
@@ -529,22 +536,35 @@ impl Ledger {
                 .name(format!("dedupd-shard-{index}"))
                 .spawn(move || {
                     let path = ctx.path.clone();
+                    let (poison, poisoned) = (ctx.poison.clone(), ctx.poisoned.clone());
                     // redb may panic on a file damaged outside it (when `verify_on_open`
                     // is off); that is corruption to report, not a crash.
                     let opened =
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Shard::open(ctx)))
                             .unwrap_or_else(|panic| {
-                                let detail = panic
-                                    .downcast_ref::<&str>()
-                                    .map(|s| s.to_string())
-                                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                                    .unwrap_or_else(|| "the storage engine panicked".into());
-                                Err(LedgerError::Corrupt { path, detail })
+                                Err(LedgerError::Corrupt {
+                                    path: path.clone(),
+                                    detail: panic_message(&*panic),
+                                })
                             });
                     match opened {
                         Ok(shard) => {
                             let _ = ready_tx.send(Ok(()));
-                            shard.run(rx, peer_rx);
+                            // A batch catches its own panics (`Shard::process_batch`); one
+                            // anywhere else in the loop must stop the ledger too (I4), not
+                            // leave a dead shard behind a ledger that reads as ready.
+                            let ran =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    shard.run(rx, peer_rx)
+                                }));
+                            if let Err(panic) = ran {
+                                let e = LedgerError::Panicked {
+                                    path,
+                                    detail: panic_message(&*panic),
+                                };
+                                tracing::error!(shard = index, error = %e, "the shard stopped");
+                                set_poison(&poison, &poisoned, &e);
+                            }
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -594,6 +614,15 @@ impl Ledger {
             metrics: all_metrics,
             clock,
         };
+        if first_err.is_none() && created {
+            // The new shard files' directory entries, durable before anything is acked.
+            if let Err(e) = sync_dir(data_dir) {
+                first_err = Some(LedgerError::DataDir {
+                    path: data_dir.to_path_buf(),
+                    detail: format!("cannot sync the directory after creating shard files: {e}"),
+                });
+            }
+        }
         match first_err {
             Some(e) => {
                 ledger.shutdown();
@@ -770,7 +799,7 @@ impl Ledger {
             .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))
     }
 
-    /// The storage error that stopped the ledger, if any.
+    /// The failure (storage error or writer panic) that stopped the ledger, if any.
     pub fn poison_reason(&self) -> Option<String> {
         if !self.poisoned.load(Ordering::Acquire) {
             return None;
@@ -977,14 +1006,69 @@ pub fn dir_bytes(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// The text of a panic's payload, for an error message.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Stops the whole ledger (I4): the first reason wins, every shard sees the flag before
+/// its next batch.
+fn set_poison(poison: &Mutex<Option<String>>, poisoned: &AtomicBool, e: &LedgerError) {
+    let mut p = poison.lock().unwrap_or_else(|p| p.into_inner());
+    if p.is_none() {
+        *p = Some(e.to_string());
+    }
+    poisoned.store(true, Ordering::Release);
+}
+
+fn shard_path(dir: &Path, index: usize) -> PathBuf {
+    dir.join(format!("shard-{index:03}.redb"))
+}
+
+/// A shard file may only be created in the open that creates the manifest: one missing
+/// later is a lost file, and recreating it empty would forget its claims without a word.
+fn require_shard_files(dir: &Path, shards: usize) -> Result<(), LedgerError> {
+    for index in 0..shards {
+        let path = shard_path(dir, index);
+        match std::fs::symlink_metadata(&path) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(LedgerError::MissingShard { path })
+            }
+            Err(e) => {
+                return Err(LedgerError::DataDir {
+                    path: dir.to_path_buf(),
+                    detail: format!("cannot check {}: {e}", path.display()),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// Creates the directory and manifest on first use; checks them afterwards. Returns the
-/// shard count that is in force for this directory.
-fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError> {
+/// shard count that is in force for this directory, and whether this call created the
+/// manifest (only then may shard files be created).
+fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<(usize, bool), LedgerError> {
     let fail = |detail: String| LedgerError::DataDir {
         path: dir.to_path_buf(),
         detail,
     };
-    std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+    if !dir.exists() {
+        std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+        // The new directory's own entry, durable with the files about to go in it.
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            sync_dir(parent).map_err(|e| fail(e.to_string()))?;
+        }
+    }
     let path = dir.join(MANIFEST);
     match std::fs::read(&path) {
         Ok(bytes) => {
@@ -1029,7 +1113,7 @@ fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError
                 )
                 .map_err(|e| fail(e.to_string()))?;
             }
-            Ok(m.shards)
+            Ok((m.shards, false))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let has_shards = std::fs::read_dir(dir)
@@ -1052,7 +1136,7 @@ fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError
                 shards,
             };
             write_manifest(dir, &m).map_err(|e| fail(e.to_string()))?;
-            Ok(shards)
+            Ok((shards, true))
         }
         Err(e) => Err(fail(e.to_string())),
     }
@@ -1065,7 +1149,7 @@ fn write_manifest(dir: &Path, m: &Manifest) -> std::io::Result<()> {
     let body = serde_json::to_vec_pretty(m).map_err(std::io::Error::other)?;
     write_durably(&tmp, &body)?;
     std::fs::rename(&tmp, dir.join(MANIFEST))?;
-    std::fs::File::open(dir).and_then(|d| d.sync_all())
+    sync_dir(dir)
 }
 
 fn write_durably(path: &Path, body: &[u8]) -> std::io::Result<()> {

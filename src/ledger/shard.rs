@@ -8,8 +8,8 @@
 //!   first record found for a key decides, live or expired.
 //! - **I3 log until sealed**: a generation's log table is deleted in the same transaction
 //!   that commits its sorted table, filter and `Sealed` row.
-//! - **I4 fail-stop**: after any storage error the shard answers `Failed` to everything and
-//!   never commits again (G7).
+//! - **I4 fail-stop**: after any storage error, or a panic on the writer thread, the shard
+//!   answers `Failed` to everything and never commits again (G7).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -842,7 +842,7 @@ impl Shard {
     }
 
     fn poison(&mut self, e: LedgerError) {
-        tracing::error!(shard = self.ctx.index, error = %e, "storage error: the shard stops acknowledging");
+        tracing::error!(shard = self.ctx.index, error = %e, "the shard stops acknowledging");
         let mut p = self.ctx.poison.lock().unwrap_or_else(|p| p.into_inner());
         if p.is_none() {
             *p = Some(e.to_string());
@@ -871,7 +871,7 @@ impl Shard {
         }
         let (decisions, maintenance) = match &self.failed {
             Some(e) => (Err(e.clone()), false),
-            None => match self.commit_batch(&jobs, now) {
+            None => match self.commit_batch_catching_panics(&jobs, now) {
                 Ok((d, m)) => (Ok(d), m),
                 Err(e) => {
                     self.abandon_batch();
@@ -970,6 +970,25 @@ impl Shard {
             }
         }
         self.batch = jobs;
+    }
+
+    /// [`Shard::commit_batch`], with a panic (a native handler's bug, say) turned into an
+    /// error. The unwinding dropped the batch's transaction uncommitted, so nothing of the
+    /// batch is durable; the caller stops the shard as after a storage error (I4).
+    fn commit_batch_catching_panics(
+        &mut self,
+        jobs: &[Job],
+        now: u64,
+    ) -> Result<(Vec<Decision>, bool), LedgerError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.commit_batch(jobs, now)
+        }))
+        .unwrap_or_else(|panic| {
+            Err(LedgerError::Panicked {
+                path: self.ctx.path.clone(),
+                detail: super::panic_message(&*panic),
+            })
+        })
     }
 
     /// Moves retries whose backoff has passed into the current batch.

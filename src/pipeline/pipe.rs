@@ -323,5 +323,13 @@ fn print_outcomes(
         }
     }
     out.flush().map_err(PipeError::Output)?;
+    if total != Some(order.watermark() - 1) {
+        // Every channel closed with lines undecided: a shard writer is gone (G7). The
+        // lines that were printed are durable; the rest must not read as a clean end.
+        return Err(PipeError::Ledger(LedgerError::Poisoned(format!(
+            "no outcome arrived for line {} and later ones: a shard writer stopped",
+            order.watermark()
+        ))));
+    }
     Ok(summary)
 }

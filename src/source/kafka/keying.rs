@@ -4,14 +4,18 @@
 //! the idempotency key comes from a header, a JSON pointer into the payload or CloudEvents
 //! (structured: `source`/`id` in a JSON payload; binary: `ce_source`/`ce_id` headers).
 //! The payload fingerprint is over the record's raw bytes: a Kafka redelivery is
-//! byte-identical.
+//! byte-identical. Header values are bytes too: a key read from headers is hashed over
+//! the raw bytes (its text, shown to operators, is decoded lossily), so two ids that differ
+//! only in bytes that are not UTF-8 stay two messages.
 
 use std::collections::BTreeMap;
 
 use serde_json::Value;
 
 use crate::config::{KeySource, PartitionSource, SubscriberSettings};
-use crate::envelope::{derive_entity, derive_key, Envelope, IdempotencyKey};
+use crate::envelope::{
+    cloudevents_hash, derive_entity, derive_key, key_hash, Envelope, IdempotencyKey,
+};
 
 /// The parts of a record key extraction looks at.
 #[derive(Debug, Clone, Copy)]
@@ -65,13 +69,54 @@ pub fn key_record(record: &RecordView<'_>, settings: &SubscriberSettings) -> Res
         headers,
         payload,
     };
-    let key = derive_key(&env, record.payload, settings).map_err(|e| e.to_string())?;
+    let mut key = derive_key(&env, record.payload, settings).map_err(|e| e.to_string())?;
+    if let Some(hash) = raw_header_key_hash(record, &env, settings) {
+        key.hash = hash;
+    }
     let entity = derive_entity(&env, settings).map_err(|e| e.to_string())?;
     Ok(Keyed {
         key,
         entity,
         partition_key,
     })
+}
+
+/// The value of the last header named `name`, as sent.
+fn raw_header<'a>(record: &RecordView<'a>, name: &str) -> Option<&'a [u8]> {
+    record
+        .headers
+        .iter()
+        .rev()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_slice())
+}
+
+/// The key hash over the raw header bytes when the key came from headers (`derive_key` saw
+/// them decoded lossily, where every invalid byte reads as U+FFFD). For UTF-8 values it is
+/// the hash `derive_key` computed, so claims stored before this stay matched.
+fn raw_header_key_hash(
+    record: &RecordView<'_>,
+    env: &Envelope,
+    settings: &SubscriberSettings,
+) -> Option<u128> {
+    match &settings.key {
+        KeySource::Header { name } => raw_header(record, name).map(key_hash),
+        KeySource::Cloudevents => {
+            // Structured mode (both in the payload) wins in `derive_key`; then the
+            // key did not come from headers.
+            let structured = ["source", "id"]
+                .iter()
+                .all(|f| env.payload.get(f).and_then(Value::as_str).is_some());
+            if structured {
+                return None;
+            }
+            Some(cloudevents_hash(
+                raw_header(record, "ce_source")?,
+                raw_header(record, "ce_id")?,
+            ))
+        }
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -159,6 +204,48 @@ mod tests {
         let b = key_record(&binary, &s).expect("binary");
         assert_eq!(a.key, b.key);
         assert_eq!(a.key, cloudevents_key("/shop", "E1"));
+    }
+
+    #[test]
+    fn header_ids_differing_only_in_invalid_utf8_are_distinct() {
+        let s = settings(KeySource::Header {
+            name: "message-id".into(),
+        });
+        let a = vec![("message-id".to_string(), b"m-\xff\x01".to_vec())];
+        let b = vec![("message-id".to_string(), b"m-\xfe\x01".to_vec())];
+        let key = |h: &[(String, Vec<u8>)]| {
+            let rec = RecordView {
+                key: None,
+                payload: b"{}",
+                headers: h,
+            };
+            key_record(&rec, &s).expect("keyed").key
+        };
+        let (ka, kb) = (key(&a), key(&b));
+        assert_ne!(ka.hash, kb.hash, "two messages would share one claim");
+        assert_eq!(ka.hash, key_hash(b"m-\xff\x01"), "the raw bytes are hashed");
+        // A UTF-8 id hashes as before: claims stored by earlier releases still match.
+        let text = headers(&[("message-id", "m-1")]);
+        assert_eq!(key(&text).hash, key_hash(b"m-1"));
+    }
+
+    #[test]
+    fn binary_cloudevents_ids_differing_only_in_invalid_utf8_are_distinct() {
+        let s = settings(KeySource::Cloudevents);
+        let key = |id: &[u8]| {
+            let h = vec![
+                ("ce_source".to_string(), b"/shop".to_vec()),
+                ("ce_id".to_string(), id.to_vec()),
+            ];
+            let rec = RecordView {
+                key: None,
+                payload: b"\x00binary data",
+                headers: &h,
+            };
+            key_record(&rec, &s).expect("keyed").key
+        };
+        assert_ne!(key(b"E\xff").hash, key(b"E\xfe").hash);
+        assert_eq!(key(b"E1"), cloudevents_key("/shop", "E1"));
     }
 
     #[test]
