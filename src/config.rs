@@ -182,11 +182,17 @@ pub struct SubscriberSettings {
     pub partition_key: PartitionSource,
     /// WebAssembly component run for each new message (none: claim only).
     pub handler: Option<PathBuf>,
-    /// CPU budget of one handler call.
+    /// Budget of one handler call: guest CPU and waits on the clock (a sleep) together.
     #[serde(with = "humantime_serde")]
     pub handler_cpu_budget: Duration,
-    /// Linear memory cap of a handler instance, in MiB.
+    /// Cap of all linear memories of a handler instance together, in MiB.
     pub handler_memory_mib: usize,
+    /// State writes one handler call may make (put, delete, and compare-and-set,
+    /// insert-unique, advance-version when they write); more is a trap.
+    pub handler_max_writes: usize,
+    /// MiB of state (keys and values) and outbox messages one handler call may write;
+    /// more is a trap.
+    pub handler_max_write_mib: usize,
     /// Attempts before a failing message is dead-lettered (permanent errors: at once).
     pub max_attempts: u32,
     /// Delay before the second attempt; doubles for each further one.
@@ -205,6 +211,8 @@ impl Default for SubscriberSettings {
             handler: None,
             handler_cpu_budget: Duration::from_millis(10),
             handler_memory_mib: 32,
+            handler_max_writes: 10_000,
+            handler_max_write_mib: 16,
             max_attempts: 3,
             retry_backoff: Duration::from_millis(50),
         }
@@ -242,6 +250,10 @@ pub struct SubscriberConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handler_memory_mib: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler_max_writes: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler_max_write_mib: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
     #[serde(
         default,
@@ -270,6 +282,12 @@ impl SubscriberConfig {
             handler_memory_mib: self
                 .handler_memory_mib
                 .unwrap_or(defaults.handler_memory_mib),
+            handler_max_writes: self
+                .handler_max_writes
+                .unwrap_or(defaults.handler_max_writes),
+            handler_max_write_mib: self
+                .handler_max_write_mib
+                .unwrap_or(defaults.handler_max_write_mib),
             max_attempts: self.max_attempts.unwrap_or(defaults.max_attempts),
             retry_backoff: self.retry_backoff.unwrap_or(defaults.retry_backoff),
         }
@@ -386,6 +404,18 @@ fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigEr
             "must be between 1 and 4096",
         ));
     }
+    if s.handler_max_writes == 0 || s.handler_max_writes > 1_000_000 {
+        return Err(invalid(
+            format!("{field}.handler_max_writes"),
+            "must be between 1 and 1000000",
+        ));
+    }
+    if s.handler_max_write_mib == 0 || s.handler_max_write_mib > 1024 {
+        return Err(invalid(
+            format!("{field}.handler_max_write_mib"),
+            "must be between 1 and 1024",
+        ));
+    }
     if s.max_attempts == 0 || s.max_attempts > 100 {
         return Err(invalid(
             format!("{field}.max_attempts"),
@@ -451,6 +481,12 @@ mod tests {
             billing.max_key_bytes, DEFAULT_MAX_KEY_BYTES,
             "inherited from defaults"
         );
+        // The sample lists the defaults.
+        let d = SubscriberSettings::default();
+        assert_eq!(
+            (billing.handler_max_writes, billing.handler_max_write_mib),
+            (d.handler_max_writes, d.handler_max_write_mib)
+        );
     }
 
     #[test]
@@ -470,6 +506,28 @@ mod tests {
     fn unknown_subscriber_field_is_refused() {
         let err = Config::parse("[[subscriber]]\nname = \"a\"\nttll = \"1h\"\n").unwrap_err();
         assert!(err.to_string().contains("ttll"), "{err}");
+    }
+
+    #[test]
+    fn handler_write_bounds_out_of_range_are_refused() {
+        let err = Config::parse("[defaults]\nhandler_max_writes = 0\n").unwrap_err();
+        assert!(
+            err.to_string().contains("defaults.handler_max_writes"),
+            "{err}"
+        );
+        let text = "[[subscriber]]\nname = \"a\"\nhandler_max_write_mib = 1025\n";
+        let err = Config::parse(text).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("subscriber[0].handler_max_write_mib"),
+            "{err}"
+        );
+        let text = "[[subscriber]]\nname = \"a\"\nhandler_max_writes = 1000000\nhandler_max_write_mib = 1024\n";
+        let a = Config::parse(text).unwrap().settings_for("a").unwrap();
+        assert_eq!(
+            (a.handler_max_writes, a.handler_max_write_mib),
+            (1_000_000, 1024)
+        );
     }
 
     #[test]

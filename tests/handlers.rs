@@ -7,14 +7,17 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::unbounded;
 use dedupd::clock::SystemClock;
 use dedupd::config::{Config, PartitionSource, SubscriberConfig};
 use dedupd::effects::{EmptyState, Failure, HandlerMessage, MessageHandler};
 use dedupd::envelope::{fingerprint, key_hash};
-use dedupd::handler::{Component, HandlerError, Limits};
+use dedupd::handler::{
+    Component, HandlerError, Limits, MAX_HEADERS, MAX_HEADER_BYTES, MAX_KEY, MAX_MEMORIES,
+    MAX_TOPIC, MAX_VALUE,
+};
 use dedupd::ledger::{Done, Job, Ledger, Outcome};
 
 fn component(name: &str) -> PathBuf {
@@ -102,6 +105,248 @@ fn memory_cap_obeyed_by_a_real_handler() {
     let c = load("shipping_label", limits);
     let effects = call(&c, &msg("m1", r#"{"order_id":"o-1","type":"OrderPlaced"}"#)).unwrap();
     assert!(effects.state.contains_key(b"label/o-1".as_slice()));
+}
+
+// ---- waits on the clock count against the budget ----
+
+fn with_headers(mut m: HandlerMessage, headers: &[(&str, String)]) -> HandlerMessage {
+    m.headers = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    m
+}
+
+#[test]
+fn sleep_past_the_budget_is_a_timeout_in_about_the_budget() {
+    // fixture_sleep sleeps 5 s (a host call: epoch interruption alone cannot stop it).
+    let c = load("fixture_sleep", Limits::default());
+    let mut h = c.handler();
+    let started = Instant::now();
+    let (_, r) = h.handle(&msg("m1", "{}"), Box::new(EmptyState));
+    let took = started.elapsed();
+    assert_eq!(r, Err(Failure::Timeout { budget_ms: 10 }));
+    assert!(took < Duration::from_millis(200), "took {took:?}");
+    // The instance is usable again, for a sleep that fits.
+    let m = with_headers(msg("m2", "{}"), &[("sleep-ms", "0".into())]);
+    assert!(h.handle(&m, Box::new(EmptyState)).1.is_ok());
+}
+
+#[test]
+fn sleep_within_the_budget_really_waits_and_succeeds() {
+    let c = load("fixture_sleep", roomy());
+    let m = with_headers(msg("m1", "{}"), &[("sleep-ms", "20".into())]);
+    let started = Instant::now();
+    let effects = call(&c, &m).unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(20));
+    let done = effects
+        .state
+        .get(b"sleep/done".as_slice())
+        .cloned()
+        .flatten();
+    assert_eq!(done.as_deref(), Some(b"1".as_slice()));
+}
+
+// ---- bounds of host calls: each obeyed and violated ----
+
+/// Runs fixture_host_limits with `op`, `n` and `size`.
+fn host_op(
+    limits: Limits,
+    op: &str,
+    n: usize,
+    size: usize,
+) -> Result<dedupd::effects::Effects, Failure> {
+    let c = load("fixture_host_limits", limits);
+    let m = with_headers(
+        msg("m1", "{}"),
+        &[
+            ("op", op.into()),
+            ("n", n.to_string()),
+            ("size", size.to_string()),
+        ],
+    );
+    call(&c, &m)
+}
+
+#[track_caller]
+fn assert_trap(r: Result<dedupd::effects::Effects, Failure>, text: &str) {
+    match r {
+        Err(Failure::Trap(m)) => assert!(m.contains(text), "{m:?} does not say {text:?}"),
+        other => panic!("expected a trap saying {text:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn compare_and_set_value_size_obeyed() {
+    let effects = host_op(roomy(), "cas", 1, MAX_VALUE).unwrap();
+    let v = effects.state.get(b"cas/k".as_slice()).cloned().flatten();
+    assert_eq!(v.map(|v| v.len()), Some(MAX_VALUE));
+}
+
+#[test]
+fn compare_and_set_value_size_violated() {
+    assert_trap(
+        host_op(roomy(), "cas", 1, MAX_VALUE + 1),
+        &format!("state value of {} bytes", MAX_VALUE + 1),
+    );
+}
+
+#[test]
+fn emit_payload_size_obeyed() {
+    let effects = host_op(roomy(), "emit-payload", 1, MAX_VALUE).unwrap();
+    assert_eq!(effects.outbox[0].payload.len(), MAX_VALUE);
+}
+
+#[test]
+fn emit_payload_size_violated() {
+    assert_trap(
+        host_op(roomy(), "emit-payload", 1, MAX_VALUE + 1),
+        &format!("outbox payload of {} bytes", MAX_VALUE + 1),
+    );
+}
+
+#[test]
+fn emit_topic_length_obeyed() {
+    let effects = host_op(roomy(), "emit-topic", 1, MAX_TOPIC).unwrap();
+    assert_eq!(effects.outbox[0].topic.len(), MAX_TOPIC);
+}
+
+#[test]
+fn emit_topic_length_violated() {
+    assert_trap(
+        host_op(roomy(), "emit-topic", 1, MAX_TOPIC + 1),
+        &format!("outbox topic of {} bytes", MAX_TOPIC + 1),
+    );
+}
+
+#[test]
+fn emit_key_length_obeyed() {
+    let effects = host_op(roomy(), "emit-key", 1, MAX_KEY).unwrap();
+    assert_eq!(
+        effects.outbox[0].key.as_ref().map(|k| k.len()),
+        Some(MAX_KEY)
+    );
+}
+
+#[test]
+fn emit_key_length_violated() {
+    assert_trap(
+        host_op(roomy(), "emit-key", 1, MAX_KEY + 1),
+        &format!("outbox key of {} bytes", MAX_KEY + 1),
+    );
+}
+
+#[test]
+fn emit_header_count_obeyed() {
+    let effects = host_op(roomy(), "emit-headers", MAX_HEADERS, 1).unwrap();
+    assert_eq!(effects.outbox[0].headers.len(), MAX_HEADERS);
+}
+
+#[test]
+fn emit_header_count_violated() {
+    assert_trap(
+        host_op(roomy(), "emit-headers", MAX_HEADERS + 1, 1),
+        &format!("with {} headers", MAX_HEADERS + 1),
+    );
+}
+
+#[test]
+fn emit_header_bytes_obeyed() {
+    // One header named "h0" (2 bytes) whose value fills the rest.
+    let effects = host_op(roomy(), "emit-headers", 1, MAX_HEADER_BYTES - 2).unwrap();
+    assert_eq!(effects.outbox[0].headers[0].1.len(), MAX_HEADER_BYTES - 2);
+}
+
+#[test]
+fn emit_header_bytes_violated() {
+    assert_trap(
+        host_op(roomy(), "emit-headers", 1, MAX_HEADER_BYTES - 1),
+        &format!("outbox headers of {} bytes", MAX_HEADER_BYTES + 1),
+    );
+}
+
+fn few_writes() -> Limits {
+    Limits {
+        max_writes: 100,
+        max_write_bytes: 1 << 20,
+        ..roomy()
+    }
+}
+
+#[test]
+fn writes_per_call_obeyed() {
+    let effects = host_op(few_writes(), "puts", 100, 1).unwrap();
+    assert_eq!(effects.state.len(), 100);
+}
+
+#[test]
+fn writes_per_call_violated() {
+    assert_trap(
+        host_op(few_writes(), "puts", 101, 1),
+        "more than 100 state writes in one message (handler_max_writes)",
+    );
+}
+
+#[test]
+fn write_bytes_per_call_obeyed() {
+    // Key "p/0" (3 bytes) plus the value make exactly the 1 MiB allowed.
+    let effects = host_op(few_writes(), "puts", 1, (1 << 20) - 3).unwrap();
+    assert_eq!(effects.state.len(), 1);
+}
+
+#[test]
+fn write_bytes_per_call_violated() {
+    assert_trap(
+        host_op(few_writes(), "puts", 1, (1 << 20) - 2),
+        "more than 1048576 bytes of state and outbox writes in one message (handler_max_write_mib)",
+    );
+}
+
+/// A component of `n` core instances of a module with one memory and nothing else: it
+/// fails the handler contract, but only after the memory count was checked.
+fn component_with_memories(n: usize) -> Vec<u8> {
+    use wasm_encoder::{
+        InstanceSection, MemorySection, MemoryType, Module, ModuleArg, ModuleSection,
+    };
+    let mut memories = MemorySection::new();
+    memories.memory(MemoryType {
+        minimum: 1,
+        maximum: None,
+        memory64: false,
+        shared: false,
+        page_size_log2: None,
+    });
+    let mut module = Module::new();
+    module.section(&memories);
+    let mut instances = InstanceSection::new();
+    for _ in 0..n {
+        instances.instantiate(0, Vec::<(&str, ModuleArg)>::new());
+    }
+    let mut component = wasm_encoder::Component::new();
+    component.section(&ModuleSection(&module));
+    component.section(&instances);
+    component.finish()
+}
+
+#[test]
+fn memory_count_obeyed() {
+    let bytes = component_with_memories(MAX_MEMORIES);
+    let err =
+        Component::from_bytes(&PathBuf::from("four.wasm"), &bytes, Limits::default()).unwrap_err();
+    assert!(matches!(err, HandlerError::Contract { .. }), "{err}");
+}
+
+#[test]
+fn memory_count_violated_is_refused_at_load() {
+    let bytes = component_with_memories(MAX_MEMORIES + 1);
+    let err =
+        Component::from_bytes(&PathBuf::from("five.wasm"), &bytes, Limits::default()).unwrap_err();
+    match err {
+        HandlerError::TooManyMemories {
+            memories, limit, ..
+        } => assert_eq!((memories, limit), (MAX_MEMORIES + 1, MAX_MEMORIES)),
+        other => panic!("expected TooManyMemories, got {other}"),
+    }
 }
 
 #[test]
@@ -279,6 +524,34 @@ fn trap_after_write_rolls_back_and_is_dead_lettered_while_neighbours_commit() {
         .find(|s| s.subscriber == "trap")
         .unwrap();
     assert_eq!(trap.dead_lettered, 1);
+}
+
+#[test]
+fn sleeping_handler_is_dead_lettered_as_timeout_in_its_budget_while_neighbours_commit() {
+    let h = Harness::new(&[("sleepy", "noop", 3), ("labels", "shipping_label", 3)]);
+    // The sleeper under the default 10 ms budget; it sleeps 5 s per attempt if not stopped.
+    let f = dedupd::handler::load_factory(&component("fixture_sleep"), Limits::default()).unwrap();
+    h.ledger.set_handler("sleepy", Some(f)).unwrap();
+    let started = Instant::now();
+    let out = h.run(&[
+        ("labels", "e1", r#"{"order_id":"o-1","type":"OrderPlaced"}"#),
+        ("sleepy", "z1", r#"{"order_id":"o-9"}"#),
+        ("labels", "e2", r#"{"order_id":"o-2","type":"OrderPlaced"}"#),
+    ]);
+    let took = started.elapsed();
+    assert_eq!(out[0], Outcome::Processed);
+    assert_eq!(out[2], Outcome::Processed);
+    match &out[1] {
+        Outcome::DeadLettered { reason, .. } => {
+            assert!(reason.contains("budget of 10 ms"), "{reason}");
+            assert!(reason.contains("attempt 3 of 3"), "{reason}");
+        }
+        other => panic!("expected dead_lettered, got {other:?}"),
+    }
+    // Three attempts of a 5 s sleep, each cut at its 10 ms budget.
+    assert!(took < Duration::from_millis(200), "took {took:?}");
+    assert!(h.state("sleepy").is_empty());
+    assert_eq!(h.state("labels").len(), 2);
 }
 
 #[test]

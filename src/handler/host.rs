@@ -2,49 +2,85 @@
 //! uniqueness, version guards, the outbox, operation keys, logging.
 //!
 //! Every write goes into the call's [`Effects`]; nothing touches storage here. The ledger
-//! applies the effects with the claim (G2) or drops them when the call fails (G6).
+//! applies the effects with the claim (G2) or drops them when the call fails (G6). What a
+//! call may buffer is bounded, each write and in total (see [`Limits`]): the effects live in
+//! host memory until the batch commits, outside the guest's memory cap. A call over a bound
+//! traps: it is a bug in the handler, not a reason to wait.
+
+use std::sync::Arc;
 
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::WasiCtx;
 use xxhash_rust::xxh3::xxh3_128;
 
 use super::bindings::dedupd::handler::host::{self, Entry, Level};
+use super::clock::CallClock;
 use super::output::GuestOutput;
+use super::Limits;
 use crate::effects::{unique_key, Effects, EmptyState, HandlerMessage, OutboxMessage, StateReader};
 
-/// Largest key and value a handler may store; more is a trap (a bug, not a retry).
-const MAX_KEY: usize = 1024;
-const MAX_VALUE: usize = 1 << 20;
+/// Largest key and value a handler may store (an outbox message's key and payload too);
+/// more is a trap (a bug, not a retry).
+pub const MAX_KEY: usize = 1024;
+pub const MAX_VALUE: usize = 1 << 20;
 const MAX_SCAN: usize = 1000;
-const MAX_EMITS: usize = 1000;
+pub const MAX_EMITS: usize = 1000;
+/// Longest outbox topic name (Kafka's limit).
+pub const MAX_TOPIC: usize = 249;
+/// Headers of one outbox message: how many, and their names and values together.
+pub const MAX_HEADERS: usize = 64;
+pub const MAX_HEADER_BYTES: usize = 64 << 10;
+/// Linear memories of one instance; [`Limits::memory_bytes`] caps them together.
+pub const MAX_MEMORIES: usize = 4;
 /// Log lines a single call may write; the rest are counted and dropped.
 const MAX_LOG_LINES: u32 = 20;
 
-/// Caps linear memory and remembers whether a growth was refused, so the resulting trap
-/// can be reported as a memory failure.
+/// Caps the linear memories of an instance together (a component may define several;
+/// each one under the cap would multiply it) and remembers whether a growth was refused,
+/// so the resulting trap can be reported as a memory failure.
 pub(crate) struct MemoryCap {
     cap: usize,
+    /// Bytes of all memories of the instance, as granted.
+    total: usize,
+    /// The last granted change (from, to), undone if the growth then failed.
+    pending: Option<(usize, usize)>,
     pub denied: bool,
 }
 
 impl MemoryCap {
     pub fn new(cap: usize) -> Self {
-        MemoryCap { cap, denied: false }
+        MemoryCap {
+            cap,
+            total: 0,
+            pending: None,
+            denied: false,
+        }
     }
 }
 
 impl wasmtime::ResourceLimiter for MemoryCap {
+    /// Also called when a memory is created (`current` 0).
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired > self.cap {
+        let total = self.total.saturating_sub(current).saturating_add(desired);
+        if total > self.cap {
             self.denied = true;
             return Ok(false);
         }
+        self.total = total;
+        self.pending = Some((current, desired));
         Ok(true)
+    }
+
+    fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+        if let Some((from, to)) = self.pending.take() {
+            self.total = self.total.saturating_sub(to).saturating_add(from);
+        }
+        Ok(())
     }
 
     fn table_growing(
@@ -65,7 +101,7 @@ impl wasmtime::ResourceLimiter for MemoryCap {
     }
 
     fn memories(&self) -> usize {
-        32
+        MAX_MEMORIES
     }
 }
 
@@ -76,6 +112,10 @@ struct Call {
     id: String,
     received_at_ms: u64,
     emits: usize,
+    /// State writes so far (see [`Limits::max_writes`]).
+    writes: usize,
+    /// Bytes of state and outbox writes so far (see [`Limits::max_write_bytes`]).
+    write_bytes: usize,
     logs: u32,
 }
 
@@ -84,6 +124,9 @@ pub(crate) struct HostState {
     pub wasi: WasiCtx,
     pub table: ResourceTable,
     pub limiter: MemoryCap,
+    /// The guest's monotonic clock and the running call's wait deadline (`clock.rs`).
+    pub clock: Arc<CallClock>,
+    limits: Limits,
     output: GuestOutput,
     call: Call,
     /// Whether a call is running (`begin` .. `finish`).
@@ -93,11 +136,13 @@ pub(crate) struct HostState {
 }
 
 impl HostState {
-    pub fn new(wasi: WasiCtx, limiter: MemoryCap, output: GuestOutput) -> Self {
+    pub fn new(wasi: WasiCtx, limits: Limits, output: GuestOutput) -> Self {
         HostState {
             wasi,
             table: ResourceTable::new(),
-            limiter,
+            limiter: MemoryCap::new(limits.memory_bytes),
+            clock: CallClock::new(),
+            limits,
             output,
             call: Call::default(),
             in_call: false,
@@ -111,27 +156,54 @@ impl HostState {
         self.reader = reader;
         self.effects = Effects::default();
         self.limiter.denied = false;
+        self.clock.start(self.limits.cpu_budget);
         // Reuses the previous call's strings: no allocation per call.
         let call = &mut self.call;
         call.subscriber.clone_from(&msg.subscriber);
         call.id.clone_from(&msg.id);
         call.received_at_ms = msg.received_at_ms;
         call.emits = 0;
+        call.writes = 0;
+        call.write_bytes = 0;
         call.logs = 0;
         self.in_call = true;
     }
 
-    /// Ends a call: hands back the reader, the effects and whether memory was refused.
-    pub fn finish(&mut self) -> (Box<dyn StateReader>, Effects, bool) {
+    /// Ends a call: hands back the reader, the effects and what ran out.
+    pub fn finish(&mut self) -> Finished {
         if std::mem::take(&mut self.in_call) {
             self.output.flush_to_log(&self.call.subscriber);
         }
-        let reader = std::mem::replace(&mut self.reader, Box::new(EmptyState));
-        (
-            reader,
-            std::mem::take(&mut self.effects),
-            self.limiter.denied,
-        )
+        Finished {
+            reader: std::mem::replace(&mut self.reader, Box::new(EmptyState)),
+            effects: std::mem::take(&mut self.effects),
+            memory_denied: self.limiter.denied,
+            out_of_time: self.clock.stop(),
+        }
+    }
+
+    /// Counts one state write of `bytes` against the call's bounds.
+    fn charge_write(&mut self, bytes: usize) -> wasmtime::Result<()> {
+        let max = self.limits.max_writes;
+        let call = self.call_mut()?;
+        call.writes += 1;
+        if call.writes > max {
+            wasmtime::bail!("more than {max} state writes in one message (handler_max_writes)");
+        }
+        self.charge_bytes(bytes)
+    }
+
+    /// Counts `bytes` of state or outbox writes against the call's bound.
+    fn charge_bytes(&mut self, bytes: usize) -> wasmtime::Result<()> {
+        let max = self.limits.max_write_bytes;
+        let call = self.call_mut()?;
+        call.write_bytes = call.write_bytes.saturating_add(bytes);
+        if call.write_bytes > max {
+            wasmtime::bail!(
+                "more than {max} bytes of state and outbox writes in one message (handler_max_write_mib)"
+            );
+        }
+        Ok(())
     }
 
     fn call(&self) -> wasmtime::Result<&Call> {
@@ -168,6 +240,16 @@ impl HostState {
     }
 }
 
+/// What a call left behind, from [`HostState::finish`].
+pub(crate) struct Finished {
+    pub reader: Box<dyn StateReader>,
+    pub effects: Effects,
+    /// A memory growth was refused.
+    pub memory_denied: bool,
+    /// A wait reached the end of the budget (`clock.rs`).
+    pub out_of_time: bool,
+}
+
 /// `format!("{:032x}")` without the formatting machinery (2 % of a shipping-label run's
 /// CPU went to `derive`, most of it in `fmt`).
 fn hex128(x: u128) -> String {
@@ -185,6 +267,49 @@ fn check_key(key: &[u8]) -> wasmtime::Result<()> {
         wasmtime::bail!("state key of {} bytes (must be 1..={MAX_KEY})", key.len());
     }
     Ok(())
+}
+
+fn check_value(value: &[u8]) -> wasmtime::Result<()> {
+    if value.len() > MAX_VALUE {
+        wasmtime::bail!("state value of {} bytes (limit {MAX_VALUE})", value.len());
+    }
+    Ok(())
+}
+
+/// Checks an outbox message; returns its size in bytes.
+fn check_emit(
+    topic: &str,
+    key: Option<&str>,
+    headers: &[(String, String)],
+    payload: &[u8],
+) -> wasmtime::Result<usize> {
+    if topic.is_empty() || topic.len() > MAX_TOPIC {
+        wasmtime::bail!(
+            "outbox topic of {} bytes (must be 1..={MAX_TOPIC})",
+            topic.len()
+        );
+    }
+    let key_len = key.map_or(0, str::len);
+    if key_len > MAX_KEY {
+        wasmtime::bail!("outbox key of {key_len} bytes (limit {MAX_KEY})");
+    }
+    if headers.len() > MAX_HEADERS {
+        wasmtime::bail!(
+            "outbox message with {} headers (limit {MAX_HEADERS})",
+            headers.len()
+        );
+    }
+    let header_bytes: usize = headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if header_bytes > MAX_HEADER_BYTES {
+        wasmtime::bail!("outbox headers of {header_bytes} bytes (limit {MAX_HEADER_BYTES})");
+    }
+    if payload.len() > MAX_VALUE {
+        wasmtime::bail!(
+            "outbox payload of {} bytes (limit {MAX_VALUE})",
+            payload.len()
+        );
+    }
+    Ok(topic.len() + key_len + header_bytes + payload.len())
 }
 
 impl host::Host for HostState {
@@ -212,15 +337,15 @@ impl host::Host for HostState {
 
     fn put(&mut self, key: Vec<u8>, value: Vec<u8>) -> wasmtime::Result<()> {
         check_key(&key)?;
-        if value.len() > MAX_VALUE {
-            wasmtime::bail!("state value of {} bytes (limit {MAX_VALUE})", value.len());
-        }
+        check_value(&value)?;
+        self.charge_write(key.len() + value.len())?;
         self.effects.state.insert(key, Some(value));
         Ok(())
     }
 
     fn delete(&mut self, key: Vec<u8>) -> wasmtime::Result<()> {
         check_key(&key)?;
+        self.charge_write(key.len())?;
         self.effects.state.insert(key, None);
         Ok(())
     }
@@ -263,6 +388,7 @@ impl host::Host for HostState {
         if self.effects.uniques.contains(&mark) || self.reader.unique_exists(&mark) {
             return Ok(false);
         }
+        self.charge_write(mark.len())?;
         self.effects.uniques.insert(mark);
         Ok(true)
     }
@@ -278,6 +404,7 @@ impl host::Host for HostState {
         if current.is_some_and(|c| version <= c) {
             return Ok(false);
         }
+        self.charge_write(key.len() + 8)?;
         self.effects.versions.insert(key, version);
         Ok(true)
     }
@@ -289,9 +416,11 @@ impl host::Host for HostState {
         new: Vec<u8>,
     ) -> wasmtime::Result<bool> {
         check_key(&key)?;
+        check_value(&new)?;
         if self.read(&key) != expected {
             return Ok(false);
         }
+        self.charge_write(key.len() + new.len())?;
         self.effects.state.insert(key, Some(new));
         Ok(true)
     }
@@ -311,6 +440,8 @@ impl host::Host for HostState {
         if n > MAX_EMITS {
             wasmtime::bail!("more than {MAX_EMITS} emits in one message");
         }
+        let bytes = check_emit(&topic, key.as_deref(), &headers, &payload)?;
+        self.charge_bytes(bytes)?;
         let id = self.derive("emit", &n.to_string())?;
         self.effects.outbox.push(OutboxMessage {
             id: id.clone(),
@@ -333,6 +464,48 @@ impl host::Host for HostState {
 
 #[cfg(test)]
 mod tests {
+    use super::MemoryCap;
+    use wasmtime::ResourceLimiter;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn memory_cap_over_all_memories_obeyed() {
+        let mut cap = MemoryCap::new(4 * MIB);
+        assert!(cap.memory_growing(0, 3 * MIB, None).unwrap());
+        assert!(cap.memory_growing(0, MIB, None).unwrap());
+        assert!(!cap.denied);
+    }
+
+    #[test]
+    fn memory_cap_over_all_memories_violated() {
+        // Each memory alone is under the cap; together they are not.
+        let mut cap = MemoryCap::new(4 * MIB);
+        assert!(cap.memory_growing(0, 3 * MIB, None).unwrap());
+        assert!(!cap.memory_growing(0, 2 * MIB, None).unwrap());
+        assert!(cap.denied);
+        // Growing the first memory counts only the difference.
+        let mut cap = MemoryCap::new(4 * MIB);
+        assert!(cap.memory_growing(0, 2 * MIB, None).unwrap());
+        assert!(cap.memory_growing(2 * MIB, 4 * MIB, None).unwrap());
+        assert!(!cap.memory_growing(4 * MIB, 5 * MIB, None).unwrap());
+    }
+
+    #[test]
+    fn failed_growth_gives_its_bytes_back() {
+        let mut cap = MemoryCap::new(4 * MIB);
+        assert!(cap.memory_growing(0, MIB, None).unwrap());
+        assert!(cap.memory_growing(MIB, 4 * MIB, None).unwrap());
+        cap.memory_grow_failed(wasmtime::Error::msg("above the memory's maximum"))
+            .unwrap();
+        assert!(cap.memory_growing(0, 3 * MIB, None).unwrap());
+    }
+
+    #[test]
+    fn memory_count_is_bounded() {
+        assert_eq!(MemoryCap::new(MIB).memories(), super::MAX_MEMORIES);
+    }
+
     #[test]
     fn hex128_matches_the_formatter() {
         for x in [

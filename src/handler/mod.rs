@@ -2,15 +2,19 @@
 //!
 //! A [`Component`] is compiled once and pre-instantiated; each shard thread owns its own
 //! instance ([`WasmHandler`]) and reuses it across messages (a trapped instance is thrown
-//! away and rebuilt). Every call gets a CPU budget (epoch deadline: a ticker thread bumps
-//! the engine epoch every millisecond) and a memory cap. Guests see no filesystem,
-//! network, environment or randomness: a component that imports such an interface is
-//! refused when it is loaded, with the import's name. Guest stdout/stderr go to the log,
-//! rate-limited.
+//! away and rebuilt). Every call gets a budget (epoch deadline: a ticker thread bumps the
+//! engine epoch every millisecond), which also ends the guest's waits on the clock
+//! (`clock.rs`: epoch interruption cannot stop a host call), and a memory cap over all of
+//! the instance's linear memories (at most [`MAX_MEMORIES`], checked at load). What one
+//! call may write through the host is bounded too (`host.rs`, [`Limits`]). Guests see no
+//! filesystem, network, environment or randomness: a component that imports such an
+//! interface is refused when it is loaded, with the import's name. Guest stdout/stderr go
+//! to the log, rate-limited.
 //!
 //! `wasmtime::Error` never leaves this module: traps are classified into
 //! [`Failure`] at the edge.
 
+mod clock;
 mod host;
 mod output;
 
@@ -25,7 +29,10 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use crate::effects::{
     Effects, Failure, HandlerFactory, HandlerMessage, MessageHandler, StateReader,
 };
-use host::HostState;
+use host::{Finished, HostState};
+pub use host::{
+    MAX_EMITS, MAX_HEADERS, MAX_HEADER_BYTES, MAX_KEY, MAX_MEMORIES, MAX_TOPIC, MAX_VALUE,
+};
 use output::GuestOutput;
 
 mod bindings {
@@ -67,17 +74,30 @@ pub enum HandlerError {
     CapabilityDenied { path: PathBuf, import: String },
     #[error("{path} does not implement the dedupd handler contract (wit/handler.wit): {detail}")]
     Contract { path: PathBuf, detail: String },
+    #[error("{path} defines {memories} linear memories; a handler may have at most {limit}")]
+    TooManyMemories {
+        path: PathBuf,
+        memories: usize,
+        limit: usize,
+    },
     #[error("cannot instantiate handler: {0}")]
     Instantiate(String),
 }
 
-/// Per-call limits of a subscriber's handler.
+/// Per-call limits of a subscriber's handler. The fixed bounds of single host calls
+/// (key, value, topic and header sizes) are the `MAX_*` constants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Limits {
-    /// CPU budget per message (rounded up to whole milliseconds).
+    /// Budget per message (rounded up to whole milliseconds): guest CPU and clock waits
+    /// together, wall time.
     pub cpu_budget: Duration,
-    /// Linear memory cap per instance.
+    /// Cap of all linear memories of an instance together.
     pub memory_bytes: usize,
+    /// State writes per message: `put`, `delete`, and `compare-and-set`, `insert-unique`,
+    /// `advance-version` when they write. Overwrites count.
+    pub max_writes: usize,
+    /// Bytes of state writes (keys and values) and outbox messages per message.
+    pub max_write_bytes: usize,
 }
 
 impl Default for Limits {
@@ -85,6 +105,8 @@ impl Default for Limits {
         Limits {
             cpu_budget: Duration::from_millis(10),
             memory_bytes: 32 << 20,
+            max_writes: 10_000,
+            max_write_bytes: 16 << 20,
         }
     }
 }
@@ -185,9 +207,29 @@ impl Component {
                 import: denied.clone(),
             });
         }
+        // Unknown (`None`) only for components that import core modules; the store's
+        // limiter still refuses the extra memories when such a one is instantiated.
+        if let Some(needs) = component.resources_required() {
+            let memories = needs.num_memories as usize;
+            if memories > MAX_MEMORIES {
+                return Err(HandlerError::TooManyMemories {
+                    path: path.to_path_buf(),
+                    memories,
+                    limit: MAX_MEMORIES,
+                });
+            }
+        }
         let mut linker: Linker<HostState> = Linker::new(&rt.engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .map_err(|e| HandlerError::Instantiate(format!("linking WASI: {e:#}")))?;
+        // The monotonic clock is ours: its waits end with the call's budget (`clock.rs`).
+        linker.allow_shadowing(true);
+        wasmtime_wasi::p2::bindings::clocks::monotonic_clock::add_to_linker::<_, HasSelf<_>>(
+            &mut linker,
+            |s| s,
+        )
+        .map_err(|e| HandlerError::Instantiate(format!("linking the clock: {e:#}")))?;
+        linker.allow_shadowing(false);
         bindings::DedupdHandler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| HandlerError::Instantiate(format!("linking host: {e:#}")))?;
         let instance_pre =
@@ -281,7 +323,7 @@ impl WasmHandler {
             .stdout(output.clone())
             .stderr(output.clone())
             .build();
-        let state = HostState::new(wasi, host::MemoryCap::new(self.limits.memory_bytes), output);
+        let state = HostState::new(wasi, self.limits, output);
         let mut store = Store::new(&rt.engine, state);
         store.limiter(|s| &mut s.limiter);
         store.set_epoch_deadline(PARKED);
@@ -330,28 +372,36 @@ impl MessageHandler for WasmHandler {
             .dedupd_handler_handler()
             .call_handle(&mut *store, input);
         store.set_epoch_deadline(PARKED);
-        let (reader, effects, memory_denied) = store.data_mut().finish();
+        let end = store.data_mut().finish();
         let result = match called {
-            Ok(Ok(())) => Ok(effects),
+            // A wait was cut short at the end of the budget: whatever the guest made of
+            // that, the call ran out of time.
+            Ok(_) if end.out_of_time => Err(timeout(&self.limits)),
+            Ok(Ok(())) => Ok(end.effects),
             Ok(Err(guest::HandlerError::Retryable(m))) => Err(Failure::Retryable(m)),
             Ok(Err(guest::HandlerError::Permanent(m))) => Err(Failure::Permanent(m)),
             Err(e) => {
                 // A trapped instance may not be entered again: rebuild on the next call.
                 self.live = None;
-                Err(classify(&e, memory_denied, &self.limits))
+                Err(classify(&e, &end, &self.limits))
             }
         };
-        (reader, result)
+        (end.reader, result)
+    }
+}
+
+fn timeout(limits: &Limits) -> Failure {
+    Failure::Timeout {
+        budget_ms: limits.cpu_budget.as_millis() as u64,
     }
 }
 
 /// Turns a wasmtime error into a typed failure.
-fn classify(e: &wasmtime::Error, memory_denied: bool, limits: &Limits) -> Failure {
+fn classify(e: &wasmtime::Error, end: &Finished, limits: &Limits) -> Failure {
     match e.downcast_ref::<Trap>() {
-        Some(Trap::Interrupt) => Failure::Timeout {
-            budget_ms: limits.cpu_budget.as_millis() as u64,
-        },
-        _ if memory_denied => Failure::MemoryLimit {
+        Some(Trap::Interrupt) => timeout(limits),
+        _ if end.out_of_time => timeout(limits),
+        _ if end.memory_denied => Failure::MemoryLimit {
             cap_mib: (limits.memory_bytes >> 20) as u64,
         },
         Some(t) => Failure::Trap(t.to_string()),

@@ -20,6 +20,8 @@ pub fn limits_of(s: &SubscriberSettings) -> Limits {
     Limits {
         cpu_budget: s.handler_cpu_budget,
         memory_bytes: s.handler_memory_mib << 20,
+        max_writes: s.handler_max_writes,
+        max_write_bytes: s.handler_max_write_mib << 20,
     }
 }
 
