@@ -105,6 +105,12 @@ pub struct LedgerConfig {
     /// Verify every page checksum when a shard file is opened, so a file damaged outside
     /// dedupd is reported instead of trusted. Reads the whole file at start-up.
     pub verify_on_open: bool,
+    /// Most subscribers that are not in the config (created by the first message that
+    /// names them, when `allow_unknown_subscribers` is true; those found in the data
+    /// directory count too). Each costs memory on every shard; past the limit a message
+    /// for a new name is refused (HTTP 403 `subscriber_limit`). Configured subscribers are
+    /// never limited.
+    pub max_implicit_subscribers: usize,
 }
 
 impl Default for LedgerConfig {
@@ -120,6 +126,7 @@ impl Default for LedgerConfig {
             state_buffer_entries: nz(1 << 17),
             cache_mib: nz(32),
             verify_on_open: true,
+            max_implicit_subscribers: 64,
         }
     }
 }

@@ -945,6 +945,16 @@ async fn dashboard_assets_are_served_without_external_references() {
             !r.text.contains("http://") && !r.text.contains("https://"),
             "{uri} must not load anything external"
         );
+        assert_eq!(r.headers["x-content-type-options"], "nosniff", "{uri}");
+        assert_eq!(r.headers["x-frame-options"], "DENY", "{uri}");
+        let csp = r.headers["content-security-policy"].to_str().unwrap();
+        for directive in [
+            "default-src 'none'",
+            "script-src 'self'",
+            "frame-ancestors 'none'",
+        ] {
+            assert!(csp.contains(directive), "{uri}: {csp}");
+        }
     }
 }
 
@@ -1133,6 +1143,7 @@ partition_key = { source = "json_pointer", pointer = "/order/id" }
     assert_eq!(r.body["key"], "shop#e1");
     let req = Request::post("/v1/subscribers/hdr/messages")
         .header("x-event-id", "evt-9")
+        .header("content-type", "application/octet-stream")
         .body(Body::from("not json at all"))
         .unwrap();
     let r = api.send(req).await;
@@ -1152,4 +1163,455 @@ partition_key = { source = "json_pointer", pointer = "/order/id" }
     assert_eq!(again.headers["idempotent-replayed"], "true");
     let r = api.ingest("ptr", None, r#"{"order": {}}"#).await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+}
+
+// ---------------------------------------------------------------------------------------
+// DNS rebinding, cross-site writes, admission, implicit subscribers, redaction, JSON
+
+/// Config of a server with one request slot and a subscriber whose "retry" payload holds
+/// its request (a retry backoff of 1.5 s) until its second attempt fails it for good.
+fn one_slot(http: &str) -> String {
+    format!(
+        "[ledger]\nshards = 1\n[http]\nmax_concurrency = 1\n{http}\n[[subscriber]]\nname = \"slow\"\nmax_attempts = 2\nretry_backoff = \"1500ms\"\n"
+    )
+}
+
+/// Starts a request that holds the only slot and returns once it does.
+async fn hold_the_slot(api: &Api) -> tokio::task::JoinHandle<StatusCode> {
+    assert_eq!(
+        api.upload("slow", "fixture_errors").await.status,
+        StatusCode::OK
+    );
+    let app = api.router.clone();
+    let held = tokio::spawn(async move {
+        let req = Request::post("/v1/subscribers/slow/messages")
+            .header("idempotency-key", "held")
+            .body(Body::from(r#"{"please": "retry"}"#))
+            .unwrap();
+        app.oneshot(req).await.unwrap().status()
+    });
+    api.wait_for_waiting(1).await;
+    held
+}
+
+fn with_host(method: &str, uri: &str, host: &str) -> Request<Body> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("host", host)
+        .body(Body::empty())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn host_of_another_name_is_refused_with_421() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[http]\nallowed_hosts = [\"dedupd.internal\"]\n",
+        None,
+    );
+    // A rebinding page's own name, on a read and on a write.
+    for (method, uri) in [
+        ("GET", "/v1/subscribers"),
+        ("POST", "/v1/maintenance/compact"),
+    ] {
+        let r = api.send(with_host(method, uri, "evil.example")).await;
+        assert_error(&r, StatusCode::MISDIRECTED_REQUEST, "misdirected_host");
+        assert!(r.text.contains("allowed_hosts"), "{}", r.text);
+        let r = api.send(with_host(method, uri, "evil.example:8080")).await;
+        assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST, "{}", r.text);
+    }
+    // Nothing ran: the compaction was never audited.
+    let audit = api.call("GET", "/v1/audit", None).await;
+    assert_eq!(audit.body["entries"], json!([]), "{}", audit.text);
+    // The loopback names, with and without port, and the configured one.
+    for host in [
+        "127.0.0.1:8080",
+        "127.0.0.1",
+        "localhost",
+        "localhost:1234",
+        "[::1]:8080",
+        "dedupd.internal",
+        "DEDUPD.internal:443",
+    ] {
+        let r = api.send(with_host("GET", "/v1/subscribers", host)).await;
+        assert_eq!(r.status, StatusCode::OK, "{host}: {}", r.text);
+    }
+    // No Host at all (HTTP/1.0 tools): not a browser, so not a rebinding page.
+    let r = api.call("GET", "/v1/subscribers", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cross_origin_text_plain_post_is_refused() {
+    let api = Api::open();
+    let post = |origin: Option<&str>, content_type: &str, key: &str| {
+        let mut b = Request::post("/v1/subscribers/s/messages")
+            .header("host", "127.0.0.1:8080")
+            .header("content-type", content_type)
+            .header("idempotency-key", key);
+        if let Some(o) = origin {
+            b = b.header("origin", o);
+        }
+        b.body(Body::from(r#"{"total": 5}"#)).unwrap()
+    };
+    // The form a hostile page can send without a CORS preflight.
+    let r = api
+        .send(post(Some("http://evil.example"), "text/plain", "csrf-1"))
+        .await;
+    assert_error(&r, StatusCode::FORBIDDEN, "cross_origin");
+    // Another origin is refused whatever the type; so is an opaque ("null") origin.
+    let r = api
+        .send(post(
+            Some("http://evil.example:8080"),
+            "application/json",
+            "csrf-2",
+        ))
+        .await;
+    assert_error(&r, StatusCode::FORBIDDEN, "cross_origin");
+    let r = api
+        .send(post(Some("null"), "application/json", "csrf-3"))
+        .await;
+    assert_error(&r, StatusCode::FORBIDDEN, "cross_origin");
+    // A browser that omits Origin: without a token the form types are refused.
+    for t in [
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ] {
+        let r = api.send(post(None, t, "csrf-4")).await;
+        assert_error(
+            &r,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        );
+    }
+    // No claim was taken by any of them.
+    for key in ["csrf-1", "csrf-2", "csrf-3", "csrf-4"] {
+        let r = api
+            .call("GET", &format!("/v1/subscribers/s/messages/{key}"), None)
+            .await;
+        assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+    }
+    // The dashboard's own origin and plain clients (curl: no Origin) still write.
+    let r = api
+        .send(post(
+            Some("http://127.0.0.1:8080"),
+            "application/json",
+            "ok-1",
+        ))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    let r = api
+        .send(post(
+            Some("http://localhost:8080"),
+            "application/json",
+            "ok-2",
+        ))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    let r = api.call("POST", "/v1/maintenance/compact", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn form_types_are_accepted_with_a_token() {
+    // A token already stops cross-site writes (a page cannot attach it without a preflight
+    // this server never grants), so a text/plain payload is the client's business.
+    let api = Api::new("[ledger]\nshards = 1\n", Some(TOKEN));
+    let req = api
+        .req("POST", "/v1/subscribers/s/messages")
+        .header("content-type", "text/plain")
+        .header("idempotency-key", "plain-1")
+        .body(Body::from("hello"))
+        .unwrap();
+    let r = api.send(req).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_write_route_needs_the_token() {
+    let api = Api::new("[ledger]\nshards = 1\n", Some(TOKEN));
+    let writes: Vec<_> = ROUTES.iter().filter(|r| r.method != "get").collect();
+    assert!(writes.len() >= 11, "the route table lost its write routes");
+    for route in writes {
+        assert!(
+            route.auth,
+            "{} {} is documented without auth",
+            route.method, route.path
+        );
+        let uri = concrete(route.path);
+        let method = route.method.to_uppercase();
+        // Without a body, with a JSON body, and with a body of the route's own type.
+        for (content_type, body) in [
+            (None, ""),
+            (Some("application/json"), "{}"),
+            (Some("application/octet-stream"), "x"),
+        ] {
+            let mut b = Request::builder().method(method.as_str()).uri(&uri);
+            if let Some(t) = content_type {
+                b = b.header("content-type", t);
+            }
+            let r = api.send(b.body(Body::from(body)).unwrap()).await;
+            assert_error(&r, StatusCode::UNAUTHORIZED, "unauthorized");
+        }
+    }
+    // A method no route takes is refused before routing, too.
+    let r = api
+        .send(
+            Request::builder()
+                .method("PATCH")
+                .uri("/v1/subscribers/s/config")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+    assert_error(&r, StatusCode::UNAUTHORIZED, "unauthorized");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admission_queue_bound_violated_is_503_with_retry_after() {
+    // One slot, no waiting room: while the slot is held the next request is refused at
+    // once (the obeyed side is `concurrency_limit_is_obeyed_across_routes`).
+    let api = Api::new(&one_slot("max_queued = 0"), None);
+    let held = hold_the_slot(&api).await;
+    let started = Instant::now();
+    let r = api.call("GET", "/healthz", None).await;
+    assert_error(&r, StatusCode::SERVICE_UNAVAILABLE, "busy");
+    assert_eq!(r.headers["retry-after"], "1");
+    assert!(r.text.contains("max_queued"), "{}", r.text);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "a full queue must answer at once, not wait for the slot"
+    );
+    assert_eq!(held.await.unwrap(), StatusCode::INTERNAL_SERVER_ERROR);
+    // The slot is free again: served.
+    assert_eq!(
+        api.call("GET", "/healthz", None).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admission_queue_timeout_violated_is_503_with_retry_after() {
+    // Room to wait, but not for long: the held request keeps the slot for 1.5 s.
+    let api = Api::new(&one_slot("max_queued = 4\nqueue_timeout = \"100ms\""), None);
+    let held = hold_the_slot(&api).await;
+    let r = api.call("GET", "/healthz", None).await;
+    assert_error(&r, StatusCode::SERVICE_UNAVAILABLE, "busy");
+    assert_eq!(r.headers["retry-after"], "1");
+    assert!(r.text.contains("queue_timeout"), "{}", r.text);
+    assert!(!held.is_finished(), "the slot was free after all");
+    assert_eq!(held.await.unwrap(), StatusCode::INTERNAL_SERVER_ERROR);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn request_timeout_violated_is_503_and_the_work_still_completes() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[http]\nrequest_timeout = \"200ms\"\n[[subscriber]]\nname = \"slow\"\nmax_attempts = 2\nretry_backoff = \"1500ms\"\n",
+        None,
+    );
+    assert_eq!(
+        api.upload("slow", "fixture_errors").await.status,
+        StatusCode::OK
+    );
+    let r = api
+        .ingest("slow", Some("late"), r#"{"please": "retry"}"#)
+        .await;
+    assert_error(&r, StatusCode::SERVICE_UNAVAILABLE, "timeout");
+    assert_eq!(r.headers["retry-after"], "1");
+    // The message was handed to the engine before the answer: it is still decided (here:
+    // dead-lettered after its second attempt).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let dl = api
+            .call("GET", "/v1/subscribers/slow/deadletters", None)
+            .await;
+        if dl.body["records"].as_array().is_some_and(|r| r.len() == 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never decided: {}", dl.text);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_request_headers_violated_close_the_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        Config::parse("[ledger]\nshards = 1\n[http]\nheader_timeout = \"200ms\"\n").unwrap();
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+    let state = AdminState::new(ledger, &config, None).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(dedupd::admin::serve(listener, state, async move {
+        let _ = stopped.await;
+    }));
+    // Complete headers are answered (obeyed).
+    let mut ok = tokio::net::TcpStream::connect(addr).await.unwrap();
+    ok.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    ok.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // Headers that never end: the server hangs up instead of keeping the socket forever.
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), slow.read_to_end(&mut rest)).await;
+    assert!(
+        read.is_ok(),
+        "the connection was kept open past header_timeout"
+    );
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        !rest.contains(" 200 "),
+        "a partial request was served: {rest}"
+    );
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn implicit_subscriber_limit_obeyed() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\nmax_implicit_subscribers = 2\n[[subscriber]]\nname = \"configured\"\n",
+        None,
+    );
+    for sub in ["first", "second", "configured", "first"] {
+        let r = api.ingest(sub, Some("k"), "{}").await;
+        assert_eq!(r.status, StatusCode::CREATED, "{sub}: {}", r.text);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn implicit_subscriber_limit_violated_is_403() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\nmax_implicit_subscribers = 2\n[[subscriber]]\nname = \"configured\"\n",
+        None,
+    );
+    for sub in ["first", "second"] {
+        assert_eq!(
+            api.ingest(sub, Some("k"), "{}").await.status,
+            StatusCode::CREATED
+        );
+    }
+    let r = api.ingest("third", Some("k"), "{}").await;
+    assert_error(&r, StatusCode::FORBIDDEN, "subscriber_limit");
+    assert!(r.text.contains("max_implicit_subscribers"), "{}", r.text);
+    // Not registered; the others (and configured ones) still take messages.
+    let list = api.call("GET", "/v1/subscribers", None).await;
+    let names: Vec<&str> = list.body["subscribers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["subscriber"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["configured", "first", "second"]);
+    assert_eq!(
+        api.ingest("configured", Some("k2"), "{}").await.status,
+        StatusCode::CREATED
+    );
+    // Other routes that would create one are refused the same way.
+    let r = api
+        .call(
+            "PUT",
+            "/v1/subscribers/fourth/config",
+            Some(json!({"ttl": "1h"})),
+        )
+        .await;
+    assert_error(&r, StatusCode::FORBIDDEN, "subscriber_limit");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fingerprints_and_reasons_need_the_token_when_one_is_configured() {
+    let api = Api::new("[ledger]\nshards = 1\n", Some(TOKEN));
+    assert_eq!(
+        api.ingest("s", Some("k1"), r#"{"card": "4111"}"#)
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    // Same key, another payload: quarantined with both fingerprints and a reason.
+    assert_eq!(
+        api.ingest("s", Some("k1"), r#"{"card": "4222"}"#)
+            .await
+            .status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    let anon = |uri: &str| Request::get(uri).body(Body::empty()).unwrap();
+    // The claim: found, but its fingerprint is not shown without the token.
+    let r = api.send(anon("/v1/subscribers/s/messages/k1")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(r.body.get("fingerprint").is_none(), "{}", r.text);
+    assert!(r.body["redacted"]["fields"].is_array(), "{}", r.text);
+    let full = api.call("GET", "/v1/subscribers/s/messages/k1", None).await;
+    assert_eq!(full.body["fingerprint"].as_str().unwrap().len(), 16);
+    // The list: ids stay, reasons and fingerprints go.
+    let r = api.send(anon("/v1/subscribers/s/quarantine")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let rec = &r.body["records"][0];
+    assert_eq!(rec["message_id"], "k1", "{}", r.text);
+    for field in ["reason", "fingerprint", "stored_fingerprint", "key"] {
+        assert!(rec.get(field).is_none(), "{field} shown: {}", r.text);
+    }
+    let full = api.call("GET", "/v1/subscribers/s/quarantine", None).await;
+    let rec = &full.body["records"][0];
+    assert!(rec["reason"].is_string(), "{}", full.text);
+    assert!(rec["fingerprint"].is_string(), "{}", full.text);
+    assert!(rec.get("redacted").is_none(), "{}", full.text);
+    // A wrong token is refused rather than quietly redacted.
+    let wrong = Request::get("/v1/subscribers/s/quarantine")
+        .header("authorization", "Bearer not-the-token-at-all")
+        .body(Body::empty())
+        .unwrap();
+    assert_error(&api.send(wrong).await, StatusCode::FORBIDDEN, "forbidden");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_a_configured_token_nothing_is_redacted() {
+    let api = Api::open();
+    api.ingest("s", Some("k1"), r#"{"a": 1}"#).await;
+    let r = api.call("GET", "/v1/subscribers/s/messages/k1", None).await;
+    assert!(r.body["fingerprint"].is_string(), "{}", r.text);
+    assert!(r.body.get("redacted").is_none(), "{}", r.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_json_body_is_400() {
+    let api = Api::open();
+    let post = |content_type: Option<&str>, key: &str, body: &'static str| {
+        let mut b = Request::post("/v1/subscribers/s/messages").header("idempotency-key", key);
+        if let Some(t) = content_type {
+            b = b.header("content-type", t);
+        }
+        b.body(Body::from(body)).unwrap()
+    };
+    for (content_type, key) in [
+        (Some("application/json"), "bad-1"),
+        (Some("application/json; charset=utf-8"), "bad-2"),
+        (Some("application/cloudevents+json"), "bad-3"),
+        (None, "bad-4"),
+    ] {
+        let r = api.send(post(content_type, key, "{not json")).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+        assert_eq!(r.body["field"], "body", "{}", r.text);
+        let r = api
+            .call("GET", &format!("/v1/subscribers/s/messages/{key}"), None)
+            .await;
+        assert_error(&r, StatusCode::NOT_FOUND, "not_found");
+    }
+    // Under its own content type an opaque payload is taken as it is.
+    let r = api
+        .send(post(
+            Some("application/octet-stream"),
+            "opaque-1",
+            "{not json",
+        ))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
 }

@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -21,8 +22,26 @@ pub struct HttpConfig {
     pub max_body_bytes: usize,
     /// Largest handler component accepted by an upload, in bytes.
     pub max_handler_bytes: usize,
-    /// Requests served at once; further ones wait for a slot.
+    /// Requests served at once; further ones wait in a bounded queue for a slot.
     pub max_concurrency: usize,
+    /// Requests that may wait for a slot; past it a request is answered 503 with
+    /// `Retry-After` at once (0: never wait).
+    pub max_queued: usize,
+    /// Longest wait in that queue before a 503 with `Retry-After`.
+    #[serde(with = "humantime_serde")]
+    pub queue_timeout: Duration,
+    /// Longest time from a request's headers to its response (body upload included);
+    /// past it the answer is 503 `timeout`. Work already handed to the engine finishes.
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+    /// Longest time a connection may take to send a request's headers (and to stay idle
+    /// between keep-alive requests) before it is closed.
+    #[serde(with = "humantime_serde")]
+    pub header_timeout: Duration,
+    /// Host names (without port) accepted in `Host` and `Origin`, besides the bind
+    /// address and, on a loopback bind, `localhost`, `127.0.0.1` and `[::1]`. Needed when
+    /// the API is reached by a DNS name (a reverse proxy, say).
+    pub allowed_hosts: Vec<String>,
     /// Where `POST /v1/maintenance/backup` creates backups (default: `DATA_DIR/backups`).
     /// A request names only a directory *inside* it.
     pub backup_dir: Option<PathBuf>,
@@ -37,6 +56,11 @@ impl Default for HttpConfig {
             max_body_bytes: 1 << 20,
             max_handler_bytes: 16 << 20,
             max_concurrency: 1024,
+            max_queued: 1024,
+            queue_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(60),
+            header_timeout: Duration::from_secs(10),
+            allowed_hosts: Vec::new(),
             backup_dir: None,
         }
     }
@@ -65,6 +89,35 @@ impl HttpConfig {
         }
         if self.max_concurrency == 0 || self.max_concurrency > 1 << 20 {
             return Err(invalid("max_concurrency", "must be between 1 and 1048576"));
+        }
+        if self.max_queued > 1 << 20 {
+            return Err(invalid("max_queued", "must be at most 1048576"));
+        }
+        for (field, value) in [
+            ("queue_timeout", self.queue_timeout),
+            ("request_timeout", self.request_timeout),
+            ("header_timeout", self.header_timeout),
+        ] {
+            if value < Duration::from_millis(1) || value > Duration::from_secs(3600) {
+                return Err(invalid(field, "must be between 1ms and 1h"));
+            }
+        }
+        for host in &self.allowed_hosts {
+            let bare = host.trim_start_matches('[').trim_end_matches(']');
+            let name = !host.is_empty()
+                && host.len() <= 253
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_');
+            let ok = name || bare.parse::<std::net::IpAddr>().is_ok();
+            if !ok {
+                return Err(invalid(
+                    "allowed_hosts",
+                    format!(
+                        "{host:?} is not a host name (no scheme, port or path: `api.example.com`)"
+                    ),
+                ));
+            }
         }
         let token = match (&self.token, &self.token_env) {
             (Some(_), Some(_)) => {
@@ -162,6 +215,34 @@ mod tests {
         };
         let err = c.resolve_token().unwrap_err().to_string();
         assert!(err.contains("http.token"), "{err}");
+    }
+
+    #[test]
+    fn allowed_host_with_a_port_or_scheme_is_refused() {
+        for bad in ["dedupd.internal:8080", "http://dedupd.internal", ""] {
+            let c = HttpConfig {
+                allowed_hosts: vec![bad.into()],
+                ..HttpConfig::default()
+            };
+            let err = c.resolve_token().unwrap_err().to_string();
+            assert!(err.contains("http.allowed_hosts"), "{bad}: {err}");
+        }
+        let c = HttpConfig {
+            allowed_hosts: vec!["dedupd.internal".into(), "[fd00::1]".into()],
+            ..HttpConfig::default()
+        };
+        assert!(c.resolve_token().is_ok());
+    }
+
+    #[test]
+    fn zero_timeouts_are_refused() {
+        let c = crate::config::Config::parse(
+            "[http]
+request_timeout = \"0s\"\n",
+        )
+        .unwrap();
+        let err = c.http.unwrap().resolve_token().unwrap_err().to_string();
+        assert!(err.contains("http.request_timeout"), "{err}");
     }
 
     #[test]

@@ -26,6 +26,13 @@ pub enum ApiError {
     /// 403: a bearer token that is not the configured one.
     #[error("the bearer token is not valid")]
     Forbidden,
+    /// 403: a state-changing request from a web page of another origin (CSRF, DNS
+    /// rebinding); the text names the origin and `http.allowed_hosts`.
+    #[error("{0}")]
+    CrossOrigin(String),
+    /// 403: a new subscriber past `ledger.max_implicit_subscribers`.
+    #[error("{0}")]
+    SubscriberLimit(String),
     /// 404: no such subscriber, claim, record or route.
     #[error("{0}")]
     NotFound(String),
@@ -35,9 +42,17 @@ pub enum ApiError {
     /// 409: the thing to create exists already (a backup name, say).
     #[error("{0}")]
     Exists(String),
+    /// 421: the `Host` is not a name this server answers to (DNS rebinding); the text
+    /// names `http.allowed_hosts`.
+    #[error("{0}")]
+    MisdirectedHost(String),
     /// 413: the body is larger than the configured limit.
     #[error("the request body is larger than the limit of {limit} bytes")]
     TooLarge { limit: usize },
+    /// 415: a content type this route does not take (a form type without a token, or a
+    /// body that is not what its type says).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     /// 422: the idempotency key was used before with another payload.
     #[error("{0}")]
     Unprocessable(String),
@@ -47,6 +62,14 @@ pub enum ApiError {
     /// 503: the engine cannot accept work (storage stopped, shutting down).
     #[error("{0}")]
     Unavailable(String),
+    /// 503 with `Retry-After`: every slot is taken and the wait queue is full, or the wait
+    /// for a slot took longer than `http.queue_timeout`.
+    #[error("{0}")]
+    Busy(String),
+    /// 503 with `Retry-After`: the request took longer than `http.request_timeout`. Work the
+    /// engine accepted still completes; a retry with the same key is answered from it.
+    #[error("the request took longer than http.request_timeout ({0:?}); work the engine accepted still completes: retry (with the same Idempotency-Key) to learn its outcome")]
+    TimedOut(std::time::Duration),
     /// 500: anything else; the detail is logged, never sent.
     #[error("internal error")]
     Internal(String),
@@ -64,13 +87,19 @@ impl ApiError {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
-            ApiError::Forbidden => StatusCode::FORBIDDEN,
+            ApiError::Forbidden | ApiError::CrossOrigin(_) | ApiError::SubscriberLimit(_) => {
+                StatusCode::FORBIDDEN
+            }
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Conflict(_) | ApiError::Exists(_) => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::HandlerFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::Busy(_) | ApiError::TimedOut(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -80,13 +109,19 @@ impl ApiError {
             ApiError::BadRequest { .. } => "bad_request",
             ApiError::Unauthorized => "unauthorized",
             ApiError::Forbidden => "forbidden",
+            ApiError::CrossOrigin(_) => "cross_origin",
+            ApiError::SubscriberLimit(_) => "subscriber_limit",
             ApiError::NotFound(_) => "not_found",
+            ApiError::MisdirectedHost(_) => "misdirected_host",
+            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::Conflict(_) => "in_flight",
             ApiError::Exists(_) => "exists",
             ApiError::TooLarge { .. } => "too_large",
             ApiError::Unprocessable(_) => "payload_mismatch",
             ApiError::HandlerFailed(_) => "dead_lettered",
             ApiError::Unavailable(_) => "unavailable",
+            ApiError::Busy(_) => "busy",
+            ApiError::TimedOut(_) => "timeout",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -99,6 +134,7 @@ impl From<LedgerError> for ApiError {
                 ApiError::NotFound(format!("no subscriber {name:?}"))
             }
             LedgerError::InvalidSubscriber(m) => ApiError::bad("subscriber", m),
+            e @ LedgerError::TooManySubscribers { .. } => ApiError::SubscriberLimit(e.to_string()),
             LedgerError::Invalid(m) => ApiError::BadRequest {
                 field: None,
                 message: m,
@@ -150,7 +186,7 @@ impl IntoResponse for ApiError {
                 resp.headers_mut()
                     .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             }
-            ApiError::Conflict(_) => {
+            ApiError::Conflict(_) | ApiError::Busy(_) | ApiError::TimedOut(_) => {
                 resp.headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }

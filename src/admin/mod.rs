@@ -5,9 +5,13 @@
 //!
 //! Security: the server binds loopback by default and refuses a non-loopback address
 //! without a token ([`HttpConfig::resolve_token`]); with a token, every mutating route and
-//! every payload read needs `Authorization: Bearer <token>` (compared in constant time).
-//! Bodies are size-limited, requests are concurrency-limited, and uploaded components are
-//! size-limited and written only under the data directory.
+//! every payload read needs `Authorization: Bearer <token>` (compared in constant time),
+//! and what could reveal a payload (claim fingerprints, failure reasons in lists) is
+//! redacted without it. Every request first passes `guard`: a `Host` check against DNS
+//! rebinding, an `Origin`/content-type check against cross-site writes, the token for
+//! every write, a bounded admission queue and a request timeout. Bodies are size-limited,
+//! header reads time out, and uploaded components are size-limited and written only under
+//! the data directory.
 //!
 //! Nothing here blocks the async runtime: ledger calls that wait for a shard or for disk
 //! run on `spawn_blocking`, and ingest goes through [`ingest::Ingest`].
@@ -15,6 +19,7 @@
 mod audit;
 mod config;
 mod error;
+mod guard;
 mod handlers;
 pub mod ingest;
 mod metrics;
@@ -28,10 +33,10 @@ use axum::extract::{DefaultBodyLimit, FromRequestParts};
 use axum::handler::Handler;
 use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
+use axum::http::HeaderMap;
 use axum::routing::{get, post};
 use axum::Router;
 use subtle::ConstantTimeEq;
-use tower::limit::GlobalConcurrencyLimitLayer;
 
 pub use audit::Audit;
 pub use config::HttpConfig;
@@ -54,6 +59,8 @@ struct Inner {
     http: HttpConfig,
     audit: Audit,
     handlers: HandlerStore,
+    hosts: guard::HostPolicy,
+    admission: guard::Admission,
 }
 
 impl AdminState {
@@ -79,6 +86,8 @@ impl AdminState {
         Ok(AdminState(Arc::new(Inner {
             ingest,
             token,
+            hosts: guard::HostPolicy::new(&http),
+            admission: guard::Admission::new(&http),
             http,
             audit,
             handlers,
@@ -106,8 +115,8 @@ pub fn install_metrics() {
     metrics::install();
 }
 
-/// A request that carried the configured bearer token (or any request when none is set).
-/// Extracted before the body, so an unauthenticated upload is refused before it is read.
+/// A GET that carried the configured bearer token (or any request when none is set): the
+/// payload reads. Every other method is checked by `guard` before routing.
 #[derive(Debug, Clone, Copy)]
 pub struct Authorized;
 
@@ -118,17 +127,42 @@ impl FromRequestParts<AdminState> for Authorized {
         parts: &mut Parts,
         state: &AdminState,
     ) -> impl Future<Output = Result<Self, Self::Rejection>> + Send {
-        let result = check_token(parts, state.0.token.as_deref());
+        let result = check_token(&parts.headers, state.0.token.as_deref());
         async move { result }
     }
 }
 
-fn check_token(parts: &Parts, token: Option<&str>) -> Result<Authorized, ApiError> {
+/// How much an open read may show. With a token configured, a request without one sees
+/// lists and claims with what could reveal a payload (fingerprints, failure reasons)
+/// redacted; a wrong token is 403 as everywhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Full,
+    Redacted,
+}
+
+impl FromRequestParts<AdminState> for Access {
+    type Rejection = ApiError;
+
+    fn from_request_parts(
+        parts: &mut Parts,
+        state: &AdminState,
+    ) -> impl Future<Output = Result<Self, Self::Rejection>> + Send {
+        let token = state.0.token.as_deref();
+        let result = if token.is_some() && !parts.headers.contains_key(AUTHORIZATION) {
+            Ok(Access::Redacted)
+        } else {
+            check_token(&parts.headers, token).map(|_| Access::Full)
+        };
+        async move { result }
+    }
+}
+
+fn check_token(headers: &HeaderMap, token: Option<&str>) -> Result<Authorized, ApiError> {
     let Some(token) = token else {
         return Ok(Authorized);
     };
-    let given = parts
-        .headers
+    let given = headers
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| {
@@ -149,7 +183,6 @@ pub fn router(state: AdminState) -> Router {
     use routes::*;
     let upload_limit = state.0.http.max_handler_bytes;
     let body_limit = state.0.http.max_body_bytes;
-    let concurrency = state.0.http.max_concurrency;
     Router::new()
         .route("/", get(dashboard_html))
         .route("/assets/app.js", get(dashboard_js))
@@ -202,25 +235,70 @@ pub fn router(state: AdminState) -> Router {
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(body_limit))
-        .layer(GlobalConcurrencyLimitLayer::new(concurrency))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            guard::guard,
+        ))
         .with_state(state)
 }
 
 /// Runs the API on `listener` until `shutdown` completes, then finishes the requests in
-/// progress.
+/// progress. HTTP/1.1 only; a connection that does not send a request's headers within
+/// `http.header_timeout` (or idles that long between requests) is closed.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AdminState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt;
-    // Responses are written whole; waiting to coalesce them (Nagle) only adds latency.
-    let listener = listener.tap_io(|tcp| {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::server::graceful::GracefulShutdown;
+    use hyper_util::service::TowerToHyperService;
+
+    let header_timeout = state.0.http.header_timeout;
+    let app = router(state);
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    accept_failed(e).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Responses are written whole; waiting to coalesce them (Nagle) only adds latency.
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.timer(TokioTimer::new())
+            .header_read_timeout(header_timeout);
+        let conn = http.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "HTTP connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// A failed `accept`: a connection that went away is nothing; anything else (out of file
+/// descriptors, say) is logged and waited out briefly so the loop does not spin.
+async fn accept_failed(e: std::io::Error) {
+    use std::io::ErrorKind::*;
+    if matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset
+    ) {
+        return;
+    }
+    tracing::warn!(error = %e, "cannot accept an HTTP connection; retrying in 1 s");
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
 }

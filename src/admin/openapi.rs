@@ -11,7 +11,8 @@ pub struct RouteDoc {
     pub summary: &'static str,
     /// Needs the bearer token when one is configured.
     pub auth: bool,
-    /// Statuses it can answer with (besides 401/403 for `auth` routes).
+    /// Statuses it can answer with (besides 401/403 for `auth` routes, and those every
+    /// route can answer: see [`openapi`]).
     pub statuses: &'static [u16],
 }
 
@@ -45,14 +46,14 @@ pub const ROUTES: &[RouteDoc] = &[
     r("get", "/v1/subscribers/{s}/config", "A subscriber's settings", false, &[200, 400, 404]),
     r("put", "/v1/subscribers/{s}/config", "Change settings (ttl, sliding_ttl, key, max_key_bytes, handler limits, retry policy); fields left out keep their value; a 400 names the field", true, &[200, 400, 413]),
     r("get", "/v1/subscribers/{s}/stats", "Processed, duplicates, quarantined, dead-lettered, claims stored, generations, filter false-positive rate, bytes", false, &[200, 400, 404]),
-    r("post", "/v1/subscribers/{s}/messages", "Ingest one message keyed by the Idempotency-Key header: 201 first time, 201 + Idempotent-Replayed on a retry, 422 other payload, 409 in flight, 400 no key, 413 too large", true, &[201, 400, 404, 409, 413, 422, 500, 503]),
-    r("get", "/v1/subscribers/{s}/messages/{id}", "The live claim of a message id (processed-at, fingerprint, expires-at, handler version)", false, &[200, 400, 404]),
+    r("post", "/v1/subscribers/{s}/messages", "Ingest one message keyed by the Idempotency-Key header: 201 first time, 201 + Idempotent-Replayed on a retry, 422 other payload, 409 in flight, 400 no key or malformed JSON, 403 past ledger.max_implicit_subscribers, 413 too large", true, &[201, 400, 403, 404, 409, 413, 422, 500, 503]),
+    r("get", "/v1/subscribers/{s}/messages/{id}", "The live claim of a message id (processed-at, fingerprint, expires-at, handler version); the fingerprint only with the token when one is configured", false, &[200, 400, 403, 404]),
     r("delete", "/v1/subscribers/{s}/messages/{id}", "Forget a claim so the next delivery is processed again (audited)", true, &[200, 400, 404]),
-    r("get", "/v1/subscribers/{s}/quarantine", "Quarantined messages, without payloads; page with ?after=ID&limit=N", false, &[200, 400, 404]),
+    r("get", "/v1/subscribers/{s}/quarantine", "Quarantined messages, without payloads; reasons, fingerprints and keys only with the token when one is configured; page with ?after=ID&limit=N", false, &[200, 400, 403, 404]),
     r("get", "/v1/subscribers/{s}/quarantine/{rid}", "One quarantined message with its payload", true, &[200, 400, 404]),
     r("delete", "/v1/subscribers/{s}/quarantine/{rid}", "Discard a quarantined message (audited)", true, &[200, 400, 404]),
     r("post", "/v1/subscribers/{s}/quarantine/{rid}/replay", "Reprocess a quarantined message through the current handler; it replaces the conflicting claim (audited)", true, &[200, 400, 404, 503]),
-    r("get", "/v1/subscribers/{s}/deadletters", "Dead letters, without payloads; page with ?after=ID&limit=N", false, &[200, 400, 404]),
+    r("get", "/v1/subscribers/{s}/deadletters", "Dead letters, without payloads; reasons and keys only with the token when one is configured; page with ?after=ID&limit=N", false, &[200, 400, 403, 404]),
     r("get", "/v1/subscribers/{s}/deadletters/{rid}", "One dead letter with its payload", true, &[200, 400, 404]),
     r("delete", "/v1/subscribers/{s}/deadletters/{rid}", "Discard a dead letter (audited)", true, &[200, 400, 404]),
     r("post", "/v1/subscribers/{s}/deadletters/{rid}/replay", "Reprocess a dead letter through the current handler (audited)", true, &[200, 400, 404, 503]),
@@ -70,25 +71,34 @@ fn status_text(code: u16) -> &'static str {
         201 => "Created (or replayed, with Idempotent-Replayed: true)",
         400 => "Bad request; the body names the field",
         401 => "Bearer token missing",
-        403 => "Bearer token wrong",
+        403 => "Bearer token wrong, a write from another origin, or past ledger.max_implicit_subscribers",
         404 => "Not found",
         409 => "Conflict",
         413 => "Body too large",
+        415 => "A form content type without a token (a web page can send it cross-origin)",
+        421 => "Host is not one of this server's names (http.allowed_hosts)",
         422 => "Idempotency key reused with another payload",
         500 => "Internal error (no internals in the body)",
-        503 => "Engine not ready or stopped",
+        503 => "Engine not ready or stopped; or busy / timed out, with Retry-After",
         _ => "",
     }
 }
 
-/// The OpenAPI 3.1 document.
+/// The OpenAPI 3.1 document. Besides its own statuses, every route can answer 421 (a
+/// `Host` that is not this server's) and 503 (queue full or request timeout, with
+/// `Retry-After`); every route that is not a GET also 403 (another `Origin`) and 415 (a
+/// form content type without a token).
 pub fn openapi() -> Value {
     let mut paths = Map::new();
     for route in ROUTES {
         let mut responses = Map::new();
         let mut codes: Vec<u16> = route.statuses.to_vec();
+        codes.extend([421, 503]);
         if route.auth {
             codes.extend([401, 403]);
+        }
+        if route.method != "get" {
+            codes.extend([403, 415]);
         }
         for code in codes {
             responses.insert(code.to_string(), json!({"description": status_text(code)}));

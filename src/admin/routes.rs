@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use super::handlers::UploadError;
 use super::ingest::StartError;
-use super::{AdminState, ApiError, Authorized};
+use super::{Access, AdminState, ApiError, Authorized};
 use crate::config::{validate_subscriber_name, Config, ConfigError, KeySource, SubscriberConfig};
 use crate::envelope::{
     canonical_payload, derive_entity, derive_key, fingerprint, Envelope, IdempotencyKey,
@@ -295,7 +295,6 @@ fn failing_field(name: &str, obj: &serde_json::Map<String, Value>) -> Option<(St
 /// Merges the given fields over the subscriber's settings, validates them as the config
 /// loader would, and installs them; shards pick them up between batches.
 pub async fn put_config(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     b: Result<Json<Value>, JsonRejection>,
@@ -416,7 +415,10 @@ fn claim_key(sub: &Subscriber, id: &str) -> ApiResult<u128> {
     Ok(IdempotencyKey::from_id(id).hash)
 }
 
+/// The live claim of a message id. Without the token (when one is configured) the payload
+/// fingerprint is left out: it is unkeyed, so it would let anyone confirm a guessed payload.
 pub async fn get_claim(
+    access: Access,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Value>> {
@@ -426,20 +428,25 @@ pub async fn get_claim(
     let key = claim_key(&sub, &id)?;
     let claim = blocking(move || Ok(ledger.lookup(&name, key)?)).await?;
     match claim {
-        Some(c) if c.is_live(now_ms()) => Ok(Json(json!({
-            "subscriber": &*sub.name,
-            "id": id,
-            "processed_at_ms": c.processed_at_ms,
-            "expires_at_ms": c.expires_at_ms,
-            "fingerprint": format!("{:016x}", c.fingerprint),
-            "handler_version": format!("{:016x}", c.handler_version),
-        }))),
+        Some(c) if c.is_live(now_ms()) => {
+            let mut shown = json!({
+                "subscriber": &*sub.name,
+                "id": id,
+                "processed_at_ms": c.processed_at_ms,
+                "expires_at_ms": c.expires_at_ms,
+                "fingerprint": format!("{:016x}", c.fingerprint),
+                "handler_version": format!("{:016x}", c.handler_version),
+            });
+            if access == Access::Redacted {
+                redact(&mut shown, &["fingerprint"]);
+            }
+            Ok(Json(shown))
+        }
         _ => Err(ApiError::NotFound(format!("no live claim for {id:?}"))),
     }
 }
 
 pub async fn forget_claim(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Value>> {
@@ -488,11 +495,34 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> ApiResult<Option<&'a st
     }
 }
 
+/// Whether `Content-Type` promises JSON: absent, `application/json` or `application/*+json`.
+fn promises_json(headers: &HeaderMap) -> bool {
+    match super::guard::media_type(headers) {
+        None => true,
+        Some(t) => {
+            t == "application/json" || (t.starts_with("application/") && t.ends_with("+json"))
+        }
+    }
+}
+
+/// The body as JSON when it is JSON. A body whose content type promises JSON (or that
+/// names none) must parse, so a client's broken JSON is a 400 instead of being stored as
+/// opaque bytes; under any other type a body that does not parse is an opaque payload.
+fn payload_json(headers: &HeaderMap, body: &[u8]) -> ApiResult<Option<Value>> {
+    match serde_json::from_slice(body) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if promises_json(headers) => Err(ApiError::bad(
+            "body",
+            format!("the body is not valid JSON ({e}); send JSON, or a non-JSON payload under its own Content-Type (application/octet-stream, say)"),
+        )),
+        Err(_) => Ok(None),
+    }
+}
+
 /// `POST /v1/subscribers/{s}/messages`: the body is the payload. The key is the
 /// `Idempotency-Key` header, or (without it) whatever the subscriber's key source names in
 /// the body. Answers once the outcome is durable.
 pub async fn ingest_message(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
@@ -510,7 +540,7 @@ pub async fn ingest_message(
     let ledger = st.ledger();
     let sub = ledger.subscriber(&name)?;
     let settings = sub.settings();
-    let json_body: Option<Value> = serde_json::from_slice(&body).ok();
+    let json_body = payload_json(&headers, &body)?;
     let canonical = match &json_body {
         Some(v) => canonical_payload(v),
         None => body.to_vec(),
@@ -659,6 +689,24 @@ pub struct Page {
     limit: Option<usize>,
 }
 
+/// Fields of a listed record that can quote or confirm a payload: handler failure reasons
+/// (often the offending field), fingerprints (unkeyed hashes of the payload) and the
+/// partition key (often a payload field).
+const PAYLOAD_REVEALING: &[&str] = &["reason", "fingerprint", "stored_fingerprint", "key"];
+
+/// Removes `fields` from `v` and says so in `redacted`, so a reader knows to send the token.
+fn redact(v: &mut Value, fields: &[&str]) {
+    if let Some(o) = v.as_object_mut() {
+        for f in fields {
+            o.remove(*f);
+        }
+        o.insert(
+            "redacted".into(),
+            json!({"fields": fields, "why": "send the bearer token to see them"}),
+        );
+    }
+}
+
 /// A record as the API shows it: `id` is the record id; the message's own id is
 /// `message_id`.
 fn shown(r: &StoredRecord, with_payload: bool) -> Value {
@@ -680,6 +728,7 @@ fn shown(r: &StoredRecord, with_payload: bool) -> Value {
 
 async fn list_records(
     st: AdminState,
+    access: Access,
     kind: RecordKind,
     p: Result<Path<String>, PathRejection>,
     q: Result<Query<Page>, QueryRejection>,
@@ -697,7 +746,16 @@ async fn list_records(
         let next = (rows.len() == limit)
             .then(|| rows.last().map(|r| r.id.clone()))
             .flatten();
-        let records: Vec<Value> = rows.iter().map(|r| shown(r, false)).collect();
+        let records: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                let mut v = shown(r, false);
+                if access == Access::Redacted {
+                    redact(&mut v, PAYLOAD_REVEALING);
+                }
+                v
+            })
+            .collect();
         Ok(Json(
             json!({"subscriber": name, "records": records, "next": next}),
         ))
@@ -792,19 +850,21 @@ async fn replay_record(
 }
 
 pub async fn list_quarantine(
+    access: Access,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     q: Result<Query<Page>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
-    list_records(st, RecordKind::Quarantine, p, q).await
+    list_records(st, access, RecordKind::Quarantine, p, q).await
 }
 
 pub async fn list_deadletters(
+    access: Access,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     q: Result<Query<Page>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
-    list_records(st, RecordKind::DeadLetter, p, q).await
+    list_records(st, access, RecordKind::DeadLetter, p, q).await
 }
 
 pub async fn get_quarantine(
@@ -824,7 +884,6 @@ pub async fn get_deadletter(
 }
 
 pub async fn discard_quarantine(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Value>> {
@@ -832,7 +891,6 @@ pub async fn discard_quarantine(
 }
 
 pub async fn discard_deadletter(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Value>> {
@@ -840,7 +898,6 @@ pub async fn discard_deadletter(
 }
 
 pub async fn replay_quarantine(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Value>> {
@@ -848,7 +905,6 @@ pub async fn replay_quarantine(
 }
 
 pub async fn replay_deadletter(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Value>> {
@@ -877,7 +933,6 @@ fn upload_error(e: UploadError) -> ApiError {
 }
 
 pub async fn upload_handler(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     b: Result<Bytes, BytesRejection>,
@@ -913,7 +968,6 @@ pub async fn upload_handler(
 }
 
 pub async fn rollback_handler(
-    _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
 ) -> ApiResult<Json<super::HandlerInfo>> {
@@ -945,7 +999,6 @@ pub struct CompactQuery {
 }
 
 pub async fn compact(
-    _auth: Authorized,
     State(st): State<AdminState>,
     q: Result<Query<CompactQuery>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
@@ -975,7 +1028,6 @@ pub struct BackupRequest {
 }
 
 pub async fn backup(
-    _auth: Authorized,
     State(st): State<AdminState>,
     b: Result<Json<BackupRequest>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {

@@ -73,6 +73,8 @@ pub enum LedgerError {
     UnknownSubscriber { name: String },
     #[error("{0}")]
     InvalidSubscriber(String),
+    #[error("subscriber {name:?} is not configured and {limit} unconfigured subscribers exist already (`ledger.max_implicit_subscribers`); each costs memory on every shard: add it to the config as a [[subscriber]], or raise the limit")]
+    TooManySubscribers { name: String, limit: usize },
     #[error("the ledger is stopped after an earlier failure: {0}")]
     Poisoned(String),
     #[error("{0}")]
@@ -199,7 +201,10 @@ impl Registry {
     }
 
     /// Finds or registers a subscriber. `existing` registers names found on disk even when
-    /// the config would refuse them, so their claims keep protecting.
+    /// the config would refuse them, so their claims keep protecting. A new unconfigured
+    /// name (`existing` false) is refused once `ledger.max_implicit_subscribers`
+    /// unconfigured subscribers are registered (those found on disk count too): each one
+    /// costs memory on every shard, and sources create them from message content.
     fn resolve(&self, name: &str, existing: bool) -> Result<Arc<Subscriber>, LedgerError> {
         if let Some(s) = self
             .inner
@@ -229,6 +234,9 @@ impl Registry {
         if let Some(s) = inner.by_name.get(name) {
             return Ok(s.clone());
         }
+        if !configured && !existing {
+            self.check_implicit_limit(&inner, name)?;
+        }
         let handler = if configured {
             None
         } else {
@@ -250,6 +258,22 @@ impl Registry {
         inner.by_id.push(sub.clone());
         inner.by_name.insert(name.to_string(), sub.clone());
         Ok(sub)
+    }
+
+    fn check_implicit_limit(&self, inner: &RegistryInner, name: &str) -> Result<(), LedgerError> {
+        let limit = self.config.ledger.max_implicit_subscribers;
+        let unconfigured = inner
+            .by_id
+            .iter()
+            .filter(|s| !self.config.subscribers.iter().any(|c| *c.name == *s.name))
+            .count();
+        if unconfigured >= limit {
+            return Err(LedgerError::TooManySubscribers {
+                name: name.to_string(),
+                limit,
+            });
+        }
+        Ok(())
     }
 
     fn get(&self, id: SubscriberId) -> Option<Arc<Subscriber>> {

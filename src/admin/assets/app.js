@@ -44,6 +44,12 @@ async function json(url) {
   return r.json();
 }
 
+// With a token configured, lists read without it leave out failure reasons.
+function reason(r) {
+  if (r.reason !== undefined) return r.reason;
+  return r.redacted ? "(hidden without the token)" : "";
+}
+
 async function records(kind, subs) {
   const out = [];
   for (const s of subs) {
@@ -75,9 +81,9 @@ async function refresh() {
     fill("subscribers", rows, "no subscribers yet");
     document.getElementById("disk").textContent = subscribers.length ? bytes(subscribers[0].data_dir_bytes) : "–";
     const dead = await records("deadletters", subscribers);
-    fill("deadletters", dead.map(([s, r]) => [s, r.id, r.message_id || "", r.reason || "", r.attempts ?? ""]), "no dead letters");
+    fill("deadletters", dead.map(([s, r]) => [s, r.id, r.message_id || "", reason(r), r.attempts ?? ""]), "no dead letters");
     const quar = await records("quarantine", subscribers);
-    fill("quarantine", quar.map(([s, r]) => [s, r.id, r.message_id || "", r.reason || ""]), "nothing quarantined");
+    fill("quarantine", quar.map(([s, r]) => [s, r.id, r.message_id || "", reason(r)]), "nothing quarantined");
     status.textContent = "live · updated " + new Date(now).toLocaleTimeString();
     status.className = "status ok";
   } catch (e) {
