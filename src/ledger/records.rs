@@ -251,8 +251,10 @@ pub(crate) fn unusable_input(
         serde_json::Value::Object(m) => serde_json::Value::Object(m),
         other => serde_json::json!({ "detail": other }),
     };
-    let id = record.get("id").and_then(|v| v.as_str()).unwrap_or("");
-    let key = crate::envelope::key_hash(id.as_bytes());
+    let key = merge_key(
+        record.get("key_hash").and_then(|v| v.as_str()),
+        record.get("id").and_then(|v| v.as_str()),
+    );
     let what = serde_json::to_vec(&(
         record.get("reason"),
         record.get("payload"),
@@ -292,21 +294,34 @@ pub(crate) fn with_defaults(mut body: serde_json::Value) -> serde_json::Value {
     body
 }
 
-/// The fields a stored record is swept and unindexed by.
+/// The key a record is merged under: its `key_hash` (hex) if it has one, else a hash of its
+/// message id (empty for input that had none). Used when storing and when unindexing.
+fn merge_key(key_hash: Option<&str>, id: Option<&str>) -> u128 {
+    key_hash
+        .and_then(|h| u128::from_str_radix(h, 16).ok())
+        .unwrap_or_else(|| crate::envelope::key_hash(id.unwrap_or("").as_bytes()))
+}
+
+fn text(v: &Option<serde_json::Value>) -> Option<&str> {
+    v.as_ref().and_then(|v| v.as_str())
+}
+
+/// The fields a stored record is swept and unindexed by. Loosely typed: dead letters of
+/// unusable input carry whatever fields their source gave them.
 #[derive(Deserialize)]
 struct Stamp {
     #[serde(default)]
-    stored_at_ms: Option<u64>,
+    stored_at_ms: Option<serde_json::Value>,
     #[serde(default)]
-    failed_at_ms: Option<u64>,
+    failed_at_ms: Option<serde_json::Value>,
     #[serde(default)]
-    received_at_ms: Option<u64>,
+    received_at_ms: Option<serde_json::Value>,
     #[serde(default)]
-    id: Option<String>,
+    id: Option<serde_json::Value>,
     #[serde(default)]
-    key_hash: Option<String>,
+    key_hash: Option<serde_json::Value>,
     #[serde(default)]
-    fingerprint: Option<String>,
+    fingerprint: Option<serde_json::Value>,
 }
 
 impl Stamp {
@@ -316,20 +331,16 @@ impl Stamp {
 
     /// When the record was first stored (older layouts: when it failed or arrived).
     fn stored_at(&self) -> u64 {
-        self.stored_at_ms
-            .or(self.failed_at_ms)
-            .or(self.received_at_ms)
+        [&self.stored_at_ms, &self.failed_at_ms, &self.received_at_ms]
+            .into_iter()
+            .find_map(|v| v.as_ref().and_then(|v| v.as_u64()))
             .unwrap_or(0)
     }
 
     /// The index entry that points at this record, if it was written with one.
     fn index_key(&self) -> Option<(u128, u64)> {
-        let fp = u64::from_str_radix(self.fingerprint.as_deref()?, 16).ok()?;
-        let key = match &self.key_hash {
-            Some(h) => u128::from_str_radix(h, 16).ok()?,
-            None => crate::envelope::key_hash(self.id.as_deref().unwrap_or("").as_bytes()),
-        };
-        Some((key, fp))
+        let fp = u64::from_str_radix(self.fingerprint.as_ref()?.as_str()?, 16).ok()?;
+        Some((merge_key(text(&self.key_hash), text(&self.id)), fp))
     }
 }
 
@@ -699,9 +710,36 @@ mod tests {
     }
 
     #[test]
+    fn unusable_input_is_merged_and_unindexed_by_the_same_key() {
+        let row = unusable_input(
+            SubscriberId(0),
+            "s",
+            serde_json::json!({"id": 7, "reason": "no usable key", "payload": "x", "origin": "o"}),
+            5,
+        )
+        .expect("record");
+        let stamp = Stamp::read(&row.body).expect("stamp");
+        assert_eq!(stamp.index_key(), Some((row.key, row.fingerprint)));
+        assert_eq!(stamp.stored_at(), 5);
+        let other_origin = unusable_input(
+            SubscriberId(0),
+            "s",
+            serde_json::json!({"id": 7, "reason": "no usable key", "payload": "x", "origin": "p"}),
+            6,
+        )
+        .expect("record");
+        assert_eq!(
+            (other_origin.key, other_origin.fingerprint),
+            (row.key, row.fingerprint)
+        );
+    }
+
+    #[test]
     fn cap_is_split_over_shards_and_never_zero() {
-        let mut cfg = LedgerConfig::default();
-        cfg.max_records_per_subscriber = std::num::NonZeroUsize::MIN.saturating_add(9);
+        let cfg = LedgerConfig {
+            max_records_per_subscriber: std::num::NonZeroUsize::MIN.saturating_add(9),
+            ..Default::default()
+        };
         assert_eq!(Limits::of(&cfg, 1).max_stored, 10);
         assert_eq!(Limits::of(&cfg, 3).max_stored, 4);
         assert_eq!(Limits::of(&cfg, 64).max_stored, 1);
