@@ -57,6 +57,8 @@ pub struct Config {
     /// The Kafka source (`dedupd run` consumes it when present).
     #[serde(default)]
     pub kafka: Option<crate::source::kafka::KafkaConfig>,
+    /// Limits of pipe mode (stdin lines in, outcome lines out).
+    pub pipe: PipeConfig,
 }
 
 impl Default for Config {
@@ -70,6 +72,7 @@ impl Default for Config {
             subscribers: Vec::new(),
             http: None,
             kafka: None,
+            pipe: PipeConfig::default(),
         }
     }
 }
@@ -111,6 +114,14 @@ pub struct LedgerConfig {
     /// for a new name is refused (HTTP 403 `subscriber_limit`). Configured subscribers are
     /// never limited.
     pub max_implicit_subscribers: usize,
+    /// How long a quarantine or dead-letter record is kept after it was first stored; older
+    /// ones are removed between batches (the outcomes stay counted).
+    #[serde(with = "humantime_serde")]
+    pub record_retention: Duration,
+    /// Most quarantine records, and separately most dead-letter records, kept per
+    /// subscriber (split evenly over the shards). Past it the oldest record is dropped and
+    /// counted in `dedupd_records_dropped_total`; the outcome is still reported and counted.
+    pub max_records_per_subscriber: NonZeroUsize,
 }
 
 impl Default for LedgerConfig {
@@ -127,6 +138,29 @@ impl Default for LedgerConfig {
             cache_mib: nz(32),
             verify_on_open: true,
             max_implicit_subscribers: 64,
+            record_retention: Duration::from_secs(30 * 24 * 3600),
+            max_records_per_subscriber: nz(100_000),
+        }
+    }
+}
+
+/// Limits of pipe mode.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PipeConfig {
+    /// Longest input line in bytes (line ending excluded). A longer line is answered
+    /// `rejected` without being kept in memory, and the stream goes on.
+    pub max_line_bytes: NonZeroUsize,
+    /// Lines read but not yet printed before reading pauses. Bounds memory when the head
+    /// line waits (for a handler retry, say): stdin is not read further until it is printed.
+    pub window: NonZeroUsize,
+}
+
+impl Default for PipeConfig {
+    fn default() -> Self {
+        PipeConfig {
+            max_line_bytes: nz(1 << 20),
+            window: nz(65_536),
         }
     }
 }
@@ -367,6 +401,12 @@ impl Config {
         }
         if self.ledger.generation_max_age < Duration::from_secs(1) {
             return Err(invalid("ledger.generation_max_age", "must be at least 1s"));
+        }
+        if self.ledger.record_retention < Duration::from_secs(1) {
+            return Err(invalid("ledger.record_retention", "must be at least 1s"));
+        }
+        if self.pipe.max_line_bytes.get() > 1 << 30 {
+            return Err(invalid("pipe.max_line_bytes", "must be at most 1 GiB"));
         }
         if let Some(kafka) = &self.kafka {
             kafka.validate(self)?;

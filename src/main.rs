@@ -515,25 +515,27 @@ fn run(cli: Cli) -> Result<()> {
                 println!("format       v{}", report.format_version);
                 println!("shards       {}", report.shards);
                 println!("file bytes   {}", report.file_bytes);
+                // Outcomes counted / records stored (repeats of one message share a record).
                 println!(
-                    "{:<24} {:>12} {:>10} {:>6} {:>11} {:>13} {:>12} {:>12}",
+                    "{:<24} {:>12} {:>10} {:>6} {:>17} {:>17} {:>12} {:>12}",
                     "subscriber",
                     "claims",
                     "active",
                     "gens",
-                    "quarantined",
-                    "dead_lettered",
+                    "quarantined/recs",
+                    "dead_letter/recs",
                     "filter B",
                     "index B"
                 );
                 for s in &report.subscribers {
                     println!(
-                        "{:<24} {:>12} {:>10} {:>6} {:>11} {:>12} {:>12}",
+                        "{:<24} {:>12} {:>10} {:>6} {:>17} {:>17} {:>12} {:>12}",
                         s.subscriber,
                         s.claims,
                         s.active_claims,
                         s.sealed_generations,
-                        s.quarantined,
+                        format!("{}/{}", s.quarantined, s.quarantine_records),
+                        format!("{}/{}", s.dead_lettered, s.dead_letter_records),
                         s.filter_bytes,
                         s.index_bytes
                     );

@@ -586,9 +586,23 @@ async fn quarantine_can_be_listed_inspected_and_discarded() {
     api.ingest("s", Some("q1"), r#"{"v":1}"#).await;
     let r = api.ingest("s", Some("q1"), r#"{"v":2}"#).await;
     assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    // The same mismatch again: counted on the record already kept, not stored twice.
+    let r = api.ingest("s", Some("q1"), r#"{"v":2}"#).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
     let list = api
         .call("GET", "/v1/subscribers/s/quarantine?limit=10", None)
         .await;
+    assert_eq!(
+        list.body["records"].as_array().unwrap().len(),
+        1,
+        "{}",
+        list.text
+    );
+    assert_eq!(list.body["records"][0]["count"], 2, "{}", list.text);
+    assert!(list.body["records"][0]["last_seen_ms"].as_u64().is_some());
+    let stats = api.call("GET", "/v1/subscribers/s/stats", None).await;
+    assert_eq!(stats.body["quarantined"], 2, "{}", stats.text);
+    assert_eq!(stats.body["quarantine_stored"], 1, "{}", stats.text);
     let rid = list.body["records"][0]["id"].as_str().unwrap().to_string();
     let one = api
         .call("GET", &format!("/v1/subscribers/s/quarantine/{rid}"), None)

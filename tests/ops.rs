@@ -262,7 +262,9 @@ fn dead_letters_page_replay_through_the_current_handler_and_discard() {
         .iter()
         .find(|s| s.subscriber == "labels")
         .unwrap();
-    assert_eq!(r.dead_lettered, 3);
+    // Outcomes counted (five, and one replay dead-lettered again) beside records stored.
+    assert_eq!(r.dead_lettered, 6);
+    assert_eq!(r.dead_letter_records, 3);
 
     // The outbox holds exactly the one processed message until it is acknowledged.
     let rows = ledger.outbox_pending(100).unwrap();
@@ -363,4 +365,223 @@ fn backups_open_as_data_directories_and_settings_change_at_runtime() {
         );
     }
     assert_eq!(deliver(&restored, "s", "short", b"p"), Outcome::Processed);
+}
+
+/// Submits `n` copies of one message in one go and returns their outcomes.
+fn deliver_many(ledger: &Ledger, sub: &str, id: &str, payload: &[u8], n: u64) -> Vec<Outcome> {
+    let s = ledger.subscriber(sub).unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let key = key_hash(id.as_bytes());
+    let jobs = (0..n)
+        .map(|i| Job::new(i, s.id, key, fingerprint(payload), id, payload, tx.clone()))
+        .collect();
+    ledger.submit(ledger.route(key), jobs).unwrap();
+    let mut out = Vec::new();
+    while (out.len() as u64) < n {
+        out.extend(
+            rx.recv_timeout(Duration::from_secs(60))
+                .unwrap()
+                .into_iter()
+                .map(|d| d.outcome),
+        );
+    }
+    out
+}
+
+fn report_of(ledger: &Ledger, sub: &str) -> dedupd::ledger::SubscriberReport {
+    ledger
+        .report()
+        .unwrap()
+        .subscribers
+        .into_iter()
+        .find(|s| s.subscriber == sub)
+        .unwrap()
+}
+
+#[test]
+fn identical_mismatches_share_one_quarantine_record_that_counts_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = clock();
+    let cfg = config(2);
+    let ledger = Ledger::open(dir.path(), &cfg, clock.clone()).unwrap();
+    assert_eq!(deliver(&ledger, "s", "a", b"one"), Outcome::Processed);
+    let outcomes = deliver_many(&ledger, "s", "a", b"two", 1_000);
+    assert!(outcomes
+        .iter()
+        .all(|o| matches!(o, Outcome::Quarantined { .. })));
+    clock.advance_ms(5);
+    // The rest in a later batch, after a restart: the record is found again on disk.
+    ledger.close().unwrap();
+    let ledger = Ledger::open(dir.path(), &cfg, clock.clone()).unwrap();
+    let outcomes = deliver_many(&ledger, "s", "a", b"two", 1_000);
+    assert!(outcomes
+        .iter()
+        .all(|o| matches!(o, Outcome::Quarantined { .. })));
+    let r = report_of(&ledger, "s");
+    assert_eq!((r.quarantined, r.quarantine_records), (2_000, 1));
+    let q = ledger
+        .records(RecordKind::Quarantine, "s", None, 10)
+        .unwrap();
+    assert_eq!(q.len(), 1);
+    assert_eq!(q[0].body["count"], 2_000);
+    assert_eq!(q[0].body["last_seen_ms"], clock.now_ms());
+    assert_eq!(q[0].body["payload"], "two");
+    // Another payload under the same id is a record of its own.
+    assert!(matches!(
+        deliver(&ledger, "s", "a", b"three"),
+        Outcome::Quarantined { .. }
+    ));
+    let r = report_of(&ledger, "s");
+    assert_eq!((r.quarantined, r.quarantine_records), (2_001, 2));
+}
+
+#[test]
+fn identical_dead_letters_share_one_record_that_counts_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &config(1), clock()).unwrap();
+    let fail = Arc::new(AtomicBool::new(true));
+    ledger
+        .set_handler("labels", Some(Arc::new(Switchable { fail, version: 1 })))
+        .unwrap();
+    let outcomes = deliver_many(&ledger, "labels", "m", b"{}", 50);
+    assert!(outcomes
+        .iter()
+        .all(|o| matches!(o, Outcome::DeadLettered { .. })));
+    assert!(matches!(
+        deliver(&ledger, "labels", "m", b"{}"),
+        Outcome::DeadLettered { .. }
+    ));
+    let d = ledger
+        .records(RecordKind::DeadLetter, "labels", None, 10)
+        .unwrap();
+    assert_eq!(d.len(), 1);
+    assert_eq!(d[0].body["count"], 51);
+    // Unusable input redelivered from another offset is the same dead letter.
+    for offset in [7, 8] {
+        ledger
+            .add_dead_letter(
+                "labels",
+                serde_json::json!({"reason": "no usable key", "payload": "x",
+                    "origin": format!("kafka:t/0/{offset}")}),
+            )
+            .unwrap();
+    }
+    let r = report_of(&ledger, "labels");
+    assert_eq!((r.dead_lettered, r.dead_letter_records), (53, 2));
+}
+
+fn bounded_config(retention: Duration, max_records: usize) -> Config {
+    let mut c = config(1);
+    c.ledger.record_retention = retention;
+    c.ledger.max_records_per_subscriber = std::num::NonZeroUsize::new(max_records).unwrap();
+    c
+}
+
+/// Quarantines a new message `q-{i}` (a claim, then a mismatch).
+fn quarantine_one(ledger: &Ledger, i: u32) {
+    let id = format!("q-{i}");
+    assert_eq!(deliver(ledger, "s", &id, b"one"), Outcome::Processed);
+    assert!(matches!(
+        deliver(ledger, "s", &id, b"two"),
+        Outcome::Quarantined { .. }
+    ));
+}
+
+fn quarantined_ids(ledger: &Ledger) -> Vec<String> {
+    ledger
+        .records(RecordKind::Quarantine, "s", None, 100)
+        .unwrap()
+        .iter()
+        .map(|r| r.body["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn record_retention_obeyed() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = clock();
+    let hour = Duration::from_secs(3600);
+    let ledger = Ledger::open(dir.path(), &bounded_config(hour, 100), clock.clone()).unwrap();
+    quarantine_one(&ledger, 0);
+    clock.advance_ms(3_600_000 - 1);
+    ledger.maintain(false).unwrap();
+    assert_eq!(quarantined_ids(&ledger), ["q-0"]);
+}
+
+#[test]
+fn record_retention_violated() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = clock();
+    let hour = Duration::from_secs(3600);
+    let cfg = bounded_config(hour, 100);
+    let ledger = Ledger::open(dir.path(), &cfg, clock.clone()).unwrap();
+    quarantine_one(&ledger, 0);
+    clock.advance_ms(1_800_000);
+    quarantine_one(&ledger, 1);
+    // A repeat does not extend the first record's retention.
+    assert!(matches!(
+        deliver(&ledger, "s", "q-0", b"two"),
+        Outcome::Quarantined { .. }
+    ));
+    clock.advance_ms(1_800_000);
+    ledger.maintain(false).unwrap();
+    assert_eq!(quarantined_ids(&ledger), ["q-1"]);
+    let r = report_of(&ledger, "s");
+    assert_eq!((r.quarantined, r.quarantine_records), (3, 1));
+    let dropped = &ledger
+        .subscriber("s")
+        .unwrap()
+        .counters
+        .quarantine_records_dropped;
+    assert_eq!(dropped.expired.load(Ordering::Relaxed), 1);
+    // After a restart the sweep finds the rest due from the records themselves.
+    ledger.close().unwrap();
+    clock.advance_ms(1_800_000);
+    let ledger = Ledger::open(dir.path(), &cfg, clock.clone()).unwrap();
+    ledger.maintain(false).unwrap();
+    assert!(quarantined_ids(&ledger).is_empty());
+    let r = report_of(&ledger, "s");
+    assert_eq!((r.quarantined, r.quarantine_records), (3, 0));
+}
+
+#[test]
+fn record_cap_obeyed() {
+    let dir = tempfile::tempdir().unwrap();
+    let day = Duration::from_secs(86_400);
+    let ledger = Ledger::open(dir.path(), &bounded_config(day, 3), clock()).unwrap();
+    for i in 0..3 {
+        quarantine_one(&ledger, i);
+    }
+    assert_eq!(quarantined_ids(&ledger), ["q-0", "q-1", "q-2"]);
+    let dropped = &ledger
+        .subscriber("s")
+        .unwrap()
+        .counters
+        .quarantine_records_dropped;
+    assert_eq!(dropped.evicted.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn record_cap_violated_drops_the_oldest_and_still_counts_the_outcome() {
+    let dir = tempfile::tempdir().unwrap();
+    let day = Duration::from_secs(86_400);
+    let ledger = Ledger::open(dir.path(), &bounded_config(day, 3), clock()).unwrap();
+    for i in 0..5 {
+        quarantine_one(&ledger, i);
+    }
+    assert_eq!(quarantined_ids(&ledger), ["q-2", "q-3", "q-4"]);
+    let r = report_of(&ledger, "s");
+    assert_eq!((r.quarantined, r.quarantine_records), (5, 3));
+    let dropped = &ledger
+        .subscriber("s")
+        .unwrap()
+        .counters
+        .quarantine_records_dropped;
+    assert_eq!(dropped.evicted.load(Ordering::Relaxed), 2);
+    // A dropped record's message is quarantined again as a new record.
+    assert!(matches!(
+        deliver(&ledger, "s", "q-0", b"two"),
+        Outcome::Quarantined { .. }
+    ));
+    assert_eq!(quarantined_ids(&ledger), ["q-3", "q-4", "q-0"]);
 }

@@ -965,3 +965,89 @@ fn outcome_is_printed_before_more_input_arrives() {
     assert_eq!(outcomes[0]["outcome"], json!("processed"));
     assert_eq!(outcomes[1]["seq"], json!(2));
 }
+
+#[test]
+fn identical_mismatches_are_one_quarantine_record_in_inspect() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut input = vec![json!({"id": "pay-1", "payload": {"amount": 100}})];
+    input.extend((0..2000).map(|_| json!({"id": "pay-1", "payload": {"amount": 999}})));
+    let run = pipe(tmp.path(), jsonl(&input));
+    run.assert_success();
+    let outcomes = run.outcomes();
+    assert_eq!(outcomes.len(), 2001);
+    assert!(outcomes[1..].iter().all(|o| o == "quarantined"));
+
+    let inspect = dedupd(
+        &[
+            "inspect".as_ref(),
+            "--data-dir".as_ref(),
+            tmp.path().as_os_str(),
+            "--json".as_ref(),
+        ],
+        b"",
+    );
+    inspect.assert_success();
+    let report: Value = serde_json::from_str(&inspect.stdout).expect("inspect --json");
+    let sub = &report["subscribers"][0];
+    assert_eq!(sub["subscriber"], "default");
+    assert_eq!(sub["quarantined"], 2000, "outcomes counted: {sub}");
+    assert_eq!(sub["quarantine_records"], 1, "records stored: {sub}");
+
+    // The one record counts every delivery it stands for.
+    let ledger = dedupd::ledger::Ledger::open(
+        tmp.path(),
+        &dedupd::config::Config::default(),
+        std::sync::Arc::new(dedupd::clock::SystemClock),
+    )
+    .expect("open data dir");
+    let records = ledger
+        .records(dedupd::ledger::RecordKind::Quarantine, "default", None, 10)
+        .expect("records");
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].body["count"], 2000);
+    assert_eq!(records[0].body["payload"], "{\"amount\":999}");
+}
+
+fn line_of(len: usize, id: &str) -> String {
+    let head = format!("{{\"id\":\"{id}\",\"payload\":\"");
+    let tail = "\"}";
+    let fill = "x".repeat(len - head.len() - tail.len());
+    format!("{head}{fill}{tail}")
+}
+
+#[test]
+fn line_length_cap_obeyed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), "cap.toml", "[pipe]\nmax_line_bytes = 64\n");
+    let line = line_of(64, "a");
+    assert_eq!(line.len(), 64);
+    let run = pipe_cfg(&tmp.path().join("data"), Some(&cfg), format!("{line}\r\n"));
+    run.assert_success();
+    assert_eq!(as_strs(&run.outcomes()), ["processed"]);
+}
+
+#[test]
+fn line_length_cap_violated_rejects_the_line_and_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), "cap.toml", "[pipe]\nmax_line_bytes = 64\n");
+    let input = format!(
+        "{}\n{}\n{}\n",
+        line_of(40, "a"),
+        line_of(65, "b"),
+        line_of(40, "c")
+    );
+    let run = pipe_cfg(&tmp.path().join("data"), Some(&cfg), input);
+    run.assert_success();
+    assert_eq!(
+        as_strs(&run.outcomes()),
+        ["processed", "rejected", "processed"]
+    );
+    let lines = run.lines();
+    let reason = lines[1]["reason"].as_str().expect("a reason");
+    assert!(
+        reason.contains("65 bytes") && reason.contains("pipe.max_line_bytes (64)"),
+        "{reason}"
+    );
+    assert_eq!(lines[1]["id"], Value::Null);
+    assert_eq!(lines[2]["id"], "c");
+}

@@ -55,6 +55,16 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
             .absolute(c.retries.load(Relaxed));
         counter!("dedupd_sliding_refreshes_total", "subscriber" => name.clone())
             .absolute(c.sliding_refreshes.load(Relaxed));
+        for (kind, dropped) in [
+            ("quarantine", &c.quarantine_records_dropped),
+            ("dead_letter", &c.dead_letter_records_dropped),
+        ] {
+            for (reason, n) in [("retention", &dropped.expired), ("cap", &dropped.evicted)] {
+                counter!("dedupd_records_dropped_total", "subscriber" => name.clone(),
+                    "kind" => kind, "reason" => reason)
+                .absolute(n.load(Relaxed));
+            }
+        }
         for (kind, n) in c.handler_failures_by_kind() {
             counter!("dedupd_handler_failures_total", "subscriber" => name.clone(), "kind" => kind)
                 .absolute(n);
@@ -78,9 +88,9 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
         gauge!("dedupd_sealed_generations", "subscriber" => name.clone())
             .set(row.sealed_generations as f64);
         gauge!("dedupd_quarantine_records", "subscriber" => name.clone())
-            .set(row.quarantined as f64);
+            .set(row.quarantine_records as f64);
         gauge!("dedupd_dead_letter_records", "subscriber" => name.clone())
-            .set(row.dead_lettered as f64);
+            .set(row.dead_letter_records as f64);
         gauge!("dedupd_filter_memory_bytes", "subscriber" => name.clone())
             .set(row.filter_bytes as f64);
         gauge!("dedupd_index_memory_bytes", "subscriber" => name).set(row.index_bytes as f64);

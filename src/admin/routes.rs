@@ -222,8 +222,8 @@ fn stats_of(sub: &Subscriber, report: &crate::ledger::LedgerReport) -> Stats {
         claims_stored: row.claims,
         active_claims: row.active_claims,
         generations: row.sealed_generations + u64::from(row.active_claims > 0),
-        quarantine_stored: row.quarantined,
-        dead_letters_stored: row.dead_lettered,
+        quarantine_stored: row.quarantine_records,
+        dead_letters_stored: row.dead_letter_records,
         filter_probes: probes,
         filter_false_positives: fps,
         filter_false_positive_rate: if probes == 0 {

@@ -122,8 +122,11 @@ pub(crate) struct SubState {
     pub next_order: u64,
     /// Claims of the current batch, as a log row being built.
     pub pending_log: Vec<u8>,
+    /// Outcomes counted (persisted with the records, see `records.rs`).
     pub quarantined: u64,
     pub dead_lettered: u64,
+    /// Quarantine and dead-letter records stored on this shard.
+    pub records: super::records::SubRecords,
     pub max_attempts: u32,
     pub retry_backoff: std::time::Duration,
     /// The subscriber's settings epoch these values were taken from.

@@ -19,6 +19,7 @@ mod marks;
 mod ops;
 mod placement;
 pub mod record;
+mod records;
 mod shard;
 mod tables;
 
@@ -102,6 +103,19 @@ pub struct SubscriberCounters {
     pub retries: AtomicU64,
     /// Failed handler attempts by kind, in the order of [`HANDLER_FAILURE_KINDS`].
     pub handler_failures: [AtomicU64; 5],
+    /// Stored quarantine records removed by retention or the cap (not by operators).
+    pub quarantine_records_dropped: RecordsDropped,
+    /// Stored dead-letter records removed by retention or the cap (not by operators).
+    pub dead_letter_records_dropped: RecordsDropped,
+}
+
+/// Stored records the ledger removed on its own, by reason.
+#[derive(Debug, Default)]
+pub struct RecordsDropped {
+    /// First stored longer ago than `ledger.record_retention`.
+    pub expired: AtomicU64,
+    /// The oldest record, dropped for a new one past `ledger.max_records_per_subscriber`.
+    pub evicted: AtomicU64,
 }
 
 /// Kinds of handler failure counted in [`SubscriberCounters::handler_failures`]
@@ -427,8 +441,16 @@ pub struct SubscriberReport {
     pub claims: u64,
     pub active_claims: u64,
     pub sealed_generations: u64,
+    /// Messages quarantined (outcomes counted, repeats included).
     pub quarantined: u64,
+    /// Quarantine records stored (one per message id and payload, within retention and cap).
+    #[serde(default)]
+    pub quarantine_records: u64,
+    /// Messages dead-lettered (outcomes counted, repeats included).
     pub dead_lettered: u64,
+    /// Dead-letter records stored.
+    #[serde(default)]
+    pub dead_letter_records: u64,
     pub filter_bytes: u64,
     pub index_bytes: u64,
 }
@@ -904,7 +926,9 @@ impl Ledger {
                 e.active_claims += r.active_claims;
                 e.sealed_generations += r.sealed_generations;
                 e.quarantined += r.quarantined;
+                e.quarantine_records += r.quarantine_records;
                 e.dead_lettered += r.dead_lettered;
+                e.dead_letter_records += r.dead_letter_records;
                 e.filter_bytes += r.filter_bytes;
                 e.index_bytes += r.index_bytes;
             }

@@ -143,7 +143,9 @@ impl Ledger {
                 kind,
                 id: format!("{shard}-{seq}"),
                 subscriber: sub.name.to_string(),
-                body: serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+                body: super::records::with_defaults(
+                    serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+                ),
             }));
         }
         Ok(out)
@@ -172,7 +174,9 @@ impl Ledger {
                 kind,
                 id: id.to_string(),
                 subscriber: sub.name.to_string(),
-                body: serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+                body: super::records::with_defaults(
+                    serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+                ),
             }))
     }
 
@@ -308,21 +312,17 @@ impl Ledger {
 
     /// Keeps a dead letter for input that never became a job (no usable key, malformed).
     /// `record` should be a JSON object (reason, payload, origin...); the ledger adds
-    /// `subscriber` and `failed_at_ms`. Returns the record id.
+    /// `subscriber`, `failed_at_ms`, `count` and `last_seen_ms`. A repeat of the same input
+    /// (same `id`, reason and payload) bumps the count of the record already kept.
+    /// Returns the record id.
     pub fn add_dead_letter(
         &self,
         subscriber: &str,
         record: serde_json::Value,
     ) -> Result<String, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
-        let mut record = match record {
-            serde_json::Value::Object(m) => serde_json::Value::Object(m),
-            other => serde_json::json!({ "detail": other }),
-        };
-        record["v"] = 1.into();
-        record["subscriber"] = sub.name.to_string().into();
-        record["failed_at_ms"] = self.clock.now_ms().into();
-        let row = serde_json::to_vec(&record).map_err(|e| LedgerError::Invalid(e.to_string()))?;
+        let row = super::records::unusable_input(sub.id, &sub.name, record, self.clock.now_ms())
+            .map_err(|e| LedgerError::Invalid(e.to_string()))?;
         // Records without a key live on the subscriber name's shard.
         let shard = self.route(key_hash(sub.name.as_bytes()));
         let seq = self.ask(shard, |reply| Control::AddDeadLetter {

@@ -7,7 +7,8 @@
 /// - 1: claims, generations, records; handler state moved from one row per entry
 ///   (`state_v1`) to blocks (`state_v2`) within format 1.
 /// - 2: placements (`placements_v1`); handler state of entity-placed subscribers is scoped
-///   to the entity. Format-1 shards are upgraded on open: their subscribers are marked as
+///   to the entity; quarantine and dead-letter records are one per message and payload
+///   (index tables, `count`), with outcome counters in `meta_v1`. Format-1 shards are upgraded on open: their subscribers are marked as
 ///   placed anywhere, so every shard is asked for their claims.
 pub const FORMAT_VERSION: u64 = 2;
 

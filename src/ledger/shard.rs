@@ -31,6 +31,7 @@ use super::generation::{
 use super::handlers::{self, BatchView, ShardHandler, StateBuffer};
 use super::placement::{self, Acquire, InFlight, Placement};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
+use super::records::{self, PendingRecord};
 use super::tables::{self, ClaimsTable, LogTable};
 use super::{
     Done, Job, LedgerError, Outcome, RecordKind, Registry, ShardMetrics, SubscriberId,
@@ -118,7 +119,7 @@ pub(crate) enum Control {
     },
     AddDeadLetter {
         sub: SubscriberId,
-        row: Vec<u8>,
+        row: PendingRecord,
         reply: Sender<Result<u64, LedgerError>>,
     },
     OutboxPending {
@@ -133,13 +134,6 @@ pub(crate) enum Control {
         dest: PathBuf,
         reply: Sender<Result<u64, LedgerError>>,
     },
-}
-
-fn record_table(kind: RecordKind) -> TableDefinition<'static, (&'static str, u64), &'static [u8]> {
-    match kind {
-        RecordKind::Quarantine => tables::QUARANTINE,
-        RecordKind::DeadLetter => handlers::DEAD_LETTERS,
-    }
 }
 
 pub(crate) struct ShardContext {
@@ -171,7 +165,7 @@ pub(crate) struct Shard {
     built_rx: Receiver<Built>,
     last_expiry_check_ms: u64,
     batch: Vec<Job>,
-    quarantine_rows: Vec<(Arc<str>, Vec<u8>)>,
+    quarantine_rows: Vec<PendingRecord>,
     failed: Option<LedgerError>,
     /// Emptied indexes of sealed generations, reused for new active generations. First
     /// touches of a fresh half-million-entry table cost 100-200 ms of page faults on this
@@ -184,7 +178,7 @@ pub(crate) struct Shard {
     /// Messages whose handler failed and that wait for their next attempt.
     retries: std::collections::BinaryHeap<Retry>,
     retry_order: u64,
-    dead_rows: Vec<(Arc<str>, Vec<u8>)>,
+    dead_rows: Vec<PendingRecord>,
     /// Records that replayed jobs of this batch settled, removed with its commit.
     settled: Vec<(RecordKind, SubscriberId, u64)>,
     next_outbox_seq: u64,
@@ -553,22 +547,6 @@ impl Shard {
                         .map_err(|e| self.err(e))?;
                 }
             }
-            let q = txn
-                .open_table(tables::QUARANTINE)
-                .map_err(|e| self.err(e))?;
-            st.quarantined = q
-                .range((name.as_str(), 0)..=(name.as_str(), u64::MAX))
-                .map_err(|e| self.err(e))?
-                .count() as u64;
-            drop(q);
-            let d = txn
-                .open_table(handlers::DEAD_LETTERS)
-                .map_err(|e| self.err(e))?;
-            st.dead_lettered = d
-                .range((name.as_str(), 0)..=(name.as_str(), u64::MAX))
-                .map_err(|e| self.err(e))?
-                .count() as u64;
-            drop(d);
             let idx = spec.id.0 as usize;
             if self.subs.len() <= idx {
                 self.subs.resize_with(idx + 1, || None);
@@ -1187,24 +1165,8 @@ impl Shard {
                         Decision::Done(Outcome::Duplicate)
                     }
                     Some(r) if r.is_live(now) && !job.replace => {
-                        let mut record = serde_json::json!({
-                            "v": 1,
-                            "subscriber": &*st.name,
-                            "id": &*job.id,
-                            "key_hash": format!("{:032x}", job.key),
-                            "stored_fingerprint": format!("{:016x}", r.fingerprint),
-                            "fingerprint": format!("{:016x}", job.fingerprint),
-                            "reason": "same id, different payload",
-                            "received_at_ms": job.received_at_ms,
-                            "key": job.partition_key,
-                            "headers": job.headers,
-                            "origin": job.origin,
-                        });
-                        put_payload(&mut record, &job.payload);
-                        self.quarantine_rows.push((
-                            st.name.clone(),
-                            serde_json::to_vec(&record).unwrap_or_default(),
-                        ));
+                        self.quarantine_rows
+                            .push(records::quarantine(st, job, r.fingerprint, now));
                         st.quarantined += 1;
                         c[2] += 1;
                         wrote = true;
@@ -1290,25 +1252,8 @@ impl Shard {
                             Err(f) => {
                                 let reason =
                                     format!("{f} (attempt {} of {})", job.attempt, st.max_attempts);
-                                let mut record = serde_json::json!({
-                                    "v": 1,
-                                    "subscriber": &*st.name,
-                                    "id": &*job.id,
-                                    "key_hash": format!("{:032x}", job.key),
-                                    "kind": f.kind(),
-                                    "reason": reason,
-                                    "attempts": job.attempt,
-                                    "received_at_ms": job.received_at_ms,
-                                    "failed_at_ms": now,
-                                    "key": job.partition_key,
-                                    "headers": job.headers,
-                                    "origin": job.origin,
-                                });
-                                put_payload(&mut record, &job.payload);
-                                self.dead_rows.push((
-                                    st.name.clone(),
-                                    serde_json::to_vec(&record).unwrap_or_default(),
-                                ));
+                                self.dead_rows
+                                    .push(records::dead_letter(st, job, &f, &reason, now));
                                 st.dead_lettered += 1;
                                 c[6] += 1;
                                 wrote = true;
@@ -1333,9 +1278,11 @@ impl Shard {
         if wrote {
             self.write_placements(&txn)?;
             self.write_logs(&txn)?;
+            // Before new records: a replay dead-lettered again is a new record, not a
+            // repeat merged into the one it settles.
+            self.remove_settled(&txn)?;
             self.write_quarantine(&txn)?;
             self.write_handler_effects(&txn, now)?;
-            self.remove_settled(&txn)?;
         }
         // A view holds a snapshot of this batch; the next batch reads a fresh one.
         for st in self.subs.iter_mut().flatten() {
@@ -1410,13 +1357,7 @@ impl Shard {
                     .map_err(|e| storage(&path, e))?;
             }
         }
-        append_records(
-            txn,
-            handlers::DEAD_LETTERS,
-            &mut self.dead_rows,
-            &mut self.next_dead_seq,
-        )
-        .map_err(|e| storage(&path, e))
+        self.write_records(txn, RecordKind::DeadLetter).map(|_| ())
     }
 
     /// Appends this batch's claims as one row per subscriber to its active log, and records
@@ -1491,11 +1432,27 @@ impl Shard {
     }
 
     fn write_quarantine(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
-        append_records(
+        self.write_records(txn, RecordKind::Quarantine).map(|_| ())
+    }
+
+    /// Stores this batch's quarantine or dead-letter rows, merging repeats (see records.rs).
+    fn write_records(
+        &mut self,
+        txn: &WriteTransaction,
+        kind: RecordKind,
+    ) -> Result<Vec<u64>, LedgerError> {
+        let (rows, next_seq) = match kind {
+            RecordKind::Quarantine => (&mut self.quarantine_rows, &mut self.next_quarantine_seq),
+            RecordKind::DeadLetter => (&mut self.dead_rows, &mut self.next_dead_seq),
+        };
+        records::store(
             txn,
-            tables::QUARANTINE,
-            &mut self.quarantine_rows,
-            &mut self.next_quarantine_seq,
+            kind,
+            rows,
+            next_seq,
+            &mut self.subs,
+            records::Limits::of(&self.ctx.config, self.ctx.count),
+            &self.ctx.registry,
         )
         .map_err(|e| storage(&self.ctx.path, e))
     }
@@ -1529,6 +1486,7 @@ impl Shard {
         let cfg = &self.ctx.config;
         let expiry_due = now.saturating_sub(self.last_expiry_check_ms) >= EXPIRY_CHECK_MS;
         !self.retired_logs.is_empty()
+            || records::sweep_due(&self.subs, now)
             || self.subs.iter().flatten().any(|st| {
                 st.state_buf.has_work(cfg.state_buffer_entries.get())
                     || st.sealing.is_some()
@@ -1602,6 +1560,14 @@ impl Shard {
             self.subs[idx] = Some(st);
             did |= r?;
         }
+        did |= records::sweep(
+            txn,
+            &mut self.subs,
+            now,
+            records::Limits::of(&cfg, self.ctx.count),
+            &self.ctx.registry,
+        )
+        .map_err(|e| self.err(e))?;
         did |= self.trim_retired_log(
             txn,
             if budget >= IDLE_SLICE {
@@ -2201,7 +2167,7 @@ impl Shard {
             return Err(e.clone());
         }
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
-        let t = match txn.open_table(record_table(kind)) {
+        let t = match txn.open_table(records::record_table(kind)) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
             Err(e) => return Err(self.err(e)),
@@ -2231,7 +2197,11 @@ impl Shard {
         })
     }
 
-    fn add_dead_letter(&mut self, sub: SubscriberId, row: Vec<u8>) -> Result<u64, LedgerError> {
+    fn add_dead_letter(
+        &mut self,
+        sub: SubscriberId,
+        row: PendingRecord,
+    ) -> Result<u64, LedgerError> {
         let idx = self.sub_index(sub)?;
         let seq = self.small_commit(|shard, txn| {
             let Some(st) = shard.subs[idx].as_mut() else {
@@ -2239,17 +2209,12 @@ impl Shard {
                     "subscriber state missing".into(),
                 ));
             };
-            let seq = shard.next_dead_seq;
-            let mut rows = vec![(st.name.clone(), row)];
-            append_records(
-                txn,
-                handlers::DEAD_LETTERS,
-                &mut rows,
-                &mut shard.next_dead_seq,
-            )
-            .map_err(|e| storage(&shard.ctx.path, e))?;
             st.dead_lettered += 1;
-            Ok(seq)
+            shard.dead_rows.push(row);
+            let seqs = shard.write_records(txn, RecordKind::DeadLetter)?;
+            seqs.first()
+                .copied()
+                .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))
         })?;
         if let Some(spec) = self.ctx.registry.get(sub) {
             spec.counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
@@ -2395,7 +2360,9 @@ impl Shard {
                     active_claims: active,
                     sealed_generations: st.sealed.len() as u64,
                     quarantined: st.quarantined,
+                    quarantine_records: st.records.quarantine.stored,
                     dead_lettered: st.dead_lettered,
+                    dead_letter_records: st.records.dead_letter.stored,
                     filter_bytes: st.filter_bytes(),
                     index_bytes: st.index_bytes(),
                 }
@@ -2422,6 +2389,7 @@ fn new_sub_state(spec: &super::Subscriber, db: &Database) -> Result<SubState, re
         pending_log,
         quarantined: 0,
         dead_lettered: 0,
+        records: Default::default(),
         max_attempts: 1,
         retry_backoff: Duration::ZERO,
         settings_epoch: 0,
@@ -2432,6 +2400,10 @@ fn new_sub_state(spec: &super::Subscriber, db: &Database) -> Result<SubState, re
         disk_mask: placement_mask(db, &spec.name)?,
         mask_pending: 0,
     };
+    let kept = records::load(db, &spec.name)?;
+    st.records = kept.records;
+    st.quarantined = kept.quarantined;
+    st.dead_lettered = kept.dead_lettered;
     apply_settings(&mut st, spec);
     Ok(st)
 }
@@ -2455,19 +2427,6 @@ fn apply_settings(st: &mut SubState, spec: &super::Subscriber) {
     st.sliding = settings.sliding_ttl;
     st.max_attempts = settings.max_attempts.max(1);
     st.retry_backoff = settings.retry_backoff;
-}
-
-/// Stores a payload in a JSON record: as text when it is UTF-8, else base64.
-fn put_payload(record: &mut serde_json::Value, payload: &[u8]) {
-    use base64::Engine as _;
-    match std::str::from_utf8(payload) {
-        Ok(text) => record["payload"] = text.into(),
-        Err(_) => {
-            record["payload_base64"] = base64::engine::general_purpose::STANDARD
-                .encode(payload)
-                .into()
-        }
-    }
 }
 
 /// Records a claim in the active generation (creating it if needed) and in the batch's
@@ -2520,26 +2479,7 @@ fn insert_claim(
     LogRow::push(&mut st.pending_log, key, &claim);
 }
 
-/// Appends per-subscriber records (quarantine, dead letters) under `(subscriber, seq)`,
-/// numbering them from the shard's counter. Durable with the batch's commit.
-fn append_records(
-    txn: &WriteTransaction,
-    table: TableDefinition<(&str, u64), &[u8]>,
-    rows: &mut Vec<(Arc<str>, Vec<u8>)>,
-    next_seq: &mut u64,
-) -> Result<(), redb::Error> {
-    if rows.is_empty() {
-        return Ok(());
-    }
-    let mut t = txn.open_table(table)?;
-    for (subscriber, row) in rows.drain(..) {
-        t.insert((&*subscriber, *next_seq), row.as_slice())?;
-        *next_seq += 1;
-    }
-    Ok(())
-}
-
-/// Deletes one quarantine or dead-letter record of a subscriber and keeps its count in step.
+/// Deletes one quarantine or dead-letter record of a subscriber (the outcome stays counted).
 fn remove_record(
     txn: &WriteTransaction,
     path: &std::path::Path,
@@ -2547,21 +2487,7 @@ fn remove_record(
     kind: RecordKind,
     seq: u64,
 ) -> Result<bool, LedgerError> {
-    let mut t = txn
-        .open_table(record_table(kind))
-        .map_err(|e| storage(path, e))?;
-    let removed = t
-        .remove((&*st.name, seq))
-        .map_err(|e| storage(path, e))?
-        .is_some();
-    if removed {
-        let count = match kind {
-            RecordKind::Quarantine => &mut st.quarantined,
-            RecordKind::DeadLetter => &mut st.dead_lettered,
-        };
-        *count = count.saturating_sub(1);
-    }
-    Ok(removed)
+    records::remove(txn, st, kind, seq).map_err(|e| storage(path, e))
 }
 
 /// Sends each job's outcome to its source, grouped per source channel.

@@ -1,5 +1,11 @@
 //! Pipe mode: JSON lines in, one outcome line out per input line, in input order, each
 //! printed only after its outcome is durable (G1).
+//!
+//! Memory is bounded by `[pipe]`: a line longer than `max_line_bytes` is skipped as it is
+//! read (answered `rejected`), and at most `window` lines are read but not yet printed.
+//! The reader takes a credit per line and the printer returns it once the line is
+//! printed, so a head line that waits (a handler retry) stops the reading of stdin
+//! instead of letting lines pile up behind it.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -14,8 +20,6 @@ use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome};
 
 use super::Sequencer;
 
-/// Lines in flight (read, not yet printed) before reading pauses.
-const WINDOW: usize = 65_536;
 /// Jobs per submission to one shard.
 const CHUNK: usize = 512;
 
@@ -78,12 +82,15 @@ pub fn run_pipe(
 ) -> Result<PipeSummary, PipeError> {
     let input = BufReader::with_capacity(1 << 16, input);
     let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
-    let (meta_tx, meta_rx) = bounded::<Event>(WINDOW);
+    // Both unbounded channels carry at most `window` lines: one credit per line in flight.
+    let (meta_tx, meta_rx) = unbounded::<Event>();
+    let (credit_tx, credit_rx) = bounded::<()>(config.pipe.window.get());
     std::thread::scope(|scope| {
-        let printer = scope.spawn(move || print_outcomes(meta_rx, ack_rx, output));
-        let read_result = read_lines(ledger, config, input, &ack_tx, &meta_tx);
+        let printer = scope.spawn(move || print_outcomes(meta_rx, ack_rx, credit_rx, output));
+        let read_result = read_lines(ledger, config, input, &ack_tx, &meta_tx, &credit_tx);
         drop(meta_tx);
         drop(ack_tx);
+        drop(credit_tx);
         let printed = printer
             .join()
             .unwrap_or_else(|_| Err(PipeError::Output(std::io::Error::other("printer panicked"))));
@@ -98,7 +105,9 @@ fn read_lines<R: Read>(
     mut input: BufReader<R>,
     ack: &crossbeam_channel::Sender<Vec<Done>>,
     meta: &crossbeam_channel::Sender<Event>,
+    credits: &crossbeam_channel::Sender<()>,
 ) -> Result<(), PipeError> {
+    let max_line = config.pipe.max_line_bytes.get();
     let mut staged: Vec<Vec<Job>> = (0..ledger.shard_count()).map(|_| Vec::new()).collect();
     let mut line = Vec::new();
     let mut seq = 0u64;
@@ -111,16 +120,32 @@ fn read_lines<R: Read>(
         Ok(())
     };
     loop {
-        line.clear();
-        let n = input
-            .read_until(b'\n', &mut line)
-            .map_err(PipeError::Input)?;
-        if n == 0 {
+        if credits.is_full() {
+            // `window` lines wait to be printed: hand over what is staged (their outcomes
+            // free the credits), then wait for a credit before reading on.
+            flush(&mut staged)?;
+        }
+        if credits.send(()).is_err() {
+            // The printer stopped (output failed or the ledger failed): stop reading.
+            break;
+        }
+        let read = read_line_capped(&mut input, &mut line, max_line).map_err(PipeError::Input)?;
+        if read == LineRead::Eof {
             break;
         }
         seq += 1;
-        let text = trim_line(&line);
-        let decided = decide_line(ledger, config, text, seq, ack);
+        let decided = match read {
+            LineRead::Eof | LineRead::Line => {
+                decide_line(ledger, config, trim_line(&line), seq, ack)
+            }
+            LineRead::TooLong { bytes } => Err((
+                LineMeta {
+                    subscriber: None,
+                    id: None,
+                },
+                format!("line of {bytes} bytes is longer than pipe.max_line_bytes ({max_line})"),
+            )),
+        };
         let (m, job) = match decided {
             Ok((m, job)) => (m, Some(Ok(job))),
             Err((m, reason)) => (m, Some(Err(reason))),
@@ -148,13 +173,72 @@ fn read_lines<R: Read>(
         }
         // Nothing more buffered: the next read may block, so hand over what we have
         // (a consumer that waits for each outcome before sending more must get it).
-        if input.buffer().is_empty() || meta.is_full() {
+        if input.buffer().is_empty() {
             flush(&mut staged)?;
         }
     }
     flush(&mut staged)?;
     let _ = meta.send(Event::Eof(seq));
     Ok(())
+}
+
+/// What [`read_line_capped`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum LineRead {
+    Eof,
+    /// `line` holds the line (with its ending, if it had one).
+    Line,
+    /// The line was longer than the cap and was skipped; `bytes` without its `\n`.
+    TooLong {
+        bytes: u64,
+    },
+}
+
+/// Reads one line into `line`, keeping at most `max` bytes of content (plus a `\r\n`): a
+/// longer line is consumed to its end without being kept.
+fn read_line_capped(
+    input: &mut impl BufRead,
+    line: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<LineRead> {
+    line.clear();
+    let mut total = 0u64;
+    let mut read_any = false;
+    let mut too_long = false;
+    loop {
+        let buf = match input.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            break;
+        }
+        read_any = true;
+        let (take, done) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        if !too_long && line.len() + take <= max + 2 {
+            line.extend_from_slice(&buf[..take]);
+        } else if !too_long {
+            too_long = true;
+            line.clear();
+        }
+        input.consume(take);
+        if done {
+            total += take as u64 - 1;
+            break;
+        }
+        total += take as u64;
+    }
+    if !read_any {
+        return Ok(LineRead::Eof);
+    }
+    if too_long || trim_line(line).len() > max {
+        return Ok(LineRead::TooLong { bytes: total });
+    }
+    Ok(LineRead::Line)
 }
 
 fn trim_line(line: &[u8]) -> &[u8] {
@@ -254,6 +338,7 @@ fn decide_line(
 fn print_outcomes(
     meta_rx: Receiver<Event>,
     ack_rx: Receiver<Vec<Done>>,
+    credits: Receiver<()>,
     output: impl Write,
 ) -> Result<PipeSummary, PipeError> {
     let mut out = std::io::BufWriter::with_capacity(1 << 16, output);
@@ -317,6 +402,8 @@ fn print_outcomes(
                 .map_err(|e| PipeError::Output(std::io::Error::other(e)))?;
             buf.push(b'\n');
             out.write_all(&buf).map_err(PipeError::Output)?;
+            // The line is out of the window: the reader may read one more.
+            let _ = credits.try_recv();
         }
         if ack_rx.is_empty() {
             out.flush().map_err(PipeError::Output)?;
@@ -332,4 +419,159 @@ fn print_outcomes(
         ))));
     }
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::clock::SystemClock;
+    use crate::effects::StateReader;
+    use crate::effects::{Effects, Failure, HandlerFactory, HandlerMessage, MessageHandler};
+
+    fn capped(input: &[u8], max: usize) -> Vec<(LineRead, Vec<u8>)> {
+        let mut r = BufReader::with_capacity(4, input);
+        let mut line = Vec::new();
+        let mut out = Vec::new();
+        loop {
+            let got = read_line_capped(&mut r, &mut line, max).unwrap();
+            if got == LineRead::Eof {
+                return out;
+            }
+            out.push((got, trim_line(&line).to_vec()));
+        }
+    }
+
+    #[test]
+    fn line_cap_obeyed() {
+        let got = capped(b"12345678\r\n\n1234", 8);
+        assert_eq!(
+            got,
+            vec![
+                (LineRead::Line, b"12345678".to_vec()),
+                (LineRead::Line, Vec::new()),
+                (LineRead::Line, b"1234".to_vec()),
+            ]
+        );
+    }
+
+    #[test]
+    fn line_cap_violated() {
+        let got = capped(b"123456789\nok\n12345678901234567890", 8);
+        assert_eq!(got[0].0, LineRead::TooLong { bytes: 9 });
+        assert_eq!(got[1], (LineRead::Line, b"ok".to_vec()));
+        assert_eq!(got[2].0, LineRead::TooLong { bytes: 20 });
+        assert_eq!(got.len(), 3);
+    }
+
+    /// Fails message `m-1` (retryably) until `release` is set; succeeds on everything else.
+    #[derive(Debug)]
+    struct HeadBlocker {
+        release: Arc<AtomicBool>,
+        head_done: Arc<AtomicBool>,
+    }
+
+    impl MessageHandler for HeadBlocker {
+        fn handle(
+            &mut self,
+            msg: &HandlerMessage,
+            state: Box<dyn StateReader>,
+        ) -> (Box<dyn StateReader>, Result<Effects, Failure>) {
+            if msg.id == "m-1" {
+                if !self.release.load(Ordering::SeqCst) {
+                    return (state, Err(Failure::Retryable("not yet".into())));
+                }
+                self.head_done.store(true, Ordering::SeqCst);
+            }
+            (state, Ok(Effects::default()))
+        }
+    }
+
+    impl HandlerFactory for HeadBlocker {
+        fn instantiate(&self) -> Result<Box<dyn MessageHandler>, String> {
+            Ok(Box::new(HeadBlocker {
+                release: self.release.clone(),
+                head_done: self.head_done.clone(),
+            }))
+        }
+        fn version(&self) -> u64 {
+            1
+        }
+    }
+
+    /// Hands out one input line per `read`, and notes every line handed out beyond the
+    /// window while the head line was still undecided. Releases the head when the last
+    /// line the window allows is handed out.
+    struct Lines {
+        handed: u64,
+        total: u64,
+        window: u64,
+        release: Arc<AtomicBool>,
+        head_done: Arc<AtomicBool>,
+        read_past_window: Arc<AtomicU64>,
+    }
+
+    impl Read for Lines {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.handed == self.total {
+                return Ok(0);
+            }
+            self.handed += 1;
+            let n = self.handed;
+            if n > self.window && !self.head_done.load(Ordering::SeqCst) {
+                self.read_past_window.fetch_add(1, Ordering::SeqCst);
+            }
+            if n == self.window {
+                self.release.store(true, Ordering::SeqCst);
+            }
+            let line = format!("{{\"id\":\"m-{n}\",\"payload\":{{}}}}\n");
+            buf[..line.len()].copy_from_slice(line.as_bytes());
+            Ok(line.len())
+        }
+    }
+
+    #[test]
+    fn reader_stops_at_the_window_while_the_head_line_is_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.ledger.shards = std::num::NonZeroUsize::new(1);
+        config.defaults.max_attempts = 100;
+        // Long enough that an unbounded reader runs far ahead while the head waits.
+        config.defaults.retry_backoff = Duration::from_millis(20);
+        config.pipe.window = std::num::NonZeroUsize::new(8).unwrap();
+        let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+        let release = Arc::new(AtomicBool::new(false));
+        let head_done = Arc::new(AtomicBool::new(false));
+        ledger
+            .set_handler(
+                "default",
+                Some(Arc::new(HeadBlocker {
+                    release: release.clone(),
+                    head_done: head_done.clone(),
+                })),
+            )
+            .unwrap();
+        let read_past_window = Arc::new(AtomicU64::new(0));
+        let input = Lines {
+            handed: 0,
+            total: 40,
+            window: 8,
+            release,
+            head_done: head_done.clone(),
+            read_past_window: read_past_window.clone(),
+        };
+        let mut out = Vec::new();
+        let summary = run_pipe(&ledger, &config, input, &mut out).unwrap();
+        assert_eq!(summary.processed, 40, "{}", String::from_utf8_lossy(&out));
+        assert!(head_done.load(Ordering::SeqCst));
+        assert_eq!(
+            read_past_window.load(Ordering::SeqCst),
+            0,
+            "lines read beyond the window of 8 while line 1 waited for its retry"
+        );
+    }
 }

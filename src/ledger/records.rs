@@ -1,0 +1,747 @@
+//! Quarantine and dead-letter records: their stored layout, one record per
+//! `(subscriber, message id, payload fingerprint)`, a retention and a cap.
+//!
+//! Why: a source that redelivers the same mismatched or failing message used to add a
+//! full copy of its payload per redelivery (2,000 redeliveries, 2,000 records). A repeat
+//! now bumps `count` and `last_seen_ms` of the record already kept, found through an
+//! index `(subscriber, key hash, fingerprint) -> seq` (`quarantine_index_v1`,
+//! `dead_letter_index_v1`). Records written before the index existed are not in it: the
+//! first repeat of such a message stores one new record, which takes the later repeats.
+//!
+//! Bounds, per subscriber, kind and shard (see `docs/design.md`, "Quarantine and dead
+//! letters"):
+//! - **Retention** counts from when a record was first stored (`stored_at_ms`). Records
+//!   are numbered in the order they are stored, so the sweep removes a prefix of each
+//!   subscriber's range, at most [`SWEEP_ROWS`] per kind and maintenance step, and knows
+//!   when the next record falls due without reading the table again.
+//! - **Cap** (`max_records_per_subscriber`, split evenly over the shards): storing a record
+//!   past it drops the oldest one. The outcome is still reported and counted; the drop is
+//!   counted in `dedupd_records_dropped_total{reason="cap"}`.
+//!
+//! Outcome counters (`quarantined`, `dead_lettered`: how many messages had that outcome)
+//! are kept apart from the records stored, in the shard's meta table under
+//! `quarantined/{subscriber}` and `dead_lettered/{subscriber}`, written in the transaction
+//! that stores the records. A data directory without them starts from its record count.
+//! Everything here is durable with the transaction it is given; on error nothing of it is.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction};
+use serde::{Deserialize, Serialize};
+
+use super::generation::SubState;
+use super::handlers;
+use super::tables;
+use super::{Job, RecordKind, Registry, SubscriberId};
+use crate::config::LedgerConfig;
+use crate::effects::Failure;
+
+/// Records removed per kind, subscriber and maintenance step by the retention sweep.
+pub(crate) const SWEEP_ROWS: usize = 64;
+
+/// `(subscriber, key hash, fingerprint)` -> seq of the record kept for that message.
+pub(crate) const QUARANTINE_INDEX: TableDefinition<(&str, u128, u64), u64> =
+    TableDefinition::new("quarantine_index_v1");
+/// Same for dead letters.
+pub(crate) const DEAD_LETTER_INDEX: TableDefinition<(&str, u128, u64), u64> =
+    TableDefinition::new("dead_letter_index_v1");
+
+pub(crate) fn record_table(
+    kind: RecordKind,
+) -> TableDefinition<'static, (&'static str, u64), &'static [u8]> {
+    match kind {
+        RecordKind::Quarantine => tables::QUARANTINE,
+        RecordKind::DeadLetter => handlers::DEAD_LETTERS,
+    }
+}
+
+fn index_table(kind: RecordKind) -> TableDefinition<'static, (&'static str, u128, u64), u64> {
+    match kind {
+        RecordKind::Quarantine => QUARANTINE_INDEX,
+        RecordKind::DeadLetter => DEAD_LETTER_INDEX,
+    }
+}
+
+/// Meta key of a subscriber's outcome counter.
+fn outcome_key(kind: RecordKind, subscriber: &str) -> String {
+    match kind {
+        RecordKind::Quarantine => format!("quarantined/{subscriber}"),
+        RecordKind::DeadLetter => format!("dead_lettered/{subscriber}"),
+    }
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// A payload as records keep it: text when it is UTF-8, else base64.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StoredPayload {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_base64: Option<String>,
+}
+
+impl StoredPayload {
+    pub fn of(bytes: &[u8]) -> Self {
+        use base64::Engine as _;
+        match std::str::from_utf8(bytes) {
+            Ok(text) => StoredPayload {
+                payload: Some(text.to_string()),
+                payload_base64: None,
+            },
+            Err(_) => StoredPayload {
+                payload: None,
+                payload_base64: Some(base64::engine::general_purpose::STANDARD.encode(bytes)),
+            },
+        }
+    }
+}
+
+/// A message with a known id and another payload than the one claimed (G4). Field names
+/// are those of the first layout, so existing data directories read unchanged; `count`,
+/// `stored_at_ms` and `last_seen_ms` came later and default when absent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuarantineRecord {
+    pub v: u32,
+    pub subscriber: String,
+    pub id: String,
+    pub key_hash: String,
+    pub stored_fingerprint: String,
+    /// The quarantined payload's fingerprint; with `key_hash`, what repeats are merged by.
+    pub fingerprint: String,
+    pub reason: String,
+    pub received_at_ms: u64,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub origin: Option<String>,
+    #[serde(flatten)]
+    pub payload: StoredPayload,
+    /// Deliveries this record stands for.
+    #[serde(default = "one")]
+    pub count: u64,
+    #[serde(default)]
+    pub stored_at_ms: u64,
+    #[serde(default)]
+    pub last_seen_ms: u64,
+}
+
+/// A message whose handler gave up. Same compatibility rules as [`QuarantineRecord`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeadLetterRecord {
+    pub v: u32,
+    pub subscriber: String,
+    pub id: String,
+    pub key_hash: String,
+    /// The payload's fingerprint; with `key_hash`, what repeats are merged by.
+    #[serde(default)]
+    pub fingerprint: String,
+    /// Failure kind (`Failure::kind`).
+    pub kind: String,
+    pub reason: String,
+    pub attempts: u32,
+    pub received_at_ms: u64,
+    pub failed_at_ms: u64,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub origin: Option<String>,
+    #[serde(flatten)]
+    pub payload: StoredPayload,
+    #[serde(default = "one")]
+    pub count: u64,
+    #[serde(default)]
+    pub stored_at_ms: u64,
+    #[serde(default)]
+    pub last_seen_ms: u64,
+}
+
+/// A record on its way into a table, with what repeats are merged by.
+#[derive(Debug)]
+pub(crate) struct PendingRecord {
+    pub sub: SubscriberId,
+    pub key: u128,
+    pub fingerprint: u64,
+    pub at_ms: u64,
+    /// The encoded record, `count` 1.
+    pub body: Vec<u8>,
+}
+
+/// The quarantine record of `job`, which conflicts with a claim of `stored_fingerprint`.
+pub(crate) fn quarantine(
+    st: &SubState,
+    job: &Job,
+    stored_fingerprint: u64,
+    now: u64,
+) -> PendingRecord {
+    let record = QuarantineRecord {
+        v: 1,
+        subscriber: st.name.to_string(),
+        id: job.id.to_string(),
+        key_hash: format!("{:032x}", job.key),
+        stored_fingerprint: format!("{stored_fingerprint:016x}"),
+        fingerprint: format!("{:016x}", job.fingerprint),
+        reason: "same id, different payload".into(),
+        received_at_ms: job.received_at_ms,
+        key: job.partition_key.clone(),
+        headers: job.headers.clone(),
+        origin: job.origin.clone(),
+        payload: StoredPayload::of(&job.payload),
+        count: 1,
+        stored_at_ms: now,
+        last_seen_ms: now,
+    };
+    PendingRecord {
+        sub: st.id,
+        key: job.key,
+        fingerprint: job.fingerprint,
+        at_ms: now,
+        body: serde_json::to_vec(&record).unwrap_or_default(),
+    }
+}
+
+/// The dead-letter record of `job`, whose handler failed with `failure`.
+pub(crate) fn dead_letter(
+    st: &SubState,
+    job: &Job,
+    failure: &Failure,
+    reason: &str,
+    now: u64,
+) -> PendingRecord {
+    let record = DeadLetterRecord {
+        v: 1,
+        subscriber: st.name.to_string(),
+        id: job.id.to_string(),
+        key_hash: format!("{:032x}", job.key),
+        fingerprint: format!("{:016x}", job.fingerprint),
+        kind: failure.kind().into(),
+        reason: reason.into(),
+        attempts: job.attempt,
+        received_at_ms: job.received_at_ms,
+        failed_at_ms: now,
+        key: job.partition_key.clone(),
+        headers: job.headers.clone(),
+        origin: job.origin.clone(),
+        payload: StoredPayload::of(&job.payload),
+        count: 1,
+        stored_at_ms: now,
+        last_seen_ms: now,
+    };
+    PendingRecord {
+        sub: st.id,
+        key: job.key,
+        fingerprint: job.fingerprint,
+        at_ms: now,
+        body: serde_json::to_vec(&record).unwrap_or_default(),
+    }
+}
+
+/// A dead letter for input that never became a job. `record` is the source's JSON object
+/// (reason, payload, origin...). Repeats are merged by the message id (if the input had
+/// one) and a fingerprint of its reason and payload, so a changing origin (a Kafka
+/// offset) does not make every redelivery a record of its own.
+pub(crate) fn unusable_input(
+    sub: SubscriberId,
+    subscriber: &str,
+    record: serde_json::Value,
+    now: u64,
+) -> Result<PendingRecord, serde_json::Error> {
+    let mut record = match record {
+        serde_json::Value::Object(m) => serde_json::Value::Object(m),
+        other => serde_json::json!({ "detail": other }),
+    };
+    let key = merge_key(
+        record.get("key_hash").and_then(|v| v.as_str()),
+        record.get("id").and_then(|v| v.as_str()),
+    );
+    let what = serde_json::to_vec(&(
+        record.get("reason"),
+        record.get("payload"),
+        record.get("payload_base64"),
+        record.get("detail"),
+    ))?;
+    let fingerprint = crate::envelope::fingerprint(&what);
+    record["v"] = 1.into();
+    record["subscriber"] = subscriber.into();
+    record["fingerprint"] = format!("{fingerprint:016x}").into();
+    record["failed_at_ms"] = now.into();
+    record["count"] = 1.into();
+    record["stored_at_ms"] = now.into();
+    record["last_seen_ms"] = now.into();
+    Ok(PendingRecord {
+        sub,
+        key,
+        fingerprint,
+        at_ms: now,
+        body: serde_json::to_vec(&record)?,
+    })
+}
+
+/// Adds `count` 1 and `last_seen_ms` to a record stored before they existed, so every
+/// listing shows them.
+pub(crate) fn with_defaults(mut body: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = body.as_object_mut() {
+        o.entry("count").or_insert(1.into());
+        if !o.contains_key("last_seen_ms") {
+            let at = ["failed_at_ms", "received_at_ms"]
+                .iter()
+                .find_map(|k| o.get(*k).and_then(|v| v.as_u64()))
+                .unwrap_or(0);
+            o.insert("last_seen_ms".into(), at.into());
+        }
+    }
+    body
+}
+
+/// The key a record is merged under: its `key_hash` (hex) if it has one, else a hash of its
+/// message id (empty for input that had none). Used when storing and when unindexing.
+fn merge_key(key_hash: Option<&str>, id: Option<&str>) -> u128 {
+    key_hash
+        .and_then(|h| u128::from_str_radix(h, 16).ok())
+        .unwrap_or_else(|| crate::envelope::key_hash(id.unwrap_or("").as_bytes()))
+}
+
+fn text(v: &Option<serde_json::Value>) -> Option<&str> {
+    v.as_ref().and_then(|v| v.as_str())
+}
+
+/// The fields a stored record is swept and unindexed by. Loosely typed: dead letters of
+/// unusable input carry whatever fields their source gave them.
+#[derive(Deserialize)]
+struct Stamp {
+    #[serde(default)]
+    stored_at_ms: Option<serde_json::Value>,
+    #[serde(default)]
+    failed_at_ms: Option<serde_json::Value>,
+    #[serde(default)]
+    received_at_ms: Option<serde_json::Value>,
+    #[serde(default)]
+    id: Option<serde_json::Value>,
+    #[serde(default)]
+    key_hash: Option<serde_json::Value>,
+    #[serde(default)]
+    fingerprint: Option<serde_json::Value>,
+}
+
+impl Stamp {
+    fn read(body: &[u8]) -> Option<Stamp> {
+        serde_json::from_slice(body).ok()
+    }
+
+    /// When the record was first stored (older layouts: when it failed or arrived).
+    fn stored_at(&self) -> u64 {
+        [&self.stored_at_ms, &self.failed_at_ms, &self.received_at_ms]
+            .into_iter()
+            .find_map(|v| v.as_ref().and_then(|v| v.as_u64()))
+            .unwrap_or(0)
+    }
+
+    /// The index entry that points at this record, if it was written with one.
+    fn index_key(&self) -> Option<(u128, u64)> {
+        let fp = u64::from_str_radix(self.fingerprint.as_ref()?.as_str()?, 16).ok()?;
+        Some((merge_key(text(&self.key_hash), text(&self.id)), fp))
+    }
+}
+
+/// What a shard keeps in memory about one kind of record of one subscriber.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Shelf {
+    /// Records stored on this shard.
+    pub stored: u64,
+    /// When the oldest record falls out of the retention (0: unknown, look at the next
+    /// maintenance step; `u64::MAX`: no records).
+    pub sweep_due_ms: u64,
+}
+
+/// Both kinds of record of one subscriber on one shard.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SubRecords {
+    pub quarantine: Shelf,
+    pub dead_letter: Shelf,
+}
+
+impl SubRecords {
+    pub fn shelf(&mut self, kind: RecordKind) -> &mut Shelf {
+        match kind {
+            RecordKind::Quarantine => &mut self.quarantine,
+            RecordKind::DeadLetter => &mut self.dead_letter,
+        }
+    }
+}
+
+/// What a subscriber's records and outcome counters are on disk.
+pub(crate) struct Loaded {
+    pub records: SubRecords,
+    pub quarantined: u64,
+    pub dead_lettered: u64,
+}
+
+/// Counts a subscriber's stored records and reads its outcome counters (a data directory
+/// that has none yet counts one outcome per record).
+pub(crate) fn load(db: &Database, subscriber: &str) -> Result<Loaded, redb::Error> {
+    let txn = db.begin_read()?;
+    let mut out = Loaded {
+        records: SubRecords::default(),
+        quarantined: 0,
+        dead_lettered: 0,
+    };
+    for kind in [RecordKind::Quarantine, RecordKind::DeadLetter] {
+        let stored = match txn.open_table(record_table(kind)) {
+            Ok(t) => t.range((subscriber, 0)..=(subscriber, u64::MAX))?.count() as u64,
+            Err(redb::TableError::TableDoesNotExist(_)) => 0,
+            Err(e) => return Err(e.into()),
+        };
+        let outcomes = match txn.open_table(tables::META) {
+            Ok(t) => t
+                .get(outcome_key(kind, subscriber).as_str())?
+                .map(|v| v.value()),
+            Err(redb::TableError::TableDoesNotExist(_)) => None,
+            Err(e) => return Err(e.into()),
+        }
+        .unwrap_or(stored);
+        *out.records.shelf(kind) = Shelf {
+            stored,
+            sweep_due_ms: 0,
+        };
+        match kind {
+            RecordKind::Quarantine => out.quarantined = outcomes,
+            RecordKind::DeadLetter => out.dead_lettered = outcomes,
+        }
+    }
+    Ok(out)
+}
+
+/// Retention and cap as they apply on one shard.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub retention_ms: u64,
+    /// Records per subscriber and kind on this shard.
+    pub max_stored: u64,
+}
+
+impl Limits {
+    pub fn of(cfg: &LedgerConfig, shards: usize) -> Limits {
+        Limits {
+            retention_ms: cfg.record_retention.as_millis() as u64,
+            max_stored: (cfg.max_records_per_subscriber.get() as u64)
+                .div_ceil(shards.max(1) as u64)
+                .max(1),
+        }
+    }
+}
+
+/// Why a stored record was dropped, for `dedupd_records_dropped_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DropReason {
+    Retention,
+    Cap,
+}
+
+fn count_drop(registry: &Registry, sub: SubscriberId, kind: RecordKind, why: DropReason, n: u64) {
+    if n == 0 {
+        return;
+    }
+    if let Some(spec) = registry.get(sub) {
+        let d = match kind {
+            RecordKind::Quarantine => &spec.counters.quarantine_records_dropped,
+            RecordKind::DeadLetter => &spec.counters.dead_letter_records_dropped,
+        };
+        match why {
+            DropReason::Retention => d.expired.fetch_add(n, Ordering::Relaxed),
+            DropReason::Cap => d.evicted.fetch_add(n, Ordering::Relaxed),
+        };
+    }
+}
+
+type Records<'t> = redb::Table<'t, (&'static str, u64), &'static [u8]>;
+type Index<'t> = redb::Table<'t, (&'static str, u128, u64), u64>;
+
+/// Removes one record and the index entry that points at it.
+fn remove_at(
+    records: &mut Records<'_>,
+    index: &mut Index<'_>,
+    subscriber: &str,
+    seq: u64,
+) -> Result<bool, redb::Error> {
+    let stamp = match records.remove((subscriber, seq))? {
+        Some(old) => Stamp::read(old.value()),
+        None => return Ok(false),
+    };
+    if let Some((key, fp)) = stamp.and_then(|s| s.index_key()) {
+        let points_here = index
+            .get((subscriber, key, fp))?
+            .is_some_and(|v| v.value() == seq);
+        if points_here {
+            index.remove((subscriber, key, fp))?;
+        }
+    }
+    Ok(true)
+}
+
+/// Stores `rows` (draining them): a repeat of a kept `(subscriber, key, fingerprint)`
+/// bumps that record's `count` and `last_seen_ms`, anything else becomes a new record
+/// numbered from `next_seq`, dropping the subscriber's oldest record past the cap. Writes
+/// the touched subscribers' outcome counters. Returns the seq each row landed on.
+pub(crate) fn store(
+    txn: &WriteTransaction,
+    kind: RecordKind,
+    rows: &mut Vec<PendingRecord>,
+    next_seq: &mut u64,
+    subs: &mut [Option<SubState>],
+    limits: Limits,
+    registry: &Registry,
+) -> Result<Vec<u64>, redb::Error> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut seqs = Vec::with_capacity(rows.len());
+    let mut touched: Vec<SubscriberId> = Vec::new();
+    {
+        let mut records = txn.open_table(record_table(kind))?;
+        let mut index = txn.open_table(index_table(kind))?;
+        for row in rows.drain(..) {
+            let Some(st) = subs.get_mut(row.sub.0 as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            if !touched.contains(&row.sub) {
+                touched.push(row.sub);
+            }
+            let name: Arc<str> = st.name.clone();
+            let ikey = (&*name, row.key, row.fingerprint);
+            let kept = index.get(ikey)?.map(|v| v.value());
+            if let Some(seq) = kept {
+                let bumped = records
+                    .get((&*name, seq))?
+                    .and_then(|old| bump(old.value(), row.at_ms));
+                if let Some(body) = bumped {
+                    records.insert((&*name, seq), body.as_slice())?;
+                    seqs.push(seq);
+                    continue;
+                }
+            }
+            let seq = *next_seq;
+            *next_seq += 1;
+            records.insert((&*name, seq), row.body.as_slice())?;
+            index.insert(ikey, seq)?;
+            seqs.push(seq);
+            let shelf = st.records.shelf(kind);
+            shelf.stored += 1;
+            if shelf.sweep_due_ms == u64::MAX {
+                shelf.sweep_due_ms = row.at_ms.saturating_add(limits.retention_ms);
+            }
+            let mut evicted = 0;
+            while shelf.stored > limits.max_stored {
+                let oldest = records
+                    .range((&*name, 0)..=(&*name, u64::MAX))?
+                    .next()
+                    .transpose()?
+                    .map(|(k, _)| k.value().1);
+                let Some(oldest) = oldest else { break };
+                if remove_at(&mut records, &mut index, &name, oldest)? {
+                    shelf.stored -= 1;
+                    evicted += 1;
+                }
+            }
+            count_drop(registry, row.sub, kind, DropReason::Cap, evicted);
+        }
+    }
+    let mut meta = txn.open_table(tables::META)?;
+    for sub in touched {
+        if let Some(st) = subs.get(sub.0 as usize).and_then(|s| s.as_ref()) {
+            let outcomes = match kind {
+                RecordKind::Quarantine => st.quarantined,
+                RecordKind::DeadLetter => st.dead_lettered,
+            };
+            meta.insert(outcome_key(kind, &st.name).as_str(), outcomes)?;
+        }
+    }
+    Ok(seqs)
+}
+
+/// The stored record with one more delivery seen at `at_ms`; `None` if it is unreadable
+/// (the caller then stores the delivery as a new record).
+fn bump(body: &[u8], at_ms: u64) -> Option<Vec<u8>> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let o = v.as_object_mut()?;
+    let count = o.get("count").and_then(|c| c.as_u64()).unwrap_or(1);
+    o.insert("count".into(), count.saturating_add(1).into());
+    o.insert("last_seen_ms".into(), at_ms.into());
+    serde_json::to_vec(&v).ok()
+}
+
+/// Removes one record (discard, or settled by a replay). The outcome stays counted.
+pub(crate) fn remove(
+    txn: &WriteTransaction,
+    st: &mut SubState,
+    kind: RecordKind,
+    seq: u64,
+) -> Result<bool, redb::Error> {
+    let mut records = txn.open_table(record_table(kind))?;
+    let mut index = txn.open_table(index_table(kind))?;
+    let removed = remove_at(&mut records, &mut index, &st.name, seq)?;
+    if removed {
+        let shelf = st.records.shelf(kind);
+        shelf.stored = shelf.stored.saturating_sub(1);
+    }
+    Ok(removed)
+}
+
+/// Whether some subscriber has a record that may have fallen out of the retention.
+pub(crate) fn sweep_due(subs: &[Option<SubState>], now: u64) -> bool {
+    subs.iter().flatten().any(|st| {
+        [st.records.quarantine, st.records.dead_letter]
+            .iter()
+            .any(|s| s.stored > 0 && s.sweep_due_ms <= now)
+    })
+}
+
+/// Removes records that were first stored a retention or longer ago, at most
+/// [`SWEEP_ROWS`] per subscriber and kind. Returns whether it removed anything.
+pub(crate) fn sweep(
+    txn: &WriteTransaction,
+    subs: &mut [Option<SubState>],
+    now: u64,
+    limits: Limits,
+    registry: &Registry,
+) -> Result<bool, redb::Error> {
+    let mut did = false;
+    for st in subs.iter_mut().flatten() {
+        for kind in [RecordKind::Quarantine, RecordKind::DeadLetter] {
+            let shelf = *st.records.shelf(kind);
+            if shelf.stored == 0 || shelf.sweep_due_ms > now {
+                continue;
+            }
+            let mut records = txn.open_table(record_table(kind))?;
+            let mut index = txn.open_table(index_table(kind))?;
+            let name = st.name.clone();
+            let mut expired = 0u64;
+            // Stays `now` when the budget runs out: the next step goes on.
+            let mut next_due = now;
+            for _ in 0..SWEEP_ROWS {
+                let first = records
+                    .range((&*name, 0)..=(&*name, u64::MAX))?
+                    .next()
+                    .transpose()?
+                    .map(|(k, v)| (k.value().1, Stamp::read(v.value())));
+                let Some((seq, stamp)) = first else {
+                    next_due = u64::MAX;
+                    break;
+                };
+                // An unreadable record has no age; it goes with the expired ones.
+                let stored_at = stamp.as_ref().map_or(0, Stamp::stored_at);
+                let due = stored_at.saturating_add(limits.retention_ms);
+                if due > now {
+                    next_due = due;
+                    break;
+                }
+                if remove_at(&mut records, &mut index, &name, seq)? {
+                    expired += 1;
+                }
+            }
+            let shelf = st.records.shelf(kind);
+            shelf.stored = shelf.stored.saturating_sub(expired);
+            shelf.sweep_due_ms = next_due;
+            count_drop(registry, st.id, kind, DropReason::Retention, expired);
+            did |= expired > 0;
+        }
+    }
+    Ok(did)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_layout_records_read_with_count_one() {
+        let old = serde_json::json!({
+            "v": 1, "subscriber": "s", "id": "a", "key_hash": "00", "stored_fingerprint": "01",
+            "fingerprint": "02", "reason": "same id, different payload", "received_at_ms": 5,
+            "key": null, "headers": [], "origin": null, "payload": "two"
+        });
+        let r: QuarantineRecord = serde_json::from_value(old.clone()).expect("record");
+        assert_eq!(r.count, 1);
+        assert_eq!(r.payload.payload.as_deref(), Some("two"));
+        let shown = with_defaults(old);
+        assert_eq!(shown["count"], 1);
+        assert_eq!(shown["last_seen_ms"], 5);
+    }
+
+    #[test]
+    fn records_keep_the_first_layout_field_names() {
+        let r = DeadLetterRecord {
+            v: 1,
+            subscriber: "s".into(),
+            id: "a".into(),
+            key_hash: "00".into(),
+            fingerprint: "02".into(),
+            kind: "permanent".into(),
+            reason: "no".into(),
+            attempts: 1,
+            received_at_ms: 1,
+            failed_at_ms: 2,
+            key: None,
+            headers: vec![("h".into(), "v".into())],
+            origin: None,
+            payload: StoredPayload::of(&[0xff, 0]),
+            count: 3,
+            stored_at_ms: 2,
+            last_seen_ms: 4,
+        };
+        let v = serde_json::to_value(&r).expect("json");
+        assert_eq!(v["payload_base64"], "/wA=");
+        assert!(v.get("payload").is_none());
+        assert_eq!(v["headers"], serde_json::json!([["h", "v"]]));
+        assert_eq!(v["key"], serde_json::Value::Null);
+        let back: DeadLetterRecord = serde_json::from_value(v).expect("back");
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn a_repeat_bumps_count_and_last_seen() {
+        let body = br#"{"id":"a","count":2,"last_seen_ms":1,"payload":"x"}"#;
+        let v: serde_json::Value =
+            serde_json::from_slice(&bump(body, 9).expect("bumped")).expect("json");
+        assert_eq!(v["count"], 3);
+        assert_eq!(v["last_seen_ms"], 9);
+        assert_eq!(v["payload"], "x");
+        assert!(bump(b"not json", 9).is_none());
+    }
+
+    #[test]
+    fn unusable_input_is_merged_and_unindexed_by_the_same_key() {
+        let row = unusable_input(
+            SubscriberId(0),
+            "s",
+            serde_json::json!({"id": 7, "reason": "no usable key", "payload": "x", "origin": "o"}),
+            5,
+        )
+        .expect("record");
+        let stamp = Stamp::read(&row.body).expect("stamp");
+        assert_eq!(stamp.index_key(), Some((row.key, row.fingerprint)));
+        assert_eq!(stamp.stored_at(), 5);
+        let other_origin = unusable_input(
+            SubscriberId(0),
+            "s",
+            serde_json::json!({"id": 7, "reason": "no usable key", "payload": "x", "origin": "p"}),
+            6,
+        )
+        .expect("record");
+        assert_eq!(
+            (other_origin.key, other_origin.fingerprint),
+            (row.key, row.fingerprint)
+        );
+    }
+
+    #[test]
+    fn cap_is_split_over_shards_and_never_zero() {
+        let cfg = LedgerConfig {
+            max_records_per_subscriber: std::num::NonZeroUsize::MIN.saturating_add(9),
+            ..Default::default()
+        };
+        assert_eq!(Limits::of(&cfg, 1).max_stored, 10);
+        assert_eq!(Limits::of(&cfg, 3).max_stored, 4);
+        assert_eq!(Limits::of(&cfg, 64).max_stored, 1);
+    }
+}
