@@ -193,17 +193,22 @@ fn keys(
     let key = match keying {
         Keying::Given(k) => k.clone(),
         Keying::Derive | Keying::DeriveThen(_) => {
-            let mut key =
-                if lowercase_header_names && matches!(settings.key, KeySource::Header { .. }) {
-                    let mut s = settings.clone();
-                    if let KeySource::Header { name } = &mut s.key {
-                        *name = name.to_ascii_lowercase();
-                    }
-                    derive_key(env, bytes, &s)
-                } else {
-                    derive_key(env, bytes, settings)
+            // A source whose header names are lowercased matches a header key source so.
+            let lowered;
+            let settings_for_key = match &settings.key {
+                KeySource::Header { name } if lowercase_header_names => {
+                    lowered = SubscriberSettings {
+                        key: KeySource::Header {
+                            name: name.to_ascii_lowercase(),
+                        },
+                        ..settings.clone()
+                    };
+                    &lowered
                 }
-                .map_err(|error| EnvelopeError::Key {
+                _ => settings,
+            };
+            let mut key =
+                derive_key(env, bytes, settings_for_key).map_err(|error| EnvelopeError::Key {
                     subscriber: subscriber.clone(),
                     error,
                 })?;
