@@ -136,9 +136,10 @@ pub fn derive_key(
             cloudevents_key(source, id)
         }
         KeySource::ContentHash => {
+            // xxh3-128 of the canonical payload; the text names the hash it shows.
             let h = xxh3_128(canonical);
             IdempotencyKey {
-                text: format!("sha:{h:032x}"),
+                text: format!("xxh3:{h:032x}"),
                 hash: h,
             }
         }
@@ -363,6 +364,18 @@ mod tests {
         let ka = derive_key(&a, b"", &s).expect("key");
         assert_eq!(ka.text, "12345678901234567890123");
         assert_ne!(ka.hash, derive_key(&b, b"", &s).expect("key").hash);
+    }
+
+    #[test]
+    fn content_hash_key_is_labelled_with_the_hash_it_is() {
+        let e = env(json!({"payload": {"a": 1}}));
+        let canonical = canonical_payload(&e.payload);
+        let key = derive_key(&e, &canonical, &settings(KeySource::ContentHash)).expect("key");
+        let h = xxh3_128(&canonical);
+        // xxh3-128, not SHA: the label says so.
+        assert_eq!(key.text, format!("xxh3:{h:032x}"));
+        // The stored hash is unchanged, so claims keyed by earlier releases still match.
+        assert_eq!(key.hash, h);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,19 +22,9 @@ use dedupd::ledger::Ledger;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-const TOKEN: &str = "test-token-0123456789";
+use common::component;
 
-fn component(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("plugins/target/wasm32-wasip2/release")
-        .join(format!("{name}.wasm"));
-    assert!(
-        p.exists(),
-        "{} is missing: run plugins/build.sh (scripts/test does)",
-        p.display()
-    );
-    p
-}
+const TOKEN: &str = "test-token-0123456789";
 
 struct Api {
     _dir: tempfile::TempDir,

@@ -6,6 +6,8 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -44,22 +46,11 @@ fn stream() -> Vec<(String, String)> {
     lines
 }
 
-fn component() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("plugins/target/wasm32-wasip2/release/shipping_label.wasm");
-    assert!(
-        p.exists(),
-        "{} is missing: run plugins/build.sh",
-        p.display()
-    );
-    p
-}
-
 fn write_config(dir: &Path, ledger: &str) -> PathBuf {
     let path = dir.join("dedupd.toml");
     let text = format!(
         "{ledger}[defaults]\nhandler = {:?}\nhandler_cpu_budget = \"2s\"\npartition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\n",
-        component().display().to_string()
+        common::component("shipping_label").display().to_string()
     );
     std::fs::write(&path, text).unwrap();
     path
@@ -200,11 +191,7 @@ fn kill_9_rounds(ledger: &str) {
         "{}",
         String::from_utf8_lossy(&dump.stderr)
     );
-    let labels: Vec<serde_json::Value> = String::from_utf8(dump.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let labels: Vec<serde_json::Value> = common::json_lines(dump.stdout);
     let orders: BTreeSet<String> = labels
         .iter()
         .map(|l| l["value"]["order_id"].as_str().unwrap().to_string())

@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,17 +22,7 @@ use dedupd::handler::{
 };
 use dedupd::ledger::{Done, Job, Ledger, Outcome};
 
-fn component(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("plugins/target/wasm32-wasip2/release")
-        .join(format!("{name}.wasm"));
-    assert!(
-        p.exists(),
-        "{} is missing: run plugins/build.sh (scripts/test does)",
-        p.display()
-    );
-    p
-}
+use common::component;
 
 /// Budgets for tests that must not time out: the epoch counts wall time, and a loaded CI
 /// machine may deschedule a thread for a while.

@@ -3,6 +3,8 @@
 //! engines, dead-letter and outbox topics, poison messages.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -23,6 +25,8 @@ use dedupd::ledger::Ledger;
 use dedupd::source::kafka::{
     self, DevBroker, KafkaConfig, RunOptions, SourceStats, SubscriptionConfig,
 };
+
+use common::component;
 
 /// A cluster for one test: the mock broker, or the one `KAFKA_BOOTSTRAP` names.
 struct Cluster {
@@ -54,18 +58,6 @@ fn topic(name: &str) -> String {
         .unwrap()
         .subsec_nanos();
     format!("{name}-{}-{nanos}", std::process::id())
-}
-
-fn component(name: &str) -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("plugins/target/wasm32-wasip2/release")
-        .join(format!("{name}.wasm"));
-    assert!(
-        p.exists(),
-        "{} is missing: run plugins/build.sh first",
-        p.display()
-    );
-    p
 }
 
 struct Rec<'a> {

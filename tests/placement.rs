@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -17,19 +19,9 @@ use dedupd::ledger::{Done, Job, Ledger};
 use dedupd::pipeline::run_pipe;
 use serde_json::{json, Value};
 
-const BIN: &str = env!("CARGO_BIN_EXE_dedupd");
+use common::component;
 
-fn component(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("plugins/target/wasm32-wasip2/release")
-        .join(format!("{name}.wasm"));
-    assert!(
-        p.exists(),
-        "{} is missing: build the components with plugins/build.sh",
-        p.display()
-    );
-    p
-}
+const BIN: &str = env!("CARGO_BIN_EXE_dedupd");
 
 fn config_text(handler: &str, partition_key: Option<&str>) -> String {
     let mut text = format!(
@@ -76,14 +68,7 @@ fn pipe(data: &Path, config: &Path, lines: &[Value]) -> Vec<String> {
         "pipe failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            v["outcome"].as_str().unwrap().to_string()
-        })
-        .collect()
+    common::outcome_names(out.stdout)
 }
 
 /// `dedupd state dump` lines as JSON.
@@ -100,11 +85,7 @@ fn dump(data: &Path, config: &Path) -> Vec<Value> {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    common::json_lines(out.stdout)
 }
 
 fn order_events(n: usize, order: &str, prefix: &str) -> Vec<Value> {
@@ -237,14 +218,7 @@ fn run_lines(ledger: &Ledger, config: &Config, lines: &[Value]) -> Vec<String> {
     let input: String = lines.iter().map(|v| format!("{v}\n")).collect();
     let mut out = Vec::new();
     run_pipe(ledger, config, input.as_bytes(), &mut out).unwrap();
-    String::from_utf8(out)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            v["outcome"].as_str().unwrap().to_string()
-        })
-        .collect()
+    common::outcome_names(out)
 }
 
 /// An entity text that routes to `shard` of 2.

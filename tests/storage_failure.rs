@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod common;
+
 use std::io::Cursor;
 use std::sync::Arc;
 use std::time::Duration;
@@ -127,11 +129,7 @@ fn pipe_stops_with_an_error_when_a_commit_fails() {
         "{result:?}"
     );
     let _ = ledger.close();
-    let printed: Vec<serde_json::Value> = String::from_utf8(out)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let printed: Vec<serde_json::Value> = common::json_lines(out);
     assert!(
         !printed.is_empty(),
         "some lines should be durable before the fault"
@@ -297,11 +295,7 @@ fn pipe_stops_with_an_error_when_a_handler_panics() {
     }
     assert!(ledger.poison_reason().is_some());
     // Whatever was printed is a processed prefix that stops before the panicking line.
-    let printed: Vec<serde_json::Value> = String::from_utf8(out)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let printed: Vec<serde_json::Value> = common::json_lines(out);
     assert!(printed.len() < 3, "{printed:?}");
     for (n, line) in printed.iter().enumerate() {
         assert_eq!(line["seq"], (n + 1) as u64);

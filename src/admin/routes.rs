@@ -17,11 +17,10 @@ use super::handlers::UploadError;
 use super::ingest::StartError;
 use super::{Access, AdminState, ApiError, Authorized};
 use crate::config::{validate_subscriber_name, Config, ConfigError, KeySource, SubscriberConfig};
-use crate::envelope::{
-    canonical_payload, derive_entity, derive_key, fingerprint, Envelope, IdempotencyKey,
-};
-use crate::ledger::{Job, Ledger, Outcome, RecordKind, StoredRecord, Subscriber};
+use crate::envelope::IdempotencyKey;
+use crate::ledger::{Ledger, Outcome, RecordKind, StoredRecord, Subscriber};
 use crate::pipeline::limits_of;
+use crate::source::delivery::{envelope, Delivery, EnvelopeError, Keying, Payload, Routed, Target};
 
 type ApiResult<T> = Result<T, ApiError>;
 
@@ -541,24 +540,20 @@ pub async fn ingest_message(
     let sub = ledger.subscriber(&name)?;
     let settings = sub.settings();
     let json_body = payload_json(&headers, &body)?;
-    let canonical = match &json_body {
-        Some(v) => canonical_payload(v),
-        None => body.to_vec(),
-    };
     let given = header_str(&headers, IDEMPOTENCY_KEY)?;
-    let mut env = Envelope {
-        subscriber: Some(name.clone()),
-        id: json_body
-            .as_ref()
-            .and_then(|v| v.get("id"))
-            .and_then(Value::as_str)
-            .map(str::to_string),
-        key: header_str(&headers, PARTITION_KEY)?.map(str::to_string),
-        headers: BTreeMap::new(),
-        payload: Value::Null,
-    };
+    let id = json_body
+        .as_ref()
+        .and_then(|v| v.get("id"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let key = header_str(&headers, PARTITION_KEY)?.map(str::to_string);
     let is_json = json_body.is_some();
-    env.payload = json_body.unwrap_or(Value::Null);
+    let payload = match json_body {
+        Some(v) => Payload::Json(v),
+        None => Payload::Opaque(body.to_vec()),
+    };
+    // HTTP header names are case-insensitive; the delivery holds them lowercased.
+    let mut message_headers = BTreeMap::new();
     for (k, v) in &headers {
         // Credentials and transport headers are not message headers: they never reach a
         // handler or a dead-letter record.
@@ -566,10 +561,19 @@ pub async fn ingest_message(
             continue;
         }
         if let Ok(v) = v.to_str() {
-            env.headers.insert(k.as_str().to_string(), v.to_string());
+            message_headers.insert(k.as_str().to_string(), v.to_string());
         }
     }
-    let key = match given {
+    let delivery = Delivery {
+        id,
+        key,
+        headers: message_headers.into_iter().collect(),
+        lowercase_header_names: true,
+        origin: Some("http".into()),
+        received_at_ms: now_ms(),
+        ..Delivery::new(Target::Resolved(sub.clone()), payload)
+    };
+    let given = match given {
         Some(k) => {
             let k = k.trim();
             if k.is_empty() {
@@ -587,7 +591,7 @@ pub async fn ingest_message(
                     ),
                 ));
             }
-            IdempotencyKey::from_id(k)
+            Some(IdempotencyKey::from_id(k))
         }
         None => {
             let usable = is_json
@@ -601,23 +605,28 @@ pub async fn ingest_message(
                     "missing idempotency key: send an `Idempotency-Key` header",
                 ));
             }
-            // HTTP header names are case-insensitive; the envelope holds them lowercased.
-            let mut s = (*settings).clone();
-            if let KeySource::Header { name } = &mut s.key {
-                *name = name.to_ascii_lowercase();
-            }
-            derive_key(&env, &canonical, &s).map_err(|e| {
-                ApiError::bad(
-                    IDEMPOTENCY_KEY,
-                    format!("missing idempotency key: send an `Idempotency-Key` header ({e})"),
-                )
-            })?
+            None
         }
     };
-    let entity =
-        derive_entity(&env, &settings).map_err(|e| ApiError::bad(PARTITION_KEY, e.to_string()))?;
-    let fp = fingerprint(&canonical);
+    let keying = match &given {
+        Some(k) => Keying::Given(k),
+        None => Keying::Derive,
+    };
     let ingest = st.ingest();
+    let Routed { mut job, shard, .. } = envelope(ledger, delivery, keying, ingest.ack_sender())
+        .map_err(|e| match e {
+            EnvelopeError::Key { error, .. } => ApiError::bad(
+                IDEMPOTENCY_KEY,
+                format!("missing idempotency key: send an `Idempotency-Key` header ({error})"),
+            ),
+            EnvelopeError::Entity { error, .. } => ApiError::bad(PARTITION_KEY, error.to_string()),
+            EnvelopeError::Subscriber(e) => e.into(),
+        })?;
+    let key = IdempotencyKey {
+        text: job.id.to_string(),
+        hash: job.key,
+    };
+    let fp = job.fingerprint;
     let (seq, outcome) = match ingest.register(Some((sub.id, key.hash))) {
         Ok(r) => r,
         Err(StartError::InFlight) => {
@@ -627,20 +636,7 @@ pub async fn ingest_message(
         }
         Err(StartError::Stopped) => return Err(ApiError::Unavailable("shutting down".into())),
     };
-    let mut job = Job::new(
-        seq,
-        sub.id,
-        key.hash,
-        fp,
-        &key.text,
-        &canonical,
-        ingest.ack_sender(),
-    );
-    job.partition_key = env.key.take();
-    job.headers = std::mem::take(&mut env.headers).into_iter().collect();
-    job.origin = Some("http".into());
-    job.received_at_ms = now_ms();
-    let shard = ledger.place(&sub, &mut job, entity);
+    job.seq = seq;
     ingest
         .send(shard, job)
         .map_err(|_| ApiError::Unavailable("shutting down".into()))?;

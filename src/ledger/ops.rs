@@ -11,9 +11,10 @@ use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
 use super::shard::{Control, ShardMsg};
-use super::{AckSender, Job, Ledger, LedgerError, Placement, MANIFEST};
+use super::{AckSender, Ledger, LedgerError, Placement, MANIFEST};
 use crate::config::SubscriberSettings;
-use crate::envelope::{fingerprint, key_hash};
+use crate::envelope::{key_hash, IdempotencyKey};
+use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
 
 /// The two kinds of records kept aside for operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -240,39 +241,36 @@ impl Ledger {
             }
         };
         let sub = self.registry.resolve(subscriber, true)?;
-        let mut job = Job::new(
-            seq,
-            sub.id,
-            key,
-            fingerprint(&payload),
-            msg_id,
-            &payload,
-            ack,
-        );
-        job.headers = body
-            .get("headers")
-            .and_then(|h| serde_json::from_value(h.clone()).ok())
-            .unwrap_or_default();
-        job.partition_key = body.get("key").and_then(|k| k.as_str()).map(String::from);
-        job.origin = body
-            .get("origin")
-            .and_then(|k| k.as_str())
-            .map(String::from);
-        job.replace = kind == RecordKind::Quarantine;
+        let delivery = Delivery {
+            id: Some(msg_id.to_string()),
+            key: body.get("key").and_then(|k| k.as_str()).map(String::from),
+            headers: body
+                .get("headers")
+                .and_then(|h| serde_json::from_value(h.clone()).ok())
+                .unwrap_or_default(),
+            origin: body
+                .get("origin")
+                .and_then(|k| k.as_str())
+                .map(String::from),
+            ..Delivery::new(Target::Resolved(sub.clone()), Payload::Bytes(payload))
+        };
+        // The record's stored key; the payload is fingerprinted and handed on as stored.
         // The job runs where its placement says today (its entity's state is there); the
         // record is settled in the same transaction when it lives on that shard, and
         // right after the durable outcome otherwise (a crash in between leaves the record,
         // and replaying it again answers `duplicate`).
-        let env = crate::envelope::Envelope {
-            subscriber: None,
-            id: Some(msg_id.to_string()),
-            key: job.partition_key.clone(),
-            headers: job.headers.iter().cloned().collect(),
-            payload: serde_json::from_slice(&payload).unwrap_or(serde_json::Value::Null),
+        let given = IdempotencyKey {
+            text: msg_id.to_string(),
+            hash: key,
         };
-        let entity = crate::envelope::derive_entity(&env, &sub.settings())
+        let Routed {
+            mut job,
+            shard: target,
+            ..
+        } = envelope(self, delivery, Keying::Given(&given), ack)
             .map_err(|e| LedgerError::Invalid(format!("record {id}: {e}")))?;
-        let target = self.place(&sub, &mut job, entity);
+        job.seq = seq;
+        job.replace = kind == RecordKind::Quarantine;
         if target == shard {
             job.settle = Some((kind, record_seq));
         } else {

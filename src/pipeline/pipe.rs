@@ -15,8 +15,9 @@ use crossbeam_channel::{bounded, select, unbounded, Receiver};
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::envelope::{canonical_payload, derive_entity, derive_key, fingerprint, Envelope};
+use crate::envelope::Envelope;
 use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome};
+use crate::source::delivery::{envelope, Delivery, EnvelopeError, Keying, Payload, Routed, Target};
 
 use super::Sequencer;
 
@@ -59,12 +60,6 @@ struct OutcomeLine<'a> {
 struct LineMeta {
     subscriber: Option<Arc<str>>,
     id: Option<String>,
-}
-
-/// A job and the shard that decides it.
-struct Routed {
-    job: Job,
-    shard: usize,
 }
 
 enum Event {
@@ -165,7 +160,7 @@ fn read_lines<R: Read>(
             Some(Ok(j)) => Some(j),
             None => None,
         };
-        if let Some(Routed { job, shard }) = job {
+        if let Some(Routed { job, shard, .. }) = job {
             staged[shard].push(job);
             if staged[shard].len() >= CHUNK {
                 ledger.submit(shard, std::mem::take(&mut staged[shard]))?;
@@ -271,68 +266,50 @@ fn decide_line(
     };
     let sub_name = env
         .subscriber
-        .clone()
         .unwrap_or_else(|| config.default_subscriber.clone());
-    let sub = match ledger.subscriber(&sub_name) {
-        Ok(s) => s,
-        Err(e) => {
-            return Err((
-                LineMeta {
-                    subscriber: None,
-                    id: env.id.clone(),
-                },
-                e.to_string(),
-            ))
-        }
+    let id = env.id.clone();
+    let delivery = Delivery {
+        id: env.id,
+        key: env.key,
+        headers: env.headers.into_iter().collect(),
+        ..Delivery::new(Target::Name(sub_name), Payload::Json(env.payload))
     };
-    let canonical = canonical_payload(&env.payload);
-    let key = match derive_key(&env, &canonical, &sub.settings()) {
-        Ok(k) => k,
-        Err(e) => {
-            let id = env.id.as_ref().map(|s| {
+    match envelope(ledger, delivery, Keying::Derive, ack.clone()) {
+        Ok(mut routed) => {
+            routed.job.seq = seq;
+            let meta = LineMeta {
+                subscriber: Some(routed.sub.name.clone()),
+                id: Some(routed.job.id.to_string()),
+            };
+            Ok((meta, routed))
+        }
+        Err(EnvelopeError::Subscriber(e)) => Err((
+            LineMeta {
+                subscriber: None,
+                id,
+            },
+            e.to_string(),
+        )),
+        Err(EnvelopeError::Key { subscriber, error }) => Err((
+            LineMeta {
+                subscriber: Some(subscriber),
                 // Never echo a huge id back; the reason already says how long it was.
-                s.chars().take(128).collect::<String>()
-            });
-            return Err((
-                LineMeta {
-                    subscriber: Some(sub.name.clone()),
-                    id,
-                },
-                e.to_string(),
-            ));
-        }
-    };
-    let entity = match derive_entity(&env, &sub.settings()) {
-        Ok(r) => r,
-        Err(e) => {
-            return Err((
-                LineMeta {
-                    subscriber: Some(sub.name.clone()),
-                    id: Some(key.text),
-                },
-                e.to_string(),
-            ))
-        }
-    };
-    let mut job = Job::new(
-        seq,
-        sub.id,
-        key.hash,
-        fingerprint(&canonical),
-        &key.text,
-        &canonical,
-        ack.clone(),
-    );
-    job.headers = env.headers.into_iter().collect();
-    job.partition_key = env.key;
-    let shard = ledger.place(&sub, &mut job, entity);
-    Ok((
-        LineMeta {
-            subscriber: Some(sub.name.clone()),
-            id: Some(key.text),
-        },
-        Routed { job, shard },
-    ))
+                id: id.map(|s| s.chars().take(128).collect::<String>()),
+            },
+            error.to_string(),
+        )),
+        Err(EnvelopeError::Entity {
+            subscriber,
+            key,
+            error,
+        }) => Err((
+            LineMeta {
+                subscriber: Some(subscriber),
+                id: Some(key.text),
+            },
+            error.to_string(),
+        )),
+    }
 }
 
 fn print_outcomes(

@@ -1,6 +1,15 @@
-//! Sources of messages. Pipe mode (stdin) lives in [`crate::pipeline`]; this module holds
-//! the deterministic traffic generator used by `bench` and `demo`, and the Kafka source
-//! (the only importer of rdkafka).
+//! Sources of messages, and the step they share.
+//!
+//! Every source turns what it received into a [`delivery::Delivery`] and hands it to
+//! [`delivery::envelope`], which keys, fingerprints and routes it the same way for all of
+//! them (and for the replay of stored records):
+//!
+//! - pipe mode (stdin JSON lines): [`crate::pipeline::run_pipe`];
+//! - HTTP ingest (`POST /v1/subscribers/{s}/messages`): `crate::admin` (the only user of
+//!   axum);
+//! - Kafka: [`kafka`] (the only importer of rdkafka);
+//! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
 
+pub mod delivery;
 pub mod generator;
 pub mod kafka;

@@ -130,8 +130,9 @@ impl From<serde_json::Error> for HandlerError {
 }
 
 impl Message {
-    /// The payload as UTF-8 text (the engine delivers canonical JSON, so this only fails
-    /// for a corrupt payload; the error is permanent).
+    /// The payload as UTF-8 text (JSON input arrives as canonical JSON; a Kafka record
+    /// value or a non-JSON HTTP body arrives as sent and may not be UTF-8; the error is
+    /// permanent).
     pub fn payload_str(&self) -> Result<&str, HandlerError> {
         core::str::from_utf8(&self.payload)
             .map_err(|e| HandlerError::Permanent(format!("payload is not UTF-8: {e}")))

@@ -28,11 +28,13 @@ use rdkafka::statistics::Statistics;
 use rdkafka::topic_partition_list::TopicPartitionList;
 use rdkafka::ClientContext;
 
-use crate::envelope::fingerprint;
+use crate::config::SubscriberSettings;
+use crate::envelope::Envelope;
 use crate::ledger::{Done, Job, Ledger, Outcome, Subscriber};
+use crate::source::delivery::{envelope, Delivery, Keying, Routed, Target};
 use crate::telemetry::Latency;
 
-use super::keying::{key_record, RecordView};
+use super::keying::{self, raw_header_key_hash, RecordView};
 use super::offsets::OffsetTracker;
 use super::{KafkaConfig, KafkaError, SubscriptionConfig};
 
@@ -350,16 +352,25 @@ impl Worker {
                     .collect()
             })
             .unwrap_or_default();
-        let settings = self.sub.settings();
-        let keyed = key_record(
-            &RecordView {
-                key: m.key(),
-                payload,
-                headers: &headers,
-            },
-            &settings,
+        let view = RecordView {
+            key: m.key(),
+            payload,
+            headers: &headers,
+        };
+        let origin = format!("kafka:{}/{}/{}", m.topic(), m.partition(), m.offset());
+        let delivery = Delivery {
+            origin: Some(origin.clone()),
+            received_at_ms: now_ms(),
+            ..keying::delivery(&view, Target::Resolved(self.sub.clone()))
+        };
+        let raw_hash = |env: &Envelope, s: &SubscriberSettings| raw_header_key_hash(&view, env, s);
+        let routed = envelope(
+            &self.ledger,
+            delivery,
+            Keying::DeriveThen(&raw_hash),
+            self.ack_tx.clone(),
         );
-        let retain = self.dlq.is_some() || keyed.is_err();
+        let retain = self.dlq.is_some() || routed.is_err();
         let retained = retain.then(|| Retained {
             key: m.key().map(<[u8]>::to_vec),
             payload: payload.to_vec(),
@@ -373,26 +384,9 @@ impl Worker {
         let ts = m.timestamp().to_millis().unwrap_or(0);
         let local = p.tracker.push(m.offset(), ts, retained);
         let seq = (slot << LOCAL_BITS) | (local & LOCAL_MASK);
-        let origin = format!("kafka:{}/{}/{}", m.topic(), m.partition(), m.offset());
-        match keyed {
-            Ok(k) => {
-                let mut job = Job::new(
-                    seq,
-                    self.sub.id,
-                    k.key.hash,
-                    fingerprint(payload),
-                    &k.key.text,
-                    payload,
-                    self.ack_tx.clone(),
-                );
-                job.headers = headers
-                    .into_iter()
-                    .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
-                    .collect();
-                job.partition_key = k.partition_key;
-                job.received_at_ms = now_ms();
-                job.origin = Some(origin);
-                let shard = self.ledger.place(&self.sub, &mut job, k.entity);
+        match routed {
+            Ok(Routed { mut job, shard, .. }) => {
+                job.seq = seq;
                 self.staged[shard].push(job);
                 if self.staged[shard].len() >= CHUNK {
                     let jobs = std::mem::take(&mut self.staged[shard]);
@@ -401,7 +395,7 @@ impl Worker {
                     }
                 }
             }
-            Err(reason) => self.reject(consumer, slot, local, &origin, reason),
+            Err(e) => self.reject(consumer, slot, local, &origin, e.to_string()),
         }
         let max = self.max_in_flight;
         if let Some(p) = self.parts.get_mut(&slot) {

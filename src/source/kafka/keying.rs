@@ -8,14 +8,11 @@
 //! the raw bytes (its text, shown to operators, is decoded lossily), so two ids that differ
 //! only in bytes that are not UTF-8 stay two messages.
 
-use std::collections::BTreeMap;
-
 use serde_json::Value;
 
-use crate::config::{KeySource, PartitionSource, SubscriberSettings};
-use crate::envelope::{
-    cloudevents_hash, derive_entity, derive_key, key_hash, Envelope, IdempotencyKey,
-};
+use crate::config::{KeySource, SubscriberSettings};
+use crate::envelope::{cloudevents_hash, key_hash, Envelope, IdempotencyKey};
+use crate::source::delivery::{key_delivery, Delivery, Keying, Payload, Target};
 
 /// The parts of a record key extraction looks at.
 #[derive(Debug, Clone, Copy)]
@@ -26,7 +23,7 @@ pub struct RecordView<'a> {
     pub headers: &'a [(String, Vec<u8>)],
 }
 
-/// A keyed record: idempotency key and entity (see [`derive_entity`]).
+/// A keyed record: idempotency key and entity (see [`crate::envelope::derive_entity`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Keyed {
     pub key: IdempotencyKey,
@@ -35,48 +32,36 @@ pub struct Keyed {
     pub partition_key: Option<String>,
 }
 
-/// Whether the settings need the payload parsed as JSON.
-fn needs_json(settings: &SubscriberSettings) -> bool {
-    matches!(
-        settings.key,
-        KeySource::JsonPointer { .. } | KeySource::Cloudevents
-    ) || matches!(settings.partition_key, PartitionSource::JsonPointer { .. })
-}
-
-/// Derives the idempotency key and routing hash of a record, or the reason it has none
-/// (the record is then dead-lettered as `rejected`).
-pub fn key_record(record: &RecordView<'_>, settings: &SubscriberSettings) -> Result<Keyed, String> {
-    let payload = if needs_json(settings) {
-        // A payload that is not JSON simply has nothing at any pointer; the key source's
-        // own error says what was missing.
-        serde_json::from_slice(record.payload).unwrap_or(Value::Null)
-    } else {
-        Value::Null
-    };
+/// The record as a delivery for `subscriber`: the record key is the partition key, header
+/// values are decoded lossily, the value is handed on as the bytes sent
+/// ([`Payload::Bytes`]).
+pub fn delivery(record: &RecordView<'_>, subscriber: Target) -> Delivery {
     let partition_key = record
         .key
         .filter(|k| !k.is_empty())
         .map(|k| String::from_utf8_lossy(k).into_owned());
-    let mut headers = BTreeMap::new();
-    for (name, value) in record.headers {
-        // Later headers with the same name win, as in most Kafka clients' "last value".
-        headers.insert(name.clone(), String::from_utf8_lossy(value).into_owned());
+    Delivery {
+        key: partition_key,
+        headers: record
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
+            .collect(),
+        ..Delivery::new(subscriber, Payload::Bytes(record.payload.to_vec()))
     }
-    let env = Envelope {
-        subscriber: None,
-        id: None,
-        key: partition_key.clone(),
-        headers,
-        payload,
-    };
-    let mut key = derive_key(&env, record.payload, settings).map_err(|e| e.to_string())?;
-    if let Some(hash) = raw_header_key_hash(record, &env, settings) {
-        key.hash = hash;
-    }
-    let entity = derive_entity(&env, settings).map_err(|e| e.to_string())?;
+}
+
+/// Derives the idempotency key and routing hash of a record, or the reason it has none
+/// (the record is then dead-lettered as `rejected`). The consumer routes records with
+/// [`crate::source::delivery::envelope`], keyed the same way.
+pub fn key_record(record: &RecordView<'_>, settings: &SubscriberSettings) -> Result<Keyed, String> {
+    let d = delivery(record, Target::Name(String::new()));
+    let partition_key = d.key.clone();
+    let hash = |env: &Envelope, s: &SubscriberSettings| raw_header_key_hash(record, env, s);
+    let keys = key_delivery(d, settings, Keying::DeriveThen(&hash)).map_err(|e| e.to_string())?;
     Ok(Keyed {
-        key,
-        entity,
+        key: keys.key,
+        entity: keys.entity,
         partition_key,
     })
 }
@@ -94,7 +79,7 @@ fn raw_header<'a>(record: &RecordView<'a>, name: &str) -> Option<&'a [u8]> {
 /// The key hash over the raw header bytes when the key came from headers (`derive_key` saw
 /// them decoded lossily, where every invalid byte reads as U+FFFD). For UTF-8 values it is
 /// the hash `derive_key` computed, so claims stored before this stay matched.
-fn raw_header_key_hash(
+pub fn raw_header_key_hash(
     record: &RecordView<'_>,
     env: &Envelope,
     settings: &SubscriberSettings,
@@ -122,6 +107,7 @@ fn raw_header_key_hash(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::PartitionSource;
     use crate::envelope::cloudevents_key;
 
     fn settings(key: KeySource) -> SubscriberSettings {

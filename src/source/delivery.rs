@@ -1,0 +1,434 @@
+//! The step every source shares: a [`Delivery`] (what a source received, in one shape)
+//! becomes a routed [`Job`] in [`envelope`]: payload decoded, idempotency key derived,
+//! payload fingerprinted, entity derived, shard chosen by [`Ledger::place`]. Pipe mode,
+//! HTTP ingest, the Kafka source and the replay of stored records all go through it, so
+//! they key, fingerprint and route a message the same way.
+//!
+//! What stays with each source: reading its input, its own key overrides (HTTP's
+//! `Idempotency-Key` header, Kafka's hashing of binary header ids, a replayed record's
+//! stored key, see [`Keying`]) and how it answers a refusal (a pipe `rejected` line, an
+//! HTTP 400, a Kafka dead letter): [`EnvelopeError`] says which step refused, so each
+//! source keeps its own texts and statuses.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::config::{KeySource, PartitionSource, SubscriberSettings};
+use crate::envelope::{
+    canonical_payload, derive_entity, derive_key, fingerprint, Envelope, IdempotencyKey, KeyError,
+};
+use crate::ledger::{AckSender, Job, Ledger, LedgerError, Subscriber};
+
+/// Which subscriber a delivery is for.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A name still to be looked up (pipe lines name theirs).
+    Name(String),
+    /// A subscriber the source already resolved (HTTP path, Kafka binding, a record).
+    Resolved(Arc<Subscriber>),
+}
+
+/// A message's body as the source has it.
+///
+/// This is the one place that decides which bytes a message is fingerprinted over and
+/// handed to handlers as (`payload` of `wit/handler.wit`); they are always the same bytes,
+/// which quarantine and dead-letter records keep and a replay hands back:
+///
+/// - JSON a source parsed (a pipe line's `payload`, an HTTP JSON body): its canonical
+///   bytes (compact, object keys sorted, numbers as written), so a re-encoding of the same
+///   event is a duplicate.
+/// - Anything else (a Kafka record value, an HTTP body sent under another type, a replayed
+///   record): the bytes as received. A Kafka record value that is JSON is NOT canonicalised:
+///   a redelivery is byte-identical, and claims stored by earlier releases carry the
+///   fingerprint of the raw bytes, which must keep matching. A handler that wants
+///   structure parses the bytes itself.
+#[derive(Debug, Clone)]
+pub enum Payload {
+    /// Parsed JSON; handlers and the fingerprint get its canonical bytes.
+    Json(Value),
+    /// Bytes that are not JSON by the source's account (an HTTP body of another type): key
+    /// sources that read JSON find nothing in them.
+    Opaque(Vec<u8>),
+    /// Bytes that may be JSON (a Kafka record value, a replayed record): parsed only when a
+    /// key source or partition key reads JSON; not JSON then means nothing is there.
+    Bytes(Vec<u8>),
+}
+
+/// One message as any source received it.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub subscriber: Target,
+    /// The producer's message id (an `id` field), if the source has one.
+    pub id: Option<String>,
+    /// Partition key (envelope `key`, Kafka record key, HTTP `Partition-Key`).
+    pub key: Option<String>,
+    /// Headers in the order received; a key source reading a header takes the last value.
+    pub headers: Vec<(String, String)>,
+    /// Header names are case-insensitive and held lowercased (HTTP): a `header` key source
+    /// is matched lowercased.
+    pub lowercase_header_names: bool,
+    pub payload: Payload,
+    /// Where the message came from (e.g. `kafka:orders/3/1234`), kept in records.
+    pub origin: Option<String>,
+    /// When the source received it, ms since the epoch (0: when the shard first decides).
+    pub received_at_ms: u64,
+}
+
+impl Delivery {
+    /// A delivery with no id, partition key, headers, origin or receive time.
+    pub fn new(subscriber: Target, payload: Payload) -> Delivery {
+        Delivery {
+            subscriber,
+            id: None,
+            key: None,
+            headers: Vec::new(),
+            lowercase_header_names: false,
+            payload,
+            origin: None,
+            received_at_ms: 0,
+        }
+    }
+}
+
+/// A hook that may replace the derived key's hash (see [`Keying::DeriveThen`]).
+pub type HashOverride<'a> = &'a dyn Fn(&Envelope, &SubscriberSettings) -> Option<u128>;
+
+/// How the idempotency key is found.
+#[derive(Clone, Copy)]
+pub enum Keying<'a> {
+    /// From the subscriber's key source ([`derive_key`]).
+    Derive,
+    /// The source names it: an HTTP `Idempotency-Key` header (checked by the source), the
+    /// stored key of a replayed record.
+    Given(&'a IdempotencyKey),
+    /// Derived, then the source may replace the hash (Kafka hashes ids read from headers
+    /// over their raw bytes, `source/kafka/keying.rs`).
+    DeriveThen(HashOverride<'a>),
+}
+
+impl std::fmt::Debug for Keying<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Keying::Derive => f.write_str("Derive"),
+            Keying::Given(k) => f.debug_tuple("Given").field(k).finish(),
+            Keying::DeriveThen(_) => f.write_str("DeriveThen(..)"),
+        }
+    }
+}
+
+/// Which step refused a delivery. Displays as the underlying error, unchanged.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnvelopeError {
+    /// The subscriber is unknown (only for [`Target::Name`]).
+    #[error("{0}")]
+    Subscriber(LedgerError),
+    /// No usable idempotency key.
+    #[error("{error}")]
+    Key {
+        subscriber: Arc<str>,
+        error: KeyError,
+    },
+    /// The key was found, the partition key was not usable.
+    #[error("{error}")]
+    Entity {
+        subscriber: Arc<str>,
+        key: IdempotencyKey,
+        error: KeyError,
+    },
+}
+
+/// A routed job: the subscriber it is for, the job and the shard that decides it. The
+/// source numbers the job (`job.seq`) before submitting it.
+#[derive(Debug)]
+pub struct Routed {
+    pub sub: Arc<Subscriber>,
+    pub job: Job,
+    pub shard: usize,
+}
+
+/// A delivery's idempotency key and entity (see [`derive_entity`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keys {
+    pub key: IdempotencyKey,
+    pub entity: Option<String>,
+}
+
+/// Whether the settings read the payload as JSON.
+fn reads_json(settings: &SubscriberSettings) -> bool {
+    matches!(
+        settings.key,
+        KeySource::JsonPointer { .. } | KeySource::Cloudevents
+    ) || matches!(settings.partition_key, PartitionSource::JsonPointer { .. })
+}
+
+/// The bytes fingerprinted and handed to handlers, and the JSON key sources read (see
+/// [`Payload`]).
+fn decode(payload: Payload, settings: &SubscriberSettings) -> (Vec<u8>, Value) {
+    match payload {
+        Payload::Json(v) => (canonical_payload(&v), v),
+        Payload::Opaque(bytes) => (bytes, Value::Null),
+        Payload::Bytes(bytes) => {
+            let json = if reads_json(settings) {
+                serde_json::from_slice(&bytes).unwrap_or(Value::Null)
+            } else {
+                Value::Null
+            };
+            (bytes, json)
+        }
+    }
+}
+
+/// The idempotency key and entity of a decoded message.
+fn keys(
+    subscriber: &Arc<str>,
+    env: &Envelope,
+    bytes: &[u8],
+    settings: &SubscriberSettings,
+    keying: Keying<'_>,
+    lowercase_header_names: bool,
+) -> Result<Keys, EnvelopeError> {
+    let key = match keying {
+        Keying::Given(k) => k.clone(),
+        Keying::Derive | Keying::DeriveThen(_) => {
+            // A source whose header names are lowercased matches a header key source so.
+            let lowered;
+            let settings_for_key = match &settings.key {
+                KeySource::Header { name } if lowercase_header_names => {
+                    lowered = SubscriberSettings {
+                        key: KeySource::Header {
+                            name: name.to_ascii_lowercase(),
+                        },
+                        ..settings.clone()
+                    };
+                    &lowered
+                }
+                _ => settings,
+            };
+            let mut key =
+                derive_key(env, bytes, settings_for_key).map_err(|error| EnvelopeError::Key {
+                    subscriber: subscriber.clone(),
+                    error,
+                })?;
+            if let Keying::DeriveThen(adjust) = keying {
+                if let Some(hash) = adjust(env, settings) {
+                    key.hash = hash;
+                }
+            }
+            key
+        }
+    };
+    match derive_entity(env, settings) {
+        Ok(entity) => Ok(Keys { key, entity }),
+        Err(error) => Err(EnvelopeError::Entity {
+            subscriber: subscriber.clone(),
+            key,
+            error,
+        }),
+    }
+}
+
+/// Takes from a delivery the envelope key sources read and the bytes handlers get; what
+/// is left (headers, origin, receive time) goes on the job.
+fn open(delivery: &mut Delivery, settings: &SubscriberSettings) -> (Envelope, Vec<u8>) {
+    let (bytes, json) = decode(
+        std::mem::replace(&mut delivery.payload, Payload::Opaque(Vec::new())),
+        settings,
+    );
+    let env = Envelope {
+        subscriber: None,
+        id: delivery.id.take(),
+        key: delivery.key.take(),
+        // Later headers with the same name win.
+        headers: delivery.headers.iter().cloned().collect::<BTreeMap<_, _>>(),
+        payload: json,
+    };
+    (env, bytes)
+}
+
+/// The key and entity a delivery would get under `settings`, without routing it.
+pub fn key_delivery(
+    delivery: Delivery,
+    settings: &SubscriberSettings,
+    keying: Keying<'_>,
+) -> Result<Keys, EnvelopeError> {
+    let mut delivery = delivery;
+    let subscriber: Arc<str> = match &delivery.subscriber {
+        Target::Name(n) => n.as_str().into(),
+        Target::Resolved(s) => s.name.clone(),
+    };
+    let (env, bytes) = open(&mut delivery, settings);
+    let lower = delivery.lowercase_header_names;
+    keys(&subscriber, &env, &bytes, settings, keying, lower)
+}
+
+/// Turns a delivery into a routed job: resolves the subscriber, decodes the payload,
+/// derives the key and fingerprint, derives the entity and places the job on its shard.
+/// Every source and the replay of records come through here.
+pub fn envelope(
+    ledger: &Ledger,
+    delivery: Delivery,
+    keying: Keying<'_>,
+    ack: AckSender,
+) -> Result<Routed, EnvelopeError> {
+    let sub = match &delivery.subscriber {
+        Target::Resolved(s) => s.clone(),
+        Target::Name(name) => ledger.subscriber(name).map_err(EnvelopeError::Subscriber)?,
+    };
+    let settings = sub.settings();
+    let mut delivery = delivery;
+    let (env, bytes) = open(&mut delivery, &settings);
+    let lower = delivery.lowercase_header_names;
+    let Keys { key, entity } = keys(&sub.name, &env, &bytes, &settings, keying, lower)?;
+    let mut job = Job::new(
+        0,
+        sub.id,
+        key.hash,
+        fingerprint(&bytes),
+        &key.text,
+        &[],
+        ack,
+    );
+    job.payload = bytes.into_boxed_slice();
+    job.headers = delivery.headers;
+    job.partition_key = env.key;
+    job.origin = delivery.origin;
+    job.received_at_ms = delivery.received_at_ms;
+    let shard = ledger.place(&sub, &mut job, entity);
+    Ok(Routed { sub, job, shard })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+    use crate::clock::SystemClock;
+    use crate::config::Config;
+    use crate::envelope::key_hash;
+    use serde_json::json;
+
+    fn ledger(dir: &std::path::Path) -> Ledger {
+        let mut config = Config::default();
+        config.ledger.shards = std::num::NonZeroUsize::new(2);
+        Ledger::open(dir, &config, Arc::new(SystemClock)).unwrap()
+    }
+
+    fn route(ledger: &Ledger, d: Delivery, keying: Keying<'_>) -> Result<Routed, EnvelopeError> {
+        envelope(ledger, d, keying, crossbeam_channel::unbounded().0)
+    }
+
+    #[test]
+    fn parsed_json_is_fingerprinted_and_handed_on_canonical() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = ledger(dir.path());
+        let payload: Value = serde_json::from_str(r#"{ "b": 1, "a": 1.50 }"#).unwrap();
+        let d = Delivery {
+            id: Some("e-1".into()),
+            ..Delivery::new(Target::Name("default".into()), Payload::Json(payload))
+        };
+        let r = route(&ledger, d, Keying::Derive).unwrap();
+        assert_eq!(&*r.job.payload, br#"{"a":1.50,"b":1}"#);
+        assert_eq!(r.job.fingerprint, fingerprint(br#"{"a":1.50,"b":1}"#));
+        assert_eq!((&*r.job.id, r.job.key), ("e-1", key_hash(b"e-1")));
+    }
+
+    #[test]
+    fn record_bytes_are_fingerprinted_and_handed_on_as_sent() {
+        // A Kafka record value that is JSON, but not canonical: handlers get it as sent.
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = ledger(dir.path());
+        let sub = ledger.subscriber("default").unwrap();
+        let raw = br#"{ "b": 1, "a": 1.50 }"#.to_vec();
+        let given = IdempotencyKey::from_id("m-1");
+        let d = Delivery {
+            key: Some("o-1".into()),
+            headers: vec![("h".into(), "1".into()), ("h".into(), "2".into())],
+            origin: Some("kafka:t/0/7".into()),
+            received_at_ms: 42,
+            ..Delivery::new(Target::Resolved(sub), Payload::Bytes(raw.clone()))
+        };
+        let r = route(&ledger, d, Keying::Given(&given)).unwrap();
+        assert_eq!(&*r.job.payload, &raw[..]);
+        assert_eq!(r.job.fingerprint, fingerprint(&raw));
+        assert_eq!((&*r.job.id, r.job.key), ("m-1", given.hash));
+        // Headers reach the job as received, repeats and order kept.
+        assert_eq!(
+            r.job.headers,
+            vec![("h".to_string(), "1".to_string()), ("h".into(), "2".into())]
+        );
+        assert_eq!(r.job.partition_key.as_deref(), Some("o-1"));
+        assert_eq!(r.job.origin.as_deref(), Some("kafka:t/0/7"));
+        assert_eq!(r.job.received_at_ms, 42);
+    }
+
+    #[test]
+    fn record_bytes_are_read_as_json_by_a_pointer_key_source() {
+        let mut s = SubscriberSettings {
+            key: KeySource::JsonPointer {
+                pointer: "/order/id".into(),
+            },
+            ..SubscriberSettings::default()
+        };
+        let d = || {
+            Delivery::new(
+                Target::Name("default".into()),
+                Payload::Bytes(br#"{"order":{"id":"A-7"}}"#.to_vec()),
+            )
+        };
+        let keys = key_delivery(d(), &s, Keying::Derive).unwrap();
+        assert_eq!(keys.key.text, "A-7");
+        // Declared not JSON (an HTTP body of another type): nothing at any pointer.
+        let opaque = Delivery::new(
+            Target::Name("default".into()),
+            Payload::Opaque(br#"{"order":{"id":"A-7"}}"#.to_vec()),
+        );
+        assert!(matches!(
+            key_delivery(opaque, &s, Keying::Derive),
+            Err(EnvelopeError::Key { .. })
+        ));
+        s.key = KeySource::Id;
+        s.partition_key = PartitionSource::EnvelopeKey;
+        let given = IdempotencyKey::from_id("m-1");
+        match key_delivery(d(), &s, Keying::Given(&given)) {
+            Err(EnvelopeError::Entity { key, error, .. }) => {
+                assert_eq!(key, given);
+                assert!(error.to_string().contains("no partition key"), "{error}");
+            }
+            other => panic!("expected an entity error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn header_key_source_matches_lowercased_names_when_asked() {
+        let s = SubscriberSettings {
+            key: KeySource::Header {
+                name: "Message-Id".into(),
+            },
+            ..SubscriberSettings::default()
+        };
+        let d = |lower| Delivery {
+            headers: vec![("message-id".into(), "m-9".into())],
+            lowercase_header_names: lower,
+            ..Delivery::new(Target::Name("s".into()), Payload::Opaque(Vec::new()))
+        };
+        assert_eq!(
+            key_delivery(d(true), &s, Keying::Derive).unwrap().key.text,
+            "m-9"
+        );
+        assert!(key_delivery(d(false), &s, Keying::Derive).is_err());
+    }
+
+    #[test]
+    fn unknown_subscriber_is_refused_before_keying() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = ledger(dir.path());
+        let d = Delivery::new(Target::Name("not a name".into()), Payload::Json(json!({})));
+        assert!(matches!(
+            route(&ledger, d, Keying::Derive),
+            Err(EnvelopeError::Subscriber(_))
+        ));
+    }
+}
