@@ -244,8 +244,14 @@ fn same_id_with_another_entity_is_quarantined_and_its_claim_is_found() {
     let first = json!({"subscriber": "orders", "id": id, "payload": {"order_id": a}});
     let moved = json!({"subscriber": "orders", "id": id, "payload": {"order_id": b}});
     // One after the other (sent together, the two shards race; the next test covers that).
-    assert_eq!(run_lines(&ledger, &config, &[first.clone()]), ["processed"]);
-    assert_eq!(run_lines(&ledger, &config, &[moved.clone()]), ["quarantined"]);
+    assert_eq!(
+        run_lines(&ledger, &config, std::slice::from_ref(&first)),
+        ["processed"]
+    );
+    assert_eq!(
+        run_lines(&ledger, &config, std::slice::from_ref(&moved)),
+        ["quarantined"]
+    );
     let out = run_lines(&ledger, &config, &[first, moved]);
     assert_eq!(out, ["duplicate", "quarantined"]);
     let claim = ledger.lookup("orders", key_hash(id.as_bytes())).unwrap();
