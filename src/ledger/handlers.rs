@@ -694,39 +694,6 @@ impl StateReader for BatchView {
     }
 }
 
-/// Writes the outbox messages of a batch's successful handler calls into its transaction;
-/// they are relayed after commit.
-pub(crate) fn write_outbox(
-    txn: &WriteTransaction,
-    sub: &str,
-    outbox: &[crate::effects::OutboxMessage],
-    next_outbox_seq: &mut u64,
-    now_ms: u64,
-) -> Result<(), redb::Error> {
-    if outbox.is_empty() {
-        return Ok(());
-    }
-    let mut t = txn.open_table(OUTBOX)?;
-    for m in outbox {
-        let row = serde_json::json!({
-            "v": 1,
-            "subscriber": sub,
-            "id": m.id,
-            "topic": m.topic,
-            "key": m.key,
-            "headers": m.headers,
-            "written_at_ms": now_ms,
-            "payload": String::from_utf8_lossy(&m.payload),
-        });
-        t.insert(
-            *next_outbox_seq,
-            serde_json::to_vec(&row).unwrap_or_default().as_slice(),
-        )?;
-        *next_outbox_seq += 1;
-    }
-    Ok(())
-}
-
 /// Rows copied per step when upgrading a table of one row per entry.
 const UPGRADE_CHUNK: usize = 65_536;
 

@@ -17,6 +17,7 @@ mod generation;
 mod handlers;
 mod marks;
 mod ops;
+mod outbox;
 mod placement;
 pub mod record;
 mod records;

@@ -83,12 +83,7 @@ impl Shard {
             return Err(e.clone());
         }
         let result = (|| -> Result<T, LedgerError> {
-            let mut txn = self.db.begin_write().map_err(|e| self.err(e))?;
-            txn.set_durability(Durability::Immediate)
-                .map_err(|e| LedgerError::Storage {
-                    path: self.ctx.path.clone(),
-                    detail: e.to_string(),
-                })?;
+            let txn = self.durable_txn()?;
             let out = work(self, &txn)?;
             self.write_counters(&txn)?;
             txn.commit().map_err(|e| self.err(e))?;
@@ -122,6 +117,16 @@ impl Shard {
                 .map(|_| ())
                 .map_err(|e| storage(&shard.ctx.path, e))
         })
+    }
+
+    /// The newest claim of a key in this shard, not counting tombstones.
+    fn lookup(&mut self, sub: SubscriberId, key: u128) -> Result<Option<ClaimRecord>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        Ok(self
+            .newest_record(sub, key, &mut None)?
+            .filter(|r| !r.is_tombstone()))
     }
 
     /// Writes a tombstone over a live claim so the next delivery is processed again.

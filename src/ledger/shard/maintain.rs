@@ -29,13 +29,10 @@ impl Shard {
                     || st.merging.is_some()
                     || st.sealed.len() > cfg.merge_trigger_generations.get()
                     || (expiry_due && st.sealed.iter().any(|g| g.max_expires_ms <= now))
-                    || st.active.as_ref().is_some_and(|a| {
-                        !a.map.is_empty()
-                            && (seal_all
-                                || a.map.len() >= cfg.generation_max_claims.get()
-                                || now.saturating_sub(a.created_at_ms)
-                                    >= cfg.generation_max_age.as_millis() as u64)
-                    })
+                    || st
+                        .active
+                        .as_ref()
+                        .is_some_and(|a| due_to_seal(a, cfg, now, seal_all))
             })
     }
 
@@ -47,12 +44,7 @@ impl Shard {
         seal_all: bool,
     ) -> Result<bool, LedgerError> {
         let started = Instant::now();
-        let mut txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        txn.set_durability(Durability::Immediate)
-            .map_err(|e| LedgerError::Storage {
-                path: self.ctx.path.clone(),
-                detail: e.to_string(),
-            })?;
+        let txn = self.durable_txn()?;
         let did = self.maintenance(&txn, now, budget, seal_all)?;
         if did {
             self.write_counters(&txn)?;
@@ -115,6 +107,8 @@ impl Shard {
         Ok(did)
     }
 
+    /// One subscriber's maintenance: its handler state buffer, then sealing, expiry and
+    /// merging of its generations. Returns whether it wrote anything.
     #[allow(clippy::too_many_arguments)]
     fn maintain_sub(
         &mut self,
@@ -136,168 +130,222 @@ impl Shard {
                 seal_all,
             )
             .map_err(|e| self.err(e))?;
-        // Start sealing a full or old active generation.
-        let due = st.active.as_ref().is_some_and(|a| {
-            a.next_row > 0
-                && !a.map.is_empty()
-                && (seal_all
-                    || a.map.len() >= cfg.generation_max_claims.get()
-                    || now.saturating_sub(a.created_at_ms)
-                        >= cfg.generation_max_age.as_millis() as u64)
-        });
-        if due && st.sealing.is_none() {
-            if let Some(a) = st.active.take() {
-                let mut gens = txn
-                    .open_table(tables::GENERATIONS)
-                    .map_err(|e| self.err(e))?;
-                let meta = GenMeta {
-                    state: GenState::Sealing,
-                    order: a.order,
-                    count: a.map.len() as u64,
-                    max_expires_ms: 0,
-                    created_at_ms: a.created_at_ms,
-                };
-                gens.insert((&*st.name, a.table_id), meta.encode().as_slice())
-                    .map_err(|e| self.err(e))?;
-                drop(gens);
-                let gen = SealingGen {
-                    table_id: a.table_id,
-                    order: a.order,
-                    created_at_ms: a.created_at_ms,
-                    map: Arc::new(a.map),
-                    built: None,
-                    pos: 0,
-                    extra_logs: Vec::new(),
-                };
-                self.start_sealing(st, gen, now);
-                did = true;
-            }
+        if st.sealing.is_none()
+            && st
+                .active
+                .as_ref()
+                .is_some_and(|a| due_to_seal(a, cfg, now, seal_all))
+        {
+            did |= self.seal_active(st, txn, now)?;
         }
-        // Write a slice of the sealing generation; finish it when complete.
-        if let Some(s) = st.sealing.as_mut() {
-            if let Some((entries, filter)) = s.built.as_ref() {
-                let name = tables::claims_name(&st.name, s.table_id);
-                let end = (s.pos + budget).min(entries.len());
-                let ts = Instant::now();
-                {
-                    let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
-                    for (k, r) in &entries[s.pos..end] {
-                        t.insert(*k, r.encode()).map_err(|e| self.err(e))?;
-                    }
-                }
-                tracing::trace!(
-                    rows = end - s.pos,
-                    us = ts.elapsed().as_micros() as u64,
-                    done = end == entries.len(),
-                    "seal slice"
-                );
-                s.pos = end;
-                did = true;
-                if s.pos == entries.len() {
-                    let max_expires = entries.iter().map(|e| e.1.expires_at_ms).max().unwrap_or(0);
-                    let count = entries.len() as u64;
-                    let filter = filter.clone();
-                    let (table_id, order, created, extra) = (
-                        s.table_id,
-                        s.order,
-                        s.created_at_ms,
-                        std::mem::take(&mut s.extra_logs),
-                    );
-                    self.commit_sealed(
-                        txn,
-                        st,
-                        SealedGen {
-                            table_id,
-                            order,
-                            count,
-                            max_expires_ms: max_expires,
-                            created_at_ms: created,
-                            filter,
-                        },
-                    )?;
-                    let mut gens = txn
-                        .open_table(tables::GENERATIONS)
-                        .map_err(|e| self.err(e))?;
-                    for id in &extra {
-                        gens.remove((&*st.name, *id)).map_err(|e| self.err(e))?;
-                    }
-                    drop(gens);
-                    // The log is dead now (its generation row says Sealed); it is removed a
-                    // few rows per batch, since dropping it whole reads every page (~30 ms).
-                    for id in std::iter::once(table_id).chain(extra) {
-                        self.retired_logs.push_back(tables::log_name(&st.name, id));
-                    }
-                    if let Some(done) = st.sealing.take() {
-                        if let Ok(mut map) = Arc::try_unwrap(done.map) {
-                            if self.spare_maps.len() < 2 {
-                                map.clear();
-                                self.spare_maps.push(map);
-                            }
-                        }
-                    }
-                    self.ctx
-                        .metrics
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .seals += 1;
-                }
-            }
-        }
-        // Drop sealed generations whose every claim has expired.
+        did |= self.seal_slice(st, txn, budget)?;
         if expiry_due {
-            let busy = st.merging.as_ref().map(|m| (m.older, m.newer));
-            let mut i = 0;
-            while i < st.sealed.len() {
-                let g = &st.sealed[i];
-                let in_merge = busy.is_some_and(|(a, b)| g.table_id == a || g.table_id == b);
-                if g.max_expires_ms <= now && !in_merge {
-                    let id = g.table_id;
-                    self.delete_generation(txn, &st.name, id)?;
-                    st.sealed.remove(i);
-                    self.ctx
-                        .metrics
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .dropped_generations += 1;
-                    did = true;
-                } else {
-                    i += 1;
-                }
-            }
+            did |= self.drop_expired(st, txn, now)?;
         }
-        // Merge small neighbours so lookups probe few generations.
-        if st.merging.is_none() && st.sealed.len() > cfg.merge_trigger_generations.get() {
-            let limit = cfg.merge_max_claims.get() as u64;
-            let pick = (0..st.sealed.len().saturating_sub(1))
-                .map(|i| (st.sealed[i].count + st.sealed[i + 1].count, i))
-                .filter(|(n, _)| *n <= limit)
-                .min();
-            if let Some((_, i)) = pick {
-                let out_table = self.next_table_id;
-                self.next_table_id += 1;
-                st.merging = Some(MergeJob {
-                    older: st.sealed[i].table_id,
-                    newer: st.sealed[i + 1].table_id,
-                    out_table,
-                    cursor_older: None,
-                    cursor_newer: None,
-                    older_done: false,
-                    newer_done: false,
-                    keys: Vec::new(),
-                    count: 0,
-                    max_expires_ms: 0,
-                    waiting_for_filter: false,
-                    filter: None,
-                });
-                did = true;
-            }
-        }
+        did |= self.start_merge(st, cfg);
         if st.merging.is_some() {
             did |= self.merge_step(st, txn, now, budget)?;
         }
         Ok(did)
     }
 
+    /// Turns the active generation into the sealing one: its `Sealing` row is written here
+    /// and the builder sorts it; its log stays until the sealed table commits (I3).
+    fn seal_active(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<bool, LedgerError> {
+        let Some(a) = st.active.take() else {
+            return Ok(false);
+        };
+        let mut gens = txn
+            .open_table(tables::GENERATIONS)
+            .map_err(|e| self.err(e))?;
+        let meta = GenMeta {
+            state: GenState::Sealing,
+            order: a.order,
+            count: a.map.len() as u64,
+            max_expires_ms: 0,
+            created_at_ms: a.created_at_ms,
+        };
+        gens.insert((&*st.name, a.table_id), meta.encode().as_slice())
+            .map_err(|e| self.err(e))?;
+        drop(gens);
+        let gen = SealingGen {
+            table_id: a.table_id,
+            order: a.order,
+            created_at_ms: a.created_at_ms,
+            map: Arc::new(a.map),
+            built: None,
+            pos: 0,
+            extra_logs: Vec::new(),
+        };
+        self.start_sealing(st, gen, now);
+        Ok(true)
+    }
+
+    /// Writes up to `budget` rows of the sealing generation's sorted table, once the
+    /// builder sorted it; completes the generation when every row is written.
+    fn seal_slice(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        budget: usize,
+    ) -> Result<bool, LedgerError> {
+        let Some(s) = st.sealing.as_mut() else {
+            return Ok(false);
+        };
+        let Some((entries, _)) = s.built.as_ref() else {
+            return Ok(false);
+        };
+        let name = tables::claims_name(&st.name, s.table_id);
+        let end = (s.pos + budget).min(entries.len());
+        let ts = Instant::now();
+        {
+            let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
+            for (k, r) in &entries[s.pos..end] {
+                t.insert(*k, r.encode()).map_err(|e| self.err(e))?;
+            }
+        }
+        tracing::trace!(
+            rows = end - s.pos,
+            us = ts.elapsed().as_micros() as u64,
+            done = end == entries.len(),
+            "seal slice"
+        );
+        s.pos = end;
+        if s.pos == entries.len() {
+            self.finish_sealing(st, txn)?;
+        }
+        Ok(true)
+    }
+
+    /// Commits a completely written sealing generation as sealed (I3) and retires its
+    /// log(s); its index goes back to the spare pool.
+    fn finish_sealing(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+    ) -> Result<(), LedgerError> {
+        let Some(s) = st.sealing.as_mut() else {
+            return Ok(());
+        };
+        let Some((entries, filter)) = s.built.as_ref() else {
+            return Ok(());
+        };
+        let max_expires = entries.iter().map(|e| e.1.expires_at_ms).max().unwrap_or(0);
+        let count = entries.len() as u64;
+        let filter = filter.clone();
+        let (table_id, order, created, extra) = (
+            s.table_id,
+            s.order,
+            s.created_at_ms,
+            std::mem::take(&mut s.extra_logs),
+        );
+        self.commit_sealed(
+            txn,
+            st,
+            SealedGen {
+                table_id,
+                order,
+                count,
+                max_expires_ms: max_expires,
+                created_at_ms: created,
+                filter,
+            },
+        )?;
+        let mut gens = txn
+            .open_table(tables::GENERATIONS)
+            .map_err(|e| self.err(e))?;
+        for id in &extra {
+            gens.remove((&*st.name, *id)).map_err(|e| self.err(e))?;
+        }
+        drop(gens);
+        // The log is dead now (its generation row says Sealed); it is removed a
+        // few rows per batch, since dropping it whole reads every page (~30 ms).
+        for id in std::iter::once(table_id).chain(extra) {
+            self.retired_logs.push_back(tables::log_name(&st.name, id));
+        }
+        if let Some(done) = st.sealing.take() {
+            if let Ok(mut map) = Arc::try_unwrap(done.map) {
+                if self.spare_maps.len() < 2 {
+                    map.clear();
+                    self.spare_maps.push(map);
+                }
+            }
+        }
+        self.ctx
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .seals += 1;
+        Ok(())
+    }
+
+    /// Drops sealed generations whose every claim has expired (not those being merged).
+    fn drop_expired(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<bool, LedgerError> {
+        let mut did = false;
+        let busy = st.merging.as_ref().map(|m| (m.older, m.newer));
+        let mut i = 0;
+        while i < st.sealed.len() {
+            let g = &st.sealed[i];
+            let in_merge = busy.is_some_and(|(a, b)| g.table_id == a || g.table_id == b);
+            if g.max_expires_ms <= now && !in_merge {
+                let id = g.table_id;
+                self.delete_generation(txn, &st.name, id)?;
+                st.sealed.remove(i);
+                self.ctx
+                    .metrics
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .dropped_generations += 1;
+                did = true;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(did)
+    }
+
+    /// Starts merging the smallest pair of neighbouring sealed generations when there are
+    /// too many, so lookups probe few generations.
+    fn start_merge(&mut self, st: &mut SubState, cfg: &LedgerConfig) -> bool {
+        if st.merging.is_some() || st.sealed.len() <= cfg.merge_trigger_generations.get() {
+            return false;
+        }
+        let limit = cfg.merge_max_claims.get() as u64;
+        let pick = (0..st.sealed.len().saturating_sub(1))
+            .map(|i| (st.sealed[i].count + st.sealed[i + 1].count, i))
+            .filter(|(n, _)| *n <= limit)
+            .min();
+        let Some((_, i)) = pick else {
+            return false;
+        };
+        let out_table = self.next_table_id;
+        self.next_table_id += 1;
+        st.merging = Some(MergeJob {
+            older: st.sealed[i].table_id,
+            newer: st.sealed[i + 1].table_id,
+            out_table,
+            cursor_older: None,
+            cursor_newer: None,
+            older_done: false,
+            newer_done: false,
+            keys: Vec::new(),
+            count: 0,
+            max_expires_ms: 0,
+            waiting_for_filter: false,
+            filter: None,
+        });
+        true
+    }
     /// Removes up to `rows` rows of the oldest retired log; drops the table once empty.
     fn trim_retired_log(
         &mut self,
@@ -587,4 +635,16 @@ impl Shard {
             }
         }
     }
+}
+
+/// Whether an active generation is due to be sealed: full, old, or all are being sealed.
+/// Only once its claims are in its log (`next_row > 0`): sealing writes the `Sealing` row
+/// and the log is what survives a crash until the sealed table commits (I3), so a
+/// generation whose claims were never logged must not start sealing.
+fn due_to_seal(a: &ActiveGen, cfg: &LedgerConfig, now: u64, seal_all: bool) -> bool {
+    a.next_row > 0
+        && !a.map.is_empty()
+        && (seal_all
+            || a.map.len() >= cfg.generation_max_claims.get()
+            || now.saturating_sub(a.created_at_ms) >= cfg.generation_max_age.as_millis() as u64)
 }

@@ -399,6 +399,8 @@ impl Shard {
         self.failed = Some(e);
     }
 
+    /// Decides and commits the gathered batch, then sends its outcomes, schedules its
+    /// retries and sends its probes. After a failed commit every waiting job fails (I4).
     fn process_batch(&mut self) {
         let started = Instant::now();
         let mut jobs = std::mem::take(&mut self.batch);
@@ -430,81 +432,10 @@ impl Shard {
         };
         let elapsed = started.elapsed().as_micros() as u64;
         let count = jobs.len() as u64;
-        let mut done = Vec::with_capacity(jobs.len());
-        let mut probes = Vec::new();
-        let mut decided_elsewhere = Vec::new();
         match decisions {
-            Ok(decisions) => {
-                for (mut job, d) in jobs.drain(..).zip(decisions) {
-                    // The batch that used the other shards' answer committed: give the key
-                    // back (a retried job asks again next time).
-                    if job.probed.take().is_some() {
-                        decided_elsewhere.push((job.subscriber, job.key));
-                    }
-                    match d {
-                        Decision::Done(outcome) => done.push((job, outcome)),
-                        Decision::Probe => probes.push(job),
-                        Decision::Wait => {
-                            self.retry_order += 1;
-                            self.retries.push(Retry {
-                                due: Instant::now() + WAIT_FOR_KEY,
-                                order: self.retry_order,
-                                job,
-                            });
-                        }
-                        Decision::Retry(failure) => {
-                            let backoff = self.subs[job.subscriber.0 as usize]
-                                .as_ref()
-                                .map_or(Duration::from_millis(50), |s| s.retry_backoff);
-                            let delay = backoff.saturating_mul(1 << (job.attempt - 1).min(16));
-                            tracing::debug!(shard = self.ctx.index, id = %job.id, attempt = job.attempt,
-                                error = %failure, "handler failed; retrying after {delay:?}");
-                            job.attempt += 1;
-                            self.retry_order += 1;
-                            self.retries.push(Retry {
-                                due: Instant::now() + delay,
-                                order: self.retry_order,
-                                job,
-                            });
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                let reason = e.to_string();
-                self.ctx.inflight.release_all(self.ctx.index);
-                // Jobs waiting for answers will never be decided either.
-                let waiting: Vec<Job> = self.probing.drain().flat_map(|(_, g)| g.jobs).collect();
-                done.extend(waiting.into_iter().map(|j| {
-                    (
-                        j,
-                        Outcome::Failed {
-                            reason: reason.clone(),
-                        },
-                    )
-                }));
-                done.extend(jobs.drain(..).map(|j| {
-                    (
-                        j,
-                        Outcome::Failed {
-                            reason: reason.clone(),
-                        },
-                    )
-                }));
-                // Messages waiting for a retry will never be decided either.
-                done.extend(self.retries.drain().map(|r| {
-                    (
-                        r.job,
-                        Outcome::Failed {
-                            reason: reason.clone(),
-                        },
-                    )
-                }));
-            }
+            Ok(decisions) => self.follow_decisions(&mut jobs, decisions),
+            Err(e) => self.fail_all(&mut jobs, &e),
         }
-        self.ctx.inflight.release(decided_elsewhere, self.ctx.index);
-        send_outcomes(done);
-        self.send_probes(probes);
         metrics::histogram!("dedupd_batch_duration_seconds", "shard" => self.ctx.index.to_string())
             .record(elapsed as f64 / 1e6);
         {
@@ -520,6 +451,72 @@ impl Shard {
         self.batch = jobs;
     }
 
+    /// Acts on a committed batch's decisions: outcomes to their sources, failed handler
+    /// calls and jobs waiting for their key to the retry queue, probes to the other shards.
+    fn follow_decisions(&mut self, jobs: &mut Vec<Job>, decisions: Vec<Decision>) {
+        let mut done = Vec::with_capacity(jobs.len());
+        let mut probes = Vec::new();
+        let mut decided_elsewhere = Vec::new();
+        for (mut job, d) in jobs.drain(..).zip(decisions) {
+            // The batch that used the other shards' answer committed: give the key
+            // back (a retried job asks again next time).
+            if job.probed.take().is_some() {
+                decided_elsewhere.push((job.subscriber, job.key));
+            }
+            match d {
+                Decision::Done(outcome) => done.push((job, outcome)),
+                Decision::Probe => probes.push(job),
+                Decision::Wait => self.retry_after(job, WAIT_FOR_KEY),
+                Decision::Retry(failure) => {
+                    let delay = self.subs[job.subscriber.0 as usize]
+                        .as_ref()
+                        .map_or(Duration::from_millis(50), |s| {
+                            decide::retry_delay(s.retry_backoff, s.max_backoff, job.attempt)
+                        });
+                    tracing::debug!(shard = self.ctx.index, id = %job.id, attempt = job.attempt,
+                        error = %failure, "handler failed; retrying after {delay:?}");
+                    job.attempt += 1;
+                    self.retry_after(job, delay);
+                }
+            }
+        }
+        self.ctx.inflight.release(decided_elsewhere, self.ctx.index);
+        send_outcomes(done);
+        self.send_probes(probes);
+    }
+
+    fn retry_after(&mut self, job: Job, delay: Duration) {
+        self.retry_order += 1;
+        self.retries.push(Retry {
+            due: Instant::now() + delay,
+            order: self.retry_order,
+            job,
+        });
+    }
+
+    /// After a failed batch (or on a failed shard): the batch's jobs, jobs waiting for
+    /// probe answers and jobs waiting for a retry all fail, since none will be decided.
+    fn fail_all(&mut self, jobs: &mut Vec<Job>, e: &LedgerError) {
+        let reason = e.to_string();
+        self.ctx.inflight.release_all(self.ctx.index);
+        let waiting: Vec<Job> = self.probing.drain().flat_map(|(_, g)| g.jobs).collect();
+        let retrying: Vec<Job> = self.retries.drain().map(|r| r.job).collect();
+        let failed = |j| {
+            (
+                j,
+                Outcome::Failed {
+                    reason: reason.clone(),
+                },
+            )
+        };
+        let done = waiting
+            .into_iter()
+            .map(failed)
+            .chain(jobs.drain(..).map(failed))
+            .chain(retrying.into_iter().map(failed))
+            .collect();
+        send_outcomes(done);
+    }
     /// [`Shard::commit_batch`], with a panic (a native handler's bug, say) turned into an
     /// error. The unwinding dropped the batch's transaction uncommitted, so nothing of the
     /// batch is durable; the caller stops the shard as after a storage error (I4).

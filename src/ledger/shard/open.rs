@@ -62,9 +62,7 @@ impl Shard {
             next_group: 0,
             ctx,
         };
-        let mut txn = shard.db.begin_write().map_err(|e| err(e.into()))?;
-        txn.set_durability(Durability::Immediate)
-            .map_err(|e| err(redb::Error::from(redb::StorageError::Backend(Box::new(e)))))?;
+        let txn = shard.durable_txn()?;
         let loaded = shard.check_meta_and_load(&txn)?;
         handlers::upgrade_v1_tables(&txn, &loaded.tables).map_err(|e| shard.err(e))?;
         shard.recover(&txn, loaded)?;
@@ -358,6 +356,7 @@ pub(super) fn new_sub_state(
         records: Default::default(),
         max_attempts: 1,
         retry_backoff: Duration::ZERO,
+        max_backoff: Duration::ZERO,
         settings_epoch: 0,
         handler: None,
         view: None,
@@ -393,4 +392,5 @@ pub(super) fn apply_settings(st: &mut SubState, spec: &crate::ledger::Subscriber
     st.sliding = settings.sliding_ttl;
     st.max_attempts = settings.max_attempts.max(1);
     st.retry_backoff = settings.retry_backoff;
+    st.max_backoff = settings.max_backoff;
 }

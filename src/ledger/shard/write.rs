@@ -5,6 +5,48 @@
 use super::*;
 
 impl Shard {
+    /// Begins a write transaction that commits with `Durability::Immediate`: every
+    /// transaction of the shard starts here (I1), and fails with the same error.
+    pub(super) fn durable_txn(&self) -> Result<WriteTransaction, LedgerError> {
+        let mut txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        txn.set_durability(Durability::Immediate)
+            .map_err(|e| self.err(e))?;
+        Ok(txn)
+    }
+
+    /// Commits a transaction from [`Shard::durable_txn`]; once this returns `Ok` its writes
+    /// survive a crash. Counts the commit and returns how long it took. On `Err` nothing of
+    /// the transaction is durable and the caller must stop the shard (I4).
+    pub(super) fn commit_durably(&self, txn: WriteTransaction) -> Result<Duration, LedgerError> {
+        let started = Instant::now();
+        txn.commit().map_err(|e| self.err(e))?;
+        let took = started.elapsed();
+        metrics::histogram!("dedupd_commit_duration_seconds", "shard" => self.ctx.index.to_string())
+            .record(took.as_secs_f64());
+        self.ctx
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .commits += 1;
+        Ok(took)
+    }
+
+    /// Writes what a batch decided: placements, claims (log rows), settled and new
+    /// records, and handler effects. Durable with the batch's commit.
+    pub(super) fn write_batch(
+        &mut self,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<(), LedgerError> {
+        self.write_placements(txn)?;
+        self.write_logs(txn)?;
+        // Before new records: a replay dead-lettered again is a new record, not a
+        // repeat merged into the one it settles.
+        self.remove_settled(txn)?;
+        self.write_records(txn, RecordKind::Quarantine)?;
+        self.write_handler_effects(txn, now)
+    }
+
     /// Writes the effects of this batch's successful handler calls and its dead letters.
     pub(super) fn write_handler_effects(
         &mut self,
@@ -18,7 +60,7 @@ impl Shard {
             };
             let mut effects = view.into_effects();
             let outbox = std::mem::take(&mut effects.outbox);
-            handlers::write_outbox(txn, &st.name, &outbox, &mut self.next_outbox_seq, now)
+            crate::ledger::outbox::write(txn, &st.name, &outbox, &mut self.next_outbox_seq, now)
                 .map_err(|e| storage(&path, e))?;
             if !effects.is_empty() {
                 st.state_buf
@@ -98,10 +140,6 @@ impl Shard {
             }
         }
         Ok(())
-    }
-
-    pub(super) fn write_quarantine(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
-        self.write_records(txn, RecordKind::Quarantine).map(|_| ())
     }
 
     /// Stores this batch's quarantine or dead-letter rows, merging repeats (see records.rs).
