@@ -559,6 +559,57 @@ impl Shard {
     }
 }
 
+/// Starts a shard's writer thread: it opens the shard (reporting the result on `ready`),
+/// then runs the writer loop until stopped. A panic while opening is reported as a
+/// corrupt file; one in the loop outside a batch stops the whole ledger (I4), so no dead
+/// shard hides behind a ledger that reads as ready.
+pub(crate) fn spawn(
+    ctx: ShardContext,
+    rx: Receiver<ShardMsg>,
+    peer_rx: Receiver<PeerMsg>,
+    ready_tx: Sender<Result<(), LedgerError>>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let index = ctx.index;
+    std::thread::Builder::new()
+        .name(format!("dedupd-shard-{index}"))
+        .spawn(move || {
+            let path = ctx.path.clone();
+            let (poison, poisoned) = (ctx.poison.clone(), ctx.poisoned.clone());
+            // redb may panic on a file damaged outside it (when `verify_on_open`
+            // is off); that is corruption to report, not a crash.
+            let opened =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Shard::open(ctx)))
+                    .unwrap_or_else(|panic| {
+                        Err(LedgerError::Corrupt {
+                            path: path.clone(),
+                            detail: super::panic_message(&*panic),
+                        })
+                    });
+            match opened {
+                Ok(shard) => {
+                    let _ = ready_tx.send(Ok(()));
+                    // A batch catches its own panics (`Shard::process_batch`); one
+                    // anywhere else in the loop must stop the ledger too (I4), not
+                    // leave a dead shard behind a ledger that reads as ready.
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        shard.run(rx, peer_rx)
+                    }));
+                    if let Err(panic) = ran {
+                        let e = LedgerError::Panicked {
+                            path,
+                            detail: super::panic_message(&*panic),
+                        };
+                        tracing::error!(shard = index, error = %e, "the shard stopped");
+                        super::set_poison(&poison, &poisoned, &e);
+                    }
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            }
+        })
+}
+
 /// Sends each job's outcome to its source, grouped per source channel.
 fn send_outcomes(done: Vec<(Job, Outcome)>) {
     let mut groups: Vec<(super::AckSender, Vec<Done>)> = Vec::new();
