@@ -24,6 +24,7 @@ mod records;
 mod registry;
 mod shard;
 mod tables;
+mod view;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -44,11 +44,12 @@ use super::generation::{
     merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob, SealedGen,
     SealingGen, SubState,
 };
-use super::handlers::{self, BatchView, ShardHandler, StateBuffer};
+use super::handlers::{self, ShardHandler, StateBuffer};
 use super::placement::{self, Acquire, InFlight, Placement};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
 use super::records::{self, PendingRecord};
 use super::tables::{self, ClaimsTable, LogTable};
+use super::view::BatchView;
 use super::{
     Done, Job, LedgerError, Outcome, RecordKind, Registry, ShardMetrics, SubscriberId,
     SubscriberReport,
