@@ -239,6 +239,11 @@ pub struct SubscriberSettings {
     /// Delay before the second attempt; doubles for each further one.
     #[serde(with = "humantime_serde")]
     pub retry_backoff: Duration,
+    /// Longest delay between two attempts, where the doubling of `retry_backoff` stops: a
+    /// message waiting for its next attempt is held in memory and holds back its source's
+    /// committed offset.
+    #[serde(with = "humantime_serde")]
+    pub max_backoff: Duration,
 }
 
 impl Default for SubscriberSettings {
@@ -256,6 +261,7 @@ impl Default for SubscriberSettings {
             handler_max_write_mib: 16,
             max_attempts: 3,
             retry_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(60),
         }
     }
 }
@@ -302,6 +308,12 @@ pub struct SubscriberConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub retry_backoff: Option<Duration>,
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_backoff: Option<Duration>,
 }
 
 impl SubscriberConfig {
@@ -331,6 +343,7 @@ impl SubscriberConfig {
                 .unwrap_or(defaults.handler_max_write_mib),
             max_attempts: self.max_attempts.unwrap_or(defaults.max_attempts),
             retry_backoff: self.retry_backoff.unwrap_or(defaults.retry_backoff),
+            max_backoff: self.max_backoff.unwrap_or(defaults.max_backoff),
         }
     }
 }
@@ -475,6 +488,18 @@ fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigEr
             "must be at most 10m",
         ));
     }
+    if s.max_backoff > Duration::from_secs(3600) {
+        return Err(invalid(
+            format!("{field}.max_backoff"),
+            "must be at most 1h",
+        ));
+    }
+    if s.max_backoff < s.retry_backoff {
+        return Err(invalid(
+            format!("{field}.max_backoff"),
+            "must be at least retry_backoff (raise max_backoff or lower retry_backoff)",
+        ));
+    }
     match &s.key {
         KeySource::Header { name } if name.is_empty() => {
             Err(invalid(format!("{field}.key.name"), "must not be empty"))
@@ -534,6 +559,7 @@ mod tests {
             (billing.handler_max_writes, billing.handler_max_write_mib),
             (d.handler_max_writes, d.handler_max_write_mib)
         );
+        assert_eq!(billing.max_backoff, d.max_backoff);
     }
 
     #[test]
@@ -575,6 +601,27 @@ mod tests {
             (a.handler_max_writes, a.handler_max_write_mib),
             (1_000_000, 1024)
         );
+    }
+
+    #[test]
+    fn max_backoff_defaults_to_one_minute_and_can_be_set() {
+        let d = Config::parse("").unwrap().settings_for("a").unwrap();
+        assert_eq!(d.max_backoff, Duration::from_secs(60));
+        let text = "[[subscriber]]\nname = \"a\"\nretry_backoff = \"2m\"\nmax_backoff = \"5m\"\n";
+        let a = Config::parse(text).unwrap().settings_for("a").unwrap();
+        assert_eq!(a.max_backoff, Duration::from_secs(300));
+    }
+
+    #[test]
+    fn max_backoff_below_retry_backoff_or_over_an_hour_is_refused() {
+        let text = "[[subscriber]]\nname = \"a\"\nretry_backoff = \"2s\"\nmax_backoff = \"1s\"\n";
+        let err = Config::parse(text).unwrap_err();
+        assert!(
+            err.to_string().contains("subscriber[0].max_backoff"),
+            "{err}"
+        );
+        let err = Config::parse("[defaults]\nmax_backoff = \"2h\"\n").unwrap_err();
+        assert!(err.to_string().contains("defaults.max_backoff"), "{err}");
     }
 
     #[test]

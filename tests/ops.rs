@@ -279,6 +279,37 @@ fn dead_letters_page_replay_through_the_current_handler_and_discard() {
 }
 
 #[test]
+fn outbox_keeps_a_binary_payload_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &config(2), clock()).unwrap();
+    ledger
+        .set_handler(
+            "labels",
+            Some(Arc::new(Switchable {
+                fail: Arc::new(AtomicBool::new(false)),
+                version: 1,
+            })),
+        )
+        .unwrap();
+    // Not UTF-8: kept as text, these bytes would come back as replacement characters.
+    let binary = [0xff, 0xfe, 0x00, b'a', 0x80, 0xc3];
+    assert_eq!(
+        deliver(&ledger, "labels", "bin", &binary),
+        Outcome::Processed
+    );
+    assert_eq!(
+        deliver(&ledger, "labels", "text", b"plain"),
+        Outcome::Processed
+    );
+    let mut rows = ledger.outbox_pending(100).unwrap();
+    rows.sort_by(|a, b| a.message_id.cmp(&b.message_id));
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0].message_id, "bin#0");
+    assert_eq!(rows[0].payload, binary);
+    assert_eq!(rows[1].payload, b"plain");
+}
+
+#[test]
 fn replaying_a_quarantined_message_replaces_the_claim() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path(), &config(1), clock()).unwrap();

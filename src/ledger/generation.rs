@@ -129,6 +129,7 @@ pub(crate) struct SubState {
     pub records: super::records::SubRecords,
     pub max_attempts: u32,
     pub retry_backoff: std::time::Duration,
+    pub max_backoff: std::time::Duration,
     /// The subscriber's settings epoch these values were taken from.
     pub settings_epoch: u64,
     /// The handler instance of this shard, if the subscriber has one.

@@ -17,29 +17,35 @@ mod generation;
 mod handlers;
 mod marks;
 mod ops;
+mod outbox;
 mod placement;
 pub mod record;
 mod records;
+mod registry;
 mod shard;
 mod tables;
+mod view;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{bounded, Sender};
 use serde::{Deserialize, Serialize};
 
 use crate::clock::Clock;
-use crate::config::{validate_subscriber_name, Config, LedgerConfig, SubscriberSettings};
+use crate::config::{Config, LedgerConfig};
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
 pub use ops::{OutboxRow, RecordKind, StoredRecord};
 pub use placement::{entity_scope, Placement};
 pub use record::{ClaimRecord, FORMAT_VERSION};
-use shard::{Control, PeerMsg, Shard, ShardMsg};
+pub(crate) use registry::Registry;
+pub use registry::{
+    RecordsDropped, Subscriber, SubscriberCounters, SubscriberId, HANDLER_FAILURE_KINDS,
+};
+use shard::{Control, PeerMsg, ShardMsg};
 
 /// What a caller should do about a ledger error is in its text; every variant is fatal for
 /// acking: after one, nothing more is acknowledged (G7).
@@ -82,230 +88,6 @@ pub enum LedgerError {
     NotFound(String),
     #[error("{0}")]
     Invalid(String),
-}
-
-/// Index of a subscriber in the ledger's registry (not stored on disk; names are).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct SubscriberId(pub u32);
-
-/// Live counters of one subscriber across all shards.
-#[derive(Debug, Default)]
-pub struct SubscriberCounters {
-    pub processed: AtomicU64,
-    pub duplicates: AtomicU64,
-    pub quarantined: AtomicU64,
-    pub sliding_refreshes: AtomicU64,
-    /// Probes of sealed-generation filters, and how many answered "maybe" without a match.
-    pub filter_probes: AtomicU64,
-    pub filter_false_positives: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    /// Handler attempts that failed and were scheduled again.
-    pub retries: AtomicU64,
-    /// Failed handler attempts by kind, in the order of [`HANDLER_FAILURE_KINDS`].
-    pub handler_failures: [AtomicU64; 5],
-    /// Stored quarantine records removed by retention or the cap (not by operators).
-    pub quarantine_records_dropped: RecordsDropped,
-    /// Stored dead-letter records removed by retention or the cap (not by operators).
-    pub dead_letter_records_dropped: RecordsDropped,
-}
-
-/// Stored records the ledger removed on its own, by reason.
-#[derive(Debug, Default)]
-pub struct RecordsDropped {
-    /// First stored longer ago than `ledger.record_retention`.
-    pub expired: AtomicU64,
-    /// The oldest record, dropped for a new one past `ledger.max_records_per_subscriber`.
-    pub evicted: AtomicU64,
-}
-
-/// Kinds of handler failure counted in [`SubscriberCounters::handler_failures`]
-/// (the names of `Failure::kind`).
-pub const HANDLER_FAILURE_KINDS: [&str; 5] =
-    ["retryable", "permanent", "timeout", "memory", "trap"];
-
-impl SubscriberCounters {
-    /// Failed handler attempts by kind name.
-    pub fn handler_failures_by_kind(&self) -> [(&'static str, u64); 5] {
-        std::array::from_fn(|i| {
-            (
-                HANDLER_FAILURE_KINDS[i],
-                self.handler_failures[i].load(Ordering::Relaxed),
-            )
-        })
-    }
-}
-
-/// A subscriber known to the ledger.
-#[derive(Debug)]
-pub struct Subscriber {
-    pub id: SubscriberId,
-    pub name: Arc<str>,
-    settings: RwLock<Arc<SubscriberSettings>>,
-    /// Bumped by every settings change; shards compare it between batches.
-    settings_epoch: AtomicU64,
-    pub counters: SubscriberCounters,
-    /// The handler in force; shards pick up a change between batches.
-    handler: RwLock<Option<Arc<dyn HandlerFactory>>>,
-    /// Whether `handler` holds one (read per message by [`Ledger::place`]).
-    has_handler: AtomicBool,
-    /// Placements its claims were written under, on disk and in this run (see
-    /// `placement.rs`): decides whether shards probe each other for its claims.
-    placements: AtomicU8,
-}
-
-impl Subscriber {
-    /// The settings in force (key source, TTL, retry policy...).
-    pub fn settings(&self) -> Arc<SubscriberSettings> {
-        self.settings
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    pub(crate) fn settings_epoch(&self) -> u64 {
-        self.settings_epoch.load(Ordering::Acquire)
-    }
-
-    /// Where this subscriber's new messages are decided.
-    pub fn placement(&self) -> Placement {
-        let settings = self.settings();
-        Placement::of(
-            self.has_handler.load(Ordering::Acquire),
-            settings.partition_key != crate::config::PartitionSource::IdempotencyKey,
-        )
-    }
-
-    /// Whether its handler state is stored per entity (keys `entity NUL key`): it was
-    /// written under an entity placement (mixing scopes is refused at start).
-    pub fn state_per_entity(&self) -> bool {
-        self.placements.load(Ordering::Acquire) & placement::ENTITY != 0
-    }
-
-    /// The handler in force, if any.
-    pub fn handler(&self) -> Option<Arc<dyn HandlerFactory>> {
-        self.handler
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-}
-
-#[derive(Debug, Default)]
-struct RegistryInner {
-    by_name: HashMap<String, Arc<Subscriber>>,
-    by_id: Vec<Arc<Subscriber>>,
-}
-
-/// Name -> subscriber, shared by sources and shards.
-#[derive(Debug)]
-pub(crate) struct Registry {
-    config: Config,
-    inner: RwLock<RegistryInner>,
-    /// Handler given to subscribers that take `[defaults]` when they first appear.
-    default_handler: RwLock<Option<Arc<dyn HandlerFactory>>>,
-}
-
-impl Registry {
-    fn new(config: Config) -> Self {
-        Registry {
-            config,
-            inner: RwLock::new(RegistryInner::default()),
-            default_handler: RwLock::new(None),
-        }
-    }
-
-    /// Finds or registers a subscriber. `existing` registers names found on disk even when
-    /// the config would refuse them, so their claims keep protecting. A new unconfigured
-    /// name (`existing` false) is refused once `ledger.max_implicit_subscribers`
-    /// unconfigured subscribers are registered (those found on disk count too): each one
-    /// costs memory on every shard, and sources create them from message content.
-    fn resolve(&self, name: &str, existing: bool) -> Result<Arc<Subscriber>, LedgerError> {
-        if let Some(s) = self
-            .inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .by_name
-            .get(name)
-        {
-            return Ok(s.clone());
-        }
-        validate_subscriber_name("subscriber", name).map_err(|_| {
-            LedgerError::InvalidSubscriber(format!(
-                "{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -, not only dots)"
-            ))
-        })?;
-        let configured = self.config.subscribers.iter().any(|s| s.name == name);
-        let settings = match self.config.settings_for(name) {
-            Some(s) => s,
-            None if existing => self.config.defaults.clone(),
-            None => {
-                return Err(LedgerError::UnknownSubscriber {
-                    name: name.to_string(),
-                })
-            }
-        };
-        let mut inner = self.inner.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = inner.by_name.get(name) {
-            return Ok(s.clone());
-        }
-        if !configured && !existing {
-            self.check_implicit_limit(&inner, name)?;
-        }
-        let handler = if configured {
-            None
-        } else {
-            self.default_handler
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone()
-        };
-        let sub = Arc::new(Subscriber {
-            id: SubscriberId(inner.by_id.len() as u32),
-            name: Arc::from(name),
-            settings: RwLock::new(Arc::new(settings)),
-            settings_epoch: AtomicU64::new(0),
-            counters: SubscriberCounters::default(),
-            has_handler: AtomicBool::new(handler.is_some()),
-            handler: RwLock::new(handler),
-            placements: AtomicU8::new(0),
-        });
-        inner.by_id.push(sub.clone());
-        inner.by_name.insert(name.to_string(), sub.clone());
-        Ok(sub)
-    }
-
-    fn check_implicit_limit(&self, inner: &RegistryInner, name: &str) -> Result<(), LedgerError> {
-        let limit = self.config.ledger.max_implicit_subscribers;
-        let unconfigured = inner
-            .by_id
-            .iter()
-            .filter(|s| !self.config.subscribers.iter().any(|c| *c.name == *s.name))
-            .count();
-        if unconfigured >= limit {
-            return Err(LedgerError::TooManySubscribers {
-                name: name.to_string(),
-                limit,
-            });
-        }
-        Ok(())
-    }
-
-    fn get(&self, id: SubscriberId) -> Option<Arc<Subscriber>> {
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .by_id
-            .get(id.0 as usize)
-            .cloned()
-    }
-
-    fn all(&self) -> Vec<Arc<Subscriber>> {
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .by_id
-            .clone()
-    }
 }
 
 /// The decision for one message. Released to its source only after it is durable.
@@ -578,46 +360,8 @@ impl Ledger {
                 peers: peers.clone(),
                 inflight: inflight.clone(),
             };
-            let thread = std::thread::Builder::new()
-                .name(format!("dedupd-shard-{index}"))
-                .spawn(move || {
-                    let path = ctx.path.clone();
-                    let (poison, poisoned) = (ctx.poison.clone(), ctx.poisoned.clone());
-                    // redb may panic on a file damaged outside it (when `verify_on_open`
-                    // is off); that is corruption to report, not a crash.
-                    let opened =
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Shard::open(ctx)))
-                            .unwrap_or_else(|panic| {
-                                Err(LedgerError::Corrupt {
-                                    path: path.clone(),
-                                    detail: panic_message(&*panic),
-                                })
-                            });
-                    match opened {
-                        Ok(shard) => {
-                            let _ = ready_tx.send(Ok(()));
-                            // A batch catches its own panics (`Shard::process_batch`); one
-                            // anywhere else in the loop must stop the ledger too (I4), not
-                            // leave a dead shard behind a ledger that reads as ready.
-                            let ran =
-                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                    shard.run(rx, peer_rx)
-                                }));
-                            if let Err(panic) = ran {
-                                let e = LedgerError::Panicked {
-                                    path,
-                                    detail: panic_message(&*panic),
-                                };
-                                tracing::error!(shard = index, error = %e, "the shard stopped");
-                                set_poison(&poison, &poisoned, &e);
-                            }
-                        }
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e));
-                        }
-                    }
-                })
-                .map_err(|e| LedgerError::DataDir {
+            let thread =
+                shard::spawn(ctx, rx, peer_rx, ready_tx).map_err(|e| LedgerError::DataDir {
                     path: data_dir.to_path_buf(),
                     detail: format!("cannot start shard thread: {e}"),
                 })?;

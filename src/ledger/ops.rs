@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
+use super::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
 use super::{AckSender, Ledger, LedgerError, Placement, MANIFEST};
 use crate::config::SubscriberSettings;
@@ -341,22 +342,19 @@ impl Ledger {
                 reply,
             })?;
             for (seq, bytes) in rows {
-                let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+                let unreadable = |e: String| {
                     LedgerError::Invalid(format!("outbox row {shard}-{seq} is unreadable: {e}"))
-                })?;
-                let text = |k: &str| v.get(k).and_then(|x| x.as_str()).map(String::from);
+                };
+                let r = OutboxRecord::decode(&bytes).map_err(unreadable)?;
                 out.push(OutboxRow {
                     id: format!("{shard}-{seq}"),
-                    subscriber: text("subscriber").unwrap_or_default(),
-                    message_id: text("id").unwrap_or_default(),
-                    topic: text("topic").unwrap_or_default(),
-                    key: text("key"),
-                    headers: v
-                        .get("headers")
-                        .and_then(|h| serde_json::from_value(h.clone()).ok())
-                        .unwrap_or_default(),
-                    payload: text("payload").unwrap_or_default().into_bytes(),
-                    written_at_ms: v.get("written_at_ms").and_then(|x| x.as_u64()).unwrap_or(0),
+                    payload: r.payload.bytes().map_err(unreadable)?,
+                    subscriber: r.subscriber,
+                    message_id: r.id,
+                    topic: r.topic,
+                    key: r.key,
+                    headers: r.headers,
+                    written_at_ms: r.written_at_ms,
                 });
             }
         }

@@ -98,6 +98,18 @@ impl StoredPayload {
             },
         }
     }
+
+    /// The payload's bytes as they were given to [`StoredPayload::of`].
+    pub fn bytes(&self) -> Result<Vec<u8>, String> {
+        use base64::Engine as _;
+        match (&self.payload, &self.payload_base64) {
+            (_, Some(b64)) => base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| format!("payload_base64 is not base64: {e}")),
+            (Some(text), None) => Ok(text.clone().into_bytes()),
+            (None, None) => Ok(Vec::new()),
+        }
+    }
 }
 
 /// A message with a known id and another payload than the one claimed (G4). Field names

@@ -1,0 +1,122 @@
+//! The outbox's stored layout: one JSON row per message a handler emitted, written in the
+//! transaction that commits the message's claim and read by the relay until the broker
+//! acknowledged it (`source/kafka/outbox.rs`).
+//!
+//! Field names are those of the first layout, so existing data directories read
+//! unchanged. The first layout kept the payload as text, replacing bytes that are not
+//! UTF-8, which altered a handler's binary `emit`; such a payload is now kept as
+//! `payload_base64`, like quarantine and dead-letter records do (`records.rs`).
+
+use redb::WriteTransaction;
+use serde::{Deserialize, Serialize};
+
+use super::handlers::OUTBOX;
+use super::records::StoredPayload;
+use crate::effects::OutboxMessage;
+
+/// One emitted message as the outbox stores it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct OutboxRecord {
+    pub v: u32,
+    pub subscriber: String,
+    /// Deterministic id derived from the incoming message id.
+    pub id: String,
+    pub topic: String,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub written_at_ms: u64,
+    #[serde(flatten)]
+    pub payload: StoredPayload,
+}
+
+impl OutboxRecord {
+    pub fn of(subscriber: &str, m: &OutboxMessage, now_ms: u64) -> OutboxRecord {
+        OutboxRecord {
+            v: 1,
+            subscriber: subscriber.to_string(),
+            id: m.id.clone(),
+            topic: m.topic.clone(),
+            key: m.key.clone(),
+            headers: m.headers.clone(),
+            written_at_ms: now_ms,
+            payload: StoredPayload::of(&m.payload),
+        }
+    }
+
+    /// Reads a stored row; `Err` says what is wrong with it.
+    pub fn decode(row: &[u8]) -> Result<OutboxRecord, String> {
+        serde_json::from_slice(row).map_err(|e| e.to_string())
+    }
+}
+
+/// Appends a subscriber's emitted messages to the outbox, numbered from
+/// `next_outbox_seq`. Durable with the caller's transaction.
+pub(crate) fn write(
+    txn: &WriteTransaction,
+    sub: &str,
+    outbox: &[OutboxMessage],
+    next_outbox_seq: &mut u64,
+    now_ms: u64,
+) -> Result<(), redb::Error> {
+    if outbox.is_empty() {
+        return Ok(());
+    }
+    let mut t = txn.open_table(OUTBOX)?;
+    for m in outbox {
+        let row = OutboxRecord::of(sub, m, now_ms);
+        t.insert(
+            *next_outbox_seq,
+            serde_json::to_vec(&row).unwrap_or_default().as_slice(),
+        )?;
+        *next_outbox_seq += 1;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(payload: &[u8]) -> OutboxMessage {
+        OutboxMessage {
+            id: "m#0".into(),
+            topic: "labels".into(),
+            key: Some("k".into()),
+            headers: vec![("h".into(), "v".into())],
+            payload: payload.to_vec(),
+        }
+    }
+
+    #[test]
+    fn binary_payload_reads_back_exactly() {
+        let bytes = [0xff, 0xfe, 0x00, b'a', 0x80];
+        let row = serde_json::to_vec(&OutboxRecord::of("s", &message(&bytes), 5)).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&row).unwrap();
+        assert_eq!(v["payload_base64"], "//4AYYA=");
+        assert!(v.get("payload").is_none());
+        let back = OutboxRecord::decode(&row).unwrap();
+        assert_eq!(back.payload.bytes().unwrap(), bytes);
+    }
+
+    #[test]
+    fn rows_of_the_first_layout_still_read() {
+        let row = br#"{"v":1,"subscriber":"s","id":"m#0","topic":"labels","key":null,
+            "headers":[["h","v"]],"written_at_ms":5,"payload":"{\"n\":1}"}"#;
+        let r = OutboxRecord::decode(row).unwrap();
+        assert_eq!(
+            (r.subscriber.as_str(), r.id.as_str(), r.topic.as_str()),
+            ("s", "m#0", "labels")
+        );
+        assert_eq!(r.key, None);
+        assert_eq!(r.headers, vec![("h".to_string(), "v".to_string())]);
+        assert_eq!(r.written_at_ms, 5);
+        assert_eq!(r.payload.bytes().unwrap(), b"{\"n\":1}");
+        let text = OutboxRecord::of("s", &message(b"{\"n\":1}"), 5);
+        let v = serde_json::to_value(&text).unwrap();
+        assert_eq!(
+            v["payload"], "{\"n\":1}",
+            "UTF-8 payloads keep the first layout"
+        );
+    }
+}

@@ -1,0 +1,240 @@
+//! The subscriber registry: name -> subscriber, with each subscriber's settings, handler,
+//! counters and placements. Shared by sources (which resolve names) and shards (which
+//! pick up settings and handler changes between batches); kept apart from the ledger's
+//! storage because nothing here touches redb.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, RwLock};
+
+use super::{placement, LedgerError, Placement};
+use crate::config::{validate_subscriber_name, Config, SubscriberSettings};
+use crate::effects::HandlerFactory;
+
+/// Index of a subscriber in the ledger's registry (not stored on disk; names are).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SubscriberId(pub u32);
+
+/// Live counters of one subscriber across all shards.
+#[derive(Debug, Default)]
+pub struct SubscriberCounters {
+    pub processed: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub quarantined: AtomicU64,
+    pub sliding_refreshes: AtomicU64,
+    /// Probes of sealed-generation filters, and how many answered "maybe" without a match.
+    pub filter_probes: AtomicU64,
+    pub filter_false_positives: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    /// Handler attempts that failed and were scheduled again.
+    pub retries: AtomicU64,
+    /// Failed handler attempts by kind, in the order of [`HANDLER_FAILURE_KINDS`].
+    pub handler_failures: [AtomicU64; 5],
+    /// Stored quarantine records removed by retention or the cap (not by operators).
+    pub quarantine_records_dropped: RecordsDropped,
+    /// Stored dead-letter records removed by retention or the cap (not by operators).
+    pub dead_letter_records_dropped: RecordsDropped,
+}
+
+/// Stored records the ledger removed on its own, by reason.
+#[derive(Debug, Default)]
+pub struct RecordsDropped {
+    /// First stored longer ago than `ledger.record_retention`.
+    pub expired: AtomicU64,
+    /// The oldest record, dropped for a new one past `ledger.max_records_per_subscriber`.
+    pub evicted: AtomicU64,
+}
+
+/// Kinds of handler failure counted in [`SubscriberCounters::handler_failures`]
+/// (the names of `Failure::kind`).
+pub const HANDLER_FAILURE_KINDS: [&str; 5] =
+    ["retryable", "permanent", "timeout", "memory", "trap"];
+
+impl SubscriberCounters {
+    /// Failed handler attempts by kind name.
+    pub fn handler_failures_by_kind(&self) -> [(&'static str, u64); 5] {
+        std::array::from_fn(|i| {
+            (
+                HANDLER_FAILURE_KINDS[i],
+                self.handler_failures[i].load(Ordering::Relaxed),
+            )
+        })
+    }
+}
+
+/// A subscriber known to the ledger.
+#[derive(Debug)]
+pub struct Subscriber {
+    pub id: SubscriberId,
+    pub name: Arc<str>,
+    pub(super) settings: RwLock<Arc<SubscriberSettings>>,
+    /// Bumped by every settings change; shards compare it between batches.
+    pub(super) settings_epoch: AtomicU64,
+    pub counters: SubscriberCounters,
+    /// The handler in force; shards pick up a change between batches.
+    pub(super) handler: RwLock<Option<Arc<dyn HandlerFactory>>>,
+    /// Whether `handler` holds one (read per message by [`Ledger::place`]).
+    pub(super) has_handler: AtomicBool,
+    /// Placements its claims were written under, on disk and in this run (see
+    /// `placement.rs`): decides whether shards probe each other for its claims.
+    pub(super) placements: AtomicU8,
+}
+
+impl Subscriber {
+    /// The settings in force (key source, TTL, retry policy...).
+    pub fn settings(&self) -> Arc<SubscriberSettings> {
+        self.settings
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn settings_epoch(&self) -> u64 {
+        self.settings_epoch.load(Ordering::Acquire)
+    }
+
+    /// Where this subscriber's new messages are decided.
+    pub fn placement(&self) -> Placement {
+        let settings = self.settings();
+        Placement::of(
+            self.has_handler.load(Ordering::Acquire),
+            settings.partition_key != crate::config::PartitionSource::IdempotencyKey,
+        )
+    }
+
+    /// Whether its handler state is stored per entity (keys `entity NUL key`): it was
+    /// written under an entity placement (mixing scopes is refused at start).
+    pub fn state_per_entity(&self) -> bool {
+        self.placements.load(Ordering::Acquire) & placement::ENTITY != 0
+    }
+
+    /// The handler in force, if any.
+    pub fn handler(&self) -> Option<Arc<dyn HandlerFactory>> {
+        self.handler
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+#[derive(Debug, Default)]
+struct RegistryInner {
+    by_name: HashMap<String, Arc<Subscriber>>,
+    by_id: Vec<Arc<Subscriber>>,
+}
+
+/// Name -> subscriber, shared by sources and shards.
+#[derive(Debug)]
+pub(crate) struct Registry {
+    pub(super) config: Config,
+    inner: RwLock<RegistryInner>,
+    /// Handler given to subscribers that take `[defaults]` when they first appear.
+    pub(super) default_handler: RwLock<Option<Arc<dyn HandlerFactory>>>,
+}
+
+impl Registry {
+    pub(super) fn new(config: Config) -> Self {
+        Registry {
+            config,
+            inner: RwLock::new(RegistryInner::default()),
+            default_handler: RwLock::new(None),
+        }
+    }
+
+    /// Finds or registers a subscriber. `existing` registers names found on disk even when
+    /// the config would refuse them, so their claims keep protecting. A new unconfigured
+    /// name (`existing` false) is refused once `ledger.max_implicit_subscribers`
+    /// unconfigured subscribers are registered (those found on disk count too): each one
+    /// costs memory on every shard, and sources create them from message content.
+    pub(super) fn resolve(
+        &self,
+        name: &str,
+        existing: bool,
+    ) -> Result<Arc<Subscriber>, LedgerError> {
+        if let Some(s) = self
+            .inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_name
+            .get(name)
+        {
+            return Ok(s.clone());
+        }
+        validate_subscriber_name("subscriber", name).map_err(|_| {
+            LedgerError::InvalidSubscriber(format!(
+                "{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -, not only dots)"
+            ))
+        })?;
+        let configured = self.config.subscribers.iter().any(|s| s.name == name);
+        let settings = match self.config.settings_for(name) {
+            Some(s) => s,
+            None if existing => self.config.defaults.clone(),
+            None => {
+                return Err(LedgerError::UnknownSubscriber {
+                    name: name.to_string(),
+                })
+            }
+        };
+        let mut inner = self.inner.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = inner.by_name.get(name) {
+            return Ok(s.clone());
+        }
+        if !configured && !existing {
+            self.check_implicit_limit(&inner, name)?;
+        }
+        let handler = if configured {
+            None
+        } else {
+            self.default_handler
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+        };
+        let sub = Arc::new(Subscriber {
+            id: SubscriberId(inner.by_id.len() as u32),
+            name: Arc::from(name),
+            settings: RwLock::new(Arc::new(settings)),
+            settings_epoch: AtomicU64::new(0),
+            counters: SubscriberCounters::default(),
+            has_handler: AtomicBool::new(handler.is_some()),
+            handler: RwLock::new(handler),
+            placements: AtomicU8::new(0),
+        });
+        inner.by_id.push(sub.clone());
+        inner.by_name.insert(name.to_string(), sub.clone());
+        Ok(sub)
+    }
+
+    fn check_implicit_limit(&self, inner: &RegistryInner, name: &str) -> Result<(), LedgerError> {
+        let limit = self.config.ledger.max_implicit_subscribers;
+        let unconfigured = inner
+            .by_id
+            .iter()
+            .filter(|s| !self.config.subscribers.iter().any(|c| *c.name == *s.name))
+            .count();
+        if unconfigured >= limit {
+            return Err(LedgerError::TooManySubscribers {
+                name: name.to_string(),
+                limit,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn get(&self, id: SubscriberId) -> Option<Arc<Subscriber>> {
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_id
+            .get(id.0 as usize)
+            .cloned()
+    }
+
+    pub(super) fn all(&self) -> Vec<Arc<Subscriber>> {
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_id
+            .clone()
+    }
+}

@@ -1,0 +1,290 @@
+//! Control requests answered between batches on the writer thread: lookups, forced
+//! maintenance, reports, handler state dumps, forgetting claims, record pages and
+//! deletion, the outbox and backups. Writes go through one durable transaction each
+//! ([`Shard::small_commit`]); a failure stops the shard like a failed batch (I4).
+
+use super::decide::insert_claim;
+use super::write::remove_record;
+use super::*;
+
+impl Shard {
+    pub(super) fn control(&mut self, c: Control) {
+        match c {
+            Control::Sync { reply } => {
+                let _ = reply.send(());
+            }
+            Control::Lookup { sub, key, reply } => {
+                let r = match &self.failed {
+                    Some(e) => Err(e.clone()),
+                    None => self.newest_record(sub, key, &mut None),
+                };
+                let _ = reply.send(r);
+            }
+            Control::Maintain { seal_all, reply } => {
+                let _ = reply.send(self.maintain_fully(seal_all));
+            }
+            Control::Report { reply } => {
+                let _ = reply.send(Ok(self.report()));
+            }
+            Control::StateLen { subscriber, reply } => {
+                let r = self.flush_state(&subscriber).and_then(|()| {
+                    handlers::state_len(&self.db, &subscriber).map_err(|e| self.err(e))
+                });
+                let _ = reply.send(r);
+            }
+            Control::StateEntries { subscriber, reply } => {
+                let r = self.flush_state(&subscriber).and_then(|()| {
+                    handlers::state_entries(&self.db, &subscriber).map_err(|e| self.err(e))
+                });
+                let _ = reply.send(r);
+            }
+            Control::Forget { sub, key, reply } => {
+                let _ = reply.send(self.forget(sub, key));
+            }
+            Control::Records {
+                kind,
+                subscriber,
+                from,
+                limit,
+                reply,
+            } => {
+                let _ = reply.send(self.read_records(kind, &subscriber, from, limit));
+            }
+            Control::DeleteRecord {
+                kind,
+                sub,
+                seq,
+                reply,
+            } => {
+                let _ = reply.send(self.delete_record(kind, sub, seq));
+            }
+            Control::AddDeadLetter { sub, row, reply } => {
+                let _ = reply.send(self.add_dead_letter(sub, row));
+            }
+            Control::OutboxPending { limit, reply } => {
+                let _ = reply.send(self.outbox_pending(limit));
+            }
+            Control::OutboxAck { seqs, reply } => {
+                let _ = reply.send(self.outbox_ack(seqs));
+            }
+            Control::Backup { dest, reply } => {
+                let _ = reply.send(self.backup(&dest));
+            }
+        }
+    }
+
+    /// One durable transaction outside a batch (between batches, on the writer thread).
+    /// A failure stops the shard like a failed batch (I4).
+    fn small_commit<T>(
+        &mut self,
+        work: impl FnOnce(&mut Self, &WriteTransaction) -> Result<T, LedgerError>,
+    ) -> Result<T, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let result = (|| -> Result<T, LedgerError> {
+            let txn = self.durable_txn()?;
+            let out = work(self, &txn)?;
+            self.write_counters(&txn)?;
+            txn.commit().map_err(|e| self.err(e))?;
+            Ok(out)
+        })();
+        if let Err(e) = &result {
+            self.abandon_batch();
+            self.poison(e.clone());
+        }
+        result
+    }
+
+    /// Applies a subscriber's buffered handler effects to its sorted state tables, so they
+    /// can be read whole (state dump, counts).
+    fn flush_state(&mut self, subscriber: &str) -> Result<(), LedgerError> {
+        let spec = self.ctx.registry.resolve(subscriber, true)?;
+        let idx = self.sub_index(spec.id)?;
+        let threshold = self.ctx.config.state_buffer_entries.get();
+        if self.subs[idx]
+            .as_ref()
+            .is_none_or(|st| st.state_buf.is_empty())
+        {
+            return Ok(());
+        }
+        self.small_commit(|shard, txn| {
+            let Some(st) = shard.subs[idx].as_mut() else {
+                return Ok(());
+            };
+            st.state_buf
+                .maintain(txn, &st.name, threshold, usize::MAX, true)
+                .map(|_| ())
+                .map_err(|e| storage(&shard.ctx.path, e))
+        })
+    }
+
+    /// The newest claim of a key in this shard, not counting tombstones.
+    fn lookup(&mut self, sub: SubscriberId, key: u128) -> Result<Option<ClaimRecord>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        Ok(self
+            .newest_record(sub, key, &mut None)?
+            .filter(|r| !r.is_tombstone()))
+    }
+
+    /// Writes a tombstone over a live claim so the next delivery is processed again.
+    fn forget(&mut self, sub: SubscriberId, key: u128) -> Result<bool, LedgerError> {
+        let now = self.ctx.clock.now_ms();
+        let Some(claim) = self.lookup(sub, key)?.filter(|r| r.is_live(now)) else {
+            return Ok(false);
+        };
+        let idx = self.sub_index(sub)?;
+        let presize = self.ctx.config.generation_max_claims.get();
+        if let Some(st) = self.subs[idx].as_mut() {
+            insert_claim(
+                st,
+                &mut self.next_table_id,
+                key,
+                ClaimRecord::tombstone_of(&claim, now),
+                now,
+                presize,
+                &mut self.spare_maps,
+            );
+        }
+        self.small_commit(|shard, txn| shard.write_logs(txn))?;
+        Ok(true)
+    }
+
+    fn read_records(
+        &self,
+        kind: RecordKind,
+        subscriber: &str,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, Vec<u8>)>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = match txn.open_table(records::record_table(kind)) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(self.err(e)),
+        };
+        let mut out = Vec::new();
+        for row in t
+            .range((subscriber, from)..=(subscriber, u64::MAX))
+            .map_err(|e| self.err(e))?
+            .take(limit)
+        {
+            let (k, v) = row.map_err(|e| self.err(e))?;
+            out.push((k.value().1, v.value().to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn delete_record(
+        &mut self,
+        kind: RecordKind,
+        sub: SubscriberId,
+        seq: u64,
+    ) -> Result<bool, LedgerError> {
+        let idx = self.sub_index(sub)?;
+        self.small_commit(|shard, txn| match shard.subs[idx].as_mut() {
+            Some(st) => remove_record(txn, &shard.ctx.path, st, kind, seq),
+            None => Ok(false),
+        })
+    }
+
+    fn add_dead_letter(
+        &mut self,
+        sub: SubscriberId,
+        row: PendingRecord,
+    ) -> Result<u64, LedgerError> {
+        let idx = self.sub_index(sub)?;
+        let seq = self.small_commit(|shard, txn| {
+            let Some(st) = shard.subs[idx].as_mut() else {
+                return Err(LedgerError::InvalidSubscriber(
+                    "subscriber state missing".into(),
+                ));
+            };
+            st.dead_lettered += 1;
+            shard.dead_rows.push(row);
+            let seqs = shard.write_records(txn, RecordKind::DeadLetter)?;
+            seqs.first()
+                .copied()
+                .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))
+        })?;
+        if let Some(spec) = self.ctx.registry.get(sub) {
+            spec.counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(seq)
+    }
+
+    fn outbox_pending(&self, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = match txn.open_table(handlers::OUTBOX) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(self.err(e)),
+        };
+        let mut out = Vec::new();
+        for row in t.iter().map_err(|e| self.err(e))?.take(limit) {
+            let (k, v) = row.map_err(|e| self.err(e))?;
+            out.push((k.value(), v.value().to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn outbox_ack(&mut self, seqs: Vec<u64>) -> Result<(), LedgerError> {
+        self.small_commit(|shard, txn| {
+            let mut t = txn
+                .open_table(handlers::OUTBOX)
+                .map_err(|e| storage(&shard.ctx.path, e))?;
+            for seq in seqs {
+                t.remove(seq).map_err(|e| storage(&shard.ctx.path, e))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Copies the shard file between two commits: every commit is durable and no other
+    /// thread writes the file, so the copy is the state after the last commit.
+    pub(super) fn backup(&self, dest: &std::path::Path) -> Result<u64, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let name = self
+            .ctx
+            .path
+            .file_name()
+            .map(|n| n.to_os_string())
+            .unwrap_or_default();
+        std::fs::copy(&self.ctx.path, dest.join(name)).map_err(|e| LedgerError::DataDir {
+            path: dest.to_path_buf(),
+            detail: format!("backup of {} failed: {e}", self.ctx.path.display()),
+        })
+    }
+
+    fn report(&self) -> Vec<SubscriberReport> {
+        self.subs
+            .iter()
+            .flatten()
+            .map(|st| {
+                let (claims, active) = st.claims();
+                SubscriberReport {
+                    subscriber: st.name.to_string(),
+                    claims,
+                    active_claims: active,
+                    sealed_generations: st.sealed.len() as u64,
+                    quarantined: st.quarantined,
+                    quarantine_records: st.records.quarantine.stored,
+                    dead_lettered: st.dead_lettered,
+                    dead_letter_records: st.records.dead_letter.stored,
+                    filter_bytes: st.filter_bytes(),
+                    index_bytes: st.index_bytes(),
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,650 @@
+//! Maintenance between and inside batches: sealing full or old active generations,
+//! merging small sealed ones, dropping expired ones, trimming retired logs and sweeping
+//! records past their retention. Bounded by a row budget per transaction so a batch
+//! stays short; the sealed table, filter and `Sealed` row commit together (I3).
+
+use super::*;
+
+impl Shard {
+    /// Work between batches when the queue is empty: finish sealing and merging sooner.
+    pub(super) fn idle(&mut self) {
+        if self.failed.is_some() || !self.has_pending_work(false) {
+            return;
+        }
+        let now = self.ctx.clock.now_ms();
+        if let Err(e) = self.maintenance_txn(now, IDLE_SLICE, false) {
+            self.poison(e);
+        }
+    }
+
+    fn has_pending_work(&self, seal_all: bool) -> bool {
+        let now = self.ctx.clock.now_ms();
+        let cfg = &self.ctx.config;
+        let expiry_due = now.saturating_sub(self.last_expiry_check_ms) >= EXPIRY_CHECK_MS;
+        !self.retired_logs.is_empty()
+            || records::sweep_due(&self.subs, now)
+            || self.subs.iter().flatten().any(|st| {
+                st.state_buf.has_work(cfg.state_buffer_entries.get())
+                    || st.sealing.is_some()
+                    || st.merging.is_some()
+                    || st.sealed.len() > cfg.merge_trigger_generations.get()
+                    || (expiry_due && st.sealed.iter().any(|g| g.max_expires_ms <= now))
+                    || st
+                        .active
+                        .as_ref()
+                        .is_some_and(|a| due_to_seal(a, cfg, now, seal_all))
+            })
+    }
+
+    /// One durable transaction of maintenance only.
+    fn maintenance_txn(
+        &mut self,
+        now: u64,
+        budget: usize,
+        seal_all: bool,
+    ) -> Result<bool, LedgerError> {
+        let started = Instant::now();
+        let txn = self.durable_txn()?;
+        let did = self.maintenance(&txn, now, budget, seal_all)?;
+        if did {
+            self.write_counters(&txn)?;
+            txn.commit().map_err(|e| self.err(e))?;
+            metrics::histogram!("dedupd_commit_duration_seconds", "shard" => self.ctx.index.to_string())
+                .record(started.elapsed().as_secs_f64());
+            let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
+            m.commits += 1;
+            m.max_batch_us_maintenance = m
+                .max_batch_us_maintenance
+                .max(started.elapsed().as_micros() as u64);
+        } else {
+            txn.abort().map_err(|e| self.err(e))?;
+        }
+        Ok(did)
+    }
+
+    /// Sealing, merging and expiry, bounded by `budget` rows written. Returns whether it
+    /// wrote anything (the caller then commits).
+    pub(super) fn maintenance(
+        &mut self,
+        txn: &WriteTransaction,
+        now: u64,
+        budget: usize,
+        seal_all: bool,
+    ) -> Result<bool, LedgerError> {
+        let mut did = false;
+        while let Ok(built) = self.built_rx.try_recv() {
+            self.attach_built(built);
+        }
+        let expiry_due = now.saturating_sub(self.last_expiry_check_ms) >= EXPIRY_CHECK_MS;
+        if expiry_due {
+            self.last_expiry_check_ms = now;
+        }
+        let cfg = self.ctx.config.clone();
+        for idx in 0..self.subs.len() {
+            let Some(mut st) = self.subs[idx].take() else {
+                continue;
+            };
+            let r = self.maintain_sub(&mut st, txn, now, budget, seal_all, expiry_due, &cfg);
+            self.subs[idx] = Some(st);
+            did |= r?;
+        }
+        did |= records::sweep(
+            txn,
+            &mut self.subs,
+            now,
+            records::Limits::of(&cfg, self.ctx.count),
+            &self.ctx.registry,
+        )
+        .map_err(|e| self.err(e))?;
+        did |= self.trim_retired_log(
+            txn,
+            if budget >= IDLE_SLICE {
+                64
+            } else {
+                RETIRE_ROWS
+            },
+        )?;
+        Ok(did)
+    }
+
+    /// One subscriber's maintenance: its handler state buffer, then sealing, expiry and
+    /// merging of its generations. Returns whether it wrote anything.
+    #[allow(clippy::too_many_arguments)]
+    fn maintain_sub(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+        budget: usize,
+        seal_all: bool,
+        expiry_due: bool,
+        cfg: &LedgerConfig,
+    ) -> Result<bool, LedgerError> {
+        let mut did = st
+            .state_buf
+            .maintain(
+                txn,
+                &st.name,
+                cfg.state_buffer_entries.get(),
+                budget,
+                seal_all,
+            )
+            .map_err(|e| self.err(e))?;
+        if st.sealing.is_none()
+            && st
+                .active
+                .as_ref()
+                .is_some_and(|a| due_to_seal(a, cfg, now, seal_all))
+        {
+            did |= self.seal_active(st, txn, now)?;
+        }
+        did |= self.seal_slice(st, txn, budget)?;
+        if expiry_due {
+            did |= self.drop_expired(st, txn, now)?;
+        }
+        did |= self.start_merge(st, cfg);
+        if st.merging.is_some() {
+            did |= self.merge_step(st, txn, now, budget)?;
+        }
+        Ok(did)
+    }
+
+    /// Turns the active generation into the sealing one: its `Sealing` row is written here
+    /// and the builder sorts it; its log stays until the sealed table commits (I3).
+    fn seal_active(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<bool, LedgerError> {
+        let Some(a) = st.active.take() else {
+            return Ok(false);
+        };
+        let mut gens = txn
+            .open_table(tables::GENERATIONS)
+            .map_err(|e| self.err(e))?;
+        let meta = GenMeta {
+            state: GenState::Sealing,
+            order: a.order,
+            count: a.map.len() as u64,
+            max_expires_ms: 0,
+            created_at_ms: a.created_at_ms,
+        };
+        gens.insert((&*st.name, a.table_id), meta.encode().as_slice())
+            .map_err(|e| self.err(e))?;
+        drop(gens);
+        let gen = SealingGen {
+            table_id: a.table_id,
+            order: a.order,
+            created_at_ms: a.created_at_ms,
+            map: Arc::new(a.map),
+            built: None,
+            pos: 0,
+            extra_logs: Vec::new(),
+        };
+        self.start_sealing(st, gen, now);
+        Ok(true)
+    }
+
+    /// Writes up to `budget` rows of the sealing generation's sorted table, once the
+    /// builder sorted it; completes the generation when every row is written.
+    fn seal_slice(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        budget: usize,
+    ) -> Result<bool, LedgerError> {
+        let Some(s) = st.sealing.as_mut() else {
+            return Ok(false);
+        };
+        let Some((entries, _)) = s.built.as_ref() else {
+            return Ok(false);
+        };
+        let name = tables::claims_name(&st.name, s.table_id);
+        let end = (s.pos + budget).min(entries.len());
+        let ts = Instant::now();
+        {
+            let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
+            for (k, r) in &entries[s.pos..end] {
+                t.insert(*k, r.encode()).map_err(|e| self.err(e))?;
+            }
+        }
+        tracing::trace!(
+            rows = end - s.pos,
+            us = ts.elapsed().as_micros() as u64,
+            done = end == entries.len(),
+            "seal slice"
+        );
+        s.pos = end;
+        if s.pos == entries.len() {
+            self.finish_sealing(st, txn)?;
+        }
+        Ok(true)
+    }
+
+    /// Commits a completely written sealing generation as sealed (I3) and retires its
+    /// log(s); its index goes back to the spare pool.
+    fn finish_sealing(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+    ) -> Result<(), LedgerError> {
+        let Some(s) = st.sealing.as_mut() else {
+            return Ok(());
+        };
+        let Some((entries, filter)) = s.built.as_ref() else {
+            return Ok(());
+        };
+        let max_expires = entries.iter().map(|e| e.1.expires_at_ms).max().unwrap_or(0);
+        let count = entries.len() as u64;
+        let filter = filter.clone();
+        let (table_id, order, created, extra) = (
+            s.table_id,
+            s.order,
+            s.created_at_ms,
+            std::mem::take(&mut s.extra_logs),
+        );
+        self.commit_sealed(
+            txn,
+            st,
+            SealedGen {
+                table_id,
+                order,
+                count,
+                max_expires_ms: max_expires,
+                created_at_ms: created,
+                filter,
+            },
+        )?;
+        let mut gens = txn
+            .open_table(tables::GENERATIONS)
+            .map_err(|e| self.err(e))?;
+        for id in &extra {
+            gens.remove((&*st.name, *id)).map_err(|e| self.err(e))?;
+        }
+        drop(gens);
+        // The log is dead now (its generation row says Sealed); it is removed a
+        // few rows per batch, since dropping it whole reads every page (~30 ms).
+        for id in std::iter::once(table_id).chain(extra) {
+            self.retired_logs.push_back(tables::log_name(&st.name, id));
+        }
+        if let Some(done) = st.sealing.take() {
+            if let Ok(mut map) = Arc::try_unwrap(done.map) {
+                if self.spare_maps.len() < 2 {
+                    map.clear();
+                    self.spare_maps.push(map);
+                }
+            }
+        }
+        self.ctx
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .seals += 1;
+        Ok(())
+    }
+
+    /// Drops sealed generations whose every claim has expired (not those being merged).
+    fn drop_expired(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<bool, LedgerError> {
+        let mut did = false;
+        let busy = st.merging.as_ref().map(|m| (m.older, m.newer));
+        let mut i = 0;
+        while i < st.sealed.len() {
+            let g = &st.sealed[i];
+            let in_merge = busy.is_some_and(|(a, b)| g.table_id == a || g.table_id == b);
+            if g.max_expires_ms <= now && !in_merge {
+                let id = g.table_id;
+                self.delete_generation(txn, &st.name, id)?;
+                st.sealed.remove(i);
+                self.ctx
+                    .metrics
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .dropped_generations += 1;
+                did = true;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(did)
+    }
+
+    /// Starts merging the smallest pair of neighbouring sealed generations when there are
+    /// too many, so lookups probe few generations.
+    fn start_merge(&mut self, st: &mut SubState, cfg: &LedgerConfig) -> bool {
+        if st.merging.is_some() || st.sealed.len() <= cfg.merge_trigger_generations.get() {
+            return false;
+        }
+        let limit = cfg.merge_max_claims.get() as u64;
+        let pick = (0..st.sealed.len().saturating_sub(1))
+            .map(|i| (st.sealed[i].count + st.sealed[i + 1].count, i))
+            .filter(|(n, _)| *n <= limit)
+            .min();
+        let Some((_, i)) = pick else {
+            return false;
+        };
+        let out_table = self.next_table_id;
+        self.next_table_id += 1;
+        st.merging = Some(MergeJob {
+            older: st.sealed[i].table_id,
+            newer: st.sealed[i + 1].table_id,
+            out_table,
+            cursor_older: None,
+            cursor_newer: None,
+            older_done: false,
+            newer_done: false,
+            keys: Vec::new(),
+            count: 0,
+            max_expires_ms: 0,
+            waiting_for_filter: false,
+            filter: None,
+        });
+        true
+    }
+    /// Removes up to `rows` rows of the oldest retired log; drops the table once empty.
+    fn trim_retired_log(
+        &mut self,
+        txn: &WriteTransaction,
+        rows: usize,
+    ) -> Result<bool, LedgerError> {
+        let Some(name) = self.retired_logs.front().cloned() else {
+            return Ok(false);
+        };
+        let empty = {
+            let mut t = txn.open_table(log_def(&name)).map_err(|e| self.err(e))?;
+            for _ in 0..rows {
+                if t.pop_first().map_err(|e| self.err(e))?.is_none() {
+                    break;
+                }
+            }
+            t.is_empty().map_err(|e| self.err(e))?
+        };
+        if empty {
+            txn.delete_table(log_def(&name)).map_err(|e| self.err(e))?;
+            self.retired_logs.pop_front();
+        }
+        Ok(true)
+    }
+
+    /// Keeps one resident index ready for the next active generation.
+    pub(super) fn request_spare_map(&mut self) {
+        if self.spare_maps.is_empty() && !self.map_requested {
+            self.map_requested = self.ctx.builder.send(BuildJob::PrepareMap {
+                capacity: self.ctx.config.generation_max_claims.get(),
+                reply: self.built_tx.clone(),
+            });
+        }
+    }
+
+    /// Hands a full generation to the builder for sorting and filter construction; its
+    /// index keeps answering lookups until the sealed table commits.
+    pub(super) fn start_sealing(&self, st: &mut SubState, gen: SealingGen, now: u64) {
+        let (table_id, map) = (gen.table_id, gen.map.clone());
+        st.sealing = Some(gen);
+        let sent = self.ctx.builder.send(BuildJob::Seal {
+            sub: st.id,
+            table_id,
+            map,
+            now_ms: now,
+            reply: self.built_tx.clone(),
+        });
+        if !sent {
+            tracing::error!(
+                shard = self.ctx.index,
+                "generation builder is gone; sealing stalls"
+            );
+        }
+    }
+
+    fn attach_built(&mut self, built: Built) {
+        match built {
+            Built::Sealed {
+                sub,
+                table_id,
+                entries,
+                filter,
+            } => {
+                if let Some(Some(st)) = self.subs.get_mut(sub.0 as usize) {
+                    if let Some(s) = st.sealing.as_mut().filter(|s| s.table_id == table_id) {
+                        s.built = Some((entries, filter));
+                    }
+                }
+            }
+            Built::Map(map) => {
+                self.map_requested = false;
+                self.spare_maps.push(map);
+            }
+            Built::Merged {
+                sub,
+                table_id,
+                filter,
+            } => {
+                if let Some(Some(st)) = self.subs.get_mut(sub.0 as usize) {
+                    if let Some(m) = st.merging.as_mut().filter(|m| m.out_table == table_id) {
+                        m.keys.clear();
+                        m.keys.shrink_to_fit();
+                        m.filter = Some(filter);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records a complete sorted table as a sealed generation: its filter and `Sealed`
+    /// row in this transaction (I3), and its place in the recency order in memory.
+    fn commit_sealed(
+        &self,
+        txn: &WriteTransaction,
+        st: &mut SubState,
+        gen: SealedGen,
+    ) -> Result<(), LedgerError> {
+        let meta = GenMeta {
+            state: GenState::Sealed,
+            order: gen.order,
+            count: gen.count,
+            max_expires_ms: gen.max_expires_ms,
+            created_at_ms: gen.created_at_ms,
+        };
+        let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
+        filters
+            .insert((&*st.name, gen.table_id), gen.filter.encode().as_slice())
+            .map_err(|e| self.err(e))?;
+        let mut gens = txn
+            .open_table(tables::GENERATIONS)
+            .map_err(|e| self.err(e))?;
+        gens.insert((&*st.name, gen.table_id), meta.encode().as_slice())
+            .map_err(|e| self.err(e))?;
+        let pos = st.sealed.partition_point(|g| g.order < gen.order);
+        st.sealed.insert(pos, gen);
+        Ok(())
+    }
+
+    fn delete_generation(
+        &self,
+        txn: &WriteTransaction,
+        sub: &str,
+        id: u64,
+    ) -> Result<(), LedgerError> {
+        txn.delete_table(claims_def(&tables::claims_name(sub, id)))
+            .map_err(|e| self.err(e))?;
+        let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
+        filters.remove((sub, id)).map_err(|e| self.err(e))?;
+        let mut gens = txn
+            .open_table(tables::GENERATIONS)
+            .map_err(|e| self.err(e))?;
+        gens.remove((sub, id)).map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// One slice of a merge, or its completion once the filter is built.
+    fn merge_step(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+        budget: usize,
+    ) -> Result<bool, LedgerError> {
+        let Some(m) = st.merging.as_mut() else {
+            return Ok(false);
+        };
+        if m.waiting_for_filter {
+            let Some(filter) = m.filter.take() else {
+                return Ok(false);
+            };
+            let (older, newer, out) = (m.older, m.newer, m.out_table);
+            let oi = st.sealed.iter().position(|g| g.table_id == older);
+            let ni = st.sealed.iter().position(|g| g.table_id == newer);
+            let (Some(oi), Some(ni)) = (oi, ni) else {
+                st.merging = None;
+                return Ok(false);
+            };
+            let order = st.sealed[ni].order;
+            let created = st.sealed[oi].created_at_ms;
+            let count = m.count;
+            let max_expires = m.max_expires_ms;
+            self.delete_generation(txn, &st.name, older)?;
+            self.delete_generation(txn, &st.name, newer)?;
+            st.sealed
+                .retain(|g| g.table_id != older && g.table_id != newer);
+            self.commit_sealed(
+                txn,
+                st,
+                SealedGen {
+                    table_id: out,
+                    order,
+                    count,
+                    max_expires_ms: max_expires,
+                    created_at_ms: created,
+                    filter,
+                },
+            )?;
+            st.merging = None;
+            self.ctx
+                .metrics
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .merges += 1;
+            return Ok(true);
+        }
+        let half = (budget / 2).max(1);
+        let read = |name: &str,
+                    cursor: Option<u128>,
+                    done: bool|
+         -> Result<(Vec<(u128, ClaimRecord)>, bool), LedgerError> {
+            if done {
+                return Ok((Vec::new(), true));
+            }
+            let t = txn.open_table(claims_def(name)).map_err(|e| self.err(e))?;
+            let mut out = Vec::with_capacity(half);
+            let iter = match cursor {
+                None => t.range::<u128>(..),
+                Some(u128::MAX) => return Ok((Vec::new(), true)),
+                Some(c) => t.range::<u128>(c + 1..),
+            }
+            .map_err(|e| self.err(e))?;
+            for row in iter.take(half) {
+                let (k, v) = row.map_err(|e| self.err(e))?;
+                out.push((k.value(), ClaimRecord::decode(&v.value())));
+            }
+            let exhausted = out.len() < half;
+            Ok((out, exhausted))
+        };
+        let (a, a_ex) = read(
+            &tables::claims_name(&st.name, m.older),
+            m.cursor_older,
+            m.older_done,
+        )?;
+        let (b, b_ex) = read(
+            &tables::claims_name(&st.name, m.newer),
+            m.cursor_newer,
+            m.newer_done,
+        )?;
+        let (out, i, j) = merge_slice(&a, a_ex, &b, b_ex, now);
+        if i > 0 {
+            m.cursor_older = Some(a[i - 1].0);
+        }
+        if j > 0 {
+            m.cursor_newer = Some(b[j - 1].0);
+        }
+        m.older_done = a_ex && i == a.len();
+        m.newer_done = b_ex && j == b.len();
+        {
+            let name = tables::claims_name(&st.name, m.out_table);
+            let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
+            for (k, r) in &out {
+                t.insert(*k, r.encode()).map_err(|e| self.err(e))?;
+                m.max_expires_ms = m.max_expires_ms.max(r.expires_at_ms);
+                m.keys.push(*k);
+            }
+        }
+        m.count += out.len() as u64;
+        if m.older_done && m.newer_done {
+            m.waiting_for_filter = true;
+            let sent = self.ctx.builder.send(BuildJob::Filter {
+                sub: st.id,
+                table_id: m.out_table,
+                keys: std::mem::take(&mut m.keys),
+                reply: self.built_tx.clone(),
+            });
+            if !sent {
+                tracing::error!(
+                    shard = self.ctx.index,
+                    "generation builder is gone; merging stalls"
+                );
+            }
+        }
+        Ok(true)
+    }
+
+    /// Runs maintenance transactions until no sealing, merging or expiry work is left.
+    pub(super) fn maintain_fully(&mut self, seal_all: bool) -> Result<(), LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let mut first = seal_all;
+        loop {
+            let now = self.ctx.clock.now_ms();
+            self.last_expiry_check_ms = 0;
+            let did = match self.maintenance_txn(now, IDLE_SLICE, first) {
+                Ok(d) => d,
+                Err(e) => {
+                    self.poison(e.clone());
+                    return Err(e);
+                }
+            };
+            first = false;
+            let waiting = self.subs.iter().flatten().any(|s| {
+                s.sealing.as_ref().is_some_and(|g| g.built.is_none())
+                    || s.merging
+                        .as_ref()
+                        .is_some_and(|m| m.waiting_for_filter && m.filter.is_none())
+            });
+            if waiting {
+                if let Ok(b) = self.built_rx.recv_timeout(Duration::from_secs(60)) {
+                    self.attach_built(b);
+                }
+                continue;
+            }
+            if !did {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Whether an active generation is due to be sealed: full, old, or all are being sealed.
+/// Only once its claims are in its log (`next_row > 0`): sealing writes the `Sealing` row
+/// and the log is what survives a crash until the sealed table commits (I3), so a
+/// generation whose claims were never logged must not start sealing.
+fn due_to_seal(a: &ActiveGen, cfg: &LedgerConfig, now: u64, seal_all: bool) -> bool {
+    a.next_row > 0
+        && !a.map.is_empty()
+        && (seal_all
+            || a.map.len() >= cfg.generation_max_claims.get()
+            || now.saturating_sub(a.created_at_ms) >= cfg.generation_max_age.as_millis() as u64)
+}

@@ -1,0 +1,396 @@
+//! Opening a shard: the format check, loading generations and filters, replaying logs of
+//! unsealed generations, and deleting leftovers of interrupted sealing or merging. All of
+//! it runs in one durable transaction before the shard accepts anything (G3).
+
+use super::*;
+
+struct Loaded {
+    metas: Vec<(String, u64, GenMeta)>,
+    tables: Vec<String>,
+}
+
+impl Shard {
+    /// Opens or creates the shard file, checks its format, loads filters, replays logs and
+    /// removes leftovers of interrupted sealing or merging. Nothing is accepted before this
+    /// returns (G3).
+    pub fn open(ctx: ShardContext) -> Result<Shard, LedgerError> {
+        let path = ctx.path.clone();
+        let err = |e: redb::Error| storage(&path, e);
+        let mut builder = Database::builder();
+        builder.set_cache_size(ctx.config.cache_mib.get() << 20);
+        builder.set_check_integrity_on_open(ctx.config.verify_on_open);
+        let db = match &ctx.fault {
+            None => builder.create(&ctx.path).map_err(|e| storage(&path, e))?,
+            Some(budget) => {
+                let file = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(&ctx.path)
+                    .map_err(|e| storage(&path, redb::StorageError::Io(e)))?;
+                let backend = crate::ledger::fault::FaultyBackend::new(file, budget.clone())
+                    .map_err(|e| storage(&path, e))?;
+                builder
+                    .create_with_backend(backend)
+                    .map_err(|e| storage(&path, e))?
+            }
+        };
+        let (built_tx, built_rx) = unbounded();
+        let mut shard = Shard {
+            db: Arc::new(db),
+            subs: Vec::new(),
+            next_table_id: 1,
+            next_quarantine_seq: 1,
+            built_tx,
+            built_rx,
+            last_expiry_check_ms: 0,
+            batch: Vec::new(),
+            quarantine_rows: Vec::new(),
+            failed: None,
+            spare_maps: Vec::new(),
+            map_requested: false,
+            retired_logs: Default::default(),
+            retries: Default::default(),
+            retry_order: 0,
+            dead_rows: Vec::new(),
+            settled: Vec::new(),
+            next_outbox_seq: 1,
+            next_dead_seq: 1,
+            handler_msg: HandlerMessage::default(),
+            probing: HashMap::new(),
+            next_group: 0,
+            ctx,
+        };
+        let txn = shard.durable_txn()?;
+        let loaded = shard.check_meta_and_load(&txn)?;
+        handlers::upgrade_v1_tables(&txn, &loaded.tables).map_err(|e| shard.err(e))?;
+        shard.recover(&txn, loaded)?;
+        txn.commit().map_err(|e| err(e.into()))?;
+        Ok(shard)
+    }
+
+    fn check_meta_and_load(&mut self, txn: &WriteTransaction) -> Result<Loaded, LedgerError> {
+        let mut meta = txn.open_table(tables::META).map_err(|e| self.err(e))?;
+        let version = meta
+            .get("format_version")
+            .map_err(|e| self.err(e))?
+            .map(|v| v.value());
+        match version {
+            None => {
+                let index = self.ctx.index as u64;
+                let count = self.ctx.count as u64;
+                for (k, v) in [
+                    ("format_version", FORMAT_VERSION),
+                    ("shard_index", index),
+                    ("shard_count", count),
+                    ("next_table_id", 1),
+                    ("next_quarantine_seq", 1),
+                    ("next_outbox_seq", 1),
+                    ("next_dead_seq", 1),
+                ] {
+                    meta.insert(k, v).map_err(|e| self.err(e))?;
+                }
+            }
+            Some(v) if v > FORMAT_VERSION => {
+                return Err(LedgerError::NewerFormat {
+                    path: self.ctx.path.clone(),
+                    found: v,
+                    supported: FORMAT_VERSION,
+                })
+            }
+            Some(_) => {
+                let path = self.ctx.path.clone();
+                let get = |k: &str| -> Result<u64, LedgerError> {
+                    meta.get(k)
+                        .map_err(|e| storage(&path, e))?
+                        .map(|v| v.value())
+                        .ok_or_else(|| LedgerError::Corrupt {
+                            path: path.clone(),
+                            detail: format!("meta key `{k}` is missing"),
+                        })
+                };
+                let index = get("shard_index")?;
+                let count = get("shard_count")?;
+                if index != self.ctx.index as u64 || count != self.ctx.count as u64 {
+                    return Err(self.corrupt(format!(
+                        "file says it is shard {index} of {count}, expected {} of {}",
+                        self.ctx.index, self.ctx.count
+                    )));
+                }
+                self.next_table_id = get("next_table_id")?;
+                self.next_quarantine_seq = get("next_quarantine_seq")?;
+                self.next_outbox_seq = get("next_outbox_seq")?;
+                self.next_dead_seq = get("next_dead_seq")?;
+            }
+        }
+        let upgrade_from = version.filter(|v| *v < FORMAT_VERSION);
+        if upgrade_from.is_some() {
+            meta.insert("format_version", FORMAT_VERSION)
+                .map_err(|e| self.err(e))?;
+        }
+        drop(meta);
+        let gens = txn
+            .open_table(tables::GENERATIONS)
+            .map_err(|e| self.err(e))?;
+        let mut metas = Vec::new();
+        for row in gens.iter().map_err(|e| self.err(e))? {
+            let (k, v) = row.map_err(|e| self.err(e))?;
+            let (sub, id) = k.value();
+            let m = GenMeta::decode(v.value())
+                .map_err(|d| self.corrupt(format!("generation {sub}/{id}: {d}")))?;
+            metas.push((sub.to_string(), id, m));
+        }
+        drop(gens);
+        txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
+        txn.open_table(tables::QUARANTINE)
+            .map_err(|e| self.err(e))?;
+        let tables: Vec<String> = txn
+            .list_tables()
+            .map_err(|e| self.err(e))?
+            .map(|h| h.name().to_string())
+            .collect();
+        let mut placements = txn
+            .open_table(tables::PLACEMENTS)
+            .map_err(|e| self.err(e))?;
+        if let Some(from) = upgrade_from {
+            // Format 1 routed by the configured partition key: a subscriber's claims may
+            // be on any shard, and its handler state is not scoped to entities.
+            let mut names: std::collections::BTreeSet<&str> =
+                metas.iter().map(|(sub, _, _)| sub.as_str()).collect();
+            names.extend(
+                tables
+                    .iter()
+                    .filter_map(|t| handlers::state_table_subscriber(t)),
+            );
+            for name in &names {
+                placements
+                    .insert(*name, placement::ANYWHERE)
+                    .map_err(|e| self.err(e))?;
+            }
+            tracing::warn!(shard = self.ctx.index, from, to = FORMAT_VERSION, subscribers = names.len(),
+                "upgraded the shard's format: its subscribers' claims are now looked up on every shard");
+        }
+        for row in placements.iter().map_err(|e| self.err(e))? {
+            let (name, mask) = row.map_err(|e| self.err(e))?;
+            let spec = self.ctx.registry.resolve(name.value(), true)?;
+            spec.placements.fetch_or(mask.value(), Ordering::AcqRel);
+        }
+        drop(placements);
+        Ok(Loaded { metas, tables })
+    }
+
+    /// Rebuilds in-memory state from the generations table and deletes leftovers.
+    fn recover(&mut self, txn: &WriteTransaction, loaded: Loaded) -> Result<(), LedgerError> {
+        let now = self.ctx.clock.now_ms();
+        let mut keep_claims = std::collections::HashSet::new();
+        let mut keep_logs = std::collections::HashSet::new();
+        let mut by_sub: std::collections::BTreeMap<String, Vec<(u64, GenMeta)>> =
+            Default::default();
+        for (sub, id, m) in loaded.metas {
+            by_sub.entry(sub).or_default().push((id, m));
+        }
+        for (name, mut gens) in by_sub {
+            let spec = self.ctx.registry.resolve(&name, true)?;
+            gens.sort_by_key(|(_, m)| m.order);
+            let mut st = new_sub_state(&spec, &self.db).map_err(|e| self.err(e))?;
+            st.next_order = gens.last().map_or(1, |(_, m)| m.order + 1);
+            let mut logs: Vec<(u64, GenMeta)> = Vec::new();
+            for (id, m) in gens {
+                match m.state {
+                    GenState::Sealed => {
+                        let filter = self.load_filter(txn, &name, id)?;
+                        keep_claims.insert(tables::claims_name(&name, id));
+                        st.sealed.push(SealedGen {
+                            table_id: id,
+                            order: m.order,
+                            count: m.count,
+                            max_expires_ms: m.max_expires_ms,
+                            created_at_ms: m.created_at_ms,
+                            filter,
+                        });
+                    }
+                    GenState::Active | GenState::Sealing => {
+                        keep_logs.insert(tables::log_name(&name, id));
+                        logs.push((id, m));
+                    }
+                }
+            }
+            // The newest log generation stays active; older ones are sealed again as one.
+            if let Some((id, m)) = logs.pop() {
+                let (map, rows) = self.replay_log(txn, &name, &[id])?;
+                st.active = Some(ActiveGen {
+                    table_id: id,
+                    order: m.order,
+                    map,
+                    next_row: rows,
+                    created_at_ms: m.created_at_ms,
+                });
+            }
+            if !logs.is_empty() {
+                let ids: Vec<u64> = logs.iter().map(|(id, _)| *id).collect();
+                let (map, _) = self.replay_log(txn, &name, &ids)?;
+                let (last_id, last_meta) = logs[logs.len() - 1];
+                let gen = SealingGen {
+                    table_id: last_id,
+                    order: last_meta.order,
+                    created_at_ms: last_meta.created_at_ms,
+                    map: Arc::new(map),
+                    built: None,
+                    pos: 0,
+                    extra_logs: ids[..ids.len() - 1].to_vec(),
+                };
+                self.start_sealing(&mut st, gen, now);
+                let mut gens_t = txn
+                    .open_table(tables::GENERATIONS)
+                    .map_err(|e| self.err(e))?;
+                for (id, m) in &logs {
+                    let sealing = GenMeta {
+                        state: GenState::Sealing,
+                        ..*m
+                    };
+                    gens_t
+                        .insert((name.as_str(), *id), sealing.encode().as_slice())
+                        .map_err(|e| self.err(e))?;
+                }
+            }
+            let idx = spec.id.0 as usize;
+            if self.subs.len() <= idx {
+                self.subs.resize_with(idx + 1, || None);
+            }
+            self.subs[idx] = Some(st);
+        }
+        for name in loaded.tables {
+            let orphan = (name.starts_with(tables::CLAIMS_PREFIX) && !keep_claims.contains(&name))
+                || (name.starts_with(tables::LOG_PREFIX) && !keep_logs.contains(&name));
+            if orphan {
+                tracing::info!(shard = self.ctx.index, table = %name, "removing leftover of interrupted sealing or merging");
+                txn.delete_table(claims_def(&name))
+                    .map_err(|e| self.err(e))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn load_filter(
+        &self,
+        txn: &WriteTransaction,
+        sub: &str,
+        id: u64,
+    ) -> Result<GenFilter, LedgerError> {
+        let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
+        let stored = filters
+            .get((sub, id))
+            .map_err(|e| self.err(e))?
+            .map(|v| GenFilter::decode(v.value()));
+        match stored {
+            Some(Ok(f)) => Ok(f),
+            other => {
+                // A lost or unreadable filter is rebuilt from the sorted table itself.
+                tracing::warn!(shard = self.ctx.index, subscriber = sub, generation = id,
+                    problem = ?other.and_then(|r| r.err()), "rebuilding generation filter");
+                let name = tables::claims_name(sub, id);
+                let t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
+                let mut keys = Vec::new();
+                for row in t.iter().map_err(|e| self.err(e))? {
+                    keys.push(row.map_err(|e| self.err(e))?.0.value());
+                }
+                let f = GenFilter::build(keys.into_iter());
+                filters
+                    .insert((sub, id), f.encode().as_slice())
+                    .map_err(|e| self.err(e))?;
+                Ok(f)
+            }
+        }
+    }
+
+    /// Reads log tables in order into one map (later rows win). Returns the map and the
+    /// row count of the last table.
+    fn replay_log(
+        &self,
+        txn: &WriteTransaction,
+        sub: &str,
+        ids: &[u64],
+    ) -> Result<(KeyMap, u64), LedgerError> {
+        let mut map = KeyMap::default();
+        let mut rows = 0;
+        for id in ids {
+            let name = tables::log_name(sub, *id);
+            let t = txn.open_table(log_def(&name)).map_err(|e| self.err(e))?;
+            rows = 0;
+            for row in t.iter().map_err(|e| self.err(e))? {
+                let (k, v) = row.map_err(|e| self.err(e))?;
+                let entries = LogRow::decode(v.value())
+                    .map_err(|d| self.corrupt(format!("log {name} row {}: {d}", k.value())))?;
+                for (key, rec) in entries {
+                    map.insert(key, rec);
+                }
+                rows = k.value() + 1;
+            }
+        }
+        Ok((map, rows))
+    }
+}
+
+/// A subscriber's state on this shard, with the handler effects a crash or stop left in its
+/// state log (see handlers.rs).
+pub(super) fn new_sub_state(
+    spec: &crate::ledger::Subscriber,
+    db: &Database,
+) -> Result<SubState, redb::Error> {
+    let mut pending_log = Vec::new();
+    LogRow::start(&mut pending_log);
+    let mut st = SubState {
+        id: spec.id,
+        name: spec.name.clone(),
+        ttl_ms: 0,
+        sliding: false,
+        active: None,
+        sealing: None,
+        sealed: Vec::new(),
+        merging: None,
+        next_order: 1,
+        pending_log,
+        quarantined: 0,
+        dead_lettered: 0,
+        records: Default::default(),
+        max_attempts: 1,
+        retry_backoff: Duration::ZERO,
+        max_backoff: Duration::ZERO,
+        settings_epoch: 0,
+        handler: None,
+        view: None,
+        state_buf: StateBuffer::load(db, &spec.name)?,
+        probe: false,
+        disk_mask: placement_mask(db, &spec.name)?,
+        mask_pending: 0,
+    };
+    let kept = records::load(db, &spec.name)?;
+    st.records = kept.records;
+    st.quarantined = kept.quarantined;
+    st.dead_lettered = kept.dead_lettered;
+    apply_settings(&mut st, spec);
+    Ok(st)
+}
+
+/// The placement bits this shard recorded for a subscriber.
+fn placement_mask(db: &Database, subscriber: &str) -> Result<u8, redb::Error> {
+    let txn = db.begin_read()?;
+    let table = match txn.open_table(tables::PLACEMENTS) {
+        Ok(t) => t,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(0),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(table.get(subscriber)?.map(|v| v.value()).unwrap_or(0))
+}
+
+/// Takes a subscriber's current settings into its shard state (between batches).
+pub(super) fn apply_settings(st: &mut SubState, spec: &crate::ledger::Subscriber) {
+    st.settings_epoch = spec.settings_epoch();
+    let settings = spec.settings();
+    st.ttl_ms = settings.ttl.as_millis() as u64;
+    st.sliding = settings.sliding_ttl;
+    st.max_attempts = settings.max_attempts.max(1);
+    st.retry_backoff = settings.retry_backoff;
+    st.max_backoff = settings.max_backoff;
+}

@@ -1,0 +1,190 @@
+//! Writing a batch's results into its transaction: log rows of claims, placements,
+//! quarantine and dead-letter records, handler effects and the meta counters. Nothing
+//! here commits; the caller's transaction does (I1).
+
+use super::*;
+
+impl Shard {
+    /// Begins a write transaction that commits with `Durability::Immediate`: every
+    /// transaction of the shard starts here (I1), and fails with the same error.
+    pub(super) fn durable_txn(&self) -> Result<WriteTransaction, LedgerError> {
+        let mut txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        txn.set_durability(Durability::Immediate)
+            .map_err(|e| self.err(e))?;
+        Ok(txn)
+    }
+
+    /// Commits a transaction from [`Shard::durable_txn`]; once this returns `Ok` its writes
+    /// survive a crash. Counts the commit and returns how long it took. On `Err` nothing of
+    /// the transaction is durable and the caller must stop the shard (I4).
+    pub(super) fn commit_durably(&self, txn: WriteTransaction) -> Result<Duration, LedgerError> {
+        let started = Instant::now();
+        txn.commit().map_err(|e| self.err(e))?;
+        let took = started.elapsed();
+        metrics::histogram!("dedupd_commit_duration_seconds", "shard" => self.ctx.index.to_string())
+            .record(took.as_secs_f64());
+        self.ctx
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .commits += 1;
+        Ok(took)
+    }
+
+    /// Writes what a batch decided: placements, claims (log rows), settled and new
+    /// records, and handler effects. Durable with the batch's commit.
+    pub(super) fn write_batch(
+        &mut self,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<(), LedgerError> {
+        self.write_placements(txn)?;
+        self.write_logs(txn)?;
+        // Before new records: a replay dead-lettered again is a new record, not a
+        // repeat merged into the one it settles.
+        self.remove_settled(txn)?;
+        self.write_records(txn, RecordKind::Quarantine)?;
+        self.write_handler_effects(txn, now)
+    }
+
+    /// Writes the effects of this batch's successful handler calls and its dead letters.
+    pub(super) fn write_handler_effects(
+        &mut self,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<(), LedgerError> {
+        let path = self.ctx.path.clone();
+        for st in self.subs.iter_mut().flatten() {
+            let Some(view) = st.view.take() else {
+                continue;
+            };
+            let mut effects = view.into_effects();
+            let outbox = std::mem::take(&mut effects.outbox);
+            crate::ledger::outbox::write(txn, &st.name, &outbox, &mut self.next_outbox_seq, now)
+                .map_err(|e| storage(&path, e))?;
+            if !effects.is_empty() {
+                st.state_buf
+                    .append(txn, &st.name, effects)
+                    .map_err(|e| storage(&path, e))?;
+            }
+        }
+        self.write_records(txn, RecordKind::DeadLetter).map(|_| ())
+    }
+
+    /// Records placements of this batch's claims that this shard had not recorded yet, so
+    /// a restart knows to probe (`placement.rs`).
+    pub(super) fn write_placements(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+        let mut table = None;
+        for st in self.subs.iter_mut().flatten() {
+            let new = st.mask_pending & !st.disk_mask;
+            st.mask_pending = 0;
+            if new == 0 {
+                continue;
+            }
+            if table.is_none() {
+                table = Some(
+                    txn.open_table(tables::PLACEMENTS)
+                        .map_err(|e| storage(&self.ctx.path, e))?,
+                );
+            }
+            if let Some(t) = table.as_mut() {
+                t.insert(&*st.name, st.disk_mask | new)
+                    .map_err(|e| storage(&self.ctx.path, e))?;
+            }
+            st.disk_mask |= new;
+        }
+        Ok(())
+    }
+
+    /// Appends this batch's claims as one row per subscriber to its active log, and records
+    /// new active generations.
+    pub(super) fn write_logs(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+        let path = self.ctx.path.clone();
+        let err = |e: redb::TableError| storage(&path, e);
+        let serr = |e: redb::StorageError| storage(&path, e);
+        for st in self.subs.iter_mut().flatten() {
+            if LogRow::is_empty(&st.pending_log) {
+                continue;
+            }
+            let Some(active) = st.active.as_mut() else {
+                continue;
+            };
+            if active.next_row == 0 {
+                let meta = GenMeta {
+                    state: GenState::Active,
+                    order: active.order,
+                    count: 0,
+                    max_expires_ms: 0,
+                    created_at_ms: active.created_at_ms,
+                };
+                let mut gens = txn.open_table(tables::GENERATIONS).map_err(err)?;
+                gens.insert((&*st.name, active.table_id), meta.encode().as_slice())
+                    .map_err(serr)?;
+            }
+            let name = tables::log_name(&st.name, active.table_id);
+            let mut t = txn.open_table(log_def(&name)).map_err(err)?;
+            t.insert(active.next_row, st.pending_log.as_slice())
+                .map_err(serr)?;
+            active.next_row += 1;
+            LogRow::start(&mut st.pending_log);
+        }
+        Ok(())
+    }
+
+    /// Removes the records that replayed jobs settled in this batch.
+    pub(super) fn remove_settled(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+        for (kind, sub, seq) in std::mem::take(&mut self.settled) {
+            let idx = self.sub_index(sub)?;
+            if let Some(st) = self.subs[idx].as_mut() {
+                remove_record(txn, &self.ctx.path, st, kind, seq)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores this batch's quarantine or dead-letter rows, merging repeats (see records.rs).
+    pub(super) fn write_records(
+        &mut self,
+        txn: &WriteTransaction,
+        kind: RecordKind,
+    ) -> Result<Vec<u64>, LedgerError> {
+        let (rows, next_seq) = match kind {
+            RecordKind::Quarantine => (&mut self.quarantine_rows, &mut self.next_quarantine_seq),
+            RecordKind::DeadLetter => (&mut self.dead_rows, &mut self.next_dead_seq),
+        };
+        records::store(
+            txn,
+            kind,
+            rows,
+            next_seq,
+            &mut self.subs,
+            records::Limits::of(&self.ctx.config, self.ctx.count),
+            &self.ctx.registry,
+        )
+        .map_err(|e| storage(&self.ctx.path, e))
+    }
+
+    pub(super) fn write_counters(&self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+        let mut meta = txn.open_table(tables::META).map_err(|e| self.err(e))?;
+        meta.insert("next_table_id", self.next_table_id)
+            .map_err(|e| self.err(e))?;
+        meta.insert("next_quarantine_seq", self.next_quarantine_seq)
+            .map_err(|e| self.err(e))?;
+        meta.insert("next_outbox_seq", self.next_outbox_seq)
+            .map_err(|e| self.err(e))?;
+        meta.insert("next_dead_seq", self.next_dead_seq)
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+}
+
+/// Deletes one quarantine or dead-letter record of a subscriber (the outcome stays counted).
+pub(super) fn remove_record(
+    txn: &WriteTransaction,
+    path: &std::path::Path,
+    st: &mut SubState,
+    kind: RecordKind,
+    seq: u64,
+) -> Result<bool, LedgerError> {
+    records::remove(txn, st, kind, seq).map_err(|e| storage(path, e))
+}
