@@ -314,9 +314,20 @@ impl Shard {
     }
 
     /// The writer loop. Returns when told to stop or when every sender is gone.
+    /// Answers every probe and takes every reply already queued (between batches, so only
+    /// committed claims are reported).
+    fn serve_peers(&mut self, peer_rx: &Receiver<PeerMsg>) {
+        while let Ok(m) = peer_rx.try_recv() {
+            self.peer(m);
+        }
+    }
+
     pub fn run(mut self, rx: Receiver<ShardMsg>, peer_rx: Receiver<PeerMsg>) {
         let tick = Duration::from_millis(50);
         loop {
+            // Peers first: a probe waiting behind a batch of ours holds the asking shard's
+            // messages for a whole batch and fsync (I6).
+            self.serve_peers(&peer_rx);
             let wait = match self.retries.peek() {
                 Some(r) => r.due.saturating_duration_since(Instant::now()).min(tick),
                 None => tick,
@@ -347,12 +358,14 @@ impl Shard {
                     self.take_due_retries();
                     self.batch.extend(jobs);
                     let deferred = self.gather(&rx);
+                    self.serve_peers(&peer_rx);
                     self.process_batch();
                     deferred
                 }
                 // Answers completed a probe: decide those jobs with whatever else is queued.
                 None if !self.batch.is_empty() => {
                     let deferred = self.gather(&rx);
+                    self.serve_peers(&peer_rx);
                     self.process_batch();
                     deferred
                 }
