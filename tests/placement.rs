@@ -203,13 +203,18 @@ fn two_shard_config(partition_pointer: Option<&str>) -> Config {
     toml::from_str::<Config>(&text).unwrap()
 }
 
-fn open_with_counter(dir: &Path, config: &Config) -> Ledger {
-    let ledger = Ledger::open(dir, config, Arc::new(SystemClock)).unwrap();
-    let f = dedupd::handler::load_factory(
+/// The non-idempotent counting handler (`plugins/fixtures/fixture-counter`).
+fn counter() -> Arc<dyn dedupd::effects::HandlerFactory> {
+    dedupd::handler::load_factory(
         &component("fixture_counter"),
         dedupd::handler::Limits::default(),
     )
-    .unwrap();
+    .unwrap()
+}
+
+fn open_with_counter(dir: &Path, config: &Config) -> Ledger {
+    let ledger = Ledger::open(dir, config, Arc::new(SystemClock)).unwrap();
+    let f = counter();
     ledger.set_handler("orders", Some(f)).unwrap();
     ledger
 }
@@ -314,11 +319,7 @@ fn handler_added_later_still_finds_claims_made_by_key() {
         .collect();
     assert_eq!(run_lines(&ledger, &config, &lines), vec!["processed"; 500]);
     // Now a handler: its messages run on one shard, but the claims are on both.
-    let f = dedupd::handler::load_factory(
-        &component("fixture_counter"),
-        dedupd::handler::Limits::default(),
-    )
-    .unwrap();
+    let f = counter();
     ledger.set_handler("orders", Some(f)).unwrap();
     assert_eq!(run_lines(&ledger, &config, &lines), vec!["duplicate"; 500]);
     assert!(ledger.state_entries("orders").unwrap().is_empty());
@@ -381,11 +382,7 @@ fn jobs_placed_by_entity_carry_it_and_by_key_do_not() {
     let shard = ledger.place(&sub, &mut job, Some("o-1".into()));
     assert_eq!(shard, ledger.route(key_hash(b"m")));
     assert!(job.entity.is_none());
-    let f = dedupd::handler::load_factory(
-        &component("fixture_counter"),
-        dedupd::handler::Limits::default(),
-    )
-    .unwrap();
+    let f = counter();
     ledger.set_handler("orders", Some(f)).unwrap();
     let mut job = Job::new(2, sub.id, key_hash(b"m"), 1, "m", b"{}", ack);
     let shard = ledger.place(&sub, &mut job, Some("o-1".into()));
