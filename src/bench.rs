@@ -14,6 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod report;
+
 use crossbeam_channel::unbounded;
 use serde::Serialize;
 

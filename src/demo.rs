@@ -28,6 +28,55 @@ pub struct DemoReport {
     pub labels_after_redelivery: u64,
 }
 
+impl DemoReport {
+    /// What the demo promises: every outcome verified, and a restart plus redelivery
+    /// processes nothing again and makes no new label.
+    pub fn holds(&self) -> bool {
+        self.run.verified
+            && self.redelivered_processed_again == 0
+            && self.labels_after_redelivery == self.run.state_entries
+    }
+}
+
+impl std::fmt::Display for DemoReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = &self.run;
+        let messages = r.params.messages;
+        writeln!(
+            f,
+            "throughput     {:.0} msgs/s ({} msgs in {:.2} s)",
+            r.msgs_per_sec, messages, r.elapsed_s
+        )?;
+        writeln!(
+            f,
+            "outcomes       {} processed, {} duplicates skipped ({:.1}%), {} quarantined",
+            r.processed,
+            r.duplicates,
+            100.0 * r.duplicates as f64 / messages as f64,
+            r.quarantined
+        )?;
+        writeln!(
+            f,
+            "ack latency    p50 {:.2} ms, p99 {:.2} ms",
+            r.p50_ack_ms, r.p99_ack_ms
+        )?;
+        writeln!(
+            f,
+            "on disk        {:.1} MiB for {} claims",
+            r.disk_bytes as f64 / 1048576.0,
+            r.stored_keys
+        )?;
+        if r.params.handler.is_some() {
+            writeln!(f, "labels         {} created for {} processed events ({} events repeated an order and made no label); {} dead-lettered",
+                r.state_entries, r.processed, r.processed - r.state_entries, r.dead_lettered)?;
+        }
+        writeln!(f, "verified       {}", r.verified)?;
+        writeln!(f, "restart + redelivery of the first {} messages: {} processed again, {} duplicates, {} quarantined; labels {} -> {}",
+            self.redelivered, self.redelivered_processed_again, self.redelivered_duplicates, self.redelivered_quarantined,
+            r.state_entries, self.labels_after_redelivery)
+    }
+}
+
 /// Runs the demo. `messages` is the length of the first stream.
 pub fn run(
     messages: u64,

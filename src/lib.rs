@@ -74,6 +74,7 @@ pub mod demo;
 pub mod effects;
 pub mod envelope;
 pub mod handler;
+pub mod inspect;
 pub mod ledger;
 pub mod pipeline;
 pub mod source;

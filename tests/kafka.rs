@@ -22,6 +22,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::Ledger;
+use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::kafka::{
     self, DevBroker, KafkaConfig, RunOptions, SourceStats, SubscriptionConfig,
 };
@@ -168,6 +169,15 @@ impl Drop for StopOnDrop<'_> {
     }
 }
 
+/// The same for a whole Kafka source.
+struct ShutdownOnDrop<'a>(&'a Shutdown);
+
+impl Drop for ShutdownOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.trigger(Cause::Requested);
+    }
+}
+
 fn logs() {
     let _ = tracing_subscriber::fmt()
         .with_test_writer()
@@ -285,17 +295,17 @@ handler = "{}"
     let dir = tempfile::tempdir().unwrap();
     let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
     dedupd::pipeline::install_handlers(&ledger, &config).unwrap();
-    let stop = AtomicBool::new(false);
+    let stop = Shutdown::new();
     let summary = std::thread::scope(|s| {
         let run = s.spawn(|| kafka::run(ledger.clone(), &k, &stop));
-        let _guard = StopOnDrop(&stop);
+        let _guard = ShutdownOnDrop(&stop);
         wait_until("offsets at the log end", Duration::from_secs(60), || {
             at_log_end(&c.bootstrap, &format!("g-{orders}"), &orders)
                 && at_log_end(&c.bootstrap, &format!("g-{payments}"), &payments)
         });
         let dead = read_all(&c.bootstrap, &dlq, 3);
         let relayed = read_all(&c.bootstrap, "payments.captured", 3);
-        stop.store(true, Ordering::Relaxed);
+        stop.trigger(Cause::Requested);
         let summary = run.join().unwrap().unwrap();
         (summary, dead, relayed)
     });

@@ -152,6 +152,27 @@ pub struct CheckReport {
     pub exports: Vec<String>,
 }
 
+impl std::fmt::Display for CheckReport {
+    /// What `dedupd handler check` prints.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self;
+        writeln!(
+            f,
+            "ok: {} ({} bytes, version {})",
+            r.path.display(),
+            r.bytes,
+            r.version
+        )?;
+        for i in &r.imports {
+            writeln!(f, "  import {i}")?;
+        }
+        for e in &r.exports {
+            writeln!(f, "  export {e}")?;
+        }
+        Ok(())
+    }
+}
+
 /// A compiled, validated, pre-instantiated handler component.
 pub struct Component {
     path: PathBuf,

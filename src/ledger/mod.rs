@@ -19,6 +19,7 @@ mod marks;
 mod ops;
 mod outbox;
 mod placement;
+mod poison;
 pub mod record;
 mod records;
 mod registry;
@@ -27,7 +28,7 @@ mod tables;
 mod view;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -40,6 +41,7 @@ use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
 pub use ops::{OutboxRow, RecordKind, StoredRecord};
 pub use placement::{entity_scope, Placement};
+pub use poison::PoisonHook;
 pub use record::{ClaimRecord, FORMAT_VERSION};
 pub(crate) use registry::Registry;
 pub use registry::{
@@ -281,8 +283,7 @@ pub struct Ledger {
     data_dir: PathBuf,
     shards: Vec<ShardHandle>,
     registry: Arc<Registry>,
-    poison: Arc<Mutex<Option<String>>>,
-    poisoned: Arc<AtomicBool>,
+    poison: Arc<poison::Poison>,
     metrics: Vec<Arc<Mutex<ShardMetrics>>>,
     clock: Arc<dyn Clock>,
 }
@@ -329,8 +330,7 @@ impl Ledger {
             require_shard_files(data_dir, shard_count)?;
         }
         let registry = Arc::new(Registry::new(config.clone()));
-        let poison = Arc::new(Mutex::new(None));
-        let poisoned = Arc::new(AtomicBool::new(false));
+        let poison = Arc::new(poison::Poison::default());
         let builder = generation::Builder::spawn();
         let peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>> = Default::default();
         let mut peer_txs = Vec::with_capacity(shard_count);
@@ -353,7 +353,6 @@ impl Ledger {
                 registry: registry.clone(),
                 clock: clock.clone(),
                 poison: poison.clone(),
-                poisoned: poisoned.clone(),
                 metrics: metrics.clone(),
                 builder: builder.clone(),
                 fault: fault.clone(),
@@ -400,7 +399,6 @@ impl Ledger {
             shards,
             registry,
             poison,
-            poisoned,
             metrics: all_metrics,
             clock,
         };
@@ -591,13 +589,13 @@ impl Ledger {
 
     /// The failure (storage error or writer panic) that stopped the ledger, if any.
     pub fn poison_reason(&self) -> Option<String> {
-        if !self.poisoned.load(Ordering::Acquire) {
-            return None;
-        }
-        self.poison
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.poison.reason()
+    }
+
+    /// Runs `hook` once with the reason when the ledger fails (a storage error or a shard
+    /// writer's panic), or at once if it already has. Hooks must not block.
+    pub fn on_poison(&self, hook: PoisonHook) {
+        self.poison.on_set(hook);
     }
 
     /// The newest claim for `(subscriber, key)`, live or expired, or `None`. Asks every
@@ -805,16 +803,6 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".into())
-}
-
-/// Stops the whole ledger (I4): the first reason wins, every shard sees the flag before
-/// its next batch.
-fn set_poison(poison: &Mutex<Option<String>>, poisoned: &AtomicBool, e: &LedgerError) {
-    let mut p = poison.lock().unwrap_or_else(|p| p.into_inner());
-    if p.is_none() {
-        *p = Some(e.to_string());
-    }
-    poisoned.store(true, Ordering::Release);
 }
 
 fn shard_path(dir: &Path, index: usize) -> PathBuf {

@@ -29,7 +29,7 @@ mod write;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -160,8 +160,7 @@ pub(crate) struct ShardContext {
     pub config: LedgerConfig,
     pub registry: Arc<Registry>,
     pub clock: Arc<dyn Clock>,
-    pub poison: Arc<Mutex<Option<String>>>,
-    pub poisoned: Arc<AtomicBool>,
+    pub poison: Arc<super::poison::Poison>,
     pub metrics: Arc<Mutex<ShardMetrics>>,
     pub builder: Builder,
     /// Test-only fault injection (see `fault.rs`).
@@ -405,11 +404,7 @@ impl Shard {
 
     fn poison(&mut self, e: LedgerError) {
         tracing::error!(shard = self.ctx.index, error = %e, "the shard stops acknowledging");
-        let mut p = self.ctx.poison.lock().unwrap_or_else(|p| p.into_inner());
-        if p.is_none() {
-            *p = Some(e.to_string());
-        }
-        self.ctx.poisoned.store(true, Ordering::Release);
+        self.ctx.poison.set(e.to_string());
         self.failed = Some(e);
     }
 
@@ -422,15 +417,9 @@ impl Shard {
         for job in jobs.iter_mut().filter(|j| j.received_at_ms == 0) {
             job.received_at_ms = now;
         }
-        if self.failed.is_none() && self.ctx.poisoned.load(Ordering::Acquire) {
+        if self.failed.is_none() && self.ctx.poison.is_set() {
             // Another shard failed: the whole ledger stops acknowledging (G7).
-            let reason = self
-                .ctx
-                .poison
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone()
-                .unwrap_or_default();
+            let reason = self.ctx.poison.reason().unwrap_or_default();
             self.failed = Some(LedgerError::Poisoned(reason));
         }
         let (decisions, maintenance) = match &self.failed {
@@ -588,7 +577,7 @@ pub(crate) fn spawn(
         .name(format!("dedupd-shard-{index}"))
         .spawn(move || {
             let path = ctx.path.clone();
-            let (poison, poisoned) = (ctx.poison.clone(), ctx.poisoned.clone());
+            let poison = ctx.poison.clone();
             // redb may panic on a file damaged outside it (when `verify_on_open`
             // is off); that is corruption to report, not a crash.
             let opened =
@@ -614,7 +603,7 @@ pub(crate) fn spawn(
                             detail: super::panic_message(&*panic),
                         };
                         tracing::error!(shard = index, error = %e, "the shard stopped");
-                        super::set_poison(&poison, &poisoned, &e);
+                        poison.set(e.to_string());
                     }
                 }
                 Err(e) => {

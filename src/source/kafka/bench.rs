@@ -93,6 +93,56 @@ pub struct KafkaBenchReport {
 /// per partition (about 8k messages per partition on average).
 pub const WINDOW: u64 = 32_768;
 
+impl std::fmt::Display for KafkaBenchParams {
+    /// The line `dedupd kafka-bench` starts with.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let handler = match &self.handler {
+            Some(h) => h.display().to_string(),
+            None => "none".into(),
+        };
+        write!(f, "kafka-bench: {} messages, dup rate {}, seed {}, {} partitions, handler {handler}, then {} paced messages for end-to-end latency",
+            self.messages, self.dup_rate, self.seed, self.partitions, self.live_messages)
+    }
+}
+
+impl std::fmt::Display for BenchProgress {
+    /// One live line (without the carriage return).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rate = self.done as f64 / self.elapsed.as_secs_f64().max(1e-9);
+        write!(
+            f,
+            "{:>8} {:>5.1}%  {:>10} msgs  {:>9.0} msgs/s",
+            self.phase,
+            100.0 * self.done as f64 / self.total.max(1) as f64,
+            self.done,
+            rate
+        )
+    }
+}
+
+impl std::fmt::Display for KafkaBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self;
+        writeln!(
+            f,
+            "baseline  {:>12.0} msgs/s  consume only, producing alongside ({:.2} s)",
+            r.baseline_msgs_per_sec, r.baseline_s
+        )?;
+        writeln!(f, "engine    {:>12.0} msgs/s  consume -> dedup -> handler -> offsets stored, producing alongside ({:.2} s)", r.engine_msgs_per_sec, r.engine_s)?;
+        writeln!(f, "ratio     {:>12.2}x  engine / baseline", r.ratio)?;
+        writeln!(
+            f,
+            "outcomes  processed {}  duplicate {}  quarantined {}  dead-lettered {}",
+            r.processed, r.duplicate, r.quarantined, r.dead_lettered
+        )?;
+        writeln!(f, "lead      p99 {:.1} ms from produce timestamp to offset stored (producer up to {} messages ahead)", r.backlog_p99_ms, WINDOW)?;
+        if r.params.live_messages > 0 {
+            writeln!(f, "live      {:.0} msgs/s paced: produce timestamp -> offset stored p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms", r.live_rate, r.live_p50_ms, r.live_p99_ms, r.live_max_ms)?;
+        }
+        Ok(())
+    }
+}
+
 /// `fetch.wait.max.ms` of both consumers. The mock broker holds an empty fetch for the
 /// whole wait instead of answering when data arrives (a real broker answers at once), so
 /// librdkafka's default of 500 ms would be measured as end-to-end latency.

@@ -33,6 +33,7 @@ pub use offsets::{OffsetTracker, Released};
 pub use outbox::{run_relay, RelayStats};
 
 use crate::ledger::Ledger;
+use crate::pipeline::{Cause, Shutdown};
 
 /// Why the Kafka source stopped.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -97,20 +98,19 @@ impl KafkaSummary {
     }
 }
 
-/// Runs every configured subscription and the outbox relay until `stop` is set; then the
-/// consumers drain, store and commit their offsets, and the relay empties the outbox.
-/// The first failure stops everything else too.
+/// Runs every configured subscription and the outbox relay until `shutdown` triggers;
+/// then the consumers drain, store and commit their offsets, and the relay empties the
+/// outbox. The first failure triggers `shutdown`, so everything else stops too.
 pub fn run(
     ledger: Arc<Ledger>,
     kafka: &KafkaConfig,
-    stop: &AtomicBool,
+    shutdown: &Shutdown,
 ) -> Result<KafkaSummary, KafkaError> {
     if kafka.subscriptions.is_empty() && !kafka.outbox.enabled {
         return Err(KafkaError::Config(
             "`kafka` has no `subscription` and the outbox relay is disabled: nothing to run".into(),
         ));
     }
-    let failed = AtomicBool::new(false);
     let relay_stop = AtomicBool::new(false);
     let relay_stats = RelayStats::default();
     let stats: Vec<Arc<SourceStats>> = kafka
@@ -118,91 +118,51 @@ pub fn run(
         .iter()
         .map(|_| Arc::new(SourceStats::default()))
         .collect();
-    // Consumers watch one flag, set when the caller asks or any part failed.
-    let internal = AtomicBool::new(false);
+    let failed = |e: &KafkaError| shutdown.trigger(Cause::Failed(e.to_string()));
     let result = std::thread::scope(|scope| {
         let relay = kafka.outbox.enabled.then(|| {
             let ledger = ledger.clone();
-            let (relay_stop, relay_stats, failed) = (&relay_stop, &relay_stats, &failed);
+            let (relay_stop, relay_stats) = (&relay_stop, &relay_stats);
             std::thread::Builder::new()
                 .name("dedupd-outbox-relay".into())
                 .spawn_scoped(scope, move || {
-                    let r = run_relay(&ledger, kafka, relay_stop, relay_stats);
-                    if r.is_err() {
-                        failed.store(true, Ordering::Relaxed);
-                    }
-                    r
+                    run_relay(&ledger, kafka, relay_stop, relay_stats).inspect_err(failed)
                 })
         });
-        let mut consumers = Vec::new();
-        for (sub, st) in kafka.subscriptions.iter().zip(&stats) {
-            let ledger = ledger.clone();
-            let st = st.clone();
-            let (internal, failed) = (&internal, &failed);
-            consumers.push(
+        let consumers: Vec<_> = kafka
+            .subscriptions
+            .iter()
+            .zip(&stats)
+            .map(|(sub, st)| {
+                let (ledger, st) = (ledger.clone(), st.clone());
                 std::thread::Builder::new()
                     .name(format!("dedupd-kafka-{}", sub.subscriber))
                     .spawn_scoped(scope, move || {
-                        let r = run_subscription(
-                            ledger,
-                            kafka,
-                            sub,
-                            internal,
-                            st,
-                            &RunOptions::default(),
-                        );
-                        if r.is_err() {
-                            failed.store(true, Ordering::Relaxed);
-                        }
-                        r.map(|_| ())
-                    }),
-            );
+                        let opts = RunOptions::default();
+                        run_subscription(ledger, kafka, sub, shutdown.flag(), st, &opts)
+                            .map(|_| ())
+                            .inspect_err(failed)
+                    })
+            })
+            .collect();
+        if consumers.iter().any(|c| c.is_err()) {
+            shutdown.trigger(Cause::Failed("cannot start a consumer thread".into()));
         }
-        loop {
-            if stop.load(Ordering::Relaxed) || failed.load(Ordering::Relaxed) {
-                internal.store(true, Ordering::Relaxed);
-            }
-            let running = consumers
-                .iter()
-                .any(|c| c.as_ref().is_ok_and(|h| !h.is_finished()));
-            if !running && internal.load(Ordering::Relaxed) {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        shutdown.wait();
         let mut first_err = None;
         for c in consumers {
-            let r = match c {
-                Ok(handle) => handle
-                    .join()
-                    .unwrap_or_else(|_| Err(KafkaError::Client("consumer thread panicked".into()))),
-                Err(e) => Err(KafkaError::Client(format!(
-                    "cannot start consumer thread: {e}"
-                ))),
-            };
-            if let Err(e) = r {
+            if let Err(e) = joined(c, "consumer") {
                 first_err.get_or_insert(e);
             }
         }
         // Consumers are done: whatever their handlers emitted is in the outbox now.
         relay_stop.store(true, Ordering::Relaxed);
         if let Some(r) = relay {
-            let r = match r {
-                Ok(handle) => handle
-                    .join()
-                    .unwrap_or_else(|_| Err(KafkaError::Client("outbox relay panicked".into()))),
-                Err(e) => Err(KafkaError::Client(format!(
-                    "cannot start outbox relay: {e}"
-                ))),
-            };
-            if let Err(e) = r {
+            if let Err(e) = joined(r, "outbox relay") {
                 first_err.get_or_insert(e);
             }
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        first_err.map_or(Ok(()), Err)
     });
     result?;
     let mut summary = KafkaSummary::default();
@@ -211,4 +171,19 @@ pub fn run(
     }
     summary.outbox_relayed = relay_stats.relayed.load(Ordering::Relaxed);
     Ok(summary)
+}
+
+/// The result of a scoped thread that was (or could not be) started.
+fn joined<T>(
+    spawned: std::io::Result<std::thread::ScopedJoinHandle<'_, Result<T, KafkaError>>>,
+    what: &str,
+) -> Result<T, KafkaError> {
+    match spawned {
+        Ok(handle) => handle
+            .join()
+            .unwrap_or_else(|_| Err(KafkaError::Client(format!("{what} thread panicked")))),
+        Err(e) => Err(KafkaError::Client(format!(
+            "cannot start {what} thread: {e}"
+        ))),
+    }
 }

@@ -1,0 +1,110 @@
+//! How `dedupd bench` prints its live line and its report.
+
+use std::fmt;
+
+use super::{bench_config, BenchParams, BenchReport, Progress};
+
+impl fmt::Display for BenchParams {
+    /// The line `dedupd bench` starts with.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "bench: {} messages, dup rate {}, mismatch rate {}, {} subscriber(s), seed {}, window {}, durable commits",
+            self.messages, self.dup_rate, self.mismatch_rate, self.subscribers, self.seed, self.window
+        )?;
+        if self.random_order_ids {
+            write!(f, ", random order ids")?;
+        }
+        if self.handler.is_some() {
+            let effective = bench_config(self).defaults.partition_key;
+            write!(f, ", partition key {effective:?}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Progress {
+    /// One live line (without the carriage return): phase, percent, messages, rate, p99.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rate = self.done as f64 / self.elapsed.as_secs_f64().max(1e-9);
+        write!(
+            f,
+            "{:>6} {:>5.1}%  {:>10} msgs  {:>9.0} msgs/s  p99 {:>7.2} ms",
+            self.phase,
+            100.0 * self.done as f64 / self.total.max(1) as f64,
+            self.done,
+            rate,
+            self.p99_ms
+        )
+    }
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = self;
+        writeln!(
+            f,
+            "engine   {:>12.0} msgs/s  ({} msgs in {:.2} s, {} shards, mean batch {:.0})",
+            r.msgs_per_sec, r.params.messages, r.elapsed_s, r.shards, r.mean_batch
+        )?;
+        writeln!(
+            f,
+            "acks     p50 {:.2} ms  p99 {:.2} ms  max {:.2} ms",
+            r.p50_ack_ms, r.p99_ack_ms, r.max_ack_ms
+        )?;
+        writeln!(
+            f,
+            "outcomes processed {}  duplicate {}  quarantined {}  verified {}",
+            r.processed, r.duplicates, r.quarantined, r.verified
+        )?;
+        writeln!(f, "batches  longest {:.1} ms plain, {:.1} ms with sealing/merging ({} seals, {} merges); longest commit {:.1} ms", r.max_batch_ms_plain, r.max_batch_ms_with_maintenance, r.seals, r.merges, r.max_commit_ms)?;
+        // The per-key slope needs samples past the warm-up (two generations per shard);
+        // short runs do not get there.
+        let per_key = if r.rss_bytes_per_key.is_finite() {
+            format!(
+                "{:.2} B/key RSS beyond a base of {:.1} MiB",
+                r.rss_bytes_per_key,
+                r.rss_base_bytes as f64 / 1048576.0
+            )
+        } else {
+            "RSS per key n/a (run too short to pass the warm-up of two generations per shard)"
+                .into()
+        };
+        writeln!(
+            f,
+            "memory   {per_key} (max RSS {:.1} MiB; {:.2} B/key in filters); {} keys",
+            r.rss_max_bytes as f64 / 1048576.0,
+            r.filter_bytes_per_key,
+            r.stored_keys
+        )?;
+        writeln!(
+            f,
+            "disk     {:.1} MiB ({:.1} B/key)",
+            r.disk_bytes as f64 / 1048576.0,
+            r.disk_bytes as f64 / r.stored_keys.max(1) as f64
+        )?;
+        writeln!(
+            f,
+            "filters  {} probes, false-positive rate {:.5}%",
+            r.filter_probes,
+            100.0 * r.filter_false_positive_rate
+        )?;
+        if let Some(h) = &r.params.handler {
+            writeln!(
+                f,
+                "handler  {} ({} state entries, {} dead-lettered)",
+                h.display(),
+                r.state_entries,
+                r.dead_lettered
+            )?;
+        }
+        if r.naive_messages > 0 {
+            writeln!(
+                f,
+                "naive    {:>12.0} msgs/s  ({} msgs, batch {})  engine/naive = {:.1}x",
+                r.naive_msgs_per_sec, r.naive_messages, r.naive_batch, r.engine_over_naive
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,309 @@
+//! The command line's arguments, and their checks before anything runs.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+use dedupd::bench::BenchParams;
+use dedupd::config::Config;
+use dedupd::source::kafka::bench::KafkaBenchParams;
+
+#[derive(Parser)]
+#[command(
+    name = "dedupd",
+    version,
+    about = "Effectively-once consumer engine: durable claims, dedup, quarantine"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// JSON lines on stdin, one durable outcome line per input line on stdout.
+    Pipe {
+        /// Data directory (created on first use).
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// TOML config file (see dedupd.example.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// The long-running engine. With a `[kafka]` section it consumes the configured
+    /// subscriptions and relays the outbox until SIGTERM/SIGINT (then it drains, stores and
+    /// commits offsets, and exits 0); without one it runs the stdin pipe. With an `[http]`
+    /// section it also serves the admin and ingest API (and keeps serving after stdin ends,
+    /// until SIGINT/SIGTERM).
+    Run {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+    },
+    /// Only the admin and ingest HTTP API, until SIGINT/SIGTERM.
+    Serve {
+        /// TOML config file; its `[http]` section sets bind address, token and limits.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// Listen here instead of `http.bind`.
+        #[arg(long)]
+        bind: Option<std::net::SocketAddr>,
+    },
+    /// A self-contained tour on a temporary data directory.
+    Demo {
+        /// Messages in the first stream.
+        #[arg(long, default_value_t = 1_000_000)]
+        messages: u64,
+        /// Handler component run for each new order event (`none` for claims only).
+        #[arg(long, default_value = DEFAULT_DEMO_HANDLER)]
+        handler: String,
+    },
+    /// Work with handler components.
+    Handler {
+        #[command(subcommand)]
+        command: HandlerCommand,
+    },
+    /// Work with handler state.
+    State {
+        #[command(subcommand)]
+        command: StateCommand,
+    },
+    /// In-process load with a fixed seed, and a naive redb baseline in the same run.
+    Bench(BenchArgs),
+    /// Starts librdkafka's mock Kafka cluster on loopback, prints its bootstrap address on
+    /// stdout, and serves until SIGTERM/SIGINT. For development and tests only (in memory).
+    DevBroker {
+        /// Brokers in the cluster.
+        #[arg(long, default_value_t = 1)]
+        brokers: i32,
+        /// Topics to create up front, as NAME or NAME:PARTITIONS (others are auto-created
+        /// with 4 partitions).
+        #[arg(long = "topic")]
+        topics: Vec<String>,
+    },
+    /// Kafka source against a consume-only rdkafka baseline on the mock broker, same run.
+    KafkaBench(KafkaBenchArgs),
+    /// Per-subscriber counts, generations, file size and filter memory of a data directory.
+    Inspect {
+        #[arg(long)]
+        data_dir: PathBuf,
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum HandlerCommand {
+    /// Validate a component against the WIT contract and the capability allow-list, and
+    /// list its imports and exports.
+    Check {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum StateCommand {
+    /// Print a subscriber's handler state as JSON lines: {"key": ..., "value": ...}.
+    Dump {
+        #[arg(long)]
+        data_dir: PathBuf,
+        #[arg(long)]
+        subscriber: String,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+pub const DEFAULT_DEMO_HANDLER: &str = "plugins/target/wasm32-wasip2/release/shipping_label.wasm";
+
+/// `dedupd bench`.
+#[derive(Args)]
+pub struct BenchArgs {
+    #[arg(long, default_value_t = 10_000_000)]
+    messages: u64,
+    /// Fraction of messages that redeliver an earlier message.
+    #[arg(long, default_value_t = 0.1)]
+    dup_rate: f64,
+    /// Fraction of messages that reuse an id with another payload.
+    #[arg(long, default_value_t = 0.0)]
+    mismatch_rate: f64,
+    #[arg(long, default_value_t = 1)]
+    subscribers: u32,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Most messages in flight (handed to the engine, outcome not yet released).
+    #[arg(long, default_value_t = 8_192)]
+    window: u64,
+    /// Messages for the naive baseline (default: same as --messages; 0 skips it).
+    #[arg(long)]
+    naive_messages: Option<u64>,
+    /// Shards (default: number of cores).
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Directory in which the temporary data directory is created.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// Keep the data directory.
+    #[arg(long)]
+    keep: bool,
+    /// TOML config for ledger settings.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Run this handler component for every new message.
+    #[arg(long)]
+    handler: Option<PathBuf>,
+    /// Order ids as random 16-hex-digit strings (like UUIDs or hashes) instead of
+    /// numbers in sequence: handler state keys then land anywhere in the sorted tables.
+    #[arg(long)]
+    random_order_ids: bool,
+    /// With --handler: the subscribers' partition key, a JSON pointer into the payload
+    /// (as the docs recommend for per-order state), or `none` to run each subscriber's
+    /// handler on one shard. Ignored when --config sets a partition key.
+    #[arg(long, default_value = "/order_id")]
+    partition_key: String,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl BenchArgs {
+    /// The run's parameters, after checking the rates and loading `--config`.
+    pub fn params(self) -> Result<BenchParams> {
+        let (dup, mismatch) = (self.dup_rate, self.mismatch_rate);
+        if !(0.0..1.0).contains(&dup) || !(0.0..1.0).contains(&mismatch) || dup + mismatch >= 1.0 {
+            bail!("--dup-rate and --mismatch-rate must be in [0, 1) and sum to less than 1");
+        }
+        if self.messages == 0 {
+            bail!("--messages must be at least 1");
+        }
+        let mut config = load_config(self.config.as_deref())?;
+        if let Some(n) = self.shards {
+            config.ledger.shards =
+                Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
+        }
+        Ok(BenchParams {
+            messages: self.messages,
+            dup_rate: dup,
+            mismatch_rate: mismatch,
+            subscribers: self.subscribers,
+            seed: self.seed,
+            window: self.window,
+            naive_messages: self.naive_messages.unwrap_or(self.messages),
+            random_order_ids: self.random_order_ids,
+            dir: self.dir,
+            keep: self.keep,
+            partition_pointer: (self.partition_key != "none").then_some(self.partition_key),
+            handler: self.handler,
+            config,
+        })
+    }
+}
+
+/// `dedupd kafka-bench`.
+#[derive(Args)]
+pub struct KafkaBenchArgs {
+    #[arg(long, default_value_t = 2_000_000)]
+    messages: u64,
+    /// Fraction of messages that redeliver an earlier message.
+    #[arg(long, default_value_t = 0.1)]
+    dup_rate: f64,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// Messages of the paced phase that measures end-to-end latency (0 skips it).
+    #[arg(long, default_value_t = 200_000)]
+    live_messages: u64,
+    /// Handler component run for every new message.
+    #[arg(long)]
+    handler: Option<PathBuf>,
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Directory in which the temporary data directory is created.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// Use this cluster instead of the built-in mock broker.
+    #[arg(long)]
+    brokers: Option<String>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl KafkaBenchArgs {
+    pub fn params(self) -> Result<KafkaBenchParams> {
+        if !(0.0..1.0).contains(&self.dup_rate) {
+            bail!("--dup-rate must be in [0, 1)");
+        }
+        if self.messages == 0 || self.partitions < 1 {
+            bail!("--messages and --partitions must be at least 1");
+        }
+        if let Some(h) = &self.handler {
+            if !h.exists() {
+                bail!(
+                    "handler {} not found: build the plugins first (plugins/build.sh)",
+                    h.display()
+                );
+            }
+        }
+        Ok(KafkaBenchParams {
+            messages: self.messages,
+            dup_rate: self.dup_rate,
+            seed: self.seed,
+            partitions: self.partitions,
+            live_messages: self.live_messages,
+            handler: self.handler,
+            shards: self.shards,
+            dir: self.dir,
+            brokers: self.brokers,
+        })
+    }
+}
+
+/// The config file, or the defaults without one.
+pub fn load_config(path: Option<&std::path::Path>) -> Result<Config> {
+    match path {
+        Some(p) => Ok(Config::load(p)?),
+        None => Ok(Config::default()),
+    }
+}
+
+/// The data directory: the flag, else the config's `data_dir`.
+pub fn data_dir(flag: Option<PathBuf>, config: &Config) -> Result<PathBuf> {
+    match flag.or_else(|| config.data_dir.clone()) {
+        Some(d) => Ok(d),
+        None => bail!("no data directory: pass --data-dir DIR or set data_dir in the config"),
+    }
+}
+
+/// `dedupd demo --handler`: a path, or `none` for claims only; the path must exist.
+pub fn demo_handler(handler: &str) -> Result<Option<PathBuf>> {
+    if handler == "none" {
+        return Ok(None);
+    }
+    let h = PathBuf::from(handler);
+    if !h.exists() {
+        bail!("handler {} not found: build the plugins first (plugins/build.sh), or pass --handler none", h.display());
+    }
+    Ok(Some(h))
+}
+
+/// `--topic NAME` or `NAME:PARTITIONS` (4 partitions by default).
+pub fn topic(t: &str) -> Result<(&str, i32)> {
+    match t.split_once(':') {
+        Some((n, p)) => Ok((
+            n,
+            p.parse::<i32>()
+                .with_context(|| format!("--topic {t}: partitions must be a number"))?,
+        )),
+        None => Ok((t, 4)),
+    }
+}

@@ -1,0 +1,208 @@
+//! The run modes of the `dedupd` binary, composed from the sources, the ledger and the
+//! HTTP API: which parts run, on which threads, and how they stop together (one
+//! [`Shutdown`] per run).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::serve::HttpServer;
+use super::{install_handlers, run_pipe, Cause, PipeError, PipeSummary, Shutdown};
+use crate::admin::{HttpConfig, UploadError};
+use crate::clock::SystemClock;
+use crate::config::{Config, ConfigError};
+use crate::handler::HandlerError;
+use crate::ledger::{Ledger, LedgerError};
+use crate::source::kafka::{self, KafkaConfig, KafkaError, KafkaSummary};
+
+/// What to run over the data directory.
+#[derive(Debug, Clone)]
+pub enum Mode {
+    /// JSON lines on stdin, outcomes on stdout, until stdin ends.
+    Pipe,
+    /// The HTTP API (and, with `stdin`, pipe mode on stdin beside it) until SIGINT/SIGTERM.
+    Serve { http: HttpConfig, stdin: bool },
+    /// The Kafka source (and the HTTP API when given) until SIGINT/SIGTERM.
+    Kafka {
+        kafka: Box<KafkaConfig>,
+        http: Option<HttpConfig>,
+    },
+}
+
+impl Mode {
+    /// The mode a config describes: Kafka when it has a `[kafka]` section, else the HTTP
+    /// API with stdin when it has `[http]`, else pipe mode.
+    pub fn of(config: &Config) -> Mode {
+        match (config.kafka.clone(), config.http.clone()) {
+            (None, None) => Mode::Pipe,
+            (None, Some(http)) => Mode::Serve { http, stdin: true },
+            (Some(kafka), http) => Mode::Kafka {
+                kafka: Box::new(kafka),
+                http,
+            },
+        }
+    }
+}
+
+/// What a finished run did.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Summary {
+    Pipe(PipeSummary),
+    Serve,
+    Kafka(KafkaSummary),
+}
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    Handler(#[from] HandlerError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Upload(#[from] UploadError),
+    #[error("cannot listen on {addr} (http.bind): {source}")]
+    Listen {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Pipe(#[from] PipeError),
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error("HTTP server task failed: {0}")]
+    Server(String),
+    /// The ledger or a source failed while running (G7).
+    #[error("{0}")]
+    Stopped(String),
+}
+
+/// Opens the ledger in `dir`, installs the configured handlers and runs `mode` until it
+/// ends. Every acknowledged outcome was durable before it was acknowledged (G1); the
+/// ledger is closed cleanly when no part of the run still holds it.
+///
+/// Pipe mode ends the process (exit 1) when the ledger fails while stdin is still open:
+/// nothing more will be acknowledged (G7), and waiting for stdin to close would hide it.
+pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError> {
+    if let Mode::Kafka { .. } = &mode {
+        // Sources that record through the metrics facade before the server starts are kept.
+        crate::admin::install_metrics();
+    }
+    let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
+    install_handlers(&ledger, config)?;
+    let shutdown = Shutdown::new();
+    shutdown.on_ledger_failure(&ledger);
+    let result = match mode {
+        Mode::Pipe => pipe(&ledger, config, &shutdown).map(Summary::Pipe),
+        Mode::Serve { http, stdin } => serve(&ledger, config, http, stdin, &shutdown),
+        Mode::Kafka { kafka, http } => {
+            run_kafka(&ledger, config, &kafka, http, &shutdown).map(Summary::Kafka)
+        }
+    };
+    // A stdin thread in serve mode may still hold the ledger: then the process exits and
+    // the OS closes the files; every acknowledged outcome was committed first (G1).
+    let closed = match Arc::try_unwrap(ledger) {
+        Ok(l) => l.close(),
+        Err(_) => Ok(()),
+    };
+    let summary = result?;
+    closed?;
+    Ok(summary)
+}
+
+fn pipe(ledger: &Ledger, config: &Config, shutdown: &Shutdown) -> Result<PipeSummary, RunError> {
+    let watcher = shutdown.clone();
+    std::thread::Builder::new()
+        .name("dedupd-failstop".into())
+        .spawn(move || {
+            if let Cause::Failed(reason) = watcher.wait() {
+                // Give the printer a moment to flush the lines that were durable.
+                std::thread::sleep(Duration::from_millis(200));
+                eprintln!("dedupd: {reason}");
+                std::process::exit(1);
+            }
+        })?;
+    let summary = run_pipe(ledger, config, std::io::stdin().lock(), std::io::stdout());
+    if summary.is_ok() {
+        shutdown.trigger(Cause::Requested);
+    }
+    let summary = summary?;
+    tracing::info!(
+        ?summary,
+        "input ended; every outcome is durable and printed"
+    );
+    Ok(summary)
+}
+
+fn serve(
+    ledger: &Arc<Ledger>,
+    config: &Config,
+    http: HttpConfig,
+    stdin: bool,
+    shutdown: &Shutdown,
+) -> Result<Summary, RunError> {
+    shutdown.on_signals()?;
+    let server = HttpServer::start(ledger, config, http, shutdown.clone())?;
+    if stdin {
+        let (config, ledger) = (config.clone(), ledger.clone());
+        // Pipe mode on its own thread, so a signal ends the process even while stdin is open.
+        std::thread::Builder::new()
+            .name("dedupd-stdin".into())
+            .spawn(move || {
+                let r = run_pipe(&ledger, &config, std::io::stdin().lock(), std::io::stdout());
+                if let Err(e) = r {
+                    eprintln!("dedupd: stdin source stopped: {e}");
+                }
+            })?;
+    }
+    server.join()?;
+    match shutdown.cause() {
+        Some(Cause::Failed(reason)) => Err(RunError::Stopped(reason)),
+        _ => Ok(Summary::Serve),
+    }
+}
+
+/// On a stop the API keeps answering while the consumers drain and store their offsets
+/// and the outbox is relayed; then it stops too.
+fn run_kafka(
+    ledger: &Arc<Ledger>,
+    config: &Config,
+    kafka_config: &KafkaConfig,
+    http: Option<HttpConfig>,
+    shutdown: &Shutdown,
+) -> Result<KafkaSummary, RunError> {
+    shutdown.on_signals()?;
+    // librdkafka can block a consumer's close for long when no broker answers; durable
+    // outcomes are safe without it (uncommitted offsets only mean redelivery), so a stop
+    // that takes far longer than the drain allows ends the process.
+    let limit = kafka_config.drain_timeout * 2 + Duration::from_secs(10);
+    let watchdog = shutdown.clone();
+    std::thread::Builder::new()
+        .name("dedupd-stop-watchdog".into())
+        .spawn(move || {
+            watchdog.wait();
+            std::thread::sleep(limit);
+            eprintln!("dedupd: shutdown did not finish within {limit:?} (Kafka unreachable?); exiting; uncommitted offsets will be redelivered as duplicates");
+            std::process::exit(1);
+        })?;
+    let server = match http {
+        Some(http) => Some(HttpServer::start(ledger, config, http, Shutdown::new())?),
+        None => None,
+    };
+    let result = kafka::run(ledger.clone(), kafka_config, shutdown);
+    if let Some(server) = server {
+        server.stop()?;
+    }
+    let summary = result?;
+    tracing::info!(
+        ?summary,
+        "stopped; every stored offset covers durable outcomes"
+    );
+    Ok(summary)
+}
