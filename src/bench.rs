@@ -199,9 +199,57 @@ pub fn run(
         .tempdir_in(&params.dir)
         .map_err(|e| BenchError::Dir(params.dir.clone(), e))?;
     let data_dir = tmp.path().join("engine");
-    let config = bench_config(params);
-    let ledger = Ledger::open(&data_dir, &config, Arc::new(SystemClock))?;
-    let shards = ledger.shard_count();
+    let ledger = Ledger::open(&data_dir, &bench_config(params), Arc::new(SystemClock))?;
+    let subs = bench_subscribers(&ledger, params)?;
+    let spec = TrafficSpec {
+        seed: params.seed,
+        messages: params.messages,
+        dup_rate: params.dup_rate,
+        mismatch_rate: params.mismatch_rate,
+        subscribers: params.subscribers.max(1),
+        random_order_ids: params.random_order_ids,
+    };
+    let live = Arc::new(Live::new(params.window.max(1)));
+    let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
+    let acker = spawn_acker(live.clone(), ack_rx, std::thread::current())?;
+    let driven = drive(&ledger, &subs, spec, &live, ack_tx, &mut progress)?;
+    let elapsed = live.start.elapsed();
+    let rss_end = rss_bytes();
+    let measured = Measured::take(&ledger, &subs)?;
+    ledger.close()?;
+    let acked = acker
+        .join()
+        .map_err(|_| BenchError::Naive("acker panicked".into()))?;
+    let mut report = assemble(params, &driven, &acked, &measured, elapsed, rss_end);
+    report.data_dir = data_dir;
+    report.disk_bytes = crate::ledger::dir_bytes(&report.data_dir);
+    report.naive_batch = report.mean_batch.round().max(1.0) as u64;
+    if params.naive_messages > 0 {
+        let n = params.naive_messages;
+        report.naive_messages = n;
+        report.naive_msgs_per_sec = run_naive(
+            &tmp.path().join("naive.redb"),
+            TrafficSpec {
+                messages: n,
+                ..spec
+            },
+            report.naive_batch,
+            params.config.ledger.cache_mib.get() * report.shards,
+            &mut progress,
+        )?;
+        report.engine_over_naive = report.msgs_per_sec / report.naive_msgs_per_sec;
+    }
+    if params.keep {
+        let _ = tmp.keep();
+    }
+    Ok(report)
+}
+
+/// The run's subscribers (`bench-0`, ...), each with the handler when one is given.
+fn bench_subscribers(
+    ledger: &Ledger,
+    params: &BenchParams,
+) -> Result<Vec<Arc<crate::ledger::Subscriber>>, BenchError> {
     let subs: Vec<_> = (0..params.subscribers.max(1))
         .map(|i| ledger.subscriber(&format!("bench-{i}")))
         .collect::<Result<_, _>>()?;
@@ -211,83 +259,106 @@ pub fn run(
             ledger.set_handler(&s.name, Some(factory.clone()))?;
         }
     }
-    let settings: Vec<_> = subs.iter().map(|s| s.settings()).collect();
-    let window = params.window.max(1);
-    let spec = TrafficSpec {
-        seed: params.seed,
-        messages: params.messages,
-        dup_rate: params.dup_rate,
-        mismatch_rate: params.mismatch_rate,
-        subscribers: params.subscribers.max(1),
-        random_order_ids: params.random_order_ids,
-    };
-    // Fixed structures (active and sealing indexes, redb caches) peak once two
-    // generations per shard and subscriber exist; RSS growth after that is per key.
-    let warmup_keys = 2
-        * params.config.ledger.generation_max_claims.get() as u64
-        * shards as u64
-        * params.subscribers.max(1) as u64;
-    let submitted_at: Arc<Vec<AtomicU64>> =
-        Arc::new((0..window).map(|_| AtomicU64::new(0)).collect());
-    let released = Arc::new(AtomicU64::new(0));
-    let p99_live = Arc::new(AtomicU64::new(0));
-    let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
-    let start = Instant::now();
-    let generator_thread = std::thread::current();
+    Ok(subs)
+}
 
-    let acker = {
-        let submitted_at = submitted_at.clone();
-        let released = released.clone();
-        let p99_live = p99_live.clone();
-        std::thread::Builder::new()
-            .name("bench-acker".into())
-            .spawn(move || {
-                let mut order: Sequencer<u8> = Sequencer::starting_at(0);
-                let mut r = AckerResult {
-                    latency: Latency::default(),
-                    counts: [0; 6],
-                    rss_samples: Vec::new(),
-                };
-                let mut last_sample = Instant::now();
-                for batch in ack_rx {
-                    for d in batch {
-                        let code = match d.outcome {
-                            Outcome::Processed => 0,
-                            Outcome::Duplicate => 1,
-                            Outcome::Quarantined { .. } => 2,
-                            Outcome::DeadLettered { .. } => 3,
-                            Outcome::Rejected { .. } => 4,
-                            Outcome::Failed { .. } => 5,
-                        };
-                        order.insert(d.seq, code);
-                    }
-                    let now = start.elapsed().as_micros() as u64;
-                    while let Some((seq, code)) = order.pop_ready() {
-                        let t = submitted_at[(seq % window) as usize].load(Ordering::Acquire);
-                        r.latency.record_us(now.saturating_sub(t));
-                        r.counts[code as usize] += 1;
-                    }
-                    if last_sample.elapsed() >= Duration::from_millis(250) {
-                        last_sample = Instant::now();
-                        r.rss_samples.push((r.counts[0], rss_bytes()));
-                    }
-                    released.store(order.watermark(), Ordering::Release);
-                    if r.latency.count().is_multiple_of(64) {
-                        p99_live.store(
-                            (r.latency.quantile_ms(0.99) * 1000.0) as u64,
-                            Ordering::Relaxed,
-                        );
-                    }
-                    generator_thread.unpark();
+/// What the generator and the acker share while the engine runs.
+struct Live {
+    start: Instant,
+    window: u64,
+    /// Submission time (µs since `start`) of each message in the window, by `seq % window`.
+    submitted_at: Vec<AtomicU64>,
+    /// Every message below this seq has its outcome released, in order.
+    released: AtomicU64,
+    /// The running p99 acknowledgement latency in µs, for the progress line.
+    p99_us: AtomicU64,
+}
+
+impl Live {
+    fn new(window: u64) -> Live {
+        Live {
+            start: Instant::now(),
+            window,
+            submitted_at: (0..window).map(|_| AtomicU64::new(0)).collect(),
+            released: AtomicU64::new(0),
+            p99_us: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Releases outcomes in source order as a real source would, measuring each message's
+/// latency from submission to release and sampling RSS every quarter second.
+fn spawn_acker(
+    live: Arc<Live>,
+    ack_rx: crossbeam_channel::Receiver<Vec<Done>>,
+    generator: std::thread::Thread,
+) -> Result<std::thread::JoinHandle<AckerResult>, BenchError> {
+    std::thread::Builder::new()
+        .name("bench-acker".into())
+        .spawn(move || {
+            let mut order: Sequencer<u8> = Sequencer::starting_at(0);
+            let mut r = AckerResult {
+                latency: Latency::default(),
+                counts: [0; 6],
+                rss_samples: Vec::new(),
+            };
+            let mut last_sample = Instant::now();
+            for batch in ack_rx {
+                for d in batch {
+                    let code = match d.outcome {
+                        Outcome::Processed => 0,
+                        Outcome::Duplicate => 1,
+                        Outcome::Quarantined { .. } => 2,
+                        Outcome::DeadLettered { .. } => 3,
+                        Outcome::Rejected { .. } => 4,
+                        Outcome::Failed { .. } => 5,
+                    };
+                    order.insert(d.seq, code);
                 }
-                r
-            })
-            .map_err(|e| BenchError::Naive(format!("cannot start acker: {e}")))?
-    };
+                let now = live.start.elapsed().as_micros() as u64;
+                while let Some((seq, code)) = order.pop_ready() {
+                    let t = live.submitted_at[(seq % live.window) as usize].load(Ordering::Acquire);
+                    r.latency.record_us(now.saturating_sub(t));
+                    r.counts[code as usize] += 1;
+                }
+                if last_sample.elapsed() >= Duration::from_millis(250) {
+                    last_sample = Instant::now();
+                    r.rss_samples.push((r.counts[0], rss_bytes()));
+                }
+                live.released.store(order.watermark(), Ordering::Release);
+                if r.latency.count().is_multiple_of(64) {
+                    let p99 = (r.latency.quantile_ms(0.99) * 1000.0) as u64;
+                    live.p99_us.store(p99, Ordering::Relaxed);
+                }
+                generator.unpark();
+            }
+            r
+        })
+        .map_err(|e| BenchError::Naive(format!("cannot start acker: {e}")))
+}
 
+/// What the generator submitted.
+struct Driven {
+    /// Messages submitted (all released when `drive` returns).
+    messages: u64,
+    /// What the generator knows each message must get: new, duplicate, quarantined.
+    expected: [u64; 3],
+}
+
+/// Generates the traffic and submits it, at most `window` messages ahead of the released
+/// outcomes, in per-shard chunks; returns once every outcome is released.
+fn drive(
+    ledger: &Ledger,
+    subs: &[Arc<crate::ledger::Subscriber>],
+    spec: TrafficSpec,
+    live: &Live,
+    ack_tx: crossbeam_channel::Sender<Vec<Done>>,
+    progress: &mut impl FnMut(Progress),
+) -> Result<Driven, BenchError> {
+    let settings: Vec<_> = subs.iter().map(|s| s.settings()).collect();
     let mut traffic = Traffic::new(spec);
     let mut ev = Event::default();
-    let mut staged: Vec<Vec<Job>> = (0..shards).map(|_| Vec::new()).collect();
+    let mut staged: Vec<Vec<Job>> = (0..ledger.shard_count()).map(|_| Vec::new()).collect();
     let mut expected = [0u64; 3];
     let mut last_report = Instant::now();
     let flush = |staged: &mut Vec<Vec<Job>>| -> Result<(), LedgerError> {
@@ -300,7 +371,7 @@ pub fn run(
     };
     let mut seq = 0u64;
     while traffic.next_into(&mut ev) {
-        while seq - released.load(Ordering::Acquire) >= window {
+        while seq - live.released.load(Ordering::Acquire) >= live.window {
             flush(&mut staged)?;
             std::thread::park_timeout(Duration::from_micros(500));
             if let Some(r) = ledger.poison_reason() {
@@ -323,9 +394,9 @@ pub fn run(
             &ev.payload,
             ack_tx.clone(),
         );
-        submitted_at[(seq % window) as usize]
-            .store(start.elapsed().as_micros() as u64, Ordering::Release);
-        let shard = place_event(&ledger, sub, &settings[ev.subscriber as usize], &mut job)?;
+        live.submitted_at[(seq % live.window) as usize]
+            .store(live.start.elapsed().as_micros() as u64, Ordering::Release);
+        let shard = place_event(ledger, sub, &settings[ev.subscriber as usize], &mut job)?;
         staged[shard].push(job);
         if staged[shard].len() >= 256 {
             ledger.submit(shard, std::mem::take(&mut staged[shard]))?;
@@ -335,48 +406,83 @@ pub fn run(
             last_report = Instant::now();
             progress(Progress {
                 phase: "engine",
-                done: released.load(Ordering::Relaxed),
-                total: params.messages,
-                elapsed: start.elapsed(),
-                p99_ms: p99_live.load(Ordering::Relaxed) as f64 / 1000.0,
+                done: live.released.load(Ordering::Relaxed),
+                total: spec.messages,
+                elapsed: live.start.elapsed(),
+                p99_ms: live.p99_us.load(Ordering::Relaxed) as f64 / 1000.0,
             });
         }
     }
     flush(&mut staged)?;
-    while released.load(Ordering::Acquire) < seq {
+    while live.released.load(Ordering::Acquire) < seq {
         std::thread::park_timeout(Duration::from_millis(1));
         if let Some(r) = ledger.poison_reason() {
             return Err(LedgerError::Poisoned(r).into());
         }
     }
-    let elapsed = start.elapsed();
-    let rss_end = rss_bytes();
-    drop(ack_tx);
-    let report = ledger.report()?;
-    let mut state_entries = 0;
-    for s in &subs {
-        state_entries += ledger.state_len(&s.name)?;
-    }
-    let metrics = ledger.metrics();
-    let counters: Vec<_> = ledger.subscribers();
-    ledger.close()?;
-    let acked = acker
-        .join()
-        .map_err(|_| BenchError::Naive("acker panicked".into()))?;
+    Ok(Driven {
+        messages: seq,
+        expected,
+    })
+}
 
-    let stored_keys: u64 = report.subscribers.iter().map(|s| s.claims).sum();
-    let filter_bytes: u64 = report.subscribers.iter().map(|s| s.filter_bytes).sum();
-    let batches: u64 = metrics.iter().map(|m| m.batches).sum();
-    let commits: u64 = metrics.iter().map(|m| m.commits).sum();
-    let probes: u64 = counters
-        .iter()
-        .map(|c| c.counters.filter_probes.load(Ordering::Relaxed))
-        .sum();
-    let fps: u64 = counters
-        .iter()
-        .map(|c| c.counters.filter_false_positives.load(Ordering::Relaxed))
-        .sum();
+/// What the ledger reports at the end of the engine run.
+struct Measured {
+    report: crate::ledger::LedgerReport,
+    state_entries: u64,
+    metrics: Vec<crate::ledger::ShardMetrics>,
+    filter_probes: u64,
+    filter_false_positives: u64,
+}
+
+impl Measured {
+    fn take(
+        ledger: &Ledger,
+        subs: &[Arc<crate::ledger::Subscriber>],
+    ) -> Result<Measured, BenchError> {
+        let mut state_entries = 0;
+        for s in subs {
+            state_entries += ledger.state_len(&s.name)?;
+        }
+        let counters = ledger.subscribers();
+        let sum = |f: fn(&crate::ledger::Subscriber) -> &AtomicU64| -> u64 {
+            counters.iter().map(|c| f(c).load(Ordering::Relaxed)).sum()
+        };
+        Ok(Measured {
+            report: ledger.report()?,
+            state_entries,
+            metrics: ledger.metrics(),
+            filter_probes: sum(|c| &c.counters.filter_probes),
+            filter_false_positives: sum(|c| &c.counters.filter_false_positives),
+        })
+    }
+}
+
+/// The engine part of the report (no naive baseline yet, no data directory figures).
+fn assemble(
+    params: &BenchParams,
+    driven: &Driven,
+    acked: &AckerResult,
+    measured: &Measured,
+    elapsed: Duration,
+    rss_end: u64,
+) -> BenchReport {
+    let m = &measured.metrics;
+    let max_ms = |f: fn(&crate::ledger::ShardMetrics) -> u64| {
+        m.iter().map(f).max().unwrap_or(0) as f64 / 1000.0
+    };
+    let subscribers = &measured.report.subscribers;
+    let stored_keys: u64 = subscribers.iter().map(|s| s.claims).sum();
+    let filter_bytes: u64 = subscribers.iter().map(|s| s.filter_bytes).sum();
+    let batches: u64 = m.iter().map(|m| m.batches).sum();
+    let seq = driven.messages;
     let mean_batch = seq as f64 / batches.max(1) as f64;
+    // Fixed structures (active and sealing indexes, redb caches) peak once two
+    // generations per shard and subscriber exist; RSS growth after that is per key.
+    let warmup_keys = 2
+        * params.config.ledger.generation_max_claims.get() as u64
+        * measured.report.shards as u64
+        * params.subscribers.max(1) as u64;
     let mut samples: Vec<(u64, u64)> = acked
         .rss_samples
         .iter()
@@ -385,50 +491,19 @@ pub fn run(
         .collect();
     samples.push((acked.counts[0], rss_end));
     let (rss_per_key, rss_base) = rss_slope(&samples).unwrap_or((f64::NAN, f64::NAN));
-    let rss_max = acked
-        .rss_samples
-        .iter()
-        .map(|s| s.1)
-        .max()
-        .unwrap_or(0)
-        .max(rss_end);
-    let msgs_per_sec = seq as f64 / elapsed.as_secs_f64();
-    let disk_bytes = crate::ledger::dir_bytes(&data_dir);
-    let verified = acked.counts[0] == expected[0]
-        && acked.counts[1] == expected[1]
-        && acked.counts[2] == expected[2]
-        && acked.counts[3..].iter().all(|c| *c == 0);
-    let dead_lettered = acked.counts[3];
-
-    let naive_batch = mean_batch.round().max(1.0) as u64;
-    let (naive_messages, naive_rate) = if params.naive_messages > 0 {
-        let n = params.naive_messages;
-        let rate = run_naive(
-            &tmp.path().join("naive.redb"),
-            TrafficSpec {
-                messages: n,
-                ..spec
-            },
-            naive_batch,
-            params.config.ledger.cache_mib.get() * shards,
-            &mut progress,
-        )?;
-        (n, rate)
-    } else {
-        (0, f64::NAN)
-    };
-    if params.keep {
-        let _ = tmp.keep();
-    }
-    Ok(BenchReport {
+    let rss_max = acked.rss_samples.iter().map(|s| s.1).max().unwrap_or(0);
+    let counts = &acked.counts;
+    let verified = counts[..3] == driven.expected && counts[3..].iter().all(|c| *c == 0);
+    let probes = measured.filter_probes;
+    BenchReport {
         params: params.clone(),
-        data_dir,
-        shards,
+        data_dir: PathBuf::new(),
+        shards: measured.report.shards,
         elapsed_s: elapsed.as_secs_f64(),
-        msgs_per_sec,
-        processed: acked.counts[0],
-        duplicates: acked.counts[1],
-        quarantined: acked.counts[2],
+        msgs_per_sec: seq as f64 / elapsed.as_secs_f64(),
+        processed: counts[0],
+        duplicates: counts[1],
+        quarantined: counts[2],
         verified,
         p50_ack_ms: acked.latency.quantile_ms(0.5),
         p99_ack_ms: acked.latency.quantile_ms(0.99),
@@ -436,37 +511,27 @@ pub fn run(
         stored_keys,
         rss_base_bytes: rss_base.max(0.0) as u64,
         rss_end_bytes: rss_end,
-        rss_max_bytes: rss_max,
-        max_commit_ms: metrics.iter().map(|m| m.max_commit_us).max().unwrap_or(0) as f64 / 1000.0,
+        rss_max_bytes: rss_max.max(rss_end),
+        max_commit_ms: max_ms(|m| m.max_commit_us),
         rss_bytes_per_key: rss_per_key,
         filter_bytes_per_key: filter_bytes as f64 / stored_keys.max(1) as f64,
-        disk_bytes,
+        disk_bytes: 0,
         batches,
-        commits,
+        commits: m.iter().map(|m| m.commits).sum(),
         mean_batch,
-        max_batch_ms_plain: metrics
-            .iter()
-            .map(|m| m.max_batch_us_plain)
-            .max()
-            .unwrap_or(0) as f64
-            / 1000.0,
-        max_batch_ms_with_maintenance: metrics
-            .iter()
-            .map(|m| m.max_batch_us_maintenance)
-            .max()
-            .unwrap_or(0) as f64
-            / 1000.0,
-        seals: metrics.iter().map(|m| m.seals).sum(),
-        merges: metrics.iter().map(|m| m.merges).sum(),
+        max_batch_ms_plain: max_ms(|m| m.max_batch_us_plain),
+        max_batch_ms_with_maintenance: max_ms(|m| m.max_batch_us_maintenance),
+        seals: m.iter().map(|m| m.seals).sum(),
+        merges: m.iter().map(|m| m.merges).sum(),
         filter_probes: probes,
-        filter_false_positive_rate: fps as f64 / probes.max(1) as f64,
-        state_entries,
-        dead_lettered,
-        naive_messages,
-        naive_batch,
-        naive_msgs_per_sec: naive_rate,
-        engine_over_naive: msgs_per_sec / naive_rate,
-    })
+        filter_false_positive_rate: measured.filter_false_positives as f64 / probes.max(1) as f64,
+        state_entries: measured.state_entries,
+        dead_lettered: counts[3],
+        naive_messages: 0,
+        naive_batch: 0,
+        naive_msgs_per_sec: f64::NAN,
+        engine_over_naive: f64::NAN,
+    }
 }
 
 /// The baseline a careful user would write first: one redb table keyed by the 128-bit id
