@@ -16,7 +16,7 @@ use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::envelope::key_hash;
 use dedupd::ledger::{Done, Job, Ledger};
-use dedupd::pipeline::run_pipe;
+use dedupd::source::stdin::run_pipe;
 use serde_json::{json, Value};
 
 use common::component;

@@ -19,7 +19,7 @@ use dedupd::effects::{
 };
 use dedupd::envelope::key_hash;
 use dedupd::ledger::{Done, Job, Ledger, LedgerError, Outcome};
-use dedupd::pipeline::{run_pipe, PipeError};
+use dedupd::source::stdin::{run_pipe, PipeError};
 
 fn config() -> Config {
     let mut c = Config::default();

@@ -2,13 +2,11 @@
 //! and release them in source order; and the run modes that compose sources, the ledger
 //! and the HTTP API into a process ([`run`], stopped by one [`Shutdown`]).
 
-mod pipe;
 mod run;
 mod sequencer;
 mod serve;
 mod shutdown;
 
-pub use pipe::{run_pipe, PipeError, PipeSummary};
 pub use run::{run, Mode, RunError, Summary};
 pub use serve::HttpServer;
 pub use shutdown::{Cause, Shutdown};

@@ -7,13 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::serve::HttpServer;
-use super::{install_handlers, run_pipe, Cause, PipeError, PipeSummary, Shutdown};
+use super::{install_handlers, Cause, Shutdown};
 use crate::admin::{HttpConfig, UploadError};
 use crate::clock::SystemClock;
 use crate::config::{Config, ConfigError};
 use crate::handler::HandlerError;
 use crate::ledger::{Ledger, LedgerError};
 use crate::source::kafka::{self, KafkaConfig, KafkaError, KafkaSummary};
+use crate::source::stdin::{run_pipe, PipeError, PipeSummary};
 
 /// What to run over the data directory.
 #[derive(Debug, Clone)]

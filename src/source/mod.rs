@@ -4,7 +4,7 @@
 //! [`delivery::envelope`], which keys, fingerprints and routes it the same way for all of
 //! them (and for the replay of stored records):
 //!
-//! - pipe mode (stdin JSON lines): [`crate::pipeline::run_pipe`];
+//! - pipe mode (stdin JSON lines): [`stdin`];
 //! - HTTP ingest (`POST /v1/subscribers/{s}/messages`): `crate::admin` (the only user of
 //!   axum);
 //! - Kafka: [`kafka`] (the only importer of rdkafka);
@@ -13,3 +13,4 @@
 pub mod delivery;
 pub mod generator;
 pub mod kafka;
+pub mod stdin;

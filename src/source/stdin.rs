@@ -1,4 +1,4 @@
-//! Pipe mode: JSON lines in, one outcome line out per input line, in input order, each
+//! The stdin source (pipe mode): JSON lines in, one outcome line out per input line, in input order, each
 //! printed only after its outcome is durable (G1).
 //!
 //! Memory is bounded by `[pipe]`: a line longer than `max_line_bytes` is skipped as it is
@@ -19,7 +19,7 @@ use crate::envelope::Envelope;
 use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome};
 use crate::source::delivery::{envelope, Delivery, EnvelopeError, Keying, Payload, Routed, Target};
 
-use super::Sequencer;
+use crate::pipeline::Sequencer;
 
 /// Jobs per submission to one shard.
 const CHUNK: usize = 512;
