@@ -702,6 +702,49 @@ pub fn run_subscription(
     stats: Arc<SourceStats>,
     options: &RunOptions,
 ) -> Result<Option<Latency>, KafkaError> {
+    let consumer = start_consumer(ledger, kafka, subscription, stats.clone(), options)?;
+    let name = consumer.context().subscriber.clone();
+    let mut last_log = Instant::now();
+    let mut last_released = 0;
+    while !stop.load(Ordering::Relaxed) {
+        if let Some(f) = consumer.context().lock().fatal.clone() {
+            return Err(KafkaError::Ledger(f));
+        }
+        poll_round(&consumer, &name);
+        let released = stats.released.load(Ordering::Relaxed);
+        if last_log.elapsed() >= Duration::from_secs(1) && released != last_released {
+            last_log = Instant::now();
+            last_released = released;
+            tracing::info!(
+                subscriber = %name,
+                received = stats.received.load(Ordering::Relaxed),
+                released,
+                processed = stats.processed.load(Ordering::Relaxed),
+                duplicate = stats.duplicate.load(Ordering::Relaxed),
+                "kafka progress"
+            );
+        }
+    }
+    let latency = drain_and_commit(&consumer, kafka)?;
+    tracing::info!(
+        subscriber = %name,
+        received = stats.received.load(Ordering::Relaxed),
+        released = stats.released.load(Ordering::Relaxed),
+        "kafka consumer stopped; offsets committed"
+    );
+    drop(consumer);
+    Ok(latency)
+}
+
+/// Creates the consumer-group member of one subscription, its worker and its dead-letter
+/// producer, and subscribes to the topics.
+fn start_consumer(
+    ledger: Arc<Ledger>,
+    kafka: &KafkaConfig,
+    subscription: &SubscriptionConfig,
+    stats: Arc<SourceStats>,
+    options: &RunOptions,
+) -> Result<BaseConsumer<WorkerContext>, KafkaError> {
     let sub = ledger
         .subscriber(&subscription.subscriber)
         .map_err(|e| KafkaError::Ledger(e.to_string()))?;
@@ -732,7 +775,7 @@ pub fn run_subscription(
         staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
         max_in_flight: kafka.max_in_flight_per_partition.get(),
         drain_timeout: kafka.drain_timeout,
-        stats: stats.clone(),
+        stats,
         latency: options.record_latency.then(Latency::default),
         fatal: None,
         unsent: Vec::new(),
@@ -749,86 +792,67 @@ pub fn run_subscription(
         .subscribe(&topics)
         .map_err(|e| KafkaError::Client(e.to_string()))?;
     tracing::info!(subscriber = %sub.name, group = kafka.group_of(subscription), ?topics, "kafka consumer started");
-    let mut last_log = Instant::now();
-    let mut last_released = 0;
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            break;
-        }
-        if let Some(f) = consumer.context().lock().fatal.clone() {
-            return Err(KafkaError::Ledger(f));
-        }
-        let mut got = 0;
-        while got < BURST {
-            match consumer.poll(Duration::ZERO) {
-                Some(Ok(m)) => {
-                    consumer.context().lock().accept(&consumer, &m);
-                    got += 1;
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(subscriber = %sub.name, "kafka consumer error: {e}");
-                    break;
-                }
-                None => break,
+    Ok(consumer)
+}
+
+/// One round of the consumer loop: take up to a burst of records, submit them, release
+/// the outcomes that are ready; when idle, wait briefly for the next record.
+fn poll_round(consumer: &BaseConsumer<WorkerContext>, name: &str) {
+    let mut got = 0;
+    while got < BURST {
+        match consumer.poll(Duration::ZERO) {
+            Some(Ok(m)) => {
+                consumer.context().lock().accept(consumer, &m);
+                got += 1;
             }
-        }
-        let in_flight = {
-            let mut w = consumer.context().lock();
-            w.flush();
-            w.retry_unsent(&consumer);
-            w.handle_ready(&consumer);
-            if got == 0 && w.any_in_flight() {
-                w.wait_and_handle(&consumer, Duration::from_millis(2));
+            Some(Err(e)) => {
+                tracing::warn!(subscriber = %name, "kafka consumer error: {e}");
+                break;
             }
-            w.any_in_flight()
-        };
-        if got == 0 && !in_flight {
-            match consumer.poll(Duration::from_millis(50)) {
-                Some(Ok(m)) => consumer.context().lock().accept(&consumer, &m),
-                Some(Err(e)) => tracing::warn!(subscriber = %sub.name, "kafka consumer error: {e}"),
-                None => {}
-            }
-        }
-        let released = stats.released.load(Ordering::Relaxed);
-        if last_log.elapsed() >= Duration::from_secs(1) && released != last_released {
-            last_log = Instant::now();
-            last_released = released;
-            tracing::info!(
-                subscriber = %sub.name,
-                received = stats.received.load(Ordering::Relaxed),
-                released,
-                processed = stats.processed.load(Ordering::Relaxed),
-                duplicate = stats.duplicate.load(Ordering::Relaxed),
-                "kafka progress"
-            );
+            None => break,
         }
     }
-    // Graceful stop: no new messages; finish what is in flight, store and commit.
-    let latency = {
+    let in_flight = {
         let mut w = consumer.context().lock();
-        let deadline = Instant::now() + kafka.drain_timeout;
-        let mut drained = w.drain(&consumer, None, deadline);
-        while drained && !w.unsent.is_empty() && Instant::now() < deadline {
-            w.retry_unsent(&consumer);
-            drained = w.drain(&consumer, None, deadline);
+        w.flush();
+        w.retry_unsent(consumer);
+        w.handle_ready(consumer);
+        if got == 0 && w.any_in_flight() {
+            w.wait_and_handle(consumer, Duration::from_millis(2));
         }
-        if let Some(f) = w.fatal.clone() {
-            return Err(KafkaError::Ledger(f));
-        }
-        if !drained {
-            tracing::error!(subscriber = %sub.name, "in-flight messages did not finish within kafka.drain_timeout; they will be delivered again");
-        }
-        commit(&consumer, &sub.name, "final offset commit");
-        w.latency.take()
+        w.any_in_flight()
     };
-    tracing::info!(
-        subscriber = %sub.name,
-        received = stats.received.load(Ordering::Relaxed),
-        released = stats.released.load(Ordering::Relaxed),
-        "kafka consumer stopped; offsets committed"
-    );
-    drop(consumer);
-    Ok(latency)
+    if got == 0 && !in_flight {
+        match consumer.poll(Duration::from_millis(50)) {
+            Some(Ok(m)) => consumer.context().lock().accept(consumer, &m),
+            Some(Err(e)) => tracing::warn!(subscriber = %name, "kafka consumer error: {e}"),
+            None => {}
+        }
+    }
+}
+
+/// Graceful stop: no new messages; finish what is in flight (within `drain_timeout`),
+/// store and commit the offsets.
+fn drain_and_commit(
+    consumer: &BaseConsumer<WorkerContext>,
+    kafka: &KafkaConfig,
+) -> Result<Option<Latency>, KafkaError> {
+    let name = &consumer.context().subscriber;
+    let mut w = consumer.context().lock();
+    let deadline = Instant::now() + kafka.drain_timeout;
+    let mut drained = w.drain(consumer, None, deadline);
+    while drained && !w.unsent.is_empty() && Instant::now() < deadline {
+        w.retry_unsent(consumer);
+        drained = w.drain(consumer, None, deadline);
+    }
+    if let Some(f) = w.fatal.clone() {
+        return Err(KafkaError::Ledger(f));
+    }
+    if !drained {
+        tracing::error!(subscriber = %name, "in-flight messages did not finish within kafka.drain_timeout; they will be delivered again");
+    }
+    commit(consumer, name, "final offset commit");
+    Ok(w.latency.take())
 }
 
 /// Commits the stored offsets synchronously; "nothing stored since the last commit" is fine.
