@@ -26,7 +26,9 @@
 //! ## Architecture
 //!
 //! ```text
-//! source (stdin | HTTP ingest | Kafka | generator)  -> envelope: key + fingerprint (xxh3)
+//! source/    stdin JSON lines | HTTP ingest | Kafka records | generator (bench, demo)
+//!   -> source::delivery::envelope (one step for every source and for replay):
+//!      decode, idempotency key (xxh3-128), payload fingerprint, entity
 //!   -> Ledger::place: shard by key (no handler), by subscriber (handler), or by entity
 //!      (handler + partition key; state scoped to the entity)
 //!   -> shard writer thread (one redb file each)
@@ -37,13 +39,23 @@
 //!        append claims as one log row + handler effects, a slice of sealing/merging,
 //!        commit (Immediate)
 //!   -> outcomes -> Sequencer releases them in source order
+//!   -> ack: stdin line printed | HTTP response | Kafka offset stored | bench acker
 //! ```
 //!
-//! Modules: [`admin`] (the HTTP API and ingest), [`config`] (validated settings), [`envelope`] (keys and fingerprints),
-//! [`ledger`] (the only redb user), [`handler`] (the only wasmtime user), [`effects`] (the
-//! seam between them), [`pipeline`] (ordering and the pipe mode), [`source`]
-//! (traffic generator), [`bench`](mod@bench) and [`demo`] (the CLI's measuring commands).
+//! [`pipeline::run`] composes a process from these parts (pipe mode, the HTTP API with or
+//! without stdin, Kafka with or without the API), stopped by one [`pipeline::Shutdown`]
+//! that signals, a ledger failure and a source failure all trigger.
 //!
+//! Modules, in the order of the flow: [`source`] (stdin, Kafka — the only rdkafka user —,
+//! the generator, and the shared envelope step), [`envelope`] (keys and fingerprints),
+//! [`config`] (validated settings), [`ledger`] (the only redb user), [`effects`] (the seam
+//! between the ledger and handlers), [`handler`] (the only wasmtime user), [`pipeline`]
+//! (ordering, handler installation, run modes, shutdown), [`admin`] (the HTTP API, ingest
+//! and dashboard; the only axum user), [`inspect`] (offline looks into a data directory),
+//! [`telemetry`] (latency histograms, memory), [`bench`](mod@bench) and [`demo`] (the
+//! CLI's measuring commands). The `dedupd` binary (`src/bin/dedupd/`) parses arguments and
+//! prints.
+
 //! ## Example
 //!
 //! ```
