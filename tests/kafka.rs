@@ -21,7 +21,7 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
-use dedupd::ledger::Ledger;
+use dedupd::ledger::{Ledger, RecordKind};
 use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::kafka::{
     self, DevBroker, KafkaConfig, RunOptions, SourceStats, SubscriptionConfig,
@@ -359,6 +359,67 @@ handler = "{}"
         assert!(header(m, "operation-key").is_some());
     }
     assert!(ledger.outbox_pending(10).unwrap().is_empty());
+    let ledger = Arc::try_unwrap(ledger).ok().unwrap();
+    ledger.close().unwrap();
+}
+
+/// A record with no usable key is kept in the ledger as a dead letter; a binary payload
+/// must be kept byte for byte (base64), not through a lossy UTF-8 conversion.
+#[test]
+fn unkeyed_binary_record_is_kept_byte_exact_in_the_ledger() {
+    let c = cluster();
+    let orders = topic("orders-binary");
+    let mut config = Config::parse(
+        r#"
+[[subscriber]]
+name = "orders"
+key = { source = "header", name = "message-id" }
+"#,
+    )
+    .unwrap();
+    let mut k = kafka_config(&c.bootstrap);
+    k.subscriptions = vec![SubscriptionConfig {
+        subscriber: "orders".into(),
+        topics: vec![orders.clone()],
+        group: Some(format!("g-{orders}")),
+    }];
+    config.kafka = Some(k.clone());
+    config.validate().unwrap();
+    let payload: &[u8] = &[0xff, 0xfe, 0x00, b'a', 0x80];
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", &c.bootstrap)
+        .create()
+        .unwrap();
+    producer
+        .send(BaseRecord::to(&orders).key("o-1").payload(payload))
+        .map_err(|(e, _)| e)
+        .unwrap();
+    producer.flush(Duration::from_secs(30)).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+    let stop = Shutdown::new();
+    let summary = std::thread::scope(|s| {
+        let run = s.spawn(|| kafka::run(ledger.clone(), &k, &stop));
+        let _guard = ShutdownOnDrop(&stop);
+        wait_until("offsets at the log end", Duration::from_secs(60), || {
+            at_log_end(&c.bootstrap, &format!("g-{orders}"), &orders)
+        });
+        stop.trigger(Cause::Requested);
+        run.join().unwrap().unwrap()
+    });
+    assert_eq!(summary.rejected, 1, "{summary:?}");
+    let records = ledger
+        .records(RecordKind::DeadLetter, "orders", None, 10)
+        .unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    let body = &records[0].body;
+    assert_eq!(body["payload_base64"], "//4AYYA=", "{body}");
+    assert!(body.get("payload").is_none(), "{body}");
+    assert!(
+        body["reason"].as_str().unwrap().contains("message-id"),
+        "{body}"
+    );
     let ledger = Arc::try_unwrap(ledger).ok().unwrap();
     ledger.close().unwrap();
 }

@@ -43,6 +43,7 @@ pub use ops::{OutboxRow, RecordKind, StoredRecord};
 pub use placement::{entity_scope, Placement};
 pub use poison::PoisonHook;
 pub use record::{ClaimRecord, FORMAT_VERSION};
+pub use records::StoredPayload;
 pub(crate) use registry::Registry;
 pub use registry::{
     RecordsDropped, Subscriber, SubscriberCounters, SubscriberId, HANDLER_FAILURE_KINDS,

@@ -30,7 +30,7 @@ use rdkafka::ClientContext;
 
 use crate::config::SubscriberSettings;
 use crate::envelope::Envelope;
-use crate::ledger::{Done, Job, Ledger, Outcome, Subscriber};
+use crate::ledger::{Done, Job, Ledger, Outcome, StoredPayload, Subscriber};
 use crate::source::delivery::{envelope, Delivery, Keying, Routed, Target};
 use crate::telemetry::Latency;
 
@@ -428,14 +428,19 @@ impl Worker {
         let Some(mut r) = p.tracker.take_retained(local) else {
             return;
         };
-        let record = serde_json::json!({
+        // The payload as records keep it: text when it is UTF-8, else base64, so a
+        // binary record replays byte for byte.
+        let mut record = serde_json::json!({
             "reason": reason,
             "attempts": 0,
             "origin": origin,
             "key": r.key.as_deref().map(String::from_utf8_lossy),
             "headers": r.headers.iter().map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned())).collect::<Vec<_>>(),
-            "payload": String::from_utf8_lossy(&r.payload),
         });
+        let payload = serde_json::to_value(StoredPayload::of(&r.payload));
+        if let (Some(o), Ok(serde_json::Value::Object(p))) = (record.as_object_mut(), payload) {
+            o.extend(p);
+        }
         if let Err(e) = self.ledger.add_dead_letter(&self.sub.name, record) {
             self.fatal = Some(e.to_string());
             return;
@@ -443,6 +448,9 @@ impl Worker {
         r.reason = reason;
         r.attempts = 0;
         self.dead_letter(consumer, slot, local, r);
+        // Without a dead-letter topic the message is resolved now: store its offset now,
+        // not when a later message of the partition happens to arrive.
+        self.advance(consumer, slot);
     }
 
     /// Sends a dead letter to the topic; without one, the ledger's record is all there is
