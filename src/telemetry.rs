@@ -1,4 +1,5 @@
-//! Measurements in one place: latency histograms and process memory.
+//! Measurements in one place: the names of every exported metric ([`metric`]), latency
+//! histograms and process memory.
 
 use hdrhistogram::Histogram;
 
@@ -41,4 +42,160 @@ pub fn rss_bytes() -> u64 {
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
         .map(|pages| pages * 4096)
         .unwrap_or(0)
+}
+
+/// The name of every metric the engine exports through the `metrics` facade (rendered by
+/// `/metrics`). Counters end in `_total`; units are in the name; labels come from small
+/// fixed sets (subscriber and shard names, outcomes, kinds), never a key or a payload.
+pub mod metric {
+    // Per subscriber (label `subscriber`), copied from the ledger's counters at scrape time.
+
+    /// Counter: messages whose handler ran and whose claim committed.
+    pub const MESSAGES_PROCESSED_TOTAL: &str = "dedupd_messages_processed_total";
+    /// Counter: deliveries skipped as duplicates of a live claim (same key, same payload).
+    pub const DUPLICATES_SKIPPED_TOTAL: &str = "dedupd_duplicates_skipped_total";
+    /// Counter: deliveries quarantined (a live claim's key with another payload).
+    pub const QUARANTINED_TOTAL: &str = "dedupd_quarantined_total";
+    /// Counter: messages dead-lettered after their handler failed for good.
+    pub const DEAD_LETTERED_TOTAL: &str = "dedupd_dead_lettered_total";
+    /// Counter: failed handler attempts that were scheduled again.
+    pub const HANDLER_RETRIES_TOTAL: &str = "dedupd_handler_retries_total";
+    /// Counter: duplicates that extended a claim's sliding TTL.
+    pub const SLIDING_REFRESHES_TOTAL: &str = "dedupd_sliding_refreshes_total";
+    /// Counter: stored records the ledger removed on its own; labels `kind` (`quarantine`,
+    /// `dead_letter`) and `reason` (`retention`, `cap`).
+    pub const RECORDS_DROPPED_TOTAL: &str = "dedupd_records_dropped_total";
+    /// Counter: failed handler attempts; label `kind` (retryable, permanent, timeout,
+    /// memory, trap).
+    pub const HANDLER_FAILURES_TOTAL: &str = "dedupd_handler_failures_total";
+    /// Counter: probes of sealed-generation filters.
+    pub const FILTER_PROBES_TOTAL: &str = "dedupd_filter_probes_total";
+    /// Counter: filter probes that answered "maybe" without a stored match.
+    pub const FILTER_FALSE_POSITIVES_TOTAL: &str = "dedupd_filter_false_positives_total";
+    /// Gauge, ratio 0-1: false positives per filter probe so far.
+    pub const FILTER_FALSE_POSITIVE_RATIO: &str = "dedupd_filter_false_positive_ratio";
+    /// Gauge, claims: claims stored, including expired ones not yet dropped.
+    pub const CLAIMS_STORED: &str = "dedupd_claims_stored";
+    /// Gauge, claims: claims in the active (unsealed) generation.
+    pub const ACTIVE_CLAIMS: &str = "dedupd_active_claims";
+    /// Gauge, generations: sealed claim generations.
+    pub const SEALED_GENERATIONS: &str = "dedupd_sealed_generations";
+    /// Gauge, records: stored quarantine records.
+    pub const QUARANTINE_RECORDS: &str = "dedupd_quarantine_records";
+    /// Gauge, records: stored dead-letter records.
+    pub const DEAD_LETTER_RECORDS: &str = "dedupd_dead_letter_records";
+    /// Gauge, bytes: memory of the filters (sealed generations, handler uniqueness marks).
+    pub const FILTER_MEMORY_BYTES: &str = "dedupd_filter_memory_bytes";
+    /// Gauge, bytes: memory of the in-memory claim maps of the active and sealing
+    /// generations.
+    pub const INDEX_MEMORY_BYTES: &str = "dedupd_index_memory_bytes";
+
+    // Per shard (label `shard`).
+
+    /// Counter: batches a shard decided.
+    pub const BATCHES_TOTAL: &str = "dedupd_batches_total";
+    /// Counter: durable commits of a shard.
+    pub const COMMITS_TOTAL: &str = "dedupd_commits_total";
+    /// Counter: messages a shard decided.
+    pub const SHARD_MESSAGES_TOTAL: &str = "dedupd_shard_messages_total";
+    /// Counter: claim generations sealed.
+    pub const GENERATIONS_SEALED_TOTAL: &str = "dedupd_generations_sealed_total";
+    /// Counter: sealed generations merged into one.
+    pub const GENERATIONS_MERGED_TOTAL: &str = "dedupd_generations_merged_total";
+    /// Counter: sealed generations dropped once every claim in them expired.
+    pub const GENERATIONS_DROPPED_TOTAL: &str = "dedupd_generations_dropped_total";
+    /// Gauge, seconds: the longest durable commit so far.
+    pub const COMMIT_DURATION_MAX_SECONDS: &str = "dedupd_commit_duration_max_seconds";
+    /// Gauge, seconds: the longest batch so far (decide, maintenance and commit).
+    pub const BATCH_DURATION_MAX_SECONDS: &str = "dedupd_batch_duration_max_seconds";
+    /// Histogram, seconds: each durable commit (the fsync part of a batch or of
+    /// maintenance).
+    pub const COMMIT_DURATION_SECONDS: &str = "dedupd_commit_duration_seconds";
+    /// Histogram, seconds: each batch, from decide to commit.
+    pub const BATCH_DURATION_SECONDS: &str = "dedupd_batch_duration_seconds";
+
+    // The process.
+
+    /// Gauge, bytes: everything in the data directory.
+    pub const DISK_BYTES: &str = "dedupd_disk_bytes";
+    /// Gauge, 0 or 1: 1 while the ledger takes writes (no storage error stopped it).
+    pub const READY: &str = "dedupd_ready";
+
+    // HTTP ingest.
+
+    /// Gauge, requests: ingest requests and replays waiting for their durable outcome.
+    pub const HTTP_REQUESTS_WAITING: &str = "dedupd_http_requests_waiting";
+    /// Histogram, seconds: each ingest request, received to answered; label `outcome`.
+    pub const HTTP_INGEST_DURATION_SECONDS: &str = "dedupd_http_ingest_duration_seconds";
+
+    // Kafka.
+
+    /// Gauge, messages: log end minus stored offset, from librdkafka statistics; labels
+    /// `topic`, `partition`.
+    pub const KAFKA_CONSUMER_LAG: &str = "dedupd_kafka_consumer_lag";
+    /// Counter: Kafka records decided; label `outcome` (processed, duplicate, quarantined,
+    /// dead_lettered, rejected).
+    pub const KAFKA_MESSAGES_TOTAL: &str = "dedupd_kafka_messages_total";
+    /// Gauge, rows: outbox rows pending at the relay's last poll (at most `outbox.batch`).
+    pub const OUTBOX_RELAY_LAG_ROWS: &str = "dedupd_outbox_relay_lag_rows";
+    /// Gauge, seconds: age of the oldest pending outbox row at the relay's last poll.
+    pub const OUTBOX_RELAY_LAG_SECONDS: &str = "dedupd_outbox_relay_lag_seconds";
+
+    /// Every name above, for checks that the rendered text holds only known names.
+    pub const ALL: &[&str] = &[
+        MESSAGES_PROCESSED_TOTAL,
+        DUPLICATES_SKIPPED_TOTAL,
+        QUARANTINED_TOTAL,
+        DEAD_LETTERED_TOTAL,
+        HANDLER_RETRIES_TOTAL,
+        SLIDING_REFRESHES_TOTAL,
+        RECORDS_DROPPED_TOTAL,
+        HANDLER_FAILURES_TOTAL,
+        FILTER_PROBES_TOTAL,
+        FILTER_FALSE_POSITIVES_TOTAL,
+        FILTER_FALSE_POSITIVE_RATIO,
+        CLAIMS_STORED,
+        ACTIVE_CLAIMS,
+        SEALED_GENERATIONS,
+        QUARANTINE_RECORDS,
+        DEAD_LETTER_RECORDS,
+        FILTER_MEMORY_BYTES,
+        INDEX_MEMORY_BYTES,
+        BATCHES_TOTAL,
+        COMMITS_TOTAL,
+        SHARD_MESSAGES_TOTAL,
+        GENERATIONS_SEALED_TOTAL,
+        GENERATIONS_MERGED_TOTAL,
+        GENERATIONS_DROPPED_TOTAL,
+        COMMIT_DURATION_MAX_SECONDS,
+        BATCH_DURATION_MAX_SECONDS,
+        COMMIT_DURATION_SECONDS,
+        BATCH_DURATION_SECONDS,
+        DISK_BYTES,
+        READY,
+        HTTP_REQUESTS_WAITING,
+        HTTP_INGEST_DURATION_SECONDS,
+        KAFKA_CONSUMER_LAG,
+        KAFKA_MESSAGES_TOTAL,
+        OUTBOX_RELAY_LAG_ROWS,
+        OUTBOX_RELAY_LAG_SECONDS,
+    ];
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metric;
+
+    #[test]
+    fn metric_names_are_prefixed_snake_case_and_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for name in metric::ALL {
+            assert!(name.starts_with("dedupd_"), "{name}");
+            assert!(
+                name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{name}"
+            );
+            assert!(seen.insert(name), "{name} is listed twice");
+        }
+    }
 }

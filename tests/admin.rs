@@ -930,6 +930,29 @@ async fn metrics_are_prometheus_text() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn every_exported_metric_name_is_listed_in_telemetry() {
+    let api = Api::open();
+    api.ingest("listed", Some("a"), "{}").await;
+    let r = api.call("GET", "/metrics", None).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let mut seen = 0;
+    for line in r.text.lines().filter(|l| l.starts_with("dedupd_")) {
+        let family = line.split(['{', ' ']).next().unwrap();
+        let name = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| family.strip_suffix(s))
+            .filter(|base| dedupd::telemetry::metric::ALL.contains(base))
+            .unwrap_or(family);
+        assert!(
+            dedupd::telemetry::metric::ALL.contains(&name),
+            "{name} is exported but not a constant in telemetry::metric"
+        );
+        seen += 1;
+    }
+    assert!(seen > 20, "too few metrics in:\n{}", r.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn dashboard_assets_are_served_without_external_references() {
     let api = Api::open();
     for (uri, kind) in [

@@ -78,6 +78,23 @@ impl HttpConfig {
     /// names). Refuses a non-loopback `bind` without a token: the API can forget claims and
     /// replace handlers, so it is never open to the network.
     pub fn resolve_token(&self) -> Result<Option<String>, ConfigError> {
+        self.check_limits()?;
+        self.check_allowed_hosts()?;
+        let token = self.token()?;
+        if token.is_none() && !self.bind.ip().is_loopback() {
+            return Err(invalid(
+                "bind",
+                format!(
+                    "is {}, not a loopback address, and no token is configured: set http.token_env (or bind 127.0.0.1)",
+                    self.bind
+                ),
+            ));
+        }
+        Ok(token)
+    }
+
+    /// Size, concurrency and time limits within their ranges.
+    fn check_limits(&self) -> Result<(), ConfigError> {
         if self.max_body_bytes == 0 || self.max_body_bytes > 256 << 20 {
             return Err(invalid("max_body_bytes", "must be between 1 and 268435456"));
         }
@@ -102,6 +119,11 @@ impl HttpConfig {
                 return Err(invalid(field, "must be between 1ms and 1h"));
             }
         }
+        Ok(())
+    }
+
+    /// Every `allowed_hosts` entry is a bare host name or IP address.
+    fn check_allowed_hosts(&self) -> Result<(), ConfigError> {
         for host in &self.allowed_hosts {
             let bare = host.trim_start_matches('[').trim_end_matches(']');
             let name = !host.is_empty()
@@ -119,6 +141,11 @@ impl HttpConfig {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// The token from `token` or the variable `token_env` names (not both), if usable.
+    fn token(&self) -> Result<Option<String>, ConfigError> {
         let token = match (&self.token, &self.token_env) {
             (Some(_), Some(_)) => {
                 return Err(invalid(
@@ -145,15 +172,6 @@ impl HttpConfig {
             if !t.bytes().all(|b| b.is_ascii_graphic()) {
                 return Err(invalid("token", "must be printable ASCII without spaces"));
             }
-        }
-        if token.is_none() && !self.bind.ip().is_loopback() {
-            return Err(invalid(
-                "bind",
-                format!(
-                    "is {}, not a loopback address, and no token is configured: set http.token_env (or bind 127.0.0.1)",
-                    self.bind
-                ),
-            ));
         }
         Ok(token)
     }

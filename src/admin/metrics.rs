@@ -1,6 +1,7 @@
 //! `/metrics`: Prometheus text. One process-wide `metrics-exporter-prometheus` recorder
 //! serves every `metrics` facade user (ingest latency here, Kafka lag elsewhere); at scrape
 //! time the engine's own counters (per subscriber, per shard, storage) are copied in.
+//! Every name is a constant in [`crate::telemetry::metric`].
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::OnceLock;
@@ -12,6 +13,8 @@ use metrics::{counter, gauge};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use super::{AdminState, ApiError};
+use crate::ledger::{ShardMetrics, SubscriberCounters, SubscriberReport};
+use crate::telemetry::metric;
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -41,82 +44,93 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
     let ledger = st.ledger();
     let report = ledger.report()?;
     for sub in ledger.subscribers() {
-        let c = &sub.counters;
-        let name = sub.name.to_string();
-        counter!("dedupd_messages_processed_total", "subscriber" => name.clone())
-            .absolute(c.processed.load(Relaxed));
-        counter!("dedupd_duplicates_skipped_total", "subscriber" => name.clone())
-            .absolute(c.duplicates.load(Relaxed));
-        counter!("dedupd_quarantined_total", "subscriber" => name.clone())
-            .absolute(c.quarantined.load(Relaxed));
-        counter!("dedupd_dead_lettered_total", "subscriber" => name.clone())
-            .absolute(c.dead_lettered.load(Relaxed));
-        counter!("dedupd_handler_retries_total", "subscriber" => name.clone())
-            .absolute(c.retries.load(Relaxed));
-        counter!("dedupd_sliding_refreshes_total", "subscriber" => name.clone())
-            .absolute(c.sliding_refreshes.load(Relaxed));
-        for (kind, dropped) in [
-            ("quarantine", &c.quarantine_records_dropped),
-            ("dead_letter", &c.dead_letter_records_dropped),
-        ] {
-            for (reason, n) in [("retention", &dropped.expired), ("cap", &dropped.evicted)] {
-                counter!("dedupd_records_dropped_total", "subscriber" => name.clone(),
-                    "kind" => kind, "reason" => reason)
-                .absolute(n.load(Relaxed));
-            }
-        }
-        for (kind, n) in c.handler_failures_by_kind() {
-            counter!("dedupd_handler_failures_total", "subscriber" => name.clone(), "kind" => kind)
-                .absolute(n);
-        }
-        let probes = c.filter_probes.load(Relaxed);
-        let fps = c.filter_false_positives.load(Relaxed);
-        counter!("dedupd_filter_probes_total", "subscriber" => name.clone()).absolute(probes);
-        counter!("dedupd_filter_false_positives_total", "subscriber" => name.clone()).absolute(fps);
-        gauge!("dedupd_filter_false_positive_ratio", "subscriber" => name.clone()).set(
-            if probes == 0 {
-                0.0
-            } else {
-                fps as f64 / probes as f64
-            },
-        );
+        sample_counters(&sub.name, &sub.counters);
     }
     for row in &report.subscribers {
-        let name = row.subscriber.clone();
-        gauge!("dedupd_claims_stored", "subscriber" => name.clone()).set(row.claims as f64);
-        gauge!("dedupd_active_claims", "subscriber" => name.clone()).set(row.active_claims as f64);
-        gauge!("dedupd_sealed_generations", "subscriber" => name.clone())
-            .set(row.sealed_generations as f64);
-        gauge!("dedupd_quarantine_records", "subscriber" => name.clone())
-            .set(row.quarantine_records as f64);
-        gauge!("dedupd_dead_letter_records", "subscriber" => name.clone())
-            .set(row.dead_letter_records as f64);
-        gauge!("dedupd_filter_memory_bytes", "subscriber" => name.clone())
-            .set(row.filter_bytes as f64);
-        gauge!("dedupd_index_memory_bytes", "subscriber" => name).set(row.index_bytes as f64);
+        sample_storage(row);
     }
-    gauge!("dedupd_disk_bytes").set(report.file_bytes as f64);
+    gauge!(metric::DISK_BYTES).set(report.file_bytes as f64);
     for (i, m) in ledger.metrics().iter().enumerate() {
-        let shard = i.to_string();
-        counter!("dedupd_batches_total", "shard" => shard.clone()).absolute(m.batches);
-        counter!("dedupd_commits_total", "shard" => shard.clone()).absolute(m.commits);
-        counter!("dedupd_shard_messages_total", "shard" => shard.clone()).absolute(m.messages);
-        counter!("dedupd_generations_sealed_total", "shard" => shard.clone()).absolute(m.seals);
-        counter!("dedupd_generations_merged_total", "shard" => shard.clone()).absolute(m.merges);
-        counter!("dedupd_generations_dropped_total", "shard" => shard.clone())
-            .absolute(m.dropped_generations);
-        gauge!("dedupd_commit_duration_max_seconds", "shard" => shard.clone())
-            .set(m.max_commit_us as f64 / 1e6);
-        gauge!("dedupd_batch_duration_max_seconds", "shard" => shard)
-            .set(m.max_batch_us_plain.max(m.max_batch_us_maintenance) as f64 / 1e6);
+        sample_shard(i, m);
     }
-    gauge!("dedupd_http_requests_waiting").set(st.ingest().waiting() as f64);
-    gauge!("dedupd_ready").set(if ledger.poison_reason().is_none() {
+    gauge!(metric::HTTP_REQUESTS_WAITING).set(st.ingest().waiting() as f64);
+    gauge!(metric::READY).set(if ledger.poison_reason().is_none() {
         1.0
     } else {
         0.0
     });
     Ok(())
+}
+
+/// One subscriber's live counters.
+fn sample_counters(name: &str, c: &SubscriberCounters) {
+    let name = name.to_string();
+    counter!(metric::MESSAGES_PROCESSED_TOTAL, "subscriber" => name.clone())
+        .absolute(c.processed.load(Relaxed));
+    counter!(metric::DUPLICATES_SKIPPED_TOTAL, "subscriber" => name.clone())
+        .absolute(c.duplicates.load(Relaxed));
+    counter!(metric::QUARANTINED_TOTAL, "subscriber" => name.clone())
+        .absolute(c.quarantined.load(Relaxed));
+    counter!(metric::DEAD_LETTERED_TOTAL, "subscriber" => name.clone())
+        .absolute(c.dead_lettered.load(Relaxed));
+    counter!(metric::HANDLER_RETRIES_TOTAL, "subscriber" => name.clone())
+        .absolute(c.retries.load(Relaxed));
+    counter!(metric::SLIDING_REFRESHES_TOTAL, "subscriber" => name.clone())
+        .absolute(c.sliding_refreshes.load(Relaxed));
+    for (kind, dropped) in [
+        ("quarantine", &c.quarantine_records_dropped),
+        ("dead_letter", &c.dead_letter_records_dropped),
+    ] {
+        for (reason, n) in [("retention", &dropped.expired), ("cap", &dropped.evicted)] {
+            counter!(metric::RECORDS_DROPPED_TOTAL, "subscriber" => name.clone(),
+                "kind" => kind, "reason" => reason)
+            .absolute(n.load(Relaxed));
+        }
+    }
+    for (kind, n) in c.handler_failures_by_kind() {
+        counter!(metric::HANDLER_FAILURES_TOTAL, "subscriber" => name.clone(), "kind" => kind)
+            .absolute(n);
+    }
+    let probes = c.filter_probes.load(Relaxed);
+    let fps = c.filter_false_positives.load(Relaxed);
+    counter!(metric::FILTER_PROBES_TOTAL, "subscriber" => name.clone()).absolute(probes);
+    counter!(metric::FILTER_FALSE_POSITIVES_TOTAL, "subscriber" => name.clone()).absolute(fps);
+    gauge!(metric::FILTER_FALSE_POSITIVE_RATIO, "subscriber" => name.clone()).set(if probes == 0 {
+        0.0
+    } else {
+        fps as f64 / probes as f64
+    });
+}
+
+/// One subscriber's stored claims, records and memory.
+fn sample_storage(row: &SubscriberReport) {
+    let name = row.subscriber.clone();
+    gauge!(metric::CLAIMS_STORED, "subscriber" => name.clone()).set(row.claims as f64);
+    gauge!(metric::ACTIVE_CLAIMS, "subscriber" => name.clone()).set(row.active_claims as f64);
+    gauge!(metric::SEALED_GENERATIONS, "subscriber" => name.clone())
+        .set(row.sealed_generations as f64);
+    gauge!(metric::QUARANTINE_RECORDS, "subscriber" => name.clone())
+        .set(row.quarantine_records as f64);
+    gauge!(metric::DEAD_LETTER_RECORDS, "subscriber" => name.clone())
+        .set(row.dead_letter_records as f64);
+    gauge!(metric::FILTER_MEMORY_BYTES, "subscriber" => name.clone()).set(row.filter_bytes as f64);
+    gauge!(metric::INDEX_MEMORY_BYTES, "subscriber" => name).set(row.index_bytes as f64);
+}
+
+/// One shard's batch and commit figures.
+fn sample_shard(i: usize, m: &ShardMetrics) {
+    let shard = i.to_string();
+    counter!(metric::BATCHES_TOTAL, "shard" => shard.clone()).absolute(m.batches);
+    counter!(metric::COMMITS_TOTAL, "shard" => shard.clone()).absolute(m.commits);
+    counter!(metric::SHARD_MESSAGES_TOTAL, "shard" => shard.clone()).absolute(m.messages);
+    counter!(metric::GENERATIONS_SEALED_TOTAL, "shard" => shard.clone()).absolute(m.seals);
+    counter!(metric::GENERATIONS_MERGED_TOTAL, "shard" => shard.clone()).absolute(m.merges);
+    counter!(metric::GENERATIONS_DROPPED_TOTAL, "shard" => shard.clone())
+        .absolute(m.dropped_generations);
+    gauge!(metric::COMMIT_DURATION_MAX_SECONDS, "shard" => shard.clone())
+        .set(m.max_commit_us as f64 / 1e6);
+    gauge!(metric::BATCH_DURATION_MAX_SECONDS, "shard" => shard)
+        .set(m.max_batch_us_plain.max(m.max_batch_us_maintenance) as f64 / 1e6);
 }
 
 pub(super) async fn render(State(st): State<AdminState>) -> Result<impl IntoResponse, ApiError> {
@@ -143,6 +157,5 @@ pub(super) async fn render(State(st): State<AdminState>) -> Result<impl IntoResp
 
 /// Records one ingest request's latency, by outcome.
 pub(super) fn observe_ingest(outcome: &'static str, seconds: f64) {
-    metrics::histogram!("dedupd_http_ingest_duration_seconds", "outcome" => outcome)
-        .record(seconds);
+    metrics::histogram!(metric::HTTP_INGEST_DURATION_SECONDS, "outcome" => outcome).record(seconds);
 }

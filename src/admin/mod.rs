@@ -15,34 +15,38 @@
 //!
 //! Nothing here blocks the async runtime: ledger calls that wait for a shard or for disk
 //! run on `spawn_blocking`, and ingest goes through [`ingest::Ingest`].
+//!
+//! Layout: `routes/` (the [`router`] and one file per resource), `guard` (what every
+//! request passes first), `error` ([`ApiError`] and its statuses), [`ingest`] (requests
+//! to shard threads and durable outcomes back), `uploads` (the uploaded handler
+//! components on disk), `audit`, `metrics` (`/metrics`), `openapi`, `config`
+//! (`[http]`). What a request means as a message is `crate::source::http`.
 
 mod audit;
 mod config;
 mod error;
 mod guard;
-mod handlers;
 pub mod ingest;
 mod metrics;
 mod openapi;
 mod routes;
+mod uploads;
 
 use std::future::Future;
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, FromRequestParts};
-use axum::handler::Handler;
+use axum::extract::FromRequestParts;
 use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
 use axum::http::HeaderMap;
-use axum::routing::{get, post};
-use axum::Router;
 use subtle::ConstantTimeEq;
 
 pub use audit::Audit;
 pub use config::HttpConfig;
 pub use error::ApiError;
-pub use handlers::{HandlerInfo, HandlerStore, UploadError};
 pub use openapi::{openapi, ROUTES};
+pub use routes::router;
+pub use uploads::{HandlerInfo, UploadError, UploadStore};
 
 use crate::config::Config;
 use crate::ledger::Ledger;
@@ -58,7 +62,7 @@ struct Inner {
     token: Option<String>,
     http: HttpConfig,
     audit: Audit,
-    handlers: HandlerStore,
+    uploads: UploadStore,
     hosts: guard::HostPolicy,
     admission: guard::Admission,
 }
@@ -78,8 +82,8 @@ impl AdminState {
         for sub in &config.subscribers {
             ledger.subscriber(&sub.name)?;
         }
-        let handlers = HandlerStore::new(ledger.data_dir());
-        handlers.install_all(&ledger)?;
+        let uploads = UploadStore::new(ledger.data_dir());
+        uploads.install_all(&ledger)?;
         let audit = Audit::new(ledger.data_dir().join("audit.jsonl"));
         let ingest = Ingest::start(ledger)?;
         metrics::install();
@@ -90,7 +94,7 @@ impl AdminState {
             admission: guard::Admission::new(&http),
             http,
             audit,
-            handlers,
+            uploads,
         })))
     }
 
@@ -176,70 +180,6 @@ fn check_token(headers: &HeaderMap, token: Option<&str>) -> Result<Authorized, A
     } else {
         Err(ApiError::Forbidden)
     }
-}
-
-/// The whole API. Routes are listed in [`ROUTES`] (and so in `/openapi.json`).
-pub fn router(state: AdminState) -> Router {
-    use routes::*;
-    let upload_limit = state.0.http.max_handler_bytes;
-    let body_limit = state.0.http.max_body_bytes;
-    Router::new()
-        .route("/", get(dashboard_html))
-        .route("/assets/app.js", get(dashboard_js))
-        .route("/assets/app.css", get(dashboard_css))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics::render))
-        .route("/openapi.json", get(openapi_json))
-        .route("/v1/subscribers", get(list_subscribers))
-        .route("/v1/subscribers/{s}", get(get_subscriber))
-        .route(
-            "/v1/subscribers/{s}/config",
-            get(get_config).put(put_config),
-        )
-        .route("/v1/subscribers/{s}/stats", get(get_stats))
-        .route("/v1/subscribers/{s}/messages", post(ingest_message))
-        .route(
-            "/v1/subscribers/{s}/messages/{id}",
-            get(get_claim).delete(forget_claim),
-        )
-        .route("/v1/subscribers/{s}/quarantine", get(list_quarantine))
-        .route(
-            "/v1/subscribers/{s}/quarantine/{rid}",
-            get(get_quarantine).delete(discard_quarantine),
-        )
-        .route(
-            "/v1/subscribers/{s}/quarantine/{rid}/replay",
-            post(replay_quarantine),
-        )
-        .route("/v1/subscribers/{s}/deadletters", get(list_deadletters))
-        .route(
-            "/v1/subscribers/{s}/deadletters/{rid}",
-            get(get_deadletter).delete(discard_deadletter),
-        )
-        .route(
-            "/v1/subscribers/{s}/deadletters/{rid}/replay",
-            post(replay_deadletter),
-        )
-        .route(
-            "/v1/subscribers/{s}/handler",
-            get(get_handler).put(upload_handler.layer(DefaultBodyLimit::max(upload_limit))),
-        )
-        .route(
-            "/v1/subscribers/{s}/handler/rollback",
-            post(rollback_handler),
-        )
-        .route("/v1/maintenance/compact", post(compact))
-        .route("/v1/maintenance/backup", post(backup))
-        .route("/v1/audit", get(audit_log))
-        .fallback(no_route)
-        .method_not_allowed_fallback(wrong_method)
-        .layer(DefaultBodyLimit::max(body_limit))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            guard::guard,
-        ))
-        .with_state(state)
 }
 
 /// Runs the API on `listener` until `shutdown` completes, then finishes the requests in

@@ -5,12 +5,13 @@
 //! them (and for the replay of stored records):
 //!
 //! - pipe mode (stdin JSON lines): [`stdin`];
-//! - HTTP ingest (`POST /v1/subscribers/{s}/messages`): `crate::admin` (the only user of
-//!   axum);
+//! - HTTP ingest (`POST /v1/subscribers/{s}/messages`): [`http`] reads a request as a
+//!   delivery; the route itself is in `crate::admin` (the only user of axum);
 //! - Kafka: [`kafka`] (the only importer of rdkafka);
 //! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
 
 pub mod delivery;
 pub mod generator;
+pub mod http;
 pub mod kafka;
 pub mod stdin;

@@ -49,7 +49,7 @@ impl Shard {
         if did {
             self.write_counters(&txn)?;
             txn.commit().map_err(|e| self.err(e))?;
-            metrics::histogram!("dedupd_commit_duration_seconds", "shard" => self.ctx.index.to_string())
+            metrics::histogram!(crate::telemetry::metric::COMMIT_DURATION_SECONDS, "shard" => self.ctx.index.to_string())
                 .record(started.elapsed().as_secs_f64());
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
             m.commits += 1;

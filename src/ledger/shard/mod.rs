@@ -439,7 +439,7 @@ impl Shard {
             Ok(decisions) => self.follow_decisions(&mut jobs, decisions),
             Err(e) => self.fail_all(&mut jobs, &e),
         }
-        metrics::histogram!("dedupd_batch_duration_seconds", "shard" => self.ctx.index.to_string())
+        metrics::histogram!(crate::telemetry::metric::BATCH_DURATION_SECONDS, "shard" => self.ctx.index.to_string())
             .record(elapsed as f64 / 1e6);
         {
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());

@@ -21,7 +21,7 @@ impl Shard {
         let started = Instant::now();
         txn.commit().map_err(|e| self.err(e))?;
         let took = started.elapsed();
-        metrics::histogram!("dedupd_commit_duration_seconds", "shard" => self.ctx.index.to_string())
+        metrics::histogram!(crate::telemetry::metric::COMMIT_DURATION_SECONDS, "shard" => self.ctx.index.to_string())
             .record(took.as_secs_f64());
         self.ctx
             .metrics

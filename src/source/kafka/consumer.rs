@@ -156,7 +156,7 @@ impl ClientContext for WorkerContext {
                     continue;
                 }
                 metrics::gauge!(
-                    "dedupd_kafka_consumer_lag",
+                    crate::telemetry::metric::KAFKA_CONSUMER_LAG,
                     "topic" => topic.clone(),
                     "partition" => partition.to_string()
                 )
@@ -421,7 +421,8 @@ impl Worker {
         reason: String,
     ) {
         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("dedupd_kafka_messages_total", "outcome" => "rejected").increment(1);
+        metrics::counter!(crate::telemetry::metric::KAFKA_MESSAGES_TOTAL, "outcome" => "rejected")
+            .increment(1);
         let Some(p) = self.parts.get_mut(&slot) else {
             return;
         };
@@ -628,7 +629,7 @@ impl Worker {
         {
             if counts[i] > 0 {
                 counter.fetch_add(counts[i], Ordering::Relaxed);
-                metrics::counter!("dedupd_kafka_messages_total", "outcome" => name)
+                metrics::counter!(crate::telemetry::metric::KAFKA_MESSAGES_TOTAL, "outcome" => name)
                     .increment(counts[i]);
             }
         }

@@ -78,8 +78,8 @@ pub fn run_relay(
             .outbox_pending(batch)
             .map_err(|e| KafkaError::Ledger(e.to_string()))?;
         let oldest = rows.iter().map(|r| r.written_at_ms).min();
-        metrics::gauge!("dedupd_outbox_relay_lag_rows").set(rows.len() as f64);
-        metrics::gauge!("dedupd_outbox_relay_lag_seconds").set(
+        metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_ROWS).set(rows.len() as f64);
+        metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_SECONDS).set(
             oldest
                 .map(|t| now_ms().saturating_sub(t) as f64 / 1000.0)
                 .unwrap_or(0.0),

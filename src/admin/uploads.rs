@@ -41,9 +41,9 @@ pub struct HandlerInfo {
     pub previous: Option<String>,
 }
 
-/// Handler files under a data directory.
+/// The uploaded handler components of every subscriber, under `DATA_DIR/handlers/`.
 #[derive(Debug, Clone)]
-pub struct HandlerStore {
+pub struct UploadStore {
     root: PathBuf,
 }
 
@@ -51,9 +51,9 @@ fn valid_version(v: &str) -> bool {
     v.len() == 16 && v.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-impl HandlerStore {
-    pub fn new(data_dir: &Path) -> HandlerStore {
-        HandlerStore {
+impl UploadStore {
+    pub fn new(data_dir: &Path) -> UploadStore {
+        UploadStore {
             root: data_dir.join("handlers"),
         }
     }

@@ -1,0 +1,159 @@
+//! `POST /v1/subscribers/{s}/messages`: the HTTP source's route. It takes the request
+//! apart for [`crate::source::http`] (which reads it as a delivery), routes the delivery
+//! with [`envelope`], waits for the durable outcome through [`crate::admin::ingest`], and
+//! answers with `Idempotency-Key` semantics: 201 once processed, the same 201 with
+//! `Idempotent-Replayed: true` for a duplicate, 409 while the same key is in flight, 422
+//! for the key reused with another payload.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+
+use super::{body, check_name, now_ms, path, ApiResult};
+use crate::admin::ingest::StartError;
+use crate::admin::{guard, metrics, AdminState, ApiError};
+use crate::envelope::IdempotencyKey;
+use crate::ledger::{Job, Outcome, Subscriber};
+use crate::source::delivery::{envelope, EnvelopeError, Routed};
+use crate::source::http::{self, Message, IDEMPOTENCY_KEY, PARTITION_KEY};
+
+/// Set on a response that replays the stored outcome of an earlier request.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// What a processed message's response says; a replay repeats it from the claim.
+#[derive(Debug, Serialize)]
+struct Processed<'a> {
+    subscriber: &'a str,
+    key: &'a str,
+    outcome: &'static str,
+    fingerprint: String,
+}
+
+/// `POST /v1/subscribers/{s}/messages`: the body is the payload. The key is the
+/// `Idempotency-Key` header, or (without it) whatever the subscriber's key source names in
+/// the body. Answers once the outcome is durable.
+pub async fn ingest_message(
+    State(st): State<AdminState>,
+    p: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> ApiResult<Response> {
+    let started = Instant::now();
+    let name = path(p)?;
+    let body = body(b, st.0.http.max_body_bytes)?;
+    check_name(&name)?;
+    let sub = st.ledger().subscriber(&name)?;
+    let message = read_message(&headers, &body, sub.clone())?;
+    let Routed { job, shard, .. } = route(&st, message)?;
+    let key = IdempotencyKey {
+        text: job.id.to_string(),
+        hash: job.key,
+    };
+    let fingerprint = job.fingerprint;
+    let outcome = submit(&st, &sub, job, shard).await?;
+    metrics::observe_ingest(outcome.name(), started.elapsed().as_secs_f64());
+    answer(&sub, &key, fingerprint, outcome)
+}
+
+/// The request as the HTTP source reads it (400 naming the header or `body` at fault).
+fn read_message(headers: &HeaderMap, body: &[u8], sub: Arc<Subscriber>) -> ApiResult<Message> {
+    let pairs: Vec<(&str, Option<&str>)> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.to_str().ok()))
+        .collect();
+    let media_type = guard::media_type(headers);
+    let request = http::Request {
+        headers: &pairs,
+        media_type: media_type.as_deref(),
+        body,
+        received_at_ms: now_ms(),
+    };
+    http::message(&request, sub).map_err(|e| ApiError::bad(e.field(), e.to_string()))
+}
+
+/// Keys, fingerprints and routes the message as every source does.
+fn route(st: &AdminState, message: Message) -> ApiResult<Routed> {
+    let Message { delivery, given } = message;
+    let keying = http::keying(given.as_ref());
+    envelope(st.ledger(), delivery, keying, st.ingest().ack_sender()).map_err(|e| match e {
+        EnvelopeError::Key { error, .. } => ApiError::bad(
+            IDEMPOTENCY_KEY,
+            format!("missing idempotency key: send an `Idempotency-Key` header ({error})"),
+        ),
+        EnvelopeError::Entity { error, .. } => ApiError::bad(PARTITION_KEY, error.to_string()),
+        EnvelopeError::Subscriber(e) => e.into(),
+    })
+}
+
+/// Marks the job's key in flight (409 when it already is), hands it to its shard and waits
+/// for its durable outcome.
+async fn submit(
+    st: &AdminState,
+    sub: &Subscriber,
+    mut job: Job,
+    shard: usize,
+) -> ApiResult<Outcome> {
+    let ingest = st.ingest();
+    let (seq, outcome) = match ingest.register(Some((sub.id, job.key))) {
+        Ok(r) => r,
+        Err(StartError::InFlight) => {
+            return Err(ApiError::Conflict(
+                "a request with this Idempotency-Key is still being processed; retry later".into(),
+            ))
+        }
+        Err(StartError::Stopped) => return Err(ApiError::Unavailable("shutting down".into())),
+    };
+    job.seq = seq;
+    ingest
+        .send(shard, job)
+        .map_err(|_| ApiError::Unavailable("shutting down".into()))?;
+    outcome
+        .await
+        .map_err(|_| ApiError::Unavailable("the engine stopped before deciding".into()))
+}
+
+/// The response to a durable outcome.
+fn answer(
+    sub: &Subscriber,
+    key: &IdempotencyKey,
+    fingerprint: u64,
+    outcome: Outcome,
+) -> ApiResult<Response> {
+    let reply = Processed {
+        subscriber: &sub.name,
+        key: &key.text,
+        outcome: "processed",
+        fingerprint: format!("{fingerprint:016x}"),
+    };
+    match outcome {
+        Outcome::Processed => Ok((StatusCode::CREATED, Json(reply)).into_response()),
+        Outcome::Duplicate => {
+            // Same key, same fingerprint: the stored response again (IETF draft, Stripe).
+            let mut resp = (StatusCode::CREATED, Json(reply)).into_response();
+            resp.headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            Ok(resp)
+        }
+        Outcome::Quarantined { stored_fingerprint } => Err(ApiError::Unprocessable(format!(
+            "Idempotency-Key {:?} was used before with another payload (stored fingerprint {stored_fingerprint:016x}, this one {fingerprint:016x}); the request is quarantined",
+            key.text
+        ))),
+        Outcome::DeadLettered { .. } => Err(ApiError::HandlerFailed(
+            "the handler failed and the message was dead-lettered; see GET /v1/subscribers/{s}/deadletters".into(),
+        )),
+        Outcome::Rejected { reason } => Err(ApiError::bad("body", reason)),
+        Outcome::Failed { reason } => {
+            tracing::error!(%reason, "ingest: the ledger failed");
+            Err(ApiError::Unavailable(
+                "the engine stopped after a storage error; nothing was acknowledged".into(),
+            ))
+        }
+    }
+}

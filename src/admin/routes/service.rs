@@ -1,0 +1,69 @@
+//! The service itself: liveness, readiness, the dashboard's page, script and style,
+//! `/openapi.json`, and the JSON answers for an unknown route (404) or method (405).
+
+use axum::extract::State;
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::response::{Html, IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::ApiResult;
+use crate::admin::{AdminState, ApiError};
+
+pub async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Value>> {
+    // Ledger::open returns only after filters are loaded and logs replayed (I5); what can
+    // change afterwards is a storage error (I4).
+    if let Some(reason) = st.ledger().poison_reason() {
+        tracing::warn!(%reason, "readyz: the ledger is stopped");
+        return Err(ApiError::Unavailable(
+            "the engine stopped after a storage error; see its log".into(),
+        ));
+    }
+    Ok(Json(json!({
+        "status": "ready",
+        "shards": st.ledger().shard_count(),
+        "subscribers": st.ledger().subscribers().len(),
+    })))
+}
+
+pub async fn dashboard_html() -> Html<&'static str> {
+    Html(include_str!("../assets/index.html"))
+}
+
+pub async fn dashboard_js() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        include_str!("../assets/app.js"),
+    )
+}
+
+pub async fn dashboard_css() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        include_str!("../assets/app.css"),
+    )
+}
+
+pub async fn openapi_json() -> Json<Value> {
+    Json(crate::admin::openapi())
+}
+
+/// 405 with a JSON body, like every other error.
+pub async fn wrong_method(method: Method, uri: Uri) -> Response {
+    let body = json!({
+        "error": "method_not_allowed",
+        "message": format!("{} does not take {method}; /openapi.json lists its methods", uri.path()),
+    });
+    (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
+}
+
+pub async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::NotFound(format!(
+        "no route {method} {}; /openapi.json lists them",
+        uri.path()
+    ))
+}

@@ -1,0 +1,245 @@
+//! Subscribers: the list with their stats, one subscriber (settings, stats, handler), its
+//! settings (read, and changed at runtime), and its stats alone.
+
+use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+
+use super::uploads::upload_error;
+use super::{audit, blocking, check_name, known, path, ApiResult};
+use crate::admin::{AdminState, ApiError};
+use crate::config::{Config, ConfigError, SubscriberConfig, SubscriberSettings};
+use crate::ledger::{LedgerReport, Subscriber};
+use crate::pipeline::limits_of;
+
+/// Counters and storage figures of one subscriber.
+#[derive(Debug, Serialize, Deserialize, Default, Clone, PartialEq)]
+pub struct Stats {
+    pub subscriber: String,
+    pub processed: u64,
+    pub duplicates: u64,
+    pub quarantined: u64,
+    pub dead_lettered: u64,
+    pub retries: u64,
+    pub sliding_refreshes: u64,
+    pub claims_stored: u64,
+    pub active_claims: u64,
+    pub generations: u64,
+    pub quarantine_stored: u64,
+    pub dead_letters_stored: u64,
+    pub filter_probes: u64,
+    pub filter_false_positives: u64,
+    pub filter_false_positive_rate: f64,
+    pub filter_bytes: u64,
+    pub index_bytes: u64,
+    /// Bytes of the whole data directory (shards are shared by all subscribers).
+    pub data_dir_bytes: u64,
+}
+
+fn stats_of(sub: &Subscriber, report: &LedgerReport) -> Stats {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = &sub.counters;
+    let row = report
+        .subscribers
+        .iter()
+        .find(|r| r.subscriber == *sub.name)
+        .cloned()
+        .unwrap_or_default();
+    let probes = c.filter_probes.load(Relaxed);
+    let fps = c.filter_false_positives.load(Relaxed);
+    Stats {
+        subscriber: sub.name.to_string(),
+        processed: c.processed.load(Relaxed),
+        duplicates: c.duplicates.load(Relaxed),
+        quarantined: c.quarantined.load(Relaxed),
+        dead_lettered: c.dead_lettered.load(Relaxed),
+        retries: c.retries.load(Relaxed),
+        sliding_refreshes: c.sliding_refreshes.load(Relaxed),
+        claims_stored: row.claims,
+        active_claims: row.active_claims,
+        generations: row.sealed_generations + u64::from(row.active_claims > 0),
+        quarantine_stored: row.quarantine_records,
+        dead_letters_stored: row.dead_letter_records,
+        filter_probes: probes,
+        filter_false_positives: fps,
+        filter_false_positive_rate: if probes == 0 {
+            0.0
+        } else {
+            fps as f64 / probes as f64
+        },
+        filter_bytes: row.filter_bytes,
+        index_bytes: row.index_bytes,
+        data_dir_bytes: report.file_bytes,
+    }
+}
+
+pub async fn list_subscribers(State(st): State<AdminState>) -> ApiResult<Json<Value>> {
+    let ledger = st.ledger().clone();
+    blocking(move || {
+        let report = ledger.report()?;
+        let mut subs = ledger.subscribers();
+        subs.sort_by(|a, b| a.name.cmp(&b.name));
+        let list: Vec<Stats> = subs.iter().map(|s| stats_of(s, &report)).collect();
+        Ok(Json(json!({"subscribers": list})))
+    })
+    .await
+}
+
+pub async fn get_subscriber(
+    State(st): State<AdminState>,
+    p: Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<Value>> {
+    let name = path(p)?;
+    let ledger = st.ledger().clone();
+    let sub = known(&ledger, &name)?;
+    let handler = st.0.uploads.info(&ledger, &name);
+    blocking(move || {
+        let report = ledger.report()?;
+        Ok(Json(json!({
+            "name": &*sub.name,
+            "config": &*sub.settings(),
+            "stats": stats_of(&sub, &report),
+            "handler": handler,
+        })))
+    })
+    .await
+}
+
+pub async fn get_config(
+    State(st): State<AdminState>,
+    p: Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<Value>> {
+    let name = path(p)?;
+    let sub = known(st.ledger(), &name)?;
+    let settings = sub.settings();
+    Ok(Json(json!({"subscriber": name, "config": &*settings})))
+}
+
+/// The first field of `obj` that does not parse on its own, with serde's reason.
+fn failing_field(name: &str, obj: &Map<String, Value>) -> Option<(String, String)> {
+    for (k, v) in obj {
+        let mut one = serde_json::Map::new();
+        one.insert("name".into(), Value::String(name.into()));
+        one.insert(k.clone(), v.clone());
+        if let Err(e) = serde_json::from_value::<SubscriberConfig>(Value::Object(one)) {
+            return Some((k.clone(), e.to_string()));
+        }
+    }
+    None
+}
+
+/// Merges the given fields over the subscriber's settings, validates them as the config
+/// loader would, and installs them; shards pick them up between batches.
+pub async fn put_config(
+    State(st): State<AdminState>,
+    p: Result<Path<String>, PathRejection>,
+    b: Result<Json<Value>, JsonRejection>,
+) -> ApiResult<Json<Value>> {
+    let name = path(p)?;
+    check_name(&name)?;
+    let Json(given) = b.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::TooLarge {
+                limit: st.0.http.max_body_bytes,
+            }
+        } else {
+            ApiError::bad("body", e.body_text())
+        }
+    })?;
+    let Value::Object(obj) = given else {
+        return Err(ApiError::bad("body", "must be a JSON object of settings"));
+    };
+    let patch = settings_patch(&name, &obj)?;
+    let ledger = st.ledger().clone();
+    let sub = ledger.subscriber(&name)?;
+    let settings = patch.resolve(&sub.settings());
+    check_settings(&settings)?;
+    let st2 = st.clone();
+    let name2 = name.clone();
+    let changed: Vec<String> = obj.keys().cloned().collect();
+    let limits_changed = limits_of(&sub.settings()) != limits_of(&settings);
+    blocking(move || {
+        ledger.update_settings(&name2, settings)?;
+        // A handler instance carries its limits: reload it so new ones take effect.
+        if limits_changed {
+            st2.0
+                .uploads
+                .reinstall(&ledger, &name2)
+                .map_err(upload_error)?;
+        }
+        audit(
+            &st2,
+            "config.update",
+            Some(&name2),
+            json!({"fields": changed}),
+        )?;
+        Ok(())
+    })
+    .await?;
+    let sub = known(st.ledger(), &name)?;
+    Ok(Json(
+        json!({"subscriber": name, "config": &*sub.settings()}),
+    ))
+}
+
+/// The settings `obj` gives for subscriber `name`: not the fields fixed elsewhere, each
+/// field parsing on its own (so a 400 names the first one that does not).
+fn settings_patch(name: &str, obj: &Map<String, Value>) -> ApiResult<SubscriberConfig> {
+    for (field, why) in [
+        ("name", "is taken from the path"),
+        (
+            "handler",
+            "is set by uploading a component: PUT /v1/subscribers/{s}/handler",
+        ),
+        (
+            "partition_key",
+            "is part of the on-disk layout and cannot change at runtime",
+        ),
+    ] {
+        if obj.contains_key(field) {
+            return Err(ApiError::bad(field, format!("`{field}` {why}")));
+        }
+    }
+    if let Some((field, why)) = failing_field(name, obj) {
+        return Err(ApiError::bad(field, why));
+    }
+    let mut with_name = obj.clone();
+    with_name.insert("name".into(), Value::String(name.to_string()));
+    serde_json::from_value(Value::Object(with_name))
+        .map_err(|e| ApiError::bad("body", e.to_string()))
+}
+
+/// Checks merged settings as the config loader checks `[defaults]`; a 400 names the field.
+fn check_settings(settings: &SubscriberSettings) -> ApiResult<()> {
+    let check = Config {
+        defaults: settings.clone(),
+        ..Config::default()
+    };
+    check.validate().map_err(|e| match e {
+        ConfigError::Invalid { field, problem } => {
+            let field = field
+                .strip_prefix("defaults.")
+                .unwrap_or(&field)
+                .to_string();
+            ApiError::bad(field.clone(), format!("`{field}` {problem}"))
+        }
+        other => ApiError::bad("body", other.to_string()),
+    })
+}
+
+pub async fn get_stats(
+    State(st): State<AdminState>,
+    p: Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<Stats>> {
+    let name = path(p)?;
+    let ledger = st.ledger().clone();
+    let sub = known(&ledger, &name)?;
+    blocking(move || {
+        let report = ledger.report()?;
+        Ok(Json(stats_of(&sub, &report)))
+    })
+    .await
+}
