@@ -52,6 +52,8 @@ pub struct BenchParams {
     pub partition_pointer: Option<String>,
     /// Random order ids instead of numbers in sequence (see `TrafficSpec`).
     pub random_order_ids: bool,
+    /// Released messages between two points of [`BenchReport::series`].
+    pub series_step: u64,
     #[serde(skip)]
     pub config: Config,
 }
@@ -73,23 +75,31 @@ pub struct BenchReport {
     pub p99_ack_ms: f64,
     pub max_ack_ms: f64,
     pub stored_keys: u64,
-    /// Intercept of the RSS-vs-keys line: the fixed base.
+    /// Resident memory of the empty engine: opened with the same settings, subscribers
+    /// and handler, before the first message.
     pub rss_base_bytes: u64,
+    /// Resident memory after the last outcome, before the engine closes.
     pub rss_end_bytes: u64,
     pub rss_max_bytes: u64,
-    /// Slope of the least-squares line through RSS samples taken every 250 ms once two
-    /// generations per shard exist: resident bytes added per stored key.
+    /// `(rss_end_bytes - rss_base_bytes) / stored_keys` (0 when the end is below the
+    /// base): resident bytes the run added per stored key, allocator slack included.
     pub rss_bytes_per_key: f64,
+    /// The engine's own accounting of its claim indexes (active and sealing) per stored key.
+    pub index_bytes_per_key: f64,
     /// Longest single durable commit.
     pub max_commit_ms: f64,
     /// Filters of sealed generations per stored key (the part that grows with keys).
     pub filter_bytes_per_key: f64,
     pub disk_bytes: u64,
+    /// Data directory bytes per stored claim (with a handler: claim and its state).
+    pub disk_bytes_per_key: f64,
     pub batches: u64,
     pub commits: u64,
     pub mean_batch: f64,
     pub max_batch_ms_plain: f64,
     pub max_batch_ms_with_maintenance: f64,
+    /// The longest batch of either kind.
+    pub max_batch_ms: f64,
     pub seals: u64,
     pub merges: u64,
     pub filter_probes: u64,
@@ -101,6 +111,18 @@ pub struct BenchReport {
     pub naive_batch: u64,
     pub naive_msgs_per_sec: f64,
     pub engine_over_naive: f64,
+    /// Throughput over each `series_step` released messages, in order: whether the rate
+    /// holds as the stored claims grow.
+    pub series: Vec<SeriesPoint>,
+}
+
+/// Throughput of one step of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SeriesPoint {
+    /// Messages released when the step ended.
+    pub messages: u64,
+    /// Messages per second within the step.
+    pub msgs_per_sec: f64,
 }
 
 /// Progress of a running benchmark, for the live line.
@@ -130,28 +152,15 @@ pub enum BenchError {
 struct AckerResult {
     latency: Latency,
     counts: [u64; 6],
-    /// (claims processed, RSS) every quarter second.
-    rss_samples: Vec<(u64, u64)>,
+    /// The highest RSS sampled (every quarter second).
+    rss_max: u64,
+    series: Vec<SeriesPoint>,
 }
 
-/// Least-squares line through `(keys, rss)` samples: (bytes per key, intercept).
-pub fn rss_slope(samples: &[(u64, u64)]) -> Option<(f64, f64)> {
-    if samples.len() < 4 {
-        return None;
-    }
-    let n = samples.len() as f64;
-    let mx = samples.iter().map(|s| s.0 as f64).sum::<f64>() / n;
-    let my = samples.iter().map(|s| s.1 as f64).sum::<f64>() / n;
-    let sxx: f64 = samples.iter().map(|s| (s.0 as f64 - mx).powi(2)).sum();
-    let sxy: f64 = samples
-        .iter()
-        .map(|s| (s.0 as f64 - mx) * (s.1 as f64 - my))
-        .sum();
-    if sxx <= 0.0 {
-        return None;
-    }
-    let slope = sxy / sxx;
-    Some((slope, my - slope * mx))
+/// Resident bytes per key added over a base; never negative (an end below the base, when
+/// the allocator returned memory, counts as nothing added).
+pub fn bytes_per_key(end: u64, base: u64, keys: u64) -> f64 {
+    end.saturating_sub(base) as f64 / keys.max(1) as f64
 }
 
 /// The config a run uses: the given one, with the documented partition key for handler
@@ -201,6 +210,7 @@ pub fn run(
     let data_dir = tmp.path().join("engine");
     let ledger = Ledger::open(&data_dir, &bench_config(params), Arc::new(SystemClock))?;
     let subs = bench_subscribers(&ledger, params)?;
+    let rss_base = rss_bytes();
     let spec = TrafficSpec {
         seed: params.seed,
         messages: params.messages,
@@ -211,7 +221,12 @@ pub fn run(
     };
     let live = Arc::new(Live::new(params.window.max(1)));
     let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
-    let acker = spawn_acker(live.clone(), ack_rx, std::thread::current())?;
+    let acker = spawn_acker(
+        live.clone(),
+        ack_rx,
+        std::thread::current(),
+        params.series_step.max(1),
+    )?;
     let driven = drive(&ledger, &subs, spec, &live, ack_tx, &mut progress)?;
     let elapsed = live.start.elapsed();
     let rss_end = rss_bytes();
@@ -220,9 +235,11 @@ pub fn run(
     let acked = acker
         .join()
         .map_err(|_| BenchError::Naive("acker panicked".into()))?;
-    let mut report = assemble(params, &driven, &acked, &measured, elapsed, rss_end);
+    let rss = (rss_base, rss_end);
+    let mut report = assemble(params, &driven, &acked, &measured, elapsed, rss);
     report.data_dir = data_dir;
     report.disk_bytes = crate::ledger::dir_bytes(&report.data_dir);
+    report.disk_bytes_per_key = report.disk_bytes as f64 / report.stored_keys.max(1) as f64;
     report.naive_batch = report.mean_batch.round().max(1.0) as u64;
     if params.naive_messages > 0 {
         let n = params.naive_messages;
@@ -292,6 +309,7 @@ fn spawn_acker(
     live: Arc<Live>,
     ack_rx: crossbeam_channel::Receiver<Vec<Done>>,
     generator: std::thread::Thread,
+    series_step: u64,
 ) -> Result<std::thread::JoinHandle<AckerResult>, BenchError> {
     std::thread::Builder::new()
         .name("bench-acker".into())
@@ -300,9 +318,11 @@ fn spawn_acker(
             let mut r = AckerResult {
                 latency: Latency::default(),
                 counts: [0; 6],
-                rss_samples: Vec::new(),
+                rss_max: 0,
+                series: Vec::new(),
             };
             let mut last_sample = Instant::now();
+            let mut step_start = (0u64, Duration::ZERO);
             for batch in ack_rx {
                 for d in batch {
                     let code = match d.outcome {
@@ -323,9 +343,19 @@ fn spawn_acker(
                 }
                 if last_sample.elapsed() >= Duration::from_millis(250) {
                     last_sample = Instant::now();
-                    r.rss_samples.push((r.counts[0], rss_bytes()));
+                    r.rss_max = r.rss_max.max(rss_bytes());
                 }
-                live.released.store(order.watermark(), Ordering::Release);
+                let released = order.watermark();
+                if released >= step_start.0 + series_step {
+                    let at = live.start.elapsed();
+                    let secs = (at - step_start.1).as_secs_f64().max(1e-9);
+                    r.series.push(SeriesPoint {
+                        messages: released,
+                        msgs_per_sec: (released - step_start.0) as f64 / secs,
+                    });
+                    step_start = (released, at);
+                }
+                live.released.store(released, Ordering::Release);
                 if r.latency.count().is_multiple_of(64) {
                     let p99 = (r.latency.quantile_ms(0.99) * 1000.0) as u64;
                     live.p99_us.store(p99, Ordering::Relaxed);
@@ -465,7 +495,7 @@ fn assemble(
     acked: &AckerResult,
     measured: &Measured,
     elapsed: Duration,
-    rss_end: u64,
+    (rss_base, rss_end): (u64, u64),
 ) -> BenchReport {
     let m = &measured.metrics;
     let max_ms = |f: fn(&crate::ledger::ShardMetrics) -> u64| {
@@ -474,24 +504,10 @@ fn assemble(
     let subscribers = &measured.report.subscribers;
     let stored_keys: u64 = subscribers.iter().map(|s| s.claims).sum();
     let filter_bytes: u64 = subscribers.iter().map(|s| s.filter_bytes).sum();
+    let index_bytes: u64 = subscribers.iter().map(|s| s.index_bytes).sum();
     let batches: u64 = m.iter().map(|m| m.batches).sum();
     let seq = driven.messages;
     let mean_batch = seq as f64 / batches.max(1) as f64;
-    // Fixed structures (active and sealing indexes, redb caches) peak once two
-    // generations per shard and subscriber exist; RSS growth after that is per key.
-    let warmup_keys = 2
-        * params.config.ledger.generation_max_claims.get() as u64
-        * measured.report.shards as u64
-        * params.subscribers.max(1) as u64;
-    let mut samples: Vec<(u64, u64)> = acked
-        .rss_samples
-        .iter()
-        .copied()
-        .filter(|s| s.0 >= warmup_keys)
-        .collect();
-    samples.push((acked.counts[0], rss_end));
-    let (rss_per_key, rss_base) = rss_slope(&samples).unwrap_or((f64::NAN, f64::NAN));
-    let rss_max = acked.rss_samples.iter().map(|s| s.1).max().unwrap_or(0);
     let counts = &acked.counts;
     let verified = counts[..3] == driven.expected && counts[3..].iter().all(|c| *c == 0);
     let probes = measured.filter_probes;
@@ -509,18 +525,21 @@ fn assemble(
         p99_ack_ms: acked.latency.quantile_ms(0.99),
         max_ack_ms: acked.latency.max_ms(),
         stored_keys,
-        rss_base_bytes: rss_base.max(0.0) as u64,
+        rss_base_bytes: rss_base,
         rss_end_bytes: rss_end,
-        rss_max_bytes: rss_max.max(rss_end),
+        rss_max_bytes: acked.rss_max.max(rss_end),
         max_commit_ms: max_ms(|m| m.max_commit_us),
-        rss_bytes_per_key: rss_per_key,
+        rss_bytes_per_key: bytes_per_key(rss_end, rss_base, stored_keys),
+        index_bytes_per_key: index_bytes as f64 / stored_keys.max(1) as f64,
         filter_bytes_per_key: filter_bytes as f64 / stored_keys.max(1) as f64,
         disk_bytes: 0,
+        disk_bytes_per_key: 0.0,
         batches,
         commits: m.iter().map(|m| m.commits).sum(),
         mean_batch,
         max_batch_ms_plain: max_ms(|m| m.max_batch_us_plain),
         max_batch_ms_with_maintenance: max_ms(|m| m.max_batch_us_maintenance),
+        max_batch_ms: max_ms(|m| m.max_batch_us_plain.max(m.max_batch_us_maintenance)),
         seals: m.iter().map(|m| m.seals).sum(),
         merges: m.iter().map(|m| m.merges).sum(),
         filter_probes: probes,
@@ -531,6 +550,7 @@ fn assemble(
         naive_batch: 0,
         naive_msgs_per_sec: f64::NAN,
         engine_over_naive: f64::NAN,
+        series: acked.series.clone(),
     }
 }
 
@@ -597,4 +617,54 @@ fn run_naive(
         }
     }
     Ok(done as f64 / start.elapsed().as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_per_key_is_never_negative() {
+        assert_eq!(bytes_per_key(100, 200, 10), 0.0);
+        assert_eq!(bytes_per_key(300, 100, 10), 20.0);
+        assert_eq!(bytes_per_key(300, 100, 0), 200.0);
+    }
+
+    #[test]
+    fn a_small_run_verifies_and_reports_its_series_and_per_key_figures() {
+        let tmp = tempfile::tempdir().unwrap();
+        let params = BenchParams {
+            messages: 20_000,
+            dup_rate: 0.1,
+            mismatch_rate: 0.01,
+            subscribers: 2,
+            seed: 7,
+            window: 1_024,
+            naive_messages: 500,
+            dir: tmp.path().to_path_buf(),
+            keep: false,
+            handler: None,
+            partition_pointer: None,
+            random_order_ids: false,
+            series_step: 5_000,
+            config: Config::default(),
+        };
+        let r = run(&params, |_| {}).unwrap();
+        assert!(r.verified);
+        assert_eq!(r.processed + r.duplicates + r.quarantined, 20_000);
+        // A point per 5,000 released messages (the watermark moves in batches, so a
+        // point may land a little past its multiple).
+        assert!((3..=4).contains(&r.series.len()), "{:?}", r.series);
+        assert!(r.series.windows(2).all(|w| w[0].messages < w[1].messages));
+        assert!(r
+            .series
+            .iter()
+            .all(|p| p.msgs_per_sec.is_finite() && p.msgs_per_sec > 0.0));
+        assert!(r.rss_bytes_per_key >= 0.0 && r.rss_base_bytes > 0);
+        assert_eq!(r.stored_keys, r.processed);
+        assert!(r.disk_bytes_per_key > 0.0);
+        assert!(r.index_bytes_per_key > 0.0);
+        assert!(r.max_batch_ms >= r.max_batch_ms_plain);
+        assert!(r.naive_msgs_per_sec > 0.0);
+    }
 }

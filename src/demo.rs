@@ -97,6 +97,7 @@ pub fn run(
         handler: handler.clone(),
         partition_pointer: Some("/order_id".into()),
         random_order_ids: false,
+        series_step: 1_000_000,
         config: Config::default(),
     };
     let run = bench::run(&params, progress)?;

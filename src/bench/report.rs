@@ -58,22 +58,13 @@ impl fmt::Display for BenchReport {
             r.processed, r.duplicates, r.quarantined, r.verified
         )?;
         writeln!(f, "batches  longest {:.1} ms plain, {:.1} ms with sealing/merging ({} seals, {} merges); longest commit {:.1} ms", r.max_batch_ms_plain, r.max_batch_ms_with_maintenance, r.seals, r.merges, r.max_commit_ms)?;
-        // The per-key slope needs samples past the warm-up (two generations per shard);
-        // short runs do not get there.
-        let per_key = if r.rss_bytes_per_key.is_finite() {
-            format!(
-                "{:.2} B/key RSS beyond a base of {:.1} MiB",
-                r.rss_bytes_per_key,
-                r.rss_base_bytes as f64 / 1048576.0
-            )
-        } else {
-            "RSS per key n/a (run too short to pass the warm-up of two generations per shard)"
-                .into()
-        };
         writeln!(
             f,
-            "memory   {per_key} (max RSS {:.1} MiB; {:.2} B/key in filters); {} keys",
+            "memory   {:.2} B/key RSS beyond the empty engine's {:.1} MiB (max RSS {:.1} MiB); engine's own count: {:.2} B/key in indexes, {:.2} B/key in filters; {} keys",
+            r.rss_bytes_per_key,
+            r.rss_base_bytes as f64 / 1048576.0,
             r.rss_max_bytes as f64 / 1048576.0,
+            r.index_bytes_per_key,
             r.filter_bytes_per_key,
             r.stored_keys
         )?;
@@ -81,7 +72,7 @@ impl fmt::Display for BenchReport {
             f,
             "disk     {:.1} MiB ({:.1} B/key)",
             r.disk_bytes as f64 / 1048576.0,
-            r.disk_bytes as f64 / r.stored_keys.max(1) as f64
+            r.disk_bytes_per_key
         )?;
         writeln!(
             f,

@@ -169,6 +169,13 @@ pub struct BenchArgs {
     /// handler on one shard. Ignored when --config sets a partition key.
     #[arg(long, default_value = "/order_id")]
     partition_key: String,
+    /// Also print the throughput of every `--series-step` messages, to see whether the
+    /// rate holds as claims accumulate (always in `--json`, as `series`).
+    #[arg(long)]
+    pub series: bool,
+    /// Messages per point of the series.
+    #[arg(long, default_value_t = 1_000_000)]
+    series_step: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -181,8 +188,8 @@ impl BenchArgs {
         if !(0.0..1.0).contains(&dup) || !(0.0..1.0).contains(&mismatch) || dup + mismatch >= 1.0 {
             bail!("--dup-rate and --mismatch-rate must be in [0, 1) and sum to less than 1");
         }
-        if self.messages == 0 {
-            bail!("--messages must be at least 1");
+        if self.messages == 0 || self.series_step == 0 {
+            bail!("--messages and --series-step must be at least 1");
         }
         let mut config = load_config(self.config.as_deref())?;
         if let Some(n) = self.shards {
@@ -198,6 +205,7 @@ impl BenchArgs {
             window: self.window,
             naive_messages: self.naive_messages.unwrap_or(self.messages),
             random_order_ids: self.random_order_ids,
+            series_step: self.series_step,
             dir: self.dir,
             keep: self.keep,
             partition_pointer: (self.partition_key != "none").then_some(self.partition_key),

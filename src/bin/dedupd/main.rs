@@ -120,7 +120,7 @@ fn run(command: Command) -> Result<()> {
         Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics)?,
         Command::Demo { messages, handler } => demo(messages, args::demo_handler(&handler)?)?,
         Command::Bench(args) => {
-            let json = args.json;
+            let (json, series) = (args.json, args.series);
             let params = args.params()?;
             eprintln!("{params}");
             let report = dedupd::bench::run(&params, |p| progress(&p))?;
@@ -128,6 +128,12 @@ fn run(command: Command) -> Result<()> {
             match json {
                 true => println!("{}", serde_json::to_string(&report)?),
                 false => print!("{report}"),
+            }
+            for p in report.series.iter().filter(|_| series && !json) {
+                println!(
+                    "series   {:>12} msgs  {:>10.0} msgs/s",
+                    p.messages, p.msgs_per_sec
+                );
             }
             if !report.verified {
                 bail!("outcomes did not match the generated traffic");
