@@ -14,7 +14,7 @@
 //! the data directory.
 //!
 //! Nothing here blocks the async runtime: ledger calls that wait for a shard or for disk
-//! run on `spawn_blocking`, and ingest goes through [`ingest::Ingest`].
+//! run on `spawn_blocking`, and ingest goes through [`bridge::Ingest`].
 //!
 //! Layout: `routes/` (the [`router`] and one file per resource), `guard` (what every
 //! request passes first), `error` ([`ApiError`] and its statuses), [`ingest`] (requests
@@ -26,7 +26,7 @@ mod audit;
 mod config;
 mod error;
 mod guard;
-pub mod ingest;
+pub mod bridge;
 mod metrics;
 mod openapi;
 mod routes;
@@ -50,7 +50,7 @@ pub use uploads::{HandlerInfo, UploadError, UploadStore};
 
 use crate::config::Config;
 use crate::ledger::Ledger;
-use ingest::Ingest;
+use bridge::Ingest;
 
 /// Everything the routes share. Cheap to clone.
 #[derive(Clone, Debug)]

@@ -1,6 +1,6 @@
 //! `POST /v1/subscribers/{s}/messages`: the HTTP source's route. It takes the request
 //! apart for [`crate::source::http`] (which reads it as a delivery), routes the delivery
-//! with [`envelope`], waits for the durable outcome through [`crate::admin::ingest`], and
+//! with [`envelope`], waits for the durable outcome through [`crate::admin::bridge`], and
 //! answers with `Idempotency-Key` semantics: 201 once processed, the same 201 with
 //! `Idempotent-Replayed: true` for a duplicate, 409 while the same key is in flight, 422
 //! for the key reused with another payload.
@@ -17,7 +17,7 @@ use axum::Json;
 use serde::Serialize;
 
 use super::{body, check_name, now_ms, path, ApiResult};
-use crate::admin::ingest::StartError;
+use crate::admin::bridge::StartError;
 use crate::admin::{guard, metrics, AdminState, ApiError};
 use crate::envelope::IdempotencyKey;
 use crate::ledger::{Job, Outcome, Subscriber};
