@@ -10,9 +10,10 @@ use std::sync::Arc;
 use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
+use super::datadir::MANIFEST;
 use super::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
-use super::{AckSender, Ledger, LedgerError, Placement, MANIFEST};
+use super::{AckSender, Ledger, LedgerError, Placement};
 use crate::config::SubscriberSettings;
 use crate::envelope::{key_hash, IdempotencyKey};
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
@@ -85,6 +86,27 @@ impl Ledger {
         rx.recv().map_err(|_| stopped())?
     }
 
+    /// Sends one control request to every shard, then collects the answers in shard
+    /// order. The shards work on it at the same time, each between two of its batches.
+    pub(super) fn ask_all<T>(
+        &self,
+        make: impl Fn(crossbeam_channel::Sender<Result<T, LedgerError>>) -> Control,
+    ) -> Result<Vec<T>, LedgerError> {
+        let mut replies = Vec::with_capacity(self.shards.len());
+        for shard in &self.shards {
+            let (tx, rx) = bounded(1);
+            shard
+                .tx
+                .send(ShardMsg::Control(make(tx)))
+                .map_err(|_| stopped())?;
+            replies.push(rx);
+        }
+        replies
+            .into_iter()
+            .map(|rx| rx.recv().map_err(|_| stopped())?)
+            .collect()
+    }
+
     fn record_ref(&self, id: &str) -> Result<(usize, u64), LedgerError> {
         match parse_id(id) {
             Some((shard, seq)) if shard < self.shards.len() => Ok((shard, seq)),
@@ -100,15 +122,12 @@ impl Ledger {
     pub fn forget(&self, subscriber: &str, key: u128) -> Result<bool, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
         // Every shard that holds a live copy writes its tombstone (see `placement.rs`).
-        let mut forgot = false;
-        for shard in 0..self.shards.len() {
-            forgot |= self.ask(shard, |reply| Control::Forget {
-                sub: sub.id,
-                key,
-                reply,
-            })?;
-        }
-        Ok(forgot)
+        let forgot = self.ask_all(|reply| Control::Forget {
+            sub: sub.id,
+            key,
+            reply,
+        })?;
+        Ok(forgot.into_iter().any(|f| f))
     }
 
     /// Records of one subscriber in id order (shard, then sequence), starting after
@@ -336,11 +355,11 @@ impl Ledger {
     pub fn outbox_pending(&self, limit: usize) -> Result<Vec<OutboxRow>, LedgerError> {
         let mut out = Vec::new();
         let per_shard = limit.div_ceil(self.shards.len().max(1)).max(1);
-        for shard in 0..self.shards.len() {
-            let rows = self.ask(shard, |reply| Control::OutboxPending {
-                limit: per_shard,
-                reply,
-            })?;
+        let pending = self.ask_all(|reply| Control::OutboxPending {
+            limit: per_shard,
+            reply,
+        })?;
+        for (shard, rows) in pending.into_iter().enumerate() {
             for (seq, bytes) in rows {
                 let unreadable = |e: String| {
                     LedgerError::Invalid(format!("outbox row {shard}-{seq} is unreadable: {e}"))
@@ -394,12 +413,11 @@ impl Ledger {
         std::fs::create_dir_all(dir).map_err(|e| bad(e.to_string()))?;
         let mut total = std::fs::copy(self.data_dir.join(MANIFEST), dir.join(MANIFEST))
             .map_err(|e| bad(format!("cannot copy the manifest: {e}")))?;
-        for shard in 0..self.shards.len() {
-            total += self.ask(shard, |reply| Control::Backup {
-                dest: dir.to_path_buf(),
-                reply,
-            })?;
-        }
+        let copied = self.ask_all(|reply| Control::Backup {
+            dest: dir.to_path_buf(),
+            reply,
+        })?;
+        total += copied.iter().sum::<u64>();
         Ok(total)
     }
 

@@ -11,7 +11,7 @@ impl Shard {
     pub(super) fn control(&mut self, c: Control) {
         match c {
             Control::Sync { reply } => {
-                let _ = reply.send(());
+                let _ = reply.send(Ok(()));
             }
             Control::Lookup { sub, key, reply } => {
                 let r = match &self.failed {

@@ -93,7 +93,9 @@ struct ProbeGroup {
 
 pub(crate) enum Control {
     /// Answered between two batches: a barrier (see `Ledger::prepare_placement`).
-    Sync { reply: Sender<()> },
+    Sync {
+        reply: Sender<Result<(), LedgerError>>,
+    },
     /// The newest record of the key in this shard, tombstones included.
     Lookup {
         sub: SubscriberId,
