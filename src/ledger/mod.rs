@@ -10,13 +10,11 @@
 //! (exact in-memory index + append-only log table), sealed generations (sorted tables with
 //! a static filter each), merged when small, dropped whole when every claim has expired.
 
-mod blocks;
 mod datadir;
 mod fault;
 pub mod filter;
 mod generation;
-mod handlers;
-mod marks;
+mod naive;
 mod ops;
 mod outbox;
 mod placement;
@@ -25,8 +23,8 @@ mod records;
 mod registry;
 mod report;
 mod shard;
+mod state;
 mod tables;
-mod view;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,6 +38,7 @@ use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
 pub use datadir::dir_bytes;
+pub use naive::{NaiveBaseline, NaiveError};
 pub use ops::{OutboxRow, RecordKind, StoredRecord};
 pub use placement::{entity_scope, Placement};
 pub use record::{ClaimRecord, FORMAT_VERSION};

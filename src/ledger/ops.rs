@@ -68,6 +68,57 @@ fn parse_id(id: &str) -> Option<(usize, u64)> {
     Some((shard.parse().ok()?, seq.parse().ok()?))
 }
 
+/// The delivery a stored record replays, and its stored idempotency key (`id` names the
+/// record in errors).
+fn redelivery(
+    id: &str,
+    body: &serde_json::Value,
+    sub: &Arc<super::Subscriber>,
+) -> Result<(Delivery, IdempotencyKey), LedgerError> {
+    let Some(msg_id) = body.get("id").and_then(|v| v.as_str()) else {
+        return Err(LedgerError::Invalid(format!(
+            "record {id} has no idempotency key (the input was unusable); discard it instead"
+        )));
+    };
+    let key = body
+        .get("key_hash")
+        .and_then(|v| v.as_str())
+        .and_then(|h| u128::from_str_radix(h, 16).ok())
+        .unwrap_or_else(|| key_hash(msg_id.as_bytes()));
+    let payload: Vec<u8> = match (body.get("payload"), body.get("payload_base64")) {
+        (Some(serde_json::Value::String(text)), _) => text.as_bytes().to_vec(),
+        (_, Some(serde_json::Value::String(b64))) => {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| LedgerError::Invalid(format!("record {id}: bad payload: {e}")))?
+        }
+        _ => {
+            return Err(LedgerError::Invalid(format!(
+                "record {id} keeps no payload; it cannot be replayed"
+            )))
+        }
+    };
+    let delivery = Delivery {
+        id: Some(msg_id.to_string()),
+        key: body.get("key").and_then(|k| k.as_str()).map(String::from),
+        headers: body
+            .get("headers")
+            .and_then(|h| serde_json::from_value(h.clone()).ok())
+            .unwrap_or_default(),
+        origin: body
+            .get("origin")
+            .and_then(|k| k.as_str())
+            .map(String::from),
+        ..Delivery::new(Target::Resolved(sub.clone()), Payload::Bytes(payload))
+    };
+    let given = IdempotencyKey {
+        text: msg_id.to_string(),
+        hash: key,
+    };
+    Ok((delivery, given))
+}
+
 fn stopped() -> LedgerError {
     LedgerError::Poisoned("shard writer stopped".into())
 }
@@ -235,54 +286,13 @@ impl Ledger {
             return Ok(false);
         };
         let (shard, record_seq) = self.record_ref(id)?;
-        let body = &record.body;
-        let Some(msg_id) = body.get("id").and_then(|v| v.as_str()) else {
-            return Err(LedgerError::Invalid(format!(
-                "record {id} has no idempotency key (the input was unusable); discard it instead"
-            )));
-        };
-        let key = body
-            .get("key_hash")
-            .and_then(|v| v.as_str())
-            .and_then(|h| u128::from_str_radix(h, 16).ok())
-            .unwrap_or_else(|| key_hash(msg_id.as_bytes()));
-        let payload: Vec<u8> = match (body.get("payload"), body.get("payload_base64")) {
-            (Some(serde_json::Value::String(text)), _) => text.as_bytes().to_vec(),
-            (_, Some(serde_json::Value::String(b64))) => {
-                use base64::Engine as _;
-                base64::engine::general_purpose::STANDARD
-                    .decode(b64)
-                    .map_err(|e| LedgerError::Invalid(format!("record {id}: bad payload: {e}")))?
-            }
-            _ => {
-                return Err(LedgerError::Invalid(format!(
-                    "record {id} keeps no payload; it cannot be replayed"
-                )))
-            }
-        };
         let sub = self.registry.resolve(subscriber, true)?;
-        let delivery = Delivery {
-            id: Some(msg_id.to_string()),
-            key: body.get("key").and_then(|k| k.as_str()).map(String::from),
-            headers: body
-                .get("headers")
-                .and_then(|h| serde_json::from_value(h.clone()).ok())
-                .unwrap_or_default(),
-            origin: body
-                .get("origin")
-                .and_then(|k| k.as_str())
-                .map(String::from),
-            ..Delivery::new(Target::Resolved(sub.clone()), Payload::Bytes(payload))
-        };
+        let (delivery, given) = redelivery(id, &record.body, &sub)?;
         // The record's stored key; the payload is fingerprinted and handed on as stored.
         // The job runs where its placement says today (its entity's state is there); the
         // record is settled in the same transaction when it lives on that shard, and
         // right after the durable outcome otherwise (a crash in between leaves the record,
         // and replaying it again answers `duplicate`).
-        let given = IdempotencyKey {
-            text: msg_id.to_string(),
-            hash: key,
-        };
         let Routed {
             mut job,
             shard: target,
@@ -294,38 +304,52 @@ impl Ledger {
         if target == shard {
             job.settle = Some((kind, record_seq));
         } else {
-            let (tx, rx) = bounded::<Vec<super::Done>>(1);
-            let caller = std::mem::replace(&mut job.ack, tx);
-            let record_shard = self.shards[shard].tx.clone();
-            let sub_id = sub.id;
-            std::thread::Builder::new()
-                .name("dedupd-replay".into())
-                .spawn(move || {
-                    let Ok(done) = rx.recv() else { return };
-                    let settled = done.iter().all(|d| {
-                        !matches!(
-                            d.outcome,
-                            super::Outcome::Failed { .. } | super::Outcome::Quarantined { .. }
-                        )
-                    });
-                    if settled {
-                        let (reply, answer) = bounded(1);
-                        let asked = record_shard.send(ShardMsg::Control(Control::DeleteRecord {
-                            kind,
-                            sub: sub_id,
-                            seq: record_seq,
-                            reply,
-                        }));
-                        if asked.is_ok() {
-                            let _ = answer.recv();
-                        }
-                    }
-                    let _ = caller.send(done);
-                })
-                .map_err(|e| LedgerError::Invalid(format!("cannot start a replay: {e}")))?;
+            self.settle_after_outcome(&mut job, shard, kind, sub.id, record_seq)?;
         }
         self.submit(target, vec![job])?;
         Ok(true)
+    }
+
+    /// Makes `job`'s outcome delete the record `(kind, seq)` kept on `shard` (another shard
+    /// than the job's) once the outcome is durable and settles the message, before the
+    /// outcome reaches the caller.
+    fn settle_after_outcome(
+        &self,
+        job: &mut super::Job,
+        shard: usize,
+        kind: RecordKind,
+        sub: super::SubscriberId,
+        seq: u64,
+    ) -> Result<(), LedgerError> {
+        let (tx, rx) = bounded::<Vec<super::Done>>(1);
+        let caller = std::mem::replace(&mut job.ack, tx);
+        let record_shard = self.shards[shard].tx.clone();
+        std::thread::Builder::new()
+            .name("dedupd-replay".into())
+            .spawn(move || {
+                let Ok(done) = rx.recv() else { return };
+                let settled = done.iter().all(|d| {
+                    !matches!(
+                        d.outcome,
+                        super::Outcome::Failed { .. } | super::Outcome::Quarantined { .. }
+                    )
+                });
+                if settled {
+                    let (reply, answer) = bounded(1);
+                    let asked = record_shard.send(ShardMsg::Control(Control::DeleteRecord {
+                        kind,
+                        sub,
+                        seq,
+                        reply,
+                    }));
+                    if asked.is_ok() {
+                        let _ = answer.recv();
+                    }
+                }
+                let _ = caller.send(done);
+            })
+            .map_err(|e| LedgerError::Invalid(format!("cannot start a replay: {e}")))?;
+        Ok(())
     }
 
     /// Keeps a dead letter for input that never became a job (no usable key, malformed).

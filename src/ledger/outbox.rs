@@ -10,8 +10,8 @@
 use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 
-use super::handlers::OUTBOX;
 use super::records::StoredPayload;
+use super::tables::OUTBOX;
 use crate::effects::OutboxMessage;
 
 /// One emitted message as the outbox stores it.

@@ -27,41 +27,17 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction};
+use redb::{Database, ReadableDatabase, ReadableTable, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
 use super::generation::SubState;
-use super::handlers;
-use super::tables;
+use super::tables::{self, index_table, record_table};
 use super::{Job, RecordKind, Registry, SubscriberId};
 use crate::config::LedgerConfig;
 use crate::effects::Failure;
 
 /// Records removed per kind, subscriber and maintenance step by the retention sweep.
 pub(crate) const SWEEP_ROWS: usize = 64;
-
-/// `(subscriber, key hash, fingerprint)` -> seq of the record kept for that message.
-pub(crate) const QUARANTINE_INDEX: TableDefinition<(&str, u128, u64), u64> =
-    TableDefinition::new("quarantine_index_v1");
-/// Same for dead letters.
-pub(crate) const DEAD_LETTER_INDEX: TableDefinition<(&str, u128, u64), u64> =
-    TableDefinition::new("dead_letter_index_v1");
-
-pub(crate) fn record_table(
-    kind: RecordKind,
-) -> TableDefinition<'static, (&'static str, u64), &'static [u8]> {
-    match kind {
-        RecordKind::Quarantine => tables::QUARANTINE,
-        RecordKind::DeadLetter => handlers::DEAD_LETTERS,
-    }
-}
-
-fn index_table(kind: RecordKind) -> TableDefinition<'static, (&'static str, u128, u64), u64> {
-    match kind {
-        RecordKind::Quarantine => QUARANTINE_INDEX,
-        RecordKind::DeadLetter => DEAD_LETTER_INDEX,
-    }
-}
 
 /// Meta key of a subscriber's outcome counter.
 fn outcome_key(kind: RecordKind, subscriber: &str) -> String {

@@ -489,81 +489,82 @@ impl Shard {
         now: u64,
         budget: usize,
     ) -> Result<bool, LedgerError> {
-        let Some(m) = st.merging.as_mut() else {
+        let Some(m) = st.merging.as_ref() else {
             return Ok(false);
         };
         if m.waiting_for_filter {
-            let Some(filter) = m.filter.take() else {
-                return Ok(false);
-            };
-            let (older, newer, out) = (m.older, m.newer, m.out_table);
-            let oi = st.sealed.iter().position(|g| g.table_id == older);
-            let ni = st.sealed.iter().position(|g| g.table_id == newer);
-            let (Some(oi), Some(ni)) = (oi, ni) else {
-                st.merging = None;
-                return Ok(false);
-            };
-            let order = st.sealed[ni].order;
-            let created = st.sealed[oi].created_at_ms;
-            let count = m.count;
-            let max_expires = m.max_expires_ms;
-            self.delete_generation(txn, &st.name, older)?;
-            self.delete_generation(txn, &st.name, newer)?;
-            st.sealed
-                .retain(|g| g.table_id != older && g.table_id != newer);
-            self.commit_sealed(
-                txn,
-                st,
-                SealedGen {
-                    table_id: out,
-                    order,
-                    count,
-                    max_expires_ms: max_expires,
-                    created_at_ms: created,
-                    filter,
-                },
-            )?;
-            st.merging = None;
-            self.ctx
-                .metrics
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .merges += 1;
-            return Ok(true);
+            return self.finish_merge(st, txn);
         }
-        let half = (budget / 2).max(1);
-        let read = |name: &str,
-                    cursor: Option<u128>,
-                    done: bool|
-         -> Result<(Vec<(u128, ClaimRecord)>, bool), LedgerError> {
-            if done {
-                return Ok((Vec::new(), true));
-            }
-            let t = txn.open_table(claims_def(name)).map_err(|e| self.err(e))?;
-            let mut out = Vec::with_capacity(half);
-            let iter = match cursor {
-                None => t.range::<u128>(..),
-                Some(u128::MAX) => return Ok((Vec::new(), true)),
-                Some(c) => t.range::<u128>(c + 1..),
-            }
-            .map_err(|e| self.err(e))?;
-            for row in iter.take(half) {
-                let (k, v) = row.map_err(|e| self.err(e))?;
-                out.push((k.value(), ClaimRecord::decode(&v.value())));
-            }
-            let exhausted = out.len() < half;
-            Ok((out, exhausted))
+        self.copy_merge_slice(st, txn, now, budget)
+    }
+
+    /// Once the merged table's filter is built: replaces the two input generations by the
+    /// merged one. Returns whether it wrote anything.
+    fn finish_merge(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+    ) -> Result<bool, LedgerError> {
+        let Some(m) = st.merging.as_mut() else {
+            return Ok(false);
         };
-        let (a, a_ex) = read(
-            &tables::claims_name(&st.name, m.older),
-            m.cursor_older,
-            m.older_done,
+        let Some(filter) = m.filter.take() else {
+            return Ok(false);
+        };
+        let (older, newer, out) = (m.older, m.newer, m.out_table);
+        let oi = st.sealed.iter().position(|g| g.table_id == older);
+        let ni = st.sealed.iter().position(|g| g.table_id == newer);
+        let (Some(oi), Some(ni)) = (oi, ni) else {
+            st.merging = None;
+            return Ok(false);
+        };
+        let order = st.sealed[ni].order;
+        let created = st.sealed[oi].created_at_ms;
+        let count = m.count;
+        let max_expires = m.max_expires_ms;
+        self.delete_generation(txn, &st.name, older)?;
+        self.delete_generation(txn, &st.name, newer)?;
+        st.sealed
+            .retain(|g| g.table_id != older && g.table_id != newer);
+        self.commit_sealed(
+            txn,
+            st,
+            SealedGen {
+                table_id: out,
+                order,
+                count,
+                max_expires_ms: max_expires,
+                created_at_ms: created,
+                filter,
+            },
         )?;
-        let (b, b_ex) = read(
-            &tables::claims_name(&st.name, m.newer),
-            m.cursor_newer,
-            m.newer_done,
-        )?;
+        st.merging = None;
+        self.ctx
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .merges += 1;
+        Ok(true)
+    }
+
+    /// Merges the next slice of both inputs (at most `budget` claims read) into the output
+    /// table, dropping expired claims; once both inputs are consumed, asks the builder for
+    /// the output's filter.
+    fn copy_merge_slice(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+        budget: usize,
+    ) -> Result<bool, LedgerError> {
+        let Some(m) = st.merging.as_mut() else {
+            return Ok(false);
+        };
+        let half = (budget / 2).max(1);
+        let older = tables::claims_name(&st.name, m.older);
+        let (a, a_ex) = self.read_after(txn, &older, m.cursor_older, m.older_done, half)?;
+        let newer = tables::claims_name(&st.name, m.newer);
+        let (b, b_ex) = self.read_after(txn, &newer, m.cursor_newer, m.newer_done, half)?;
         let (out, i, j) = merge_slice(&a, a_ex, &b, b_ex, now);
         if i > 0 {
             m.cursor_older = Some(a[i - 1].0);
@@ -599,6 +600,35 @@ impl Shard {
             }
         }
         Ok(true)
+    }
+
+    /// Up to `limit` claims of a sealed table after `cursor` (from the first when `None`),
+    /// and whether the table is exhausted with them.
+    fn read_after(
+        &self,
+        txn: &WriteTransaction,
+        name: &str,
+        cursor: Option<u128>,
+        done: bool,
+        limit: usize,
+    ) -> Result<(Vec<(u128, ClaimRecord)>, bool), LedgerError> {
+        if done {
+            return Ok((Vec::new(), true));
+        }
+        let t = txn.open_table(claims_def(name)).map_err(|e| self.err(e))?;
+        let mut out = Vec::with_capacity(limit);
+        let iter = match cursor {
+            None => t.range::<u128>(..),
+            Some(u128::MAX) => return Ok((Vec::new(), true)),
+            Some(c) => t.range::<u128>(c + 1..),
+        }
+        .map_err(|e| self.err(e))?;
+        for row in iter.take(limit) {
+            let (k, v) = row.map_err(|e| self.err(e))?;
+            out.push((k.value(), ClaimRecord::decode(&v.value())));
+        }
+        let exhausted = out.len() < limit;
+        Ok((out, exhausted))
     }
 
     /// Runs maintenance transactions until no sealing, merging or expiry work is left.

@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 use redb::{
-    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
-    TableHandle, WriteTransaction,
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableHandle,
+    WriteTransaction,
 };
 
 use super::filter::GenFilter;
@@ -44,12 +44,11 @@ use super::generation::{
     merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob, SealedGen,
     SealingGen, SubState,
 };
-use super::handlers::{self, ShardHandler, StateBuffer};
 use super::placement::{self, Acquire, InFlight, Placement};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
 use super::records::{self, PendingRecord};
-use super::tables::{self, ClaimsTable, LogTable};
-use super::view::BatchView;
+use super::state::{self, BatchView, ShardHandler, StateBuffer};
+use super::tables::{self, claims_def, log_def};
 use super::{
     Done, Job, LedgerError, Outcome, RecordKind, Registry, ShardMetrics, SubscriberId,
     SubscriberReport,
@@ -281,14 +280,6 @@ fn storage(path: &std::path::Path, e: impl Into<redb::Error>) -> LedgerError {
             detail: other.to_string(),
         },
     }
-}
-
-fn claims_def(name: &str) -> ClaimsTable<'_> {
-    TableDefinition::new(name)
-}
-
-fn log_def(name: &str) -> LogTable<'_> {
-    TableDefinition::new(name)
 }
 
 /// Rows per slice of sealing/merging work inside a normal batch: at least twice the batch
