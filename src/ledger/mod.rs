@@ -9,6 +9,23 @@
 //! Claims of a subscriber live in generations (see `docs/design.md`): an active generation
 //! (exact in-memory index + append-only log table), sealed generations (sorted tables with
 //! a static filter each), merged when small, dropped whole when every claim has expired.
+//!
+//! Where things are, in the order a message meets them:
+//!
+//! - `mod.rs`: [`Ledger`] (open, route, submit, lookup, close), [`Job`], [`Outcome`];
+//! - `datadir.rs`: the manifest, the shard files it names, format upgrade on open;
+//! - `registry.rs`: subscribers, their settings and counters;
+//! - `placement.rs`: which shard decides a message, probes between shards (I6);
+//! - `shard/`: one writer thread per shard file: `open`, `decide`, `probe`, `write`,
+//!   `maintain` (seal, merge, expire), `control` (requests answered between batches);
+//! - `generation.rs`, `filter.rs`, `record.rs`: claim generations, their filters, the
+//!   stored claim;
+//! - `state/`: handler state (buffer, read view, block tables, mark filter, upgrade);
+//! - `records.rs`, `outbox.rs`: quarantine and dead-letter records, the outbox;
+//! - `ops.rs`: operator operations (forget, records, replay, outbox, backup, settings);
+//! - `report.rs`: `inspect` counts and shard metrics;
+//! - `tables.rs`: every redb table; `naive.rs`: the bench's baseline; `fault.rs`: test
+//!   fault injection.
 
 mod datadir;
 mod fault;
