@@ -122,7 +122,7 @@ pub(crate) struct SubState {
     pub next_order: u64,
     /// Claims of the current batch, as a log row being built.
     pub pending_log: Vec<u8>,
-    /// Outcomes counted (persisted with the records, see `records.rs`).
+    /// Outcomes counted (persisted with the records, see `records/`).
     pub quarantined: u64,
     pub dead_lettered: u64,
     /// Quarantine and dead-letter records stored on this shard.

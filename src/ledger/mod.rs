@@ -21,7 +21,7 @@
 //! - `generation.rs`, `filter.rs`, `record.rs`: claim generations, their filters, the
 //!   stored claim;
 //! - `state/`: handler state (buffer, read view, block tables, mark filter, upgrade);
-//! - `records.rs`, `outbox.rs`: quarantine and dead-letter records, the outbox;
+//! - `records/`, `outbox.rs`: quarantine and dead-letter records, the outbox;
 //! - `ops.rs`: operator operations (forget, records, replay, outbox, backup, settings);
 //! - `report.rs`: `inspect` counts and shard metrics;
 //! - `tables.rs`: every redb table; `naive.rs`: the bench's baseline; `fault.rs`: test

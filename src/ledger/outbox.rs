@@ -5,7 +5,7 @@
 //! Field names are those of the first layout, so existing data directories read
 //! unchanged. The first layout kept the payload as text, replacing bytes that are not
 //! UTF-8, which altered a handler's binary `emit`; such a payload is now kept as
-//! `payload_base64`, like quarantine and dead-letter records do (`records.rs`).
+//! `payload_base64`, like quarantine and dead-letter records do (`records/layout.rs`).
 
 use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};

@@ -10,7 +10,7 @@ use super::RecordKind;
 // ---- Shard-wide -------------------------------------------------------------------------
 
 /// `format_version`, `shard_index`, `shard_count`, `next_table_id`, `next_quarantine_seq`,
-/// `next_outbox_seq`, `next_dead_seq`, and the outcome counters of `records.rs`.
+/// `next_outbox_seq`, `next_dead_seq`, and the outcome counters of `records/`.
 pub const META: TableDefinition<&str, u64> = TableDefinition::new("meta_v1");
 /// Subscriber -> placement mask: the placements its claims in this shard were written
 /// under (`placement.rs`).
@@ -49,7 +49,7 @@ pub fn log_def(name: &str) -> LogTable<'_> {
     TableDefinition::new(name)
 }
 
-// ---- Records kept aside for operators (`records.rs`) -------------------------------------
+// ---- Records kept aside for operators (`records/`) ---------------------------------------
 
 type RecordTable = TableDefinition<'static, (&'static str, u64), &'static [u8]>;
 type IndexTable = TableDefinition<'static, (&'static str, u128, u64), u64>;

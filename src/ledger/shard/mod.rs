@@ -17,12 +17,14 @@
 //! - `decide.rs`: deciding a batch's jobs (I2 lookups, handler calls) and committing it;
 //! - `probe.rs`: asking the other shards about keys whose claims may be elsewhere;
 //! - `write.rs`: writing a batch's claims, records and effects into its transaction;
-//! - `maintain.rs`: sealing, merging, expiry, retired logs and record retention;
+//! - `maintain.rs`: sealing, expiry, retired logs and record retention, and when to merge;
+//! - `merge.rs`: merging two sealed generations slice by slice;
 //! - `control.rs`: requests answered between batches (lookups, records, outbox, backup).
 
 mod control;
 mod decide;
 mod maintain;
+mod merge;
 mod open;
 mod probe;
 mod write;
