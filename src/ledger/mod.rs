@@ -17,7 +17,7 @@
 //! - `registry.rs`: subscribers, their settings and counters;
 //! - `placement.rs`: which shard decides a message, probes between shards (I6);
 //! - `shard/`: one writer thread per shard file: `open`, `decide`, `probe`, `write`,
-//!   `maintain` (seal, merge, expire), `control` (requests answered between batches);
+//!   `maintain` (seal, expire), `merge`, `control` (requests answered between batches);
 //! - `generation.rs`, `filter.rs`, `record.rs`: claim generations, their filters, the
 //!   stored claim;
 //! - `state/`: handler state (buffer, read view, block tables, mark filter, upgrade);
