@@ -564,13 +564,8 @@ fn run_naive(
     cache_mib: usize,
     progress: &mut impl FnMut(Progress),
 ) -> Result<f64, BenchError> {
-    use redb::{Database, Durability, ReadableTable, TableDefinition};
-    const NAIVE: TableDefinition<u128, [u8; 32]> = TableDefinition::new("naive");
     let e = |x: &dyn std::fmt::Display| BenchError::Naive(x.to_string());
-    let db = Database::builder()
-        .set_cache_size(cache_mib << 20)
-        .create(path)
-        .map_err(|x| e(&x))?;
+    let naive = crate::ledger::NaiveBaseline::create(path, cache_mib).map_err(|x| e(&x))?;
     let mut traffic = Traffic::new(spec);
     let mut ev = Event::default();
     let start = Instant::now();
@@ -590,20 +585,7 @@ fn run_naive(
         if pending.is_empty() {
             break;
         }
-        let mut txn = db.begin_write().map_err(|x| e(&x))?;
-        txn.set_durability(Durability::Immediate)
-            .map_err(|x| e(&x))?;
-        {
-            let mut t = txn.open_table(NAIVE).map_err(|x| e(&x))?;
-            for (key, fp) in &pending {
-                if t.get(*key).map_err(|x| e(&x))?.is_none() {
-                    let mut rec = [0u8; 32];
-                    rec[..8].copy_from_slice(&fp.to_le_bytes());
-                    t.insert(*key, rec).map_err(|x| e(&x))?;
-                }
-            }
-        }
-        txn.commit().map_err(|x| e(&x))?;
+        naive.claim_batch(&pending).map_err(|x| e(&x))?;
         done += pending.len() as u64;
         if last.elapsed() >= Duration::from_secs(1) {
             last = Instant::now();

@@ -122,7 +122,7 @@ pub(crate) struct SubState {
     pub next_order: u64,
     /// Claims of the current batch, as a log row being built.
     pub pending_log: Vec<u8>,
-    /// Outcomes counted (persisted with the records, see `records.rs`).
+    /// Outcomes counted (persisted with the records, see `records/`).
     pub quarantined: u64,
     pub dead_lettered: u64,
     /// Quarantine and dead-letter records stored on this shard.
@@ -133,12 +133,12 @@ pub(crate) struct SubState {
     /// The subscriber's settings epoch these values were taken from.
     pub settings_epoch: u64,
     /// The handler instance of this shard, if the subscriber has one.
-    pub handler: Option<super::handlers::ShardHandler>,
+    pub handler: Option<super::state::ShardHandler>,
     /// What handlers read during the current batch (opened on first use); it collects
     /// the effects of the batch's successful messages, written at commit.
     pub view: Option<Box<dyn crate::effects::StateReader>>,
     /// Handler effects committed (in the state log) but not yet in the sorted tables.
-    pub state_buf: super::handlers::StateBuffer,
+    pub state_buf: super::state::StateBuffer,
     /// Whether this batch asks the other shards before deciding "new" (`placement.rs`).
     pub probe: bool,
     /// Placement bits recorded for this subscriber in this shard's `placements_v1`.

@@ -9,13 +9,29 @@
 //! Claims of a subscriber live in generations (see `docs/design.md`): an active generation
 //! (exact in-memory index + append-only log table), sealed generations (sorted tables with
 //! a static filter each), merged when small, dropped whole when every claim has expired.
+//!
+//! Where things are, in the order a message meets them:
+//!
+//! - `mod.rs`: [`Ledger`] (open, route, submit, lookup, close), [`Job`], [`Outcome`];
+//! - `datadir.rs`: the manifest, the shard files it names, format upgrade on open;
+//! - `registry.rs`: subscribers, their settings and counters;
+//! - `placement.rs`: which shard decides a message, probes between shards (I6);
+//! - `shard/`: one writer thread per shard file: `open`, `decide`, `probe`, `write`,
+//!   `maintain` (seal, expire), `merge`, `control` (requests answered between batches);
+//! - `generation.rs`, `filter.rs`, `record.rs`: claim generations, their filters, the
+//!   stored claim;
+//! - `state/`: handler state (buffer, read view, block tables, mark filter, upgrade);
+//! - `records/`, `outbox.rs`: quarantine and dead-letter records, the outbox;
+//! - `ops.rs`: operator operations (forget, records, replay, outbox, backup, settings);
+//! - `report.rs`: `inspect` counts and shard metrics;
+//! - `tables.rs`: every redb table; `naive.rs`: the bench's baseline; `fault.rs`: test
+//!   fault injection.
 
-mod blocks;
+mod datadir;
 mod fault;
 pub mod filter;
 mod generation;
-mod handlers;
-mod marks;
+mod naive;
 mod ops;
 mod outbox;
 mod placement;
@@ -23,22 +39,24 @@ mod poison;
 pub mod record;
 mod records;
 mod registry;
+mod report;
 mod shard;
+mod state;
 mod tables;
-mod view;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crossbeam_channel::{bounded, Sender};
-use serde::{Deserialize, Serialize};
+use crossbeam_channel::{bounded, Receiver, Sender};
 
 use crate::clock::Clock;
-use crate::config::{Config, LedgerConfig};
+use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
+pub use datadir::dir_bytes;
+pub use naive::{NaiveBaseline, NaiveError};
 pub use ops::{OutboxRow, RecordKind, StoredRecord};
 pub use placement::{entity_scope, Placement};
 pub use poison::PoisonHook;
@@ -48,6 +66,7 @@ pub(crate) use registry::Registry;
 pub use registry::{
     RecordsDropped, Subscriber, SubscriberCounters, SubscriberId, HANDLER_FAILURE_KINDS,
 };
+pub use report::{LedgerReport, ShardMetrics, SubscriberReport};
 use shard::{Control, PeerMsg, ShardMsg};
 
 /// What a caller should do about a ledger error is in its text; every variant is fatal for
@@ -218,65 +237,81 @@ impl Job {
     }
 }
 
-/// What `inspect` shows of one subscriber.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct SubscriberReport {
-    pub subscriber: String,
-    /// Claims stored (including expired ones not yet dropped).
-    pub claims: u64,
-    pub active_claims: u64,
-    pub sealed_generations: u64,
-    /// Messages quarantined (outcomes counted, repeats included).
-    pub quarantined: u64,
-    /// Quarantine records stored (one per message id and payload, within retention and cap).
-    #[serde(default)]
-    pub quarantine_records: u64,
-    /// Messages dead-lettered (outcomes counted, repeats included).
-    pub dead_lettered: u64,
-    /// Dead-letter records stored.
-    #[serde(default)]
-    pub dead_letter_records: u64,
-    pub filter_bytes: u64,
-    pub index_bytes: u64,
-}
-
-/// What `inspect` shows of the whole data directory.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct LedgerReport {
-    pub data_dir: PathBuf,
-    pub format_version: u64,
-    pub shards: usize,
-    pub file_bytes: u64,
-    pub subscribers: Vec<SubscriberReport>,
-}
-
-/// Commit-level measurements of one shard.
-#[derive(Debug, Clone, Default)]
-pub struct ShardMetrics {
-    pub batches: u64,
-    pub messages: u64,
-    pub commits: u64,
-    /// Longest batch (decide + maintenance + commit) with and without sealing/merging work.
-    pub max_batch_us_maintenance: u64,
-    pub max_batch_us_plain: u64,
-    /// Longest durable commit (the fsync part of a batch).
-    pub max_commit_us: u64,
-    pub seals: u64,
-    pub merges: u64,
-    pub dropped_generations: u64,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Manifest {
-    format_version: u64,
-    shards: usize,
-}
-
-const MANIFEST: &str = "dedupd.manifest.json";
-
 struct ShardHandle {
     tx: Sender<ShardMsg>,
     thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A shard whose writer thread runs but may not have finished opening its file.
+struct StartingShard {
+    handle: ShardHandle,
+    ready: Receiver<Result<(), LedgerError>>,
+    metrics: Arc<Mutex<ShardMetrics>>,
+}
+
+impl StartingShard {
+    /// Starts the writer thread of one shard; returns it and the sender of its peer
+    /// channel.
+    fn spawn(
+        data_dir: &Path,
+        ctx: shard::ShardContext,
+    ) -> Result<(StartingShard, Sender<PeerMsg>), LedgerError> {
+        let (tx, rx) = bounded::<ShardMsg>(64);
+        // Unbounded: a shard never blocks sending a probe or a reply, so two shards
+        // asking each other cannot deadlock. Bounded by the messages in flight.
+        let (peer_tx, peer_rx) = crossbeam_channel::unbounded::<PeerMsg>();
+        let (ready_tx, ready) = bounded(1);
+        let metrics = ctx.metrics.clone();
+        let thread =
+            shard::spawn(ctx, rx, peer_rx, ready_tx).map_err(|e| LedgerError::DataDir {
+                path: data_dir.to_path_buf(),
+                detail: format!("cannot start shard thread: {e}"),
+            })?;
+        let handle = ShardHandle {
+            tx,
+            thread: Mutex::new(Some(thread)),
+        };
+        Ok((
+            StartingShard {
+                handle,
+                ready,
+                metrics,
+            },
+            peer_tx,
+        ))
+    }
+
+    /// Waits until every shard finished opening (or failed to); returns the shards, their
+    /// metrics and the first failure.
+    fn wait_all(
+        data_dir: &Path,
+        starting: Vec<StartingShard>,
+    ) -> (
+        Vec<ShardHandle>,
+        Vec<Arc<Mutex<ShardMetrics>>>,
+        Option<LedgerError>,
+    ) {
+        let mut shards = Vec::with_capacity(starting.len());
+        let mut metrics = Vec::with_capacity(starting.len());
+        let mut first_err = None;
+        for s in starting {
+            match s.ready.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(_) => {
+                    first_err.get_or_insert(LedgerError::DataDir {
+                        path: data_dir.to_path_buf(),
+                        detail: "a shard thread died while opening".into(),
+                    });
+                }
+            }
+            shards.push(s.handle);
+            metrics.push(s.metrics);
+        }
+        (shards, metrics, first_err)
+    }
 }
 
 /// The engine's storage: shards, routing and the subscriber registry.
@@ -326,91 +361,55 @@ impl Ledger {
         clock: Arc<dyn Clock>,
         fault: Option<Arc<std::sync::atomic::AtomicI64>>,
     ) -> Result<Ledger, LedgerError> {
-        let (shard_count, created) = prepare_data_dir(data_dir, &config.ledger)?;
+        let (shard_count, created) = datadir::prepare_data_dir(data_dir, &config.ledger)?;
         if !created {
-            require_shard_files(data_dir, shard_count)?;
+            datadir::require_shard_files(data_dir, shard_count)?;
         }
         let registry = Arc::new(Registry::new(config.clone()));
         let poison = Arc::new(poison::Poison::default());
         let builder = generation::Builder::spawn();
         let peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>> = Default::default();
-        let mut peer_txs = Vec::with_capacity(shard_count);
         let inflight = Arc::new(placement::InFlight::default());
-        let mut opening = Vec::new();
+        let mut peer_txs = Vec::with_capacity(shard_count);
+        let mut starting = Vec::with_capacity(shard_count);
         for index in 0..shard_count {
-            let (tx, rx) = bounded::<ShardMsg>(64);
-            // Unbounded: a shard never blocks sending a probe or a reply, so two shards
-            // asking each other cannot deadlock. Bounded by the messages in flight.
-            let (peer_tx, peer_rx) = crossbeam_channel::unbounded::<PeerMsg>();
-            peer_txs.push(peer_tx);
-            let (ready_tx, ready_rx) = bounded(1);
-            let path = shard_path(data_dir, index);
-            let metrics = Arc::new(Mutex::new(ShardMetrics::default()));
             let ctx = shard::ShardContext {
-                path,
+                path: datadir::shard_path(data_dir, index),
                 index,
                 count: shard_count,
                 config: config.ledger.clone(),
                 registry: registry.clone(),
                 clock: clock.clone(),
                 poison: poison.clone(),
-                metrics: metrics.clone(),
+                metrics: Arc::new(Mutex::new(ShardMetrics::default())),
                 builder: builder.clone(),
                 fault: fault.clone(),
                 peers: peers.clone(),
                 inflight: inflight.clone(),
             };
-            let thread =
-                shard::spawn(ctx, rx, peer_rx, ready_tx).map_err(|e| LedgerError::DataDir {
-                    path: data_dir.to_path_buf(),
-                    detail: format!("cannot start shard thread: {e}"),
-                })?;
-            opening.push((
-                ShardHandle {
-                    tx,
-                    thread: Mutex::new(Some(thread)),
-                },
-                ready_rx,
-                metrics,
-            ));
+            let (shard, peer_tx) = StartingShard::spawn(data_dir, ctx)?;
+            peer_txs.push(peer_tx);
+            starting.push(shard);
         }
         // Set before any shard can receive a job: `open` has not returned yet.
         let _ = peers.set(peer_txs);
-        let mut shards = Vec::new();
-        let mut all_metrics = Vec::new();
-        let mut first_err = None;
-        for (handle, ready, metrics) in opening {
-            match ready.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    first_err.get_or_insert(e);
-                }
-                Err(_) => {
-                    first_err.get_or_insert(LedgerError::DataDir {
-                        path: data_dir.to_path_buf(),
-                        detail: "a shard thread died while opening".into(),
-                    });
-                }
-            }
-            shards.push(handle);
-            all_metrics.push(metrics);
-        }
+        let (shards, metrics, mut first_err) = StartingShard::wait_all(data_dir, starting);
         let ledger = Ledger {
             data_dir: data_dir.to_path_buf(),
             shards,
             registry,
             poison,
-            metrics: all_metrics,
+            metrics,
             clock,
         };
         if first_err.is_none() && created {
             // The new shard files' directory entries, durable before anything is acked.
-            if let Err(e) = sync_dir(data_dir) {
-                first_err = Some(LedgerError::DataDir {
+            first_err = datadir::sync_dir(data_dir)
+                .map_err(|e| LedgerError::DataDir {
                     path: data_dir.to_path_buf(),
                     detail: format!("cannot sync the directory after creating shard files: {e}"),
-                });
-            }
+                })
+                .err();
         }
         match first_err {
             Some(e) => {
@@ -434,87 +433,6 @@ impl Ledger {
     #[inline]
     pub fn route(&self, hash: u128) -> usize {
         route_hash(hash, self.shards.len())
-    }
-
-    /// Chooses the shard that decides a keyed job under its subscriber's placement
-    /// (`placement.rs`) and records the placement in the job. `entity` is the partition
-    /// key's text when the subscriber configures one ([`crate::envelope::derive_entity`]);
-    /// it matters only to subscribers with a handler.
-    pub fn place(&self, sub: &Subscriber, job: &mut Job, entity: Option<String>) -> usize {
-        let placement = Placement::of(sub.has_handler.load(Ordering::Acquire), entity.is_some());
-        let bit = placement.bit();
-        if sub.placements.load(Ordering::Acquire) & bit == 0 {
-            sub.placements.fetch_or(bit, Ordering::AcqRel);
-        }
-        job.placement = placement;
-        match placement {
-            Placement::ByKey => self.route(job.key),
-            Placement::Subscriber => self.route(crate::envelope::key_hash(sub.name.as_bytes())),
-            Placement::Entity => {
-                let shard = self.route(crate::envelope::key_hash(
-                    entity.as_deref().unwrap_or_default().as_bytes(),
-                ));
-                job.entity = entity.map(String::into_boxed_str);
-                shard
-            }
-        }
-    }
-
-    /// Refuses a handler placement under which the subscriber's existing handler state
-    /// would be split or invisible: state written under the subscriber placement is one
-    /// unscoped store, state written under an entity placement is scoped per entity, and
-    /// state written by format 1 may be split across shards.
-    fn check_state_scope(&self, sub: &Subscriber, next: Placement) -> Result<(), LedgerError> {
-        let other = match next {
-            Placement::ByKey => return Ok(()),
-            Placement::Subscriber => placement::ENTITY | placement::ANYWHERE,
-            Placement::Entity => placement::SUBSCRIBER | placement::ANYWHERE,
-        };
-        let mask = sub.placements.load(Ordering::Acquire);
-        if mask & other == 0 || self.state_len(&sub.name)? == 0 {
-            return Ok(());
-        }
-        let written = if mask & placement::ANYWHERE != 0 {
-            "by an older dedupd (format 1), which split it by shard"
-        } else if mask & placement::ENTITY != 0 {
-            "scoped per entity (a partition key was configured)"
-        } else {
-            "as one store (no partition key was configured)"
-        };
-        let wanted = match next {
-            Placement::Entity => "scoped per entity, because a partition key is configured now",
-            _ => "as one store, because no partition key is configured now",
-        };
-        Err(LedgerError::Invalid(format!(
-            "subscriber {:?} has handler state written {written}; its handler would read it {wanted}, \
-             and would miss entries (one order, two labels). Restore the subscriber's earlier \
-             `partition_key`, or give the handler a new subscriber name or data directory \
-             (`dedupd state dump` prints the old state)",
-            sub.name
-        )))
-    }
-
-    /// Makes every shard probe for `sub`'s claims before its messages may be decided under
-    /// `next`, when its claims were written under another placement. Returns after every
-    /// shard finished the batch it was in, so no shard still decides without probing.
-    fn prepare_placement(&self, sub: &Subscriber, next: Placement) -> Result<(), LedgerError> {
-        let before = sub.placements.fetch_or(next.bit(), Ordering::AcqRel);
-        if before == 0 || before & next.bit() != 0 {
-            return Ok(());
-        }
-        tracing::info!(subscriber = %sub.name, placement = ?next,
-            "placement changed: shards now ask each other for this subscriber's claims");
-        let mut replies = Vec::new();
-        for i in 0..self.shards.len() {
-            let (tx, rx) = bounded(1);
-            self.control(i, Control::Sync { reply: tx })?;
-            replies.push(rx);
-        }
-        for rx in replies {
-            rx.recv()
-                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))?;
-        }
-        Ok(())
     }
 
     /// Looks up or registers a subscriber by name.
@@ -604,105 +522,33 @@ impl Ledger {
     /// in force then (`placement.rs`); the newest record across shards wins (I2).
     pub fn lookup(&self, subscriber: &str, key: u128) -> Result<Option<ClaimRecord>, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
-        let mut replies = Vec::new();
-        for i in 0..self.shards.len() {
-            let (tx, rx) = bounded(1);
-            self.control(
-                i,
-                Control::Lookup {
-                    sub: sub.id,
-                    key,
-                    reply: tx,
-                },
-            )?;
-            replies.push(rx);
-        }
-        let mut newest: Option<ClaimRecord> = None;
-        for rx in replies {
-            let found = rx
-                .recv()
-                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??;
-            newest = ClaimRecord::newer(newest, found);
-        }
+        let found = self.ask_all(|reply| Control::Lookup {
+            sub: sub.id,
+            key,
+            reply,
+        })?;
+        let newest = found.into_iter().fold(None, ClaimRecord::newer);
         Ok(newest.filter(|r| !r.is_tombstone()))
     }
 
     /// Seals every active generation (when `seal_all`), then runs sealing, merging and
     /// expiry until no such work is left. Each step is its own durable commit.
     pub fn maintain(&self, seal_all: bool) -> Result<(), LedgerError> {
-        let mut replies = Vec::new();
-        for i in 0..self.shards.len() {
-            let (tx, rx) = bounded(1);
-            self.control(
-                i,
-                Control::Maintain {
-                    seal_all,
-                    reply: tx,
-                },
-            )?;
-            replies.push(rx);
-        }
-        for rx in replies {
-            rx.recv()
-                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??;
-        }
+        self.ask_all(|reply| Control::Maintain { seal_all, reply })?;
         Ok(())
-    }
-
-    /// Per-subscriber counts summed over shards.
-    pub fn report(&self) -> Result<LedgerReport, LedgerError> {
-        let mut by_name: std::collections::BTreeMap<String, SubscriberReport> = Default::default();
-        for i in 0..self.shards.len() {
-            let (tx, rx) = bounded(1);
-            self.control(i, Control::Report { reply: tx })?;
-            let rows = rx
-                .recv()
-                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??;
-            for r in rows {
-                let e = by_name
-                    .entry(r.subscriber.clone())
-                    .or_insert_with(|| SubscriberReport {
-                        subscriber: r.subscriber.clone(),
-                        ..Default::default()
-                    });
-                e.claims += r.claims;
-                e.active_claims += r.active_claims;
-                e.sealed_generations += r.sealed_generations;
-                e.quarantined += r.quarantined;
-                e.quarantine_records += r.quarantine_records;
-                e.dead_lettered += r.dead_lettered;
-                e.dead_letter_records += r.dead_letter_records;
-                e.filter_bytes += r.filter_bytes;
-                e.index_bytes += r.index_bytes;
-            }
-        }
-        Ok(LedgerReport {
-            data_dir: self.data_dir.clone(),
-            format_version: FORMAT_VERSION,
-            shards: self.shards.len(),
-            file_bytes: dir_bytes(&self.data_dir),
-            subscribers: by_name.into_values().collect(),
-        })
     }
 
     /// A subscriber's handler state (all shards), in key order within each shard.
     pub fn state_entries(&self, subscriber: &str) -> Result<Vec<StateEntry>, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
-        let mut all = Vec::new();
-        for i in 0..self.shards.len() {
-            let (tx, rx) = bounded(1);
-            self.control(
-                i,
-                Control::StateEntries {
-                    subscriber: sub.name.clone(),
-                    reply: tx,
-                },
-            )?;
-            all.extend(
-                rx.recv()
-                    .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??,
-            );
-        }
+        let mut all: Vec<StateEntry> = self
+            .ask_all(|reply| Control::StateEntries {
+                subscriber: sub.name.clone(),
+                reply,
+            })?
+            .into_iter()
+            .flatten()
+            .collect();
         all.sort();
         Ok(all)
     }
@@ -710,36 +556,11 @@ impl Ledger {
     /// How many handler state entries a subscriber has (all shards).
     pub fn state_len(&self, subscriber: &str) -> Result<u64, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
-        let mut total = 0;
-        for i in 0..self.shards.len() {
-            let (tx, rx) = bounded(1);
-            self.control(
-                i,
-                Control::StateLen {
-                    subscriber: sub.name.clone(),
-                    reply: tx,
-                },
-            )?;
-            total += rx
-                .recv()
-                .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))??;
-        }
-        Ok(total)
-    }
-
-    /// Snapshot of each shard's commit metrics.
-    pub fn metrics(&self) -> Vec<ShardMetrics> {
-        self.metrics
-            .iter()
-            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()).clone())
-            .collect()
-    }
-
-    fn control(&self, shard: usize, c: Control) -> Result<(), LedgerError> {
-        self.shards[shard]
-            .tx
-            .send(ShardMsg::Control(c))
-            .map_err(|_| LedgerError::Poisoned("shard writer stopped".into()))
+        let counts = self.ask_all(|reply| Control::StateLen {
+            subscriber: sub.name.clone(),
+            reply,
+        })?;
+        Ok(counts.into_iter().sum())
     }
 
     /// Stops accepting work, lets every shard finish what it was sent, and joins them.
@@ -784,19 +605,6 @@ impl FaultSwitch {
     }
 }
 
-/// Sum of the sizes of the files in a directory (not recursive).
-pub fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|it| {
-            it.filter_map(|e| e.ok())
-                .filter_map(|e| e.metadata().ok())
-                .filter(|m| m.is_file())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
-}
-
 /// The text of a panic's payload, for an error message.
 pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
@@ -804,138 +612,4 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".into())
-}
-
-fn shard_path(dir: &Path, index: usize) -> PathBuf {
-    dir.join(format!("shard-{index:03}.redb"))
-}
-
-/// A shard file may only be created in the open that creates the manifest: one missing
-/// later is a lost file, and recreating it empty would forget its claims without a word.
-fn require_shard_files(dir: &Path, shards: usize) -> Result<(), LedgerError> {
-    for index in 0..shards {
-        let path = shard_path(dir, index);
-        match std::fs::symlink_metadata(&path) {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(LedgerError::MissingShard { path })
-            }
-            Err(e) => {
-                return Err(LedgerError::DataDir {
-                    path: dir.to_path_buf(),
-                    detail: format!("cannot check {}: {e}", path.display()),
-                })
-            }
-        }
-    }
-    Ok(())
-}
-
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
-}
-
-/// Creates the directory and manifest on first use; checks them afterwards. Returns the
-/// shard count that is in force for this directory, and whether this call created the
-/// manifest (only then may shard files be created).
-fn prepare_data_dir(dir: &Path, cfg: &LedgerConfig) -> Result<(usize, bool), LedgerError> {
-    let fail = |detail: String| LedgerError::DataDir {
-        path: dir.to_path_buf(),
-        detail,
-    };
-    if !dir.exists() {
-        std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
-        // The new directory's own entry, durable with the files about to go in it.
-        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-            sync_dir(parent).map_err(|e| fail(e.to_string()))?;
-        }
-    }
-    let path = dir.join(MANIFEST);
-    match std::fs::read(&path) {
-        Ok(bytes) => {
-            let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| LedgerError::Corrupt {
-                path: path.clone(),
-                detail: format!("manifest is not readable: {e}"),
-            })?;
-            if m.format_version > FORMAT_VERSION {
-                return Err(LedgerError::NewerFormat {
-                    path: dir.to_path_buf(),
-                    found: m.format_version,
-                    supported: FORMAT_VERSION,
-                });
-            }
-            if let Some(want) = cfg.shards {
-                if want.get() != m.shards {
-                    return Err(LedgerError::ShardCountMismatch {
-                        path: dir.to_path_buf(),
-                        found: m.shards,
-                        configured: want.get(),
-                    });
-                }
-            }
-            if m.shards == 0 || m.shards > 256 {
-                return Err(LedgerError::Corrupt {
-                    path,
-                    detail: format!("manifest names {} shards", m.shards),
-                });
-            }
-            if m.format_version < FORMAT_VERSION {
-                // The shards upgrade themselves on open (their own meta says which format
-                // they hold); the manifest is bumped first so an older binary refuses the
-                // directory from now on.
-                tracing::warn!(data_dir = %dir.display(), from = m.format_version, to = FORMAT_VERSION,
-                    "upgrading the data directory's format; older dedupd binaries will refuse it");
-                write_manifest(
-                    dir,
-                    &Manifest {
-                        format_version: FORMAT_VERSION,
-                        shards: m.shards,
-                    },
-                )
-                .map_err(|e| fail(e.to_string()))?;
-            }
-            Ok((m.shards, false))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let has_shards = std::fs::read_dir(dir)
-                .map_err(|e| fail(e.to_string()))?
-                .filter_map(|e| e.ok())
-                .any(|e| e.file_name().to_string_lossy().starts_with("shard-"));
-            if has_shards {
-                return Err(LedgerError::Corrupt {
-                    path,
-                    detail: "shard files exist but the manifest is missing".into(),
-                });
-            }
-            let shards = cfg.shards.map(|n| n.get()).unwrap_or_else(|| {
-                std::thread::available_parallelism()
-                    .map(|n| n.get())
-                    .unwrap_or(1)
-            });
-            let m = Manifest {
-                format_version: FORMAT_VERSION,
-                shards,
-            };
-            write_manifest(dir, &m).map_err(|e| fail(e.to_string()))?;
-            Ok((shards, true))
-        }
-        Err(e) => Err(fail(e.to_string())),
-    }
-}
-
-/// Replaces the manifest atomically and durably (temporary file, fsync, rename, fsync of
-/// the directory).
-fn write_manifest(dir: &Path, m: &Manifest) -> std::io::Result<()> {
-    let tmp = dir.join(format!("{MANIFEST}.tmp"));
-    let body = serde_json::to_vec_pretty(m).map_err(std::io::Error::other)?;
-    write_durably(&tmp, &body)?;
-    std::fs::rename(&tmp, dir.join(MANIFEST))?;
-    sync_dir(dir)
-}
-
-fn write_durably(path: &Path, body: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
-    f.write_all(body)?;
-    f.sync_all()
 }

@@ -10,9 +10,10 @@ use std::sync::Arc;
 use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
+use super::datadir::MANIFEST;
 use super::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
-use super::{AckSender, Ledger, LedgerError, Placement, MANIFEST};
+use super::{AckSender, Ledger, LedgerError, Placement};
 use crate::config::SubscriberSettings;
 use crate::envelope::{key_hash, IdempotencyKey};
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
@@ -67,6 +68,57 @@ fn parse_id(id: &str) -> Option<(usize, u64)> {
     Some((shard.parse().ok()?, seq.parse().ok()?))
 }
 
+/// The delivery a stored record replays, and its stored idempotency key (`id` names the
+/// record in errors).
+fn redelivery(
+    id: &str,
+    body: &serde_json::Value,
+    sub: &Arc<super::Subscriber>,
+) -> Result<(Delivery, IdempotencyKey), LedgerError> {
+    let Some(msg_id) = body.get("id").and_then(|v| v.as_str()) else {
+        return Err(LedgerError::Invalid(format!(
+            "record {id} has no idempotency key (the input was unusable); discard it instead"
+        )));
+    };
+    let key = body
+        .get("key_hash")
+        .and_then(|v| v.as_str())
+        .and_then(|h| u128::from_str_radix(h, 16).ok())
+        .unwrap_or_else(|| key_hash(msg_id.as_bytes()));
+    let payload: Vec<u8> = match (body.get("payload"), body.get("payload_base64")) {
+        (Some(serde_json::Value::String(text)), _) => text.as_bytes().to_vec(),
+        (_, Some(serde_json::Value::String(b64))) => {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| LedgerError::Invalid(format!("record {id}: bad payload: {e}")))?
+        }
+        _ => {
+            return Err(LedgerError::Invalid(format!(
+                "record {id} keeps no payload; it cannot be replayed"
+            )))
+        }
+    };
+    let delivery = Delivery {
+        id: Some(msg_id.to_string()),
+        key: body.get("key").and_then(|k| k.as_str()).map(String::from),
+        headers: body
+            .get("headers")
+            .and_then(|h| serde_json::from_value(h.clone()).ok())
+            .unwrap_or_default(),
+        origin: body
+            .get("origin")
+            .and_then(|k| k.as_str())
+            .map(String::from),
+        ..Delivery::new(Target::Resolved(sub.clone()), Payload::Bytes(payload))
+    };
+    let given = IdempotencyKey {
+        text: msg_id.to_string(),
+        hash: key,
+    };
+    Ok((delivery, given))
+}
+
 fn stopped() -> LedgerError {
     LedgerError::Poisoned("shard writer stopped".into())
 }
@@ -85,6 +137,27 @@ impl Ledger {
         rx.recv().map_err(|_| stopped())?
     }
 
+    /// Sends one control request to every shard, then collects the answers in shard
+    /// order. The shards work on it at the same time, each between two of its batches.
+    pub(super) fn ask_all<T>(
+        &self,
+        make: impl Fn(crossbeam_channel::Sender<Result<T, LedgerError>>) -> Control,
+    ) -> Result<Vec<T>, LedgerError> {
+        let mut replies = Vec::with_capacity(self.shards.len());
+        for shard in &self.shards {
+            let (tx, rx) = bounded(1);
+            shard
+                .tx
+                .send(ShardMsg::Control(make(tx)))
+                .map_err(|_| stopped())?;
+            replies.push(rx);
+        }
+        replies
+            .into_iter()
+            .map(|rx| rx.recv().map_err(|_| stopped())?)
+            .collect()
+    }
+
     fn record_ref(&self, id: &str) -> Result<(usize, u64), LedgerError> {
         match parse_id(id) {
             Some((shard, seq)) if shard < self.shards.len() => Ok((shard, seq)),
@@ -100,15 +173,12 @@ impl Ledger {
     pub fn forget(&self, subscriber: &str, key: u128) -> Result<bool, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
         // Every shard that holds a live copy writes its tombstone (see `placement.rs`).
-        let mut forgot = false;
-        for shard in 0..self.shards.len() {
-            forgot |= self.ask(shard, |reply| Control::Forget {
-                sub: sub.id,
-                key,
-                reply,
-            })?;
-        }
-        Ok(forgot)
+        let forgot = self.ask_all(|reply| Control::Forget {
+            sub: sub.id,
+            key,
+            reply,
+        })?;
+        Ok(forgot.into_iter().any(|f| f))
     }
 
     /// Records of one subscriber in id order (shard, then sequence), starting after
@@ -216,54 +286,13 @@ impl Ledger {
             return Ok(false);
         };
         let (shard, record_seq) = self.record_ref(id)?;
-        let body = &record.body;
-        let Some(msg_id) = body.get("id").and_then(|v| v.as_str()) else {
-            return Err(LedgerError::Invalid(format!(
-                "record {id} has no idempotency key (the input was unusable); discard it instead"
-            )));
-        };
-        let key = body
-            .get("key_hash")
-            .and_then(|v| v.as_str())
-            .and_then(|h| u128::from_str_radix(h, 16).ok())
-            .unwrap_or_else(|| key_hash(msg_id.as_bytes()));
-        let payload: Vec<u8> = match (body.get("payload"), body.get("payload_base64")) {
-            (Some(serde_json::Value::String(text)), _) => text.as_bytes().to_vec(),
-            (_, Some(serde_json::Value::String(b64))) => {
-                use base64::Engine as _;
-                base64::engine::general_purpose::STANDARD
-                    .decode(b64)
-                    .map_err(|e| LedgerError::Invalid(format!("record {id}: bad payload: {e}")))?
-            }
-            _ => {
-                return Err(LedgerError::Invalid(format!(
-                    "record {id} keeps no payload; it cannot be replayed"
-                )))
-            }
-        };
         let sub = self.registry.resolve(subscriber, true)?;
-        let delivery = Delivery {
-            id: Some(msg_id.to_string()),
-            key: body.get("key").and_then(|k| k.as_str()).map(String::from),
-            headers: body
-                .get("headers")
-                .and_then(|h| serde_json::from_value(h.clone()).ok())
-                .unwrap_or_default(),
-            origin: body
-                .get("origin")
-                .and_then(|k| k.as_str())
-                .map(String::from),
-            ..Delivery::new(Target::Resolved(sub.clone()), Payload::Bytes(payload))
-        };
+        let (delivery, given) = redelivery(id, &record.body, &sub)?;
         // The record's stored key; the payload is fingerprinted and handed on as stored.
         // The job runs where its placement says today (its entity's state is there); the
         // record is settled in the same transaction when it lives on that shard, and
         // right after the durable outcome otherwise (a crash in between leaves the record,
         // and replaying it again answers `duplicate`).
-        let given = IdempotencyKey {
-            text: msg_id.to_string(),
-            hash: key,
-        };
         let Routed {
             mut job,
             shard: target,
@@ -275,38 +304,52 @@ impl Ledger {
         if target == shard {
             job.settle = Some((kind, record_seq));
         } else {
-            let (tx, rx) = bounded::<Vec<super::Done>>(1);
-            let caller = std::mem::replace(&mut job.ack, tx);
-            let record_shard = self.shards[shard].tx.clone();
-            let sub_id = sub.id;
-            std::thread::Builder::new()
-                .name("dedupd-replay".into())
-                .spawn(move || {
-                    let Ok(done) = rx.recv() else { return };
-                    let settled = done.iter().all(|d| {
-                        !matches!(
-                            d.outcome,
-                            super::Outcome::Failed { .. } | super::Outcome::Quarantined { .. }
-                        )
-                    });
-                    if settled {
-                        let (reply, answer) = bounded(1);
-                        let asked = record_shard.send(ShardMsg::Control(Control::DeleteRecord {
-                            kind,
-                            sub: sub_id,
-                            seq: record_seq,
-                            reply,
-                        }));
-                        if asked.is_ok() {
-                            let _ = answer.recv();
-                        }
-                    }
-                    let _ = caller.send(done);
-                })
-                .map_err(|e| LedgerError::Invalid(format!("cannot start a replay: {e}")))?;
+            self.settle_after_outcome(&mut job, shard, kind, sub.id, record_seq)?;
         }
         self.submit(target, vec![job])?;
         Ok(true)
+    }
+
+    /// Makes `job`'s outcome delete the record `(kind, seq)` kept on `shard` (another shard
+    /// than the job's) once the outcome is durable and settles the message, before the
+    /// outcome reaches the caller.
+    fn settle_after_outcome(
+        &self,
+        job: &mut super::Job,
+        shard: usize,
+        kind: RecordKind,
+        sub: super::SubscriberId,
+        seq: u64,
+    ) -> Result<(), LedgerError> {
+        let (tx, rx) = bounded::<Vec<super::Done>>(1);
+        let caller = std::mem::replace(&mut job.ack, tx);
+        let record_shard = self.shards[shard].tx.clone();
+        std::thread::Builder::new()
+            .name("dedupd-replay".into())
+            .spawn(move || {
+                let Ok(done) = rx.recv() else { return };
+                let settled = done.iter().all(|d| {
+                    !matches!(
+                        d.outcome,
+                        super::Outcome::Failed { .. } | super::Outcome::Quarantined { .. }
+                    )
+                });
+                if settled {
+                    let (reply, answer) = bounded(1);
+                    let asked = record_shard.send(ShardMsg::Control(Control::DeleteRecord {
+                        kind,
+                        sub,
+                        seq,
+                        reply,
+                    }));
+                    if asked.is_ok() {
+                        let _ = answer.recv();
+                    }
+                }
+                let _ = caller.send(done);
+            })
+            .map_err(|e| LedgerError::Invalid(format!("cannot start a replay: {e}")))?;
+        Ok(())
     }
 
     /// Keeps a dead letter for input that never became a job (no usable key, malformed).
@@ -336,11 +379,11 @@ impl Ledger {
     pub fn outbox_pending(&self, limit: usize) -> Result<Vec<OutboxRow>, LedgerError> {
         let mut out = Vec::new();
         let per_shard = limit.div_ceil(self.shards.len().max(1)).max(1);
-        for shard in 0..self.shards.len() {
-            let rows = self.ask(shard, |reply| Control::OutboxPending {
-                limit: per_shard,
-                reply,
-            })?;
+        let pending = self.ask_all(|reply| Control::OutboxPending {
+            limit: per_shard,
+            reply,
+        })?;
+        for (shard, rows) in pending.into_iter().enumerate() {
             for (seq, bytes) in rows {
                 let unreadable = |e: String| {
                     LedgerError::Invalid(format!("outbox row {shard}-{seq} is unreadable: {e}"))
@@ -394,12 +437,11 @@ impl Ledger {
         std::fs::create_dir_all(dir).map_err(|e| bad(e.to_string()))?;
         let mut total = std::fs::copy(self.data_dir.join(MANIFEST), dir.join(MANIFEST))
             .map_err(|e| bad(format!("cannot copy the manifest: {e}")))?;
-        for shard in 0..self.shards.len() {
-            total += self.ask(shard, |reply| Control::Backup {
-                dest: dir.to_path_buf(),
-                reply,
-            })?;
-        }
+        let copied = self.ask_all(|reply| Control::Backup {
+            dest: dir.to_path_buf(),
+            reply,
+        })?;
+        total += copied.iter().sum::<u64>();
         Ok(total)
     }
 

@@ -5,13 +5,13 @@
 //! Field names are those of the first layout, so existing data directories read
 //! unchanged. The first layout kept the payload as text, replacing bytes that are not
 //! UTF-8, which altered a handler's binary `emit`; such a payload is now kept as
-//! `payload_base64`, like quarantine and dead-letter records do (`records.rs`).
+//! `payload_base64`, like quarantine and dead-letter records do (`records/layout.rs`).
 
 use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 
-use super::handlers::OUTBOX;
 use super::records::StoredPayload;
+use super::tables::OUTBOX;
 use crate::effects::OutboxMessage;
 
 /// One emitted message as the outbox stores it.

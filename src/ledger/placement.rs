@@ -29,9 +29,11 @@
 //! default configuration) never probe and never touch the set.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
-use super::SubscriberId;
+use super::shard::Control;
+use super::{Job, Ledger, LedgerError, Subscriber, SubscriberId};
 
 /// How a message chose its shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,6 +79,88 @@ impl Placement {
 #[inline]
 pub(crate) fn needs_probe(mask: u8, shards: usize) -> bool {
     shards > 1 && (mask & (ENTITY | ANYWHERE) != 0 || mask.count_ones() > 1)
+}
+
+impl Ledger {
+    /// Chooses the shard that decides a keyed job under its subscriber's placement
+    /// (`placement.rs`) and records the placement in the job. `entity` is the partition
+    /// key's text when the subscriber configures one ([`crate::envelope::derive_entity`]);
+    /// it matters only to subscribers with a handler.
+    pub fn place(&self, sub: &Subscriber, job: &mut Job, entity: Option<String>) -> usize {
+        let placement = Placement::of(sub.has_handler.load(Ordering::Acquire), entity.is_some());
+        let bit = placement.bit();
+        if sub.placements.load(Ordering::Acquire) & bit == 0 {
+            sub.placements.fetch_or(bit, Ordering::AcqRel);
+        }
+        job.placement = placement;
+        match placement {
+            Placement::ByKey => self.route(job.key),
+            Placement::Subscriber => self.route(crate::envelope::key_hash(sub.name.as_bytes())),
+            Placement::Entity => {
+                let shard = self.route(crate::envelope::key_hash(
+                    entity.as_deref().unwrap_or_default().as_bytes(),
+                ));
+                job.entity = entity.map(String::into_boxed_str);
+                shard
+            }
+        }
+    }
+
+    /// Refuses a handler placement under which the subscriber's existing handler state
+    /// would be split or invisible: state written under the subscriber placement is one
+    /// unscoped store, state written under an entity placement is scoped per entity, and
+    /// state written by format 1 may be split across shards.
+    pub(super) fn check_state_scope(
+        &self,
+        sub: &Subscriber,
+        next: Placement,
+    ) -> Result<(), LedgerError> {
+        let other = match next {
+            Placement::ByKey => return Ok(()),
+            Placement::Subscriber => ENTITY | ANYWHERE,
+            Placement::Entity => SUBSCRIBER | ANYWHERE,
+        };
+        let mask = sub.placements.load(Ordering::Acquire);
+        if mask & other == 0 || self.state_len(&sub.name)? == 0 {
+            return Ok(());
+        }
+        let written = if mask & ANYWHERE != 0 {
+            "by an older dedupd (format 1), which split it by shard"
+        } else if mask & ENTITY != 0 {
+            "scoped per entity (a partition key was configured)"
+        } else {
+            "as one store (no partition key was configured)"
+        };
+        let wanted = match next {
+            Placement::Entity => "scoped per entity, because a partition key is configured now",
+            _ => "as one store, because no partition key is configured now",
+        };
+        Err(LedgerError::Invalid(format!(
+            "subscriber {:?} has handler state written {written}; its handler would read it {wanted}, \
+             and would miss entries (one order, two labels). Restore the subscriber's earlier \
+             `partition_key`, or give the handler a new subscriber name or data directory \
+             (`dedupd state dump` prints the old state)",
+            sub.name
+        )))
+    }
+
+    /// Makes every shard probe for `sub`'s claims before its messages may be decided under
+    /// `next`, when its claims were written under another placement. Returns after every
+    /// shard finished the batch it was in, so no shard still decides without probing.
+    pub(super) fn prepare_placement(
+        &self,
+        sub: &Subscriber,
+        next: Placement,
+    ) -> Result<(), LedgerError> {
+        let before = sub.placements.fetch_or(next.bit(), Ordering::AcqRel);
+        if before == 0 || before & next.bit() != 0 {
+            return Ok(());
+        }
+        tracing::info!(subscriber = %sub.name, placement = ?next,
+            "placement changed: shards now ask each other for this subscriber's claims");
+        self.ask_all(|reply| Control::Sync { reply })?;
+        Ok(())
+    }
 }
 
 /// The `(subscriber, key)` pairs that a shard is deciding with a probe, and which shard

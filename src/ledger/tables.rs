@@ -1,19 +1,27 @@
-//! Every redb table of a shard file, in one place. Names carry a format version.
+//! Every redb table of a shard file, in one place, with the functions that name the
+//! per-subscriber ones. Names carry a format version and are part of the on-disk format:
+//! renaming one would make existing data directories lose (or fail to open) what it holds.
 
-use redb::TableDefinition;
+use redb::{TableDefinition, TableError};
 
-/// `format_version`, `shard_index`, `shard_count`, `next_table_id`, `next_quarantine_seq`.
+use super::record::CLAIM_LEN;
+use super::RecordKind;
+
+// ---- Shard-wide -------------------------------------------------------------------------
+
+/// `format_version`, `shard_index`, `shard_count`, `next_table_id`, `next_quarantine_seq`,
+/// `next_outbox_seq`, `next_dead_seq`, and the outcome counters of `records/`.
 pub const META: TableDefinition<&str, u64> = TableDefinition::new("meta_v1");
+/// Subscriber -> placement mask: the placements its claims in this shard were written
+/// under (`placement.rs`).
+pub const PLACEMENTS: TableDefinition<&str, u8> = TableDefinition::new("placements_v1");
+
+// ---- Claims (generations, see `generation.rs`) -------------------------------------------
+
 /// `(subscriber, table id)` -> encoded `GenMeta`.
 pub const GENERATIONS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("generations_v1");
 /// `(subscriber, table id)` -> encoded filter of a sealed generation.
 pub const FILTERS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("filters_v1");
-/// `(subscriber, seq)` -> JSON quarantine record (same id, different payload).
-pub const QUARANTINE: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("quarantine_v1");
-
-/// Subscriber -> placement mask: the placements its claims in this shard were written
-/// under (`placement.rs`).
-pub const PLACEMENTS: TableDefinition<&str, u8> = TableDefinition::new("placements_v1");
 
 pub const CLAIMS_PREFIX: &str = "claims_v1/";
 pub const LOG_PREFIX: &str = "claimlog_v1/";
@@ -28,8 +36,131 @@ pub fn log_name(subscriber: &str, table_id: u64) -> String {
     format!("{LOG_PREFIX}{subscriber}/{table_id}")
 }
 
-pub type ClaimsTable<'a> = TableDefinition<'a, u128, [u8; crate::ledger::record::CLAIM_LEN]>;
+pub type ClaimsTable<'a> = TableDefinition<'a, u128, [u8; CLAIM_LEN]>;
 pub type LogTable<'a> = TableDefinition<'a, u64, &'static [u8]>;
+
+/// The table of a sealed generation named by [`claims_name`].
+pub fn claims_def(name: &str) -> ClaimsTable<'_> {
+    TableDefinition::new(name)
+}
+
+/// The table of an active generation's log named by [`log_name`].
+pub fn log_def(name: &str) -> LogTable<'_> {
+    TableDefinition::new(name)
+}
+
+// ---- Records kept aside for operators (`records/`) ---------------------------------------
+
+type RecordTable = TableDefinition<'static, (&'static str, u64), &'static [u8]>;
+type IndexTable = TableDefinition<'static, (&'static str, u128, u64), u64>;
+
+/// `(subscriber, seq)` -> JSON quarantine record (same id, different payload).
+pub const QUARANTINE: RecordTable = TableDefinition::new("quarantine_v1");
+/// `(subscriber, seq)` -> JSON dead-letter record with the reason and the message.
+pub const DEAD_LETTERS: RecordTable = TableDefinition::new("deadletters_v1");
+/// `(subscriber, key hash, fingerprint)` -> seq of the quarantine record kept for that
+/// message.
+pub const QUARANTINE_INDEX: IndexTable = TableDefinition::new("quarantine_index_v1");
+/// Same for dead letters.
+pub const DEAD_LETTER_INDEX: IndexTable = TableDefinition::new("dead_letter_index_v1");
+
+/// The records of one kind.
+pub fn record_table(kind: RecordKind) -> RecordTable {
+    match kind {
+        RecordKind::Quarantine => QUARANTINE,
+        RecordKind::DeadLetter => DEAD_LETTERS,
+    }
+}
+
+/// The index of the records of one kind.
+pub fn index_table(kind: RecordKind) -> IndexTable {
+    match kind {
+        RecordKind::Quarantine => QUARANTINE_INDEX,
+        RecordKind::DeadLetter => DEAD_LETTER_INDEX,
+    }
+}
+
+// ---- Outbox (`outbox.rs`) ----------------------------------------------------------------
+
+/// Outbox rows: seq -> JSON, relayed after commit (see the Kafka source).
+pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox_v1");
+
+// ---- Handler state (`state/`) ------------------------------------------------------------
+
+/// A block table (`state/blocks.rs`) or the row table beside it: key -> block, or key ->
+/// value for a row table.
+pub type BlockDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
+/// A subscriber's state log: row number -> encoded effects of one batch.
+pub type StateLogDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
+
+/// Handler key-value state: key -> value, packed into blocks.
+pub fn state_name(sub: &str) -> String {
+    format!("state_v2/{sub}")
+}
+
+/// `insert-unique`: marks encoded by [`crate::effects::unique_key`] -> empty value, in
+/// blocks.
+pub fn unique_name(sub: &str) -> String {
+    format!("unique_v2/{sub}")
+}
+
+/// `advance-version`: key -> version (`u64`, little endian), in blocks.
+pub fn versions_name(sub: &str) -> String {
+    format!("versions_v2/{sub}")
+}
+
+/// The row table beside a block table: entries written one row each, for keys that land
+/// sparsely inside the blocks' range (see `state/blocks.rs`, `apply_mixed`).
+pub fn rows_name(block_table: &str) -> String {
+    block_table.replacen("_v2/", "_v2_rows/", 1)
+}
+
+/// Buffered handler effects, one row per committed batch: row number -> encoded effects
+/// (without outbox messages, which go to `outbox_v1` at once).
+pub fn state_log_name(sub: &str) -> String {
+    format!("statelog_v1/{sub}")
+}
+
+/// Handler state of the first layout, one redb row per entry (`state_v1/<sub>`,
+/// `unique_v1/<sub>`, `versions_v1/<sub>`): read once, by the upgrade to blocks
+/// (`state/upgrade.rs`), then deleted.
+pub type FirstLayoutStateDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
+pub type FirstLayoutUniqueDef<'a> = TableDefinition<'a, &'static [u8], ()>;
+pub type FirstLayoutVersionsDef<'a> = TableDefinition<'a, &'static str, u64>;
+
+/// The subscriber whose handler state (any layout) a table holds, if it holds state.
+pub fn state_table_subscriber(table: &str) -> Option<&str> {
+    let (kind, sub) = table.split_once('/')?;
+    matches!(
+        kind,
+        "state_v1"
+            | "unique_v1"
+            | "versions_v1"
+            | "state_v2"
+            | "unique_v2"
+            | "versions_v2"
+            | "state_v2_rows"
+            | "unique_v2_rows"
+            | "versions_v2_rows"
+            | "statelog_v1"
+    )
+    .then_some(sub)
+}
+
+// ---- Outside a data directory ------------------------------------------------------------
+
+/// The bench's naive baseline (`naive.rs`): key hash -> fingerprint in a 32-byte record.
+/// Lives in its own scratch file, never in a shard file.
+pub const NAIVE: TableDefinition<u128, [u8; 32]> = TableDefinition::new("naive");
+
+/// A table that was never created reads as absent.
+pub fn missing_is_none<T>(r: Result<T, TableError>) -> Result<Option<T>, redb::Error> {
+    match r {
+        Ok(t) => Ok(Some(t)),
+        Err(TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -39,5 +170,43 @@ mod tests {
     fn names_carry_version_subscriber_and_id() {
         assert_eq!(claims_name("billing", 17), "claims_v1/billing/17");
         assert_eq!(log_name("a.b", 3), "claimlog_v1/a.b/3");
+    }
+
+    /// The names existing data directories hold: changing one would lose their content.
+    #[test]
+    fn table_names_on_disk_are_unchanged() {
+        use redb::TableHandle;
+        let fixed = [
+            META.name(),
+            PLACEMENTS.name(),
+            GENERATIONS.name(),
+            FILTERS.name(),
+            QUARANTINE.name(),
+            DEAD_LETTERS.name(),
+            QUARANTINE_INDEX.name(),
+            DEAD_LETTER_INDEX.name(),
+            OUTBOX.name(),
+        ];
+        assert_eq!(
+            fixed,
+            [
+                "meta_v1",
+                "placements_v1",
+                "generations_v1",
+                "filters_v1",
+                "quarantine_v1",
+                "deadletters_v1",
+                "quarantine_index_v1",
+                "dead_letter_index_v1",
+                "outbox_v1",
+            ]
+        );
+        assert_eq!(state_name("s"), "state_v2/s");
+        assert_eq!(unique_name("s"), "unique_v2/s");
+        assert_eq!(versions_name("s"), "versions_v2/s");
+        assert_eq!(rows_name(&state_name("s")), "state_v2_rows/s");
+        assert_eq!(state_log_name("s"), "statelog_v1/s");
+        assert_eq!(state_table_subscriber("statelog_v1/s"), Some("s"));
+        assert_eq!(state_table_subscriber("claims_v1/s/1"), None);
     }
 }

@@ -11,7 +11,7 @@ impl Shard {
     pub(super) fn control(&mut self, c: Control) {
         match c {
             Control::Sync { reply } => {
-                let _ = reply.send(());
+                let _ = reply.send(Ok(()));
             }
             Control::Lookup { sub, key, reply } => {
                 let r = match &self.failed {
@@ -28,13 +28,13 @@ impl Shard {
             }
             Control::StateLen { subscriber, reply } => {
                 let r = self.flush_state(&subscriber).and_then(|()| {
-                    handlers::state_len(&self.db, &subscriber).map_err(|e| self.err(e))
+                    state::state_len(&self.db, &subscriber).map_err(|e| self.err(e))
                 });
                 let _ = reply.send(r);
             }
             Control::StateEntries { subscriber, reply } => {
                 let r = self.flush_state(&subscriber).and_then(|()| {
-                    handlers::state_entries(&self.db, &subscriber).map_err(|e| self.err(e))
+                    state::state_entries(&self.db, &subscriber).map_err(|e| self.err(e))
                 });
                 let _ = reply.send(r);
             }
@@ -163,7 +163,7 @@ impl Shard {
             return Err(e.clone());
         }
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
-        let t = match txn.open_table(records::record_table(kind)) {
+        let t = match txn.open_table(tables::record_table(kind)) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
             Err(e) => return Err(self.err(e)),
@@ -223,7 +223,7 @@ impl Shard {
             return Err(e.clone());
         }
         let txn = self.db.begin_read().map_err(|e| self.err(e))?;
-        let t = match txn.open_table(handlers::OUTBOX) {
+        let t = match txn.open_table(tables::OUTBOX) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
             Err(e) => return Err(self.err(e)),
@@ -239,7 +239,7 @@ impl Shard {
     fn outbox_ack(&mut self, seqs: Vec<u64>) -> Result<(), LedgerError> {
         self.small_commit(|shard, txn| {
             let mut t = txn
-                .open_table(handlers::OUTBOX)
+                .open_table(tables::OUTBOX)
                 .map_err(|e| storage(&shard.ctx.path, e))?;
             for seq in seqs {
                 t.remove(seq).map_err(|e| storage(&shard.ctx.path, e))?;

@@ -1,5 +1,5 @@
 //! Maintenance between and inside batches: sealing full or old active generations,
-//! merging small sealed ones, dropping expired ones, trimming retired logs and sweeping
+//! merging small sealed ones (the merge itself is in `merge.rs`), dropping expired ones, trimming retired logs and sweeping
 //! records past their retention. Bounded by a row budget per transaction so a batch
 //! stays short; the sealed table, filter and `Sealed` row commit together (I3).
 
@@ -314,38 +314,6 @@ impl Shard {
         Ok(did)
     }
 
-    /// Starts merging the smallest pair of neighbouring sealed generations when there are
-    /// too many, so lookups probe few generations.
-    fn start_merge(&mut self, st: &mut SubState, cfg: &LedgerConfig) -> bool {
-        if st.merging.is_some() || st.sealed.len() <= cfg.merge_trigger_generations.get() {
-            return false;
-        }
-        let limit = cfg.merge_max_claims.get() as u64;
-        let pick = (0..st.sealed.len().saturating_sub(1))
-            .map(|i| (st.sealed[i].count + st.sealed[i + 1].count, i))
-            .filter(|(n, _)| *n <= limit)
-            .min();
-        let Some((_, i)) = pick else {
-            return false;
-        };
-        let out_table = self.next_table_id;
-        self.next_table_id += 1;
-        st.merging = Some(MergeJob {
-            older: st.sealed[i].table_id,
-            newer: st.sealed[i + 1].table_id,
-            out_table,
-            cursor_older: None,
-            cursor_newer: None,
-            older_done: false,
-            newer_done: false,
-            keys: Vec::new(),
-            count: 0,
-            max_expires_ms: 0,
-            waiting_for_filter: false,
-            filter: None,
-        });
-        true
-    }
     /// Removes up to `rows` rows of the oldest retired log; drops the table once empty.
     fn trim_retired_log(
         &mut self,
@@ -437,7 +405,7 @@ impl Shard {
 
     /// Records a complete sorted table as a sealed generation: its filter and `Sealed`
     /// row in this transaction (I3), and its place in the recency order in memory.
-    fn commit_sealed(
+    pub(super) fn commit_sealed(
         &self,
         txn: &WriteTransaction,
         st: &mut SubState,
@@ -464,7 +432,7 @@ impl Shard {
         Ok(())
     }
 
-    fn delete_generation(
+    pub(super) fn delete_generation(
         &self,
         txn: &WriteTransaction,
         sub: &str,
@@ -479,126 +447,6 @@ impl Shard {
             .map_err(|e| self.err(e))?;
         gens.remove((sub, id)).map_err(|e| self.err(e))?;
         Ok(())
-    }
-
-    /// One slice of a merge, or its completion once the filter is built.
-    fn merge_step(
-        &mut self,
-        st: &mut SubState,
-        txn: &WriteTransaction,
-        now: u64,
-        budget: usize,
-    ) -> Result<bool, LedgerError> {
-        let Some(m) = st.merging.as_mut() else {
-            return Ok(false);
-        };
-        if m.waiting_for_filter {
-            let Some(filter) = m.filter.take() else {
-                return Ok(false);
-            };
-            let (older, newer, out) = (m.older, m.newer, m.out_table);
-            let oi = st.sealed.iter().position(|g| g.table_id == older);
-            let ni = st.sealed.iter().position(|g| g.table_id == newer);
-            let (Some(oi), Some(ni)) = (oi, ni) else {
-                st.merging = None;
-                return Ok(false);
-            };
-            let order = st.sealed[ni].order;
-            let created = st.sealed[oi].created_at_ms;
-            let count = m.count;
-            let max_expires = m.max_expires_ms;
-            self.delete_generation(txn, &st.name, older)?;
-            self.delete_generation(txn, &st.name, newer)?;
-            st.sealed
-                .retain(|g| g.table_id != older && g.table_id != newer);
-            self.commit_sealed(
-                txn,
-                st,
-                SealedGen {
-                    table_id: out,
-                    order,
-                    count,
-                    max_expires_ms: max_expires,
-                    created_at_ms: created,
-                    filter,
-                },
-            )?;
-            st.merging = None;
-            self.ctx
-                .metrics
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .merges += 1;
-            return Ok(true);
-        }
-        let half = (budget / 2).max(1);
-        let read = |name: &str,
-                    cursor: Option<u128>,
-                    done: bool|
-         -> Result<(Vec<(u128, ClaimRecord)>, bool), LedgerError> {
-            if done {
-                return Ok((Vec::new(), true));
-            }
-            let t = txn.open_table(claims_def(name)).map_err(|e| self.err(e))?;
-            let mut out = Vec::with_capacity(half);
-            let iter = match cursor {
-                None => t.range::<u128>(..),
-                Some(u128::MAX) => return Ok((Vec::new(), true)),
-                Some(c) => t.range::<u128>(c + 1..),
-            }
-            .map_err(|e| self.err(e))?;
-            for row in iter.take(half) {
-                let (k, v) = row.map_err(|e| self.err(e))?;
-                out.push((k.value(), ClaimRecord::decode(&v.value())));
-            }
-            let exhausted = out.len() < half;
-            Ok((out, exhausted))
-        };
-        let (a, a_ex) = read(
-            &tables::claims_name(&st.name, m.older),
-            m.cursor_older,
-            m.older_done,
-        )?;
-        let (b, b_ex) = read(
-            &tables::claims_name(&st.name, m.newer),
-            m.cursor_newer,
-            m.newer_done,
-        )?;
-        let (out, i, j) = merge_slice(&a, a_ex, &b, b_ex, now);
-        if i > 0 {
-            m.cursor_older = Some(a[i - 1].0);
-        }
-        if j > 0 {
-            m.cursor_newer = Some(b[j - 1].0);
-        }
-        m.older_done = a_ex && i == a.len();
-        m.newer_done = b_ex && j == b.len();
-        {
-            let name = tables::claims_name(&st.name, m.out_table);
-            let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
-            for (k, r) in &out {
-                t.insert(*k, r.encode()).map_err(|e| self.err(e))?;
-                m.max_expires_ms = m.max_expires_ms.max(r.expires_at_ms);
-                m.keys.push(*k);
-            }
-        }
-        m.count += out.len() as u64;
-        if m.older_done && m.newer_done {
-            m.waiting_for_filter = true;
-            let sent = self.ctx.builder.send(BuildJob::Filter {
-                sub: st.id,
-                table_id: m.out_table,
-                keys: std::mem::take(&mut m.keys),
-                reply: self.built_tx.clone(),
-            });
-            if !sent {
-                tracing::error!(
-                    shard = self.ctx.index,
-                    "generation builder is gone; merging stalls"
-                );
-            }
-        }
-        Ok(true)
     }
 
     /// Runs maintenance transactions until no sealing, merging or expiry work is left.

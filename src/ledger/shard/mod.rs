@@ -17,12 +17,14 @@
 //! - `decide.rs`: deciding a batch's jobs (I2 lookups, handler calls) and committing it;
 //! - `probe.rs`: asking the other shards about keys whose claims may be elsewhere;
 //! - `write.rs`: writing a batch's claims, records and effects into its transaction;
-//! - `maintain.rs`: sealing, merging, expiry, retired logs and record retention;
+//! - `maintain.rs`: sealing, expiry, retired logs and record retention, and when to merge;
+//! - `merge.rs`: merging two sealed generations slice by slice;
 //! - `control.rs`: requests answered between batches (lookups, records, outbox, backup).
 
 mod control;
 mod decide;
 mod maintain;
+mod merge;
 mod open;
 mod probe;
 mod write;
@@ -35,8 +37,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 use redb::{
-    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
-    TableHandle, WriteTransaction,
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableHandle,
+    WriteTransaction,
 };
 
 use super::filter::GenFilter;
@@ -44,12 +46,11 @@ use super::generation::{
     merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob, SealedGen,
     SealingGen, SubState,
 };
-use super::handlers::{self, ShardHandler, StateBuffer};
 use super::placement::{self, Acquire, InFlight, Placement};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
 use super::records::{self, PendingRecord};
-use super::tables::{self, ClaimsTable, LogTable};
-use super::view::BatchView;
+use super::state::{self, BatchView, ShardHandler, StateBuffer};
+use super::tables::{self, claims_def, log_def};
 use super::{
     Done, Job, LedgerError, Outcome, RecordKind, Registry, ShardMetrics, SubscriberId,
     SubscriberReport,
@@ -93,7 +94,9 @@ struct ProbeGroup {
 
 pub(crate) enum Control {
     /// Answered between two batches: a barrier (see `Ledger::prepare_placement`).
-    Sync { reply: Sender<()> },
+    Sync {
+        reply: Sender<Result<(), LedgerError>>,
+    },
     /// The newest record of the key in this shard, tombstones included.
     Lookup {
         sub: SubscriberId,
@@ -278,14 +281,6 @@ fn storage(path: &std::path::Path, e: impl Into<redb::Error>) -> LedgerError {
             detail: other.to_string(),
         },
     }
-}
-
-fn claims_def(name: &str) -> ClaimsTable<'_> {
-    TableDefinition::new(name)
-}
-
-fn log_def(name: &str) -> LogTable<'_> {
-    TableDefinition::new(name)
 }
 
 /// Rows per slice of sealing/merging work inside a normal batch: at least twice the batch

@@ -64,13 +64,30 @@ impl Shard {
         };
         let txn = shard.durable_txn()?;
         let loaded = shard.check_meta_and_load(&txn)?;
-        handlers::upgrade_v1_tables(&txn, &loaded.tables).map_err(|e| shard.err(e))?;
+        state::upgrade_v1_tables(&txn, &loaded.tables).map_err(|e| shard.err(e))?;
         shard.recover(&txn, loaded)?;
         txn.commit().map_err(|e| err(e.into()))?;
         Ok(shard)
     }
 
     fn check_meta_and_load(&mut self, txn: &WriteTransaction) -> Result<Loaded, LedgerError> {
+        let upgrade_from = self.check_meta(txn)?;
+        let metas = self.load_generation_metas(txn)?;
+        txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
+        txn.open_table(tables::QUARANTINE)
+            .map_err(|e| self.err(e))?;
+        let tables: Vec<String> = txn
+            .list_tables()
+            .map_err(|e| self.err(e))?
+            .map(|h| h.name().to_string())
+            .collect();
+        self.load_placements(txn, &metas, &tables, upgrade_from)?;
+        Ok(Loaded { metas, tables })
+    }
+
+    /// Writes the meta of a new shard file, or checks an existing one and takes its
+    /// counters. Returns the format an older file held (its meta now says this build's).
+    fn check_meta(&mut self, txn: &WriteTransaction) -> Result<Option<u64>, LedgerError> {
         let mut meta = txn.open_table(tables::META).map_err(|e| self.err(e))?;
         let version = meta
             .get("format_version")
@@ -99,37 +116,48 @@ impl Shard {
                     supported: FORMAT_VERSION,
                 })
             }
-            Some(_) => {
-                let path = self.ctx.path.clone();
-                let get = |k: &str| -> Result<u64, LedgerError> {
-                    meta.get(k)
-                        .map_err(|e| storage(&path, e))?
-                        .map(|v| v.value())
-                        .ok_or_else(|| LedgerError::Corrupt {
-                            path: path.clone(),
-                            detail: format!("meta key `{k}` is missing"),
-                        })
-                };
-                let index = get("shard_index")?;
-                let count = get("shard_count")?;
-                if index != self.ctx.index as u64 || count != self.ctx.count as u64 {
-                    return Err(self.corrupt(format!(
-                        "file says it is shard {index} of {count}, expected {} of {}",
-                        self.ctx.index, self.ctx.count
-                    )));
-                }
-                self.next_table_id = get("next_table_id")?;
-                self.next_quarantine_seq = get("next_quarantine_seq")?;
-                self.next_outbox_seq = get("next_outbox_seq")?;
-                self.next_dead_seq = get("next_dead_seq")?;
-            }
+            Some(_) => self.read_meta(&meta)?,
         }
         let upgrade_from = version.filter(|v| *v < FORMAT_VERSION);
         if upgrade_from.is_some() {
             meta.insert("format_version", FORMAT_VERSION)
                 .map_err(|e| self.err(e))?;
         }
-        drop(meta);
+        Ok(upgrade_from)
+    }
+
+    /// Checks that an existing file is this shard and takes its counters.
+    fn read_meta(&mut self, meta: &redb::Table<&'static str, u64>) -> Result<(), LedgerError> {
+        let path = self.ctx.path.clone();
+        let get = |k: &str| -> Result<u64, LedgerError> {
+            meta.get(k)
+                .map_err(|e| storage(&path, e))?
+                .map(|v| v.value())
+                .ok_or_else(|| LedgerError::Corrupt {
+                    path: path.clone(),
+                    detail: format!("meta key `{k}` is missing"),
+                })
+        };
+        let index = get("shard_index")?;
+        let count = get("shard_count")?;
+        if index != self.ctx.index as u64 || count != self.ctx.count as u64 {
+            return Err(self.corrupt(format!(
+                "file says it is shard {index} of {count}, expected {} of {}",
+                self.ctx.index, self.ctx.count
+            )));
+        }
+        self.next_table_id = get("next_table_id")?;
+        self.next_quarantine_seq = get("next_quarantine_seq")?;
+        self.next_outbox_seq = get("next_outbox_seq")?;
+        self.next_dead_seq = get("next_dead_seq")?;
+        Ok(())
+    }
+
+    /// Every generation's meta: `(subscriber, table id, meta)`.
+    fn load_generation_metas(
+        &self,
+        txn: &WriteTransaction,
+    ) -> Result<Vec<(String, u64, GenMeta)>, LedgerError> {
         let gens = txn
             .open_table(tables::GENERATIONS)
             .map_err(|e| self.err(e))?;
@@ -141,15 +169,19 @@ impl Shard {
                 .map_err(|d| self.corrupt(format!("generation {sub}/{id}: {d}")))?;
             metas.push((sub.to_string(), id, m));
         }
-        drop(gens);
-        txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
-        txn.open_table(tables::QUARANTINE)
-            .map_err(|e| self.err(e))?;
-        let tables: Vec<String> = txn
-            .list_tables()
-            .map_err(|e| self.err(e))?
-            .map(|h| h.name().to_string())
-            .collect();
+        Ok(metas)
+    }
+
+    /// Takes the placement masks this shard recorded into the registry. After an upgrade
+    /// from format 1, first marks every subscriber with claims or handler state here as
+    /// placed anywhere.
+    fn load_placements(
+        &self,
+        txn: &WriteTransaction,
+        metas: &[(String, u64, GenMeta)],
+        table_names: &[String],
+        upgrade_from: Option<u64>,
+    ) -> Result<(), LedgerError> {
         let mut placements = txn
             .open_table(tables::PLACEMENTS)
             .map_err(|e| self.err(e))?;
@@ -159,9 +191,9 @@ impl Shard {
             let mut names: std::collections::BTreeSet<&str> =
                 metas.iter().map(|(sub, _, _)| sub.as_str()).collect();
             names.extend(
-                tables
+                table_names
                     .iter()
-                    .filter_map(|t| handlers::state_table_subscriber(t)),
+                    .filter_map(|t| tables::state_table_subscriber(t)),
             );
             for name in &names {
                 placements
@@ -176,8 +208,7 @@ impl Shard {
             let spec = self.ctx.registry.resolve(name.value(), true)?;
             spec.placements.fetch_or(mask.value(), Ordering::AcqRel);
         }
-        drop(placements);
-        Ok(Loaded { metas, tables })
+        Ok(())
     }
 
     /// Rebuilds in-memory state from the generations table and deletes leftovers.
@@ -333,7 +364,7 @@ impl Shard {
 }
 
 /// A subscriber's state on this shard, with the handler effects a crash or stop left in its
-/// state log (see handlers.rs).
+/// state log (see `state/`).
 pub(super) fn new_sub_state(
     spec: &crate::ledger::Subscriber,
     db: &Database,

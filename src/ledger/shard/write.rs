@@ -142,7 +142,7 @@ impl Shard {
         Ok(())
     }
 
-    /// Stores this batch's quarantine or dead-letter rows, merging repeats (see records.rs).
+    /// Stores this batch's quarantine or dead-letter rows, merging repeats (see `records/`).
     pub(super) fn write_records(
         &mut self,
         txn: &WriteTransaction,

@@ -22,8 +22,8 @@ use fastbloom::AtomicBloomFilter;
 use redb::{Database, ReadableDatabase};
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::blocks::{self, BlockDef};
-use super::handlers::{missing_is_none, rows_name};
+use super::blocks;
+use crate::ledger::tables::{missing_is_none, rows_name, unique_name, BlockDef};
 
 /// About 10 bits per mark.
 const FALSE_POSITIVE_RATE: f64 = 0.01;
@@ -115,7 +115,7 @@ impl MarkFilter {
             return;
         }
         let (tx, rx) = bounded(1);
-        let (db, name) = (db.clone(), super::handlers::unique_name(sub));
+        let (db, name) = (db.clone(), unique_name(sub));
         let known = self.count;
         let spawned = std::thread::Builder::new()
             .name("dedupd-marks".into())
@@ -179,9 +179,7 @@ mod tests {
         let mark = |i: u64| format!("label\0o-{i}").into_bytes();
         let txn = db.begin_write().unwrap();
         {
-            let mut t = txn
-                .open_table(BlockDef::new(&super::super::handlers::unique_name("s")))
-                .unwrap();
+            let mut t = txn.open_table(BlockDef::new(&unique_name("s"))).unwrap();
             let mut marks: Vec<Vec<u8>> = (0..1000).map(mark).collect();
             marks.sort();
             let rows: Vec<(&[u8], Option<&[u8]>)> = marks

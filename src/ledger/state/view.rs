@@ -1,6 +1,6 @@
 //! The state a handler reads during one batch ([`BatchView`]), in layers, newest first:
 //! the call's own writes (the host), the batch's earlier successful messages, the shard's
-//! buffered effects of earlier batches (`handlers.rs`), and the sorted block tables as of
+//! buffered effects of earlier batches (`buffer.rs`), and the sorted block tables as of
 //! the batch's start (a read transaction). Kept apart from the buffer and its writes
 //! because it only reads.
 
@@ -10,12 +10,13 @@ use std::sync::Arc;
 use fastbloom::AtomicBloomFilter;
 use redb::{Database, ReadOnlyTable, ReadTransaction, ReadableDatabase};
 
-use super::blocks::{self, BlockDef};
-use super::handlers::{
-    missing_is_none, rows_name, state_name, unique_name, versions_name, Buffered, StateBuffer,
-};
+use super::blocks;
+use super::buffer::{Buffered, StateBuffer};
 use super::marks;
 use crate::effects::{Effects, StateEntry, StateReader};
+use crate::ledger::tables::{
+    missing_is_none, rows_name, state_name, unique_name, versions_name, BlockDef,
+};
 
 type BlockTable = ReadOnlyTable<&'static [u8], &'static [u8]>;
 
@@ -264,7 +265,7 @@ impl StateReader for BatchView {
         self.scope.clear();
         if let Some(e) = entity {
             self.scope
-                .extend_from_slice(&super::placement::entity_scope(e));
+                .extend_from_slice(&crate::ledger::entity_scope(e));
         }
     }
 

@@ -15,9 +15,7 @@
 //! Block format (v1): `n: u32`, then `n` offsets (`u32`, into the entries), then the
 //! entries, each `key_len: u32, key, value_len: u32, value`. Little endian.
 
-use redb::{ReadableTable, ReadableTableMetadata, StorageError, Table, TableDefinition};
-
-pub(crate) type BlockDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
+use redb::{ReadableTable, ReadableTableMetadata, StorageError, Table};
 
 /// Entry bytes a block is filled to before the next one starts. Measured on shipping-label
 /// runs (alternating, 2M messages): 3 KiB blocks gave a median of ~261k msgs/s against
@@ -463,11 +461,12 @@ pub(crate) fn for_each_mixed<T: ReadableTable<&'static [u8], &'static [u8]>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ledger::tables::BlockDef;
     use redb::{Database, ReadableDatabase};
     use std::collections::BTreeMap;
 
-    const T: BlockDef = TableDefinition::new("t");
-    const R: BlockDef = TableDefinition::new("t_rows");
+    const T: BlockDef = BlockDef::new("t");
+    const R: BlockDef = BlockDef::new("t_rows");
 
     /// Pseudo-random updates (puts, deletes, in-order appends, values of all sizes) applied
     /// in slices: every lookup, scan and count matches a BTreeMap, and every block stays
@@ -484,50 +483,131 @@ mod tests {
         random_updates(true);
     }
 
-    fn random_updates(mixed: bool) {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::create(dir.path().join("b.redb")).unwrap();
-        let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-        let mut x: u64 = 7;
-        let mut rand = move |m: u64| {
+    /// A xorshift generator: `rand(m)` is in `0..m`.
+    fn xorshift(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |m: u64| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             x % m
-        };
-        for round in 0..60u64 {
-            let mut batch: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
-            for j in 0..rand(300) {
-                let key = if round % 4 == 0 {
-                    format!("k/{:06}", 100_000 + round * 1000 + j) // appended in order
+        }
+    }
+
+    type Batch = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
+
+    /// One round's updates: every fourth round appends keys in order, the others hit
+    /// random keys; a quarter are deletes, values of all sizes.
+    fn random_batch(round: u64, rand: &mut impl FnMut(u64) -> u64) -> Batch {
+        let mut batch = Batch::new();
+        for j in 0..rand(300) {
+            let key = if round.is_multiple_of(4) {
+                format!("k/{:06}", 100_000 + round * 1000 + j) // appended in order
+            } else {
+                format!("k/{:06}", rand(2000))
+            };
+            let value = if rand(4) == 0 {
+                None
+            } else {
+                let max = if rand(20) == 0 { 3000 } else { 60 };
+                Some(vec![b'v'; rand(max) as usize])
+            };
+            batch.insert(key.into_bytes(), value);
+        }
+        batch
+    }
+
+    /// Applies a batch in chunks of random size, in one transaction.
+    fn write_batch(db: &Database, batch: &Batch, mixed: bool, rand: &mut impl FnMut(u64) -> u64) {
+        let updates: Vec<(&[u8], Option<&[u8]>)> = batch
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_deref()))
+            .collect();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut t = txn.open_table(T).unwrap();
+            let mut r = txn.open_table(R).unwrap();
+            for chunk in updates.chunks(1 + rand(120) as usize) {
+                if mixed {
+                    apply_mixed(&mut t, &mut r, chunk).unwrap();
                 } else {
-                    format!("k/{:06}", rand(2000))
-                };
-                let value = if rand(4) == 0 {
-                    None
-                } else {
-                    let max = if rand(20) == 0 { 3000 } else { 60 };
-                    Some(vec![b'v'; rand(max) as usize])
-                };
-                batch.insert(key.into_bytes(), value);
-            }
-            let updates: Vec<(&[u8], Option<&[u8]>)> = batch
-                .iter()
-                .map(|(k, v)| (k.as_slice(), v.as_deref()))
-                .collect();
-            let txn = db.begin_write().unwrap();
-            {
-                let mut t = txn.open_table(T).unwrap();
-                let mut r = txn.open_table(R).unwrap();
-                for chunk in updates.chunks(1 + rand(120) as usize) {
-                    if mixed {
-                        apply_mixed(&mut t, &mut r, chunk).unwrap();
-                    } else {
-                        apply(&mut t, chunk).unwrap();
-                    }
+                    apply(&mut t, chunk).unwrap();
                 }
             }
-            txn.commit().unwrap();
+        }
+        txn.commit().unwrap();
+    }
+
+    /// Point reads and a scan from a random key answer what the reference holds.
+    fn check_reads<Tab: ReadableTable<&'static [u8], &'static [u8]>>(
+        t: &Tab,
+        rows: Option<&Tab>,
+        reference: &BTreeMap<Vec<u8>, Vec<u8>>,
+        round: u64,
+        rand: &mut impl FnMut(u64) -> u64,
+    ) {
+        for probe in 0..200 {
+            let k = format!(
+                "k/{:06}",
+                rand(2000)
+                    + if probe % 2 == 0 {
+                        0
+                    } else {
+                        100_000 + rand(60_000)
+                    }
+            );
+            assert_eq!(
+                get_mixed(Some(t), rows, k.as_bytes()).unwrap(),
+                reference.get(k.as_bytes()).cloned()
+            );
+            assert_eq!(
+                contains_mixed(Some(t), rows, k.as_bytes()).unwrap(),
+                reference.contains_key(k.as_bytes())
+            );
+        }
+        let from = format!("k/{:06}", rand(2000));
+        let mut seen = Vec::new();
+        for_each_mixed(Some(t), rows, from.as_bytes(), |k, v| {
+            seen.push((k.to_vec(), v.to_vec()));
+            seen.len() < 50
+        })
+        .unwrap();
+        let want: Vec<_> = reference
+            .range(from.clone().into_bytes()..)
+            .take(50)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert_eq!(seen, want, "round {round}");
+    }
+
+    /// Every block's entries are sorted and end exactly at its table key; returns the
+    /// number of blocks.
+    fn check_block_layout(t: &impl ReadableTable<&'static [u8], &'static [u8]>) -> usize {
+        let mut prev_last: Option<Vec<u8>> = None;
+        let mut blocks = 0;
+        for row in t.iter().unwrap() {
+            blocks += 1;
+            let (last, v) = row.unwrap();
+            let block = Block::parse(v.value()).unwrap();
+            assert!(block.len() > 0);
+            let keys: Vec<&[u8]> = block.entries().map(|e| e.unwrap().0).collect();
+            assert!(keys.windows(2).all(|w| w[0] < w[1]));
+            assert_eq!(*keys.last().unwrap(), last.value());
+            if let Some(p) = &prev_last {
+                assert!(keys[0] > p.as_slice());
+            }
+            prev_last = Some(last.value().to_vec());
+        }
+        blocks
+    }
+
+    fn random_updates(mixed: bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("b.redb")).unwrap();
+        let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        let mut rand = xorshift(7);
+        for round in 0..60u64 {
+            let batch = random_batch(round, &mut rand);
+            write_batch(&db, &batch, mixed, &mut rand);
             for (k, v) in batch {
                 match v {
                     Some(v) => reference.insert(k, v),
@@ -549,54 +629,8 @@ mod tests {
             if !mixed {
                 assert_eq!(len(&t).unwrap(), reference.len() as u64, "round {round}");
             }
-            for probe in 0..200 {
-                let k = format!(
-                    "k/{:06}",
-                    rand(2000)
-                        + if probe % 2 == 0 {
-                            0
-                        } else {
-                            100_000 + rand(60_000)
-                        }
-                );
-                assert_eq!(
-                    get_mixed(Some(&t), rows, k.as_bytes()).unwrap(),
-                    reference.get(k.as_bytes()).cloned()
-                );
-                assert_eq!(
-                    contains_mixed(Some(&t), rows, k.as_bytes()).unwrap(),
-                    reference.contains_key(k.as_bytes())
-                );
-            }
-            let from = format!("k/{:06}", rand(2000));
-            let mut seen = Vec::new();
-            for_each_mixed(Some(&t), rows, from.as_bytes(), |k, v| {
-                seen.push((k.to_vec(), v.to_vec()));
-                seen.len() < 50
-            })
-            .unwrap();
-            let want: Vec<_> = reference
-                .range(from.clone().into_bytes()..)
-                .take(50)
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            assert_eq!(seen, want, "round {round}");
-            // Every block's entries are sorted and end exactly at its table key.
-            let mut prev_last: Option<Vec<u8>> = None;
-            let mut blocks = 0;
-            for row in t.iter().unwrap() {
-                blocks += 1;
-                let (last, v) = row.unwrap();
-                let block = Block::parse(v.value()).unwrap();
-                assert!(block.len() > 0);
-                let keys: Vec<&[u8]> = block.entries().map(|e| e.unwrap().0).collect();
-                assert!(keys.windows(2).all(|w| w[0] < w[1]));
-                assert_eq!(*keys.last().unwrap(), last.value());
-                if let Some(p) = &prev_last {
-                    assert!(keys[0] > p.as_slice());
-                }
-                prev_last = Some(last.value().to_vec());
-            }
+            check_reads(&t, rows, &reference, round, &mut rand);
+            let blocks = check_block_layout(&t);
             if round == 59 {
                 let wanted = if mixed { 10 } else { 50 };
                 assert!(

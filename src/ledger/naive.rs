@@ -1,0 +1,81 @@
+//! The baseline the bench measures the engine against (`dedupd bench`): what a careful user
+//! would write first. One redb table keyed by the 128-bit id hash, get-then-insert per
+//! message, one durable commit per batch. No generations, filters, shards or handlers. It
+//! lives here because redb is used only inside the ledger; the traffic and the timing are
+//! the bench's.
+
+use std::path::Path;
+
+use redb::{Database, Durability, ReadableTable};
+
+use super::tables::NAIVE;
+
+/// A storage failure of the baseline's scratch file (redb's own text).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NaiveError(String);
+
+fn naive_error(e: impl std::fmt::Display) -> NaiveError {
+    NaiveError(e.to_string())
+}
+
+/// The baseline's one table, in a file of its own.
+pub struct NaiveBaseline {
+    db: Database,
+}
+
+impl NaiveBaseline {
+    /// Creates (or opens) the file at `path` with a page cache of `cache_mib` MiB.
+    pub fn create(path: &Path, cache_mib: usize) -> Result<NaiveBaseline, NaiveError> {
+        let db = Database::builder()
+            .set_cache_size(cache_mib << 20)
+            .create(path)
+            .map_err(naive_error)?;
+        Ok(NaiveBaseline { db })
+    }
+
+    /// Claims a batch of `(key hash, payload fingerprint)`: each key not stored yet is
+    /// inserted with its fingerprint, and the batch is committed durably before this
+    /// returns.
+    pub fn claim_batch(&self, batch: &[(u128, u64)]) -> Result<(), NaiveError> {
+        let mut txn = self.db.begin_write().map_err(naive_error)?;
+        txn.set_durability(Durability::Immediate)
+            .map_err(naive_error)?;
+        {
+            let mut t = txn.open_table(NAIVE).map_err(naive_error)?;
+            for (key, fp) in batch {
+                if t.get(*key).map_err(naive_error)?.is_none() {
+                    let mut rec = [0u8; 32];
+                    rec[..8].copy_from_slice(&fp.to_le_bytes());
+                    t.insert(*key, rec).map_err(naive_error)?;
+                }
+            }
+        }
+        txn.commit().map_err(naive_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redb::{ReadableDatabase, ReadableTableMetadata};
+
+    #[test]
+    fn a_key_claimed_again_keeps_its_first_fingerprint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("naive.redb");
+        let naive = NaiveBaseline::create(&path, 1).unwrap();
+        naive.claim_batch(&[(1, 10), (2, 20)]).unwrap();
+        naive.claim_batch(&[(1, 11), (3, 30)]).unwrap();
+        drop(naive);
+        let db = Database::open(&path).unwrap();
+        let txn = db.begin_read().unwrap();
+        let t = txn.open_table(NAIVE).unwrap();
+        let fp = |k: u128| {
+            let rec = t.get(k).unwrap().unwrap().value();
+            u64::from_le_bytes(rec[..8].try_into().unwrap())
+        };
+        assert_eq!((fp(1), fp(2), fp(3)), (10, 20, 30));
+        assert_eq!(t.len().unwrap(), 3);
+    }
+}

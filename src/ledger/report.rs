@@ -1,0 +1,107 @@
+//! What the ledger reports about itself: per-subscriber counts for `inspect` and the admin
+//! API ([`LedgerReport`], summed over shards), and each shard's commit measurements
+//! ([`ShardMetrics`]).
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::datadir::dir_bytes;
+use super::shard::Control;
+use super::{Ledger, LedgerError, FORMAT_VERSION};
+
+/// What `inspect` shows of one subscriber.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct SubscriberReport {
+    pub subscriber: String,
+    /// Claims stored (including expired ones not yet dropped).
+    pub claims: u64,
+    pub active_claims: u64,
+    pub sealed_generations: u64,
+    /// Messages quarantined (outcomes counted, repeats included).
+    pub quarantined: u64,
+    /// Quarantine records stored (one per message id and payload, within retention and cap).
+    #[serde(default)]
+    pub quarantine_records: u64,
+    /// Messages dead-lettered (outcomes counted, repeats included).
+    pub dead_lettered: u64,
+    /// Dead-letter records stored.
+    #[serde(default)]
+    pub dead_letter_records: u64,
+    pub filter_bytes: u64,
+    pub index_bytes: u64,
+}
+
+impl SubscriberReport {
+    /// Adds another shard's counts of the same subscriber.
+    fn add(&mut self, r: &SubscriberReport) {
+        self.claims += r.claims;
+        self.active_claims += r.active_claims;
+        self.sealed_generations += r.sealed_generations;
+        self.quarantined += r.quarantined;
+        self.quarantine_records += r.quarantine_records;
+        self.dead_lettered += r.dead_lettered;
+        self.dead_letter_records += r.dead_letter_records;
+        self.filter_bytes += r.filter_bytes;
+        self.index_bytes += r.index_bytes;
+    }
+}
+
+/// What `inspect` shows of the whole data directory.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LedgerReport {
+    pub data_dir: PathBuf,
+    pub format_version: u64,
+    pub shards: usize,
+    pub file_bytes: u64,
+    pub subscribers: Vec<SubscriberReport>,
+}
+
+/// Commit-level measurements of one shard.
+#[derive(Debug, Clone, Default)]
+pub struct ShardMetrics {
+    pub batches: u64,
+    pub messages: u64,
+    pub commits: u64,
+    /// Longest batch (decide + maintenance + commit) with and without sealing/merging work.
+    pub max_batch_us_maintenance: u64,
+    pub max_batch_us_plain: u64,
+    /// Longest durable commit (the fsync part of a batch).
+    pub max_commit_us: u64,
+    pub seals: u64,
+    pub merges: u64,
+    pub dropped_generations: u64,
+}
+
+impl Ledger {
+    /// Per-subscriber counts summed over shards.
+    pub fn report(&self) -> Result<LedgerReport, LedgerError> {
+        let mut by_name: std::collections::BTreeMap<String, SubscriberReport> = Default::default();
+        for rows in self.ask_all(|reply| Control::Report { reply })? {
+            for r in rows {
+                by_name
+                    .entry(r.subscriber.clone())
+                    .or_insert_with(|| SubscriberReport {
+                        subscriber: r.subscriber.clone(),
+                        ..Default::default()
+                    })
+                    .add(&r);
+            }
+        }
+        Ok(LedgerReport {
+            data_dir: self.data_dir.clone(),
+            format_version: FORMAT_VERSION,
+            shards: self.shards.len(),
+            file_bytes: dir_bytes(&self.data_dir),
+            subscribers: by_name.into_values().collect(),
+        })
+    }
+
+    /// Snapshot of each shard's commit metrics.
+    pub fn metrics(&self) -> Vec<ShardMetrics> {
+        self.metrics
+            .iter()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .collect()
+    }
+}

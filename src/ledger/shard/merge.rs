@@ -1,0 +1,192 @@
+//! Merging two neighbouring sealed generations of a subscriber into one, slice by slice
+//! inside maintenance transactions: both sorted tables are read from a cursor, merged with
+//! expired claims dropped, and written to a new table; once both are consumed, the new
+//! table's filter is built on the builder thread, and the transaction that records it
+//! deletes the two inputs, so a lookup sees either both inputs or the merged table.
+
+use super::*;
+
+impl Shard {
+    /// Starts merging the smallest pair of neighbouring sealed generations when there are
+    /// too many, so lookups probe few generations.
+    pub(super) fn start_merge(&mut self, st: &mut SubState, cfg: &LedgerConfig) -> bool {
+        if st.merging.is_some() || st.sealed.len() <= cfg.merge_trigger_generations.get() {
+            return false;
+        }
+        let limit = cfg.merge_max_claims.get() as u64;
+        let pick = (0..st.sealed.len().saturating_sub(1))
+            .map(|i| (st.sealed[i].count + st.sealed[i + 1].count, i))
+            .filter(|(n, _)| *n <= limit)
+            .min();
+        let Some((_, i)) = pick else {
+            return false;
+        };
+        let out_table = self.next_table_id;
+        self.next_table_id += 1;
+        st.merging = Some(MergeJob {
+            older: st.sealed[i].table_id,
+            newer: st.sealed[i + 1].table_id,
+            out_table,
+            cursor_older: None,
+            cursor_newer: None,
+            older_done: false,
+            newer_done: false,
+            keys: Vec::new(),
+            count: 0,
+            max_expires_ms: 0,
+            waiting_for_filter: false,
+            filter: None,
+        });
+        true
+    }
+
+    /// One slice of a merge, or its completion once the filter is built.
+    pub(super) fn merge_step(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+        budget: usize,
+    ) -> Result<bool, LedgerError> {
+        let Some(m) = st.merging.as_ref() else {
+            return Ok(false);
+        };
+        if m.waiting_for_filter {
+            return self.finish_merge(st, txn);
+        }
+        self.copy_merge_slice(st, txn, now, budget)
+    }
+
+    /// Once the merged table's filter is built: replaces the two input generations by the
+    /// merged one. Returns whether it wrote anything.
+    fn finish_merge(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+    ) -> Result<bool, LedgerError> {
+        let Some(m) = st.merging.as_mut() else {
+            return Ok(false);
+        };
+        let Some(filter) = m.filter.take() else {
+            return Ok(false);
+        };
+        let (older, newer, out) = (m.older, m.newer, m.out_table);
+        let oi = st.sealed.iter().position(|g| g.table_id == older);
+        let ni = st.sealed.iter().position(|g| g.table_id == newer);
+        let (Some(oi), Some(ni)) = (oi, ni) else {
+            st.merging = None;
+            return Ok(false);
+        };
+        let order = st.sealed[ni].order;
+        let created = st.sealed[oi].created_at_ms;
+        let count = m.count;
+        let max_expires = m.max_expires_ms;
+        self.delete_generation(txn, &st.name, older)?;
+        self.delete_generation(txn, &st.name, newer)?;
+        st.sealed
+            .retain(|g| g.table_id != older && g.table_id != newer);
+        self.commit_sealed(
+            txn,
+            st,
+            SealedGen {
+                table_id: out,
+                order,
+                count,
+                max_expires_ms: max_expires,
+                created_at_ms: created,
+                filter,
+            },
+        )?;
+        st.merging = None;
+        self.ctx
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .merges += 1;
+        Ok(true)
+    }
+
+    /// Merges the next slice of both inputs (at most `budget` claims read) into the output
+    /// table, dropping expired claims; once both inputs are consumed, asks the builder for
+    /// the output's filter.
+    fn copy_merge_slice(
+        &mut self,
+        st: &mut SubState,
+        txn: &WriteTransaction,
+        now: u64,
+        budget: usize,
+    ) -> Result<bool, LedgerError> {
+        let Some(m) = st.merging.as_mut() else {
+            return Ok(false);
+        };
+        let half = (budget / 2).max(1);
+        let older = tables::claims_name(&st.name, m.older);
+        let (a, a_ex) = self.read_after(txn, &older, m.cursor_older, m.older_done, half)?;
+        let newer = tables::claims_name(&st.name, m.newer);
+        let (b, b_ex) = self.read_after(txn, &newer, m.cursor_newer, m.newer_done, half)?;
+        let (out, i, j) = merge_slice(&a, a_ex, &b, b_ex, now);
+        if i > 0 {
+            m.cursor_older = Some(a[i - 1].0);
+        }
+        if j > 0 {
+            m.cursor_newer = Some(b[j - 1].0);
+        }
+        m.older_done = a_ex && i == a.len();
+        m.newer_done = b_ex && j == b.len();
+        {
+            let name = tables::claims_name(&st.name, m.out_table);
+            let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
+            for (k, r) in &out {
+                t.insert(*k, r.encode()).map_err(|e| self.err(e))?;
+                m.max_expires_ms = m.max_expires_ms.max(r.expires_at_ms);
+                m.keys.push(*k);
+            }
+        }
+        m.count += out.len() as u64;
+        if m.older_done && m.newer_done {
+            m.waiting_for_filter = true;
+            let sent = self.ctx.builder.send(BuildJob::Filter {
+                sub: st.id,
+                table_id: m.out_table,
+                keys: std::mem::take(&mut m.keys),
+                reply: self.built_tx.clone(),
+            });
+            if !sent {
+                tracing::error!(
+                    shard = self.ctx.index,
+                    "generation builder is gone; merging stalls"
+                );
+            }
+        }
+        Ok(true)
+    }
+
+    /// Up to `limit` claims of a sealed table after `cursor` (from the first when `None`),
+    /// and whether the table is exhausted with them.
+    fn read_after(
+        &self,
+        txn: &WriteTransaction,
+        name: &str,
+        cursor: Option<u128>,
+        done: bool,
+        limit: usize,
+    ) -> Result<(Vec<(u128, ClaimRecord)>, bool), LedgerError> {
+        if done {
+            return Ok((Vec::new(), true));
+        }
+        let t = txn.open_table(claims_def(name)).map_err(|e| self.err(e))?;
+        let mut out = Vec::with_capacity(limit);
+        let iter = match cursor {
+            None => t.range::<u128>(..),
+            Some(u128::MAX) => return Ok((Vec::new(), true)),
+            Some(c) => t.range::<u128>(c + 1..),
+        }
+        .map_err(|e| self.err(e))?;
+        for row in iter.take(limit) {
+            let (k, v) = row.map_err(|e| self.err(e))?;
+            out.push((k.value(), ClaimRecord::decode(&v.value())));
+        }
+        let exhausted = out.len() < limit;
+        Ok((out, exhausted))
+    }
+}
