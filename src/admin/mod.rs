@@ -23,10 +23,10 @@
 //! (`[http]`). What a request means as a message is `crate::source::http`.
 
 mod audit;
+pub mod bridge;
 mod config;
 mod error;
 mod guard;
-pub mod bridge;
 mod metrics;
 mod openapi;
 mod routes;
