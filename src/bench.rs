@@ -139,13 +139,13 @@ pub struct Progress {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BenchError {
-    #[error("{0}")]
+    #[error(transparent)]
     Ledger(#[from] LedgerError),
     #[error("cannot create the benchmark directory in {0}: {1}")]
     Dir(PathBuf, std::io::Error),
     #[error("naive baseline failed: {0}")]
     Naive(String),
-    #[error("{0}")]
+    #[error(transparent)]
     Handler(#[from] crate::handler::HandlerError),
 }
 
@@ -167,6 +167,17 @@ pub fn bytes_per_key(end: u64, base: u64, keys: u64) -> f64 {
 /// runs when it configures none.
 pub fn bench_config(params: &BenchParams) -> Config {
     let mut config = params.config.clone();
+    // Configured, as a deployment with many subscribers would have them (unconfigured
+    // ones are capped by `ledger.max_implicit_subscribers`).
+    for i in 0..params.subscribers.max(1) {
+        let name = format!("bench-{i}");
+        if !config.subscribers.iter().any(|s| s.name == name) {
+            config.subscribers.push(crate::config::SubscriberConfig {
+                name,
+                ..Default::default()
+            });
+        }
+    }
     if let (Some(_), Some(pointer)) = (&params.handler, &params.partition_pointer) {
         if config.defaults.partition_key == PartitionSource::IdempotencyKey {
             config.defaults.partition_key = PartitionSource::JsonPointer {
@@ -606,6 +617,58 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_ledger_error_is_told_once_in_an_error_chain() {
+        for e in [
+            anyhow::Error::from(BenchError::from(LedgerError::Invalid(
+                "disk on fire".into(),
+            ))),
+            anyhow::Error::from(crate::source::stdin::PipeError::from(LedgerError::Invalid(
+                "disk on fire".into(),
+            ))),
+            anyhow::Error::from(crate::admin::UploadError::from(LedgerError::Invalid(
+                "disk on fire".into(),
+            ))),
+        ] {
+            assert_eq!(format!("{e:#}").matches("disk on fire").count(), 1, "{e:#}");
+        }
+    }
+
+    #[test]
+    fn many_subscribers_are_configured_not_implicit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let params = BenchParams {
+            messages: 1_000,
+            subscribers: 100,
+            series_step: 1_000_000,
+            naive_messages: 0,
+            dir: tmp.path().to_path_buf(),
+            ..small_params()
+        };
+        assert!(params.subscribers as usize > params.config.ledger.max_implicit_subscribers);
+        let r = run(&params, |_| {}).unwrap();
+        assert!(r.verified);
+    }
+
+    fn small_params() -> BenchParams {
+        BenchParams {
+            messages: 20_000,
+            dup_rate: 0.1,
+            mismatch_rate: 0.01,
+            subscribers: 2,
+            seed: 7,
+            window: 1_024,
+            naive_messages: 500,
+            dir: std::path::PathBuf::from("."),
+            keep: false,
+            handler: None,
+            partition_pointer: None,
+            random_order_ids: false,
+            series_step: 5_000,
+            config: Config::default(),
+        }
+    }
+
+    #[test]
     fn bytes_per_key_is_never_negative() {
         assert_eq!(bytes_per_key(100, 200, 10), 0.0);
         assert_eq!(bytes_per_key(300, 100, 10), 20.0);
@@ -616,20 +679,8 @@ mod tests {
     fn a_small_run_verifies_and_reports_its_series_and_per_key_figures() {
         let tmp = tempfile::tempdir().unwrap();
         let params = BenchParams {
-            messages: 20_000,
-            dup_rate: 0.1,
-            mismatch_rate: 0.01,
-            subscribers: 2,
-            seed: 7,
-            window: 1_024,
-            naive_messages: 500,
             dir: tmp.path().to_path_buf(),
-            keep: false,
-            handler: None,
-            partition_pointer: None,
-            random_order_ids: false,
-            series_step: 5_000,
-            config: Config::default(),
+            ..small_params()
         };
         let r = run(&params, |_| {}).unwrap();
         assert!(r.verified);

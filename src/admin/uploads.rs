@@ -26,7 +26,7 @@ pub enum UploadError {
     NoPrevious,
     #[error("cannot store the handler: {0}")]
     Io(#[from] std::io::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Ledger(#[from] LedgerError),
 }
 

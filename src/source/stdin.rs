@@ -32,7 +32,7 @@ pub enum PipeError {
     Input(std::io::Error),
     #[error("writing outcomes failed: {0}")]
     Output(std::io::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Ledger(#[from] LedgerError),
 }
 
