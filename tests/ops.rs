@@ -616,3 +616,70 @@ fn record_cap_violated_drops_the_oldest_and_still_counts_the_outcome() {
     ));
     assert_eq!(quarantined_ids(&ledger), ["q-3", "q-4", "q-0"]);
 }
+
+/// A subscriber's claim index grows with its claims: a quiet subscriber must not cost a
+/// full generation's index (524,288 slots, ~25 MiB per shard) — 1,000 of them did not fit
+/// in 24 GiB. A busy one still reaches the full size, and answers every claim.
+#[test]
+fn claim_indexes_grow_with_their_claims() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &config(2), clock()).unwrap();
+    for i in 0..10 {
+        assert_eq!(
+            deliver(&ledger, "quiet", &format!("q-{i}"), b"{}"),
+            Outcome::Processed
+        );
+    }
+    // In batches of 1,000 (one commit each), as a busy source submits.
+    let busy = ledger.subscriber("busy").unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let mut outcomes = Vec::new();
+    for round in 0..2 {
+        for chunk in 0..40 {
+            let ids: Vec<String> = (chunk * 1_000..(chunk + 1) * 1_000)
+                .map(|i| format!("b-{i}"))
+                .collect();
+            let mut by_shard: Vec<Vec<Job>> =
+                (0..ledger.shard_count()).map(|_| Vec::new()).collect();
+            for id in &ids {
+                let key = key_hash(id.as_bytes());
+                let job = Job::new(1, busy.id, key, fingerprint(b"{}"), id, b"{}", tx.clone());
+                by_shard[ledger.route(key)].push(job);
+            }
+            for (shard, jobs) in by_shard.into_iter().enumerate() {
+                ledger.submit(shard, jobs).unwrap();
+            }
+            let mut got = 0;
+            while got < ids.len() {
+                let done = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+                got += done.len();
+                outcomes.extend(done.into_iter().map(|d| (round, d.outcome)));
+            }
+        }
+    }
+    let want = |round: i32| {
+        if round == 0 {
+            Outcome::Processed
+        } else {
+            Outcome::Duplicate
+        }
+    };
+    assert_eq!(outcomes.len(), 80_000);
+    assert!(outcomes.iter().all(|(round, o)| *o == want(*round)));
+    let report = ledger.report().unwrap();
+    let index = |name: &str| {
+        let s = report
+            .subscribers
+            .iter()
+            .find(|s| s.subscriber == name)
+            .unwrap();
+        s.index_bytes
+    };
+    assert!(
+        index("quiet") <= 256 << 10,
+        "quiet: {} bytes",
+        index("quiet")
+    );
+    assert!(index("busy") >= 16 << 20, "busy: {} bytes", index("busy"));
+    ledger.close().unwrap();
+}

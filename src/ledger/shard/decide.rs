@@ -502,6 +502,12 @@ fn placement_bit(job: &Job, shard: usize, count: usize, subscriber: &str) -> u8 
 /// log row. Durable only once the batch commits.
 /// The index is allocated at full size up front (growing a half-million-entry hash table
 /// inside a batch was a measured 20-60 ms stall), preferably from the spare pool.
+/// Capacity of a new generation's index.
+const FIRST_INDEX_CAPACITY: usize = 1 << 10;
+/// An index holding at least this many claims that must grow moves into a full-size one
+/// instead.
+const MOVE_TO_FULL_AT: usize = 1 << 13;
+
 pub(super) fn insert_claim(
     st: &mut SubState,
     next_table_id: &mut u64,
@@ -519,14 +525,28 @@ pub(super) fn insert_claim(
         ActiveGen {
             table_id: id,
             order,
-            map: spare
-                .pop()
-                .unwrap_or_else(|| KeyMap::with_capacity_and_hasher(presize, Default::default())),
+            // Small first: an index grows with its claims, so a quiet subscriber costs
+            // kilobytes, not a full generation's index (issue 13).
+            map: KeyMap::with_capacity_and_hasher(
+                FIRST_INDEX_CAPACITY.min(presize),
+                Default::default(),
+            ),
             next_row: 0,
             created_at_ms: now,
         }
     });
-    active.map.insert(key, claim);
+    let map = &mut active.map;
+    if map.len() >= MOVE_TO_FULL_AT && map.len() == map.capacity() && map.capacity() < presize {
+        // Growing a large table in place rehashes it during a batch (a latency spike, and
+        // twice the memory for a moment); a busy subscriber moves once into a full-size
+        // index that was faulted in off the hot path (`request_spare_map`).
+        let mut full = spare
+            .pop()
+            .unwrap_or_else(|| KeyMap::with_capacity_and_hasher(presize, Default::default()));
+        full.extend(map.drain());
+        *map = full;
+    }
+    map.insert(key, claim);
     LogRow::push(&mut st.pending_log, key, &claim);
 }
 

@@ -270,7 +270,10 @@ impl Shard {
         }
         if let Some(done) = st.sealing.take() {
             if let Ok(mut map) = Arc::try_unwrap(done.map) {
-                if self.spare_maps.len() < 2 {
+                // Only full-size indexes are worth keeping: small ones belong to quiet
+                // subscribers and would make a busy one grow in place.
+                let full = map.capacity() >= self.ctx.config.generation_max_claims.get();
+                if self.spare_maps.len() < 2 && full {
                     map.clear();
                     self.spare_maps.push(map);
                 }
