@@ -618,7 +618,7 @@ fn record_cap_violated_drops_the_oldest_and_still_counts_the_outcome() {
 }
 
 /// A subscriber's claim index grows with its claims: a quiet subscriber must not cost a
-/// full generation's index (524,288 slots, ~25 MiB per shard) — 1,000 of them did not fit
+/// full generation's index (524,288 claims, ~45 MiB per shard) — 1,000 of them did not fit
 /// in 24 GiB. A busy one still reaches the full size, and answers every claim.
 #[test]
 fn claim_indexes_grow_with_their_claims() {
