@@ -322,3 +322,39 @@ fn deleted_shard_file_is_refused_not_recreated() {
         "the missing shard file was recreated empty"
     );
 }
+
+/// A run's shutdown token is triggered by the ledger's failure itself (no polling): the
+/// run modes stop every source on it and exit non-zero with the reason (G7).
+#[test]
+fn a_failed_commit_triggers_the_run_shutdown_with_its_reason() {
+    use dedupd::pipeline::{Cause, Shutdown};
+    let dir = tempfile::tempdir().unwrap();
+    let (ledger, fault) =
+        Ledger::open_with_fault_switch(dir.path(), &config(), Arc::new(SystemClock)).unwrap();
+    let shutdown = Shutdown::new();
+    shutdown.on_ledger_failure(&ledger);
+    assert_eq!(
+        shutdown.wait_timeout(std::time::Duration::from_millis(10)),
+        None
+    );
+    fault.fail_after_fsyncs(0);
+    let sub = ledger.subscriber("s").unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let key = key_hash(b"m-1");
+    let job = Job::new(0, sub.id, key, 1, "m-1", b"", tx);
+    ledger.submit(ledger.route(key), vec![job]).unwrap();
+    let outcome = rx.recv_timeout(std::time::Duration::from_secs(30)).unwrap();
+    assert!(
+        matches!(outcome[0].outcome, Outcome::Failed { .. }),
+        "{outcome:?}"
+    );
+    match shutdown.wait_timeout(std::time::Duration::from_secs(30)) {
+        Some(Cause::Failed(reason)) => assert!(reason.contains("the ledger stopped"), "{reason}"),
+        other => panic!("expected a failure cause, got {other:?}"),
+    }
+    // A token created after the failure is triggered at once.
+    let late = Shutdown::new();
+    late.on_ledger_failure(&ledger);
+    assert!(late.is_triggered());
+    let _ = ledger.close();
+}
