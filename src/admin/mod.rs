@@ -17,7 +17,7 @@
 //! run on `spawn_blocking`, and ingest goes through [`bridge::Ingest`].
 //!
 //! Layout: `routes/` (the [`router`] and one file per resource), `guard` (what every
-//! request passes first), `error` ([`ApiError`] and its statuses), [`ingest`] (requests
+//! request passes first), `error` ([`ApiError`] and its statuses), [`bridge`] (requests
 //! to shard threads and durable outcomes back), `uploads` (the uploaded handler
 //! components on disk), `audit`, `metrics` (`/metrics`), `openapi`, `config`
 //! (`[http]`). What a request means as a message is `crate::source::http`.

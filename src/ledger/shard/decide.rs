@@ -503,7 +503,7 @@ fn placement_bit(job: &Job, shard: usize, count: usize, subscriber: &str) -> u8 
 /// The index is allocated at full size up front (growing a half-million-entry hash table
 /// inside a batch was a measured 20-60 ms stall), preferably from the spare pool.
 /// Capacity of a new generation's index.
-const FIRST_INDEX_CAPACITY: usize = 1 << 10;
+const FIRST_INDEX_CAPACITY: usize = 1 << 6;
 /// An index holding at least this many claims that must grow moves into a full-size one
 /// instead.
 const MOVE_TO_FULL_AT: usize = 1 << 13;
