@@ -85,25 +85,31 @@ pub struct LedgerConfig {
     /// Fixed when a data directory is created; a different value later is an error.
     pub shards: Option<NonZeroUsize>,
     /// Most messages in one commit. A batch grows while the previous commit's fsync runs.
+    /// 1 to 1,048,576.
     pub max_batch: NonZeroUsize,
     /// How long a writer waits for more messages before committing a batch that is not full.
     #[serde(with = "humantime_serde")]
     pub max_linger: Duration,
-    /// Claims in an active generation before it is sealed into a sorted table.
+    /// Claims in an active generation before it is sealed into a sorted table; a busy
+    /// subscriber's in-memory index is sized for this many (about 49 bytes each per shard).
+    /// 16 to 16,777,216.
     pub generation_max_claims: NonZeroUsize,
     /// Age at which a non-empty active generation is sealed even when not full.
     #[serde(with = "humantime_serde")]
     pub generation_max_age: Duration,
     /// Sealed generations smaller than this are merged with a neighbour.
+    /// 16 to 1,073,741,824.
     pub merge_max_claims: NonZeroUsize,
-    /// Sealed generations per subscriber and shard above which merging starts.
+    /// Sealed generations per subscriber and shard above which merging starts (a lookup
+    /// may probe each of them). 1 to 1,024.
     pub merge_trigger_generations: NonZeroUsize,
     /// Handler state entries (puts, deletes, uniqueness marks, versions) buffered in memory
     /// per subscriber and shard, and logged, before they are applied to the sorted state
     /// tables in key order. Larger: fewer, denser rewrites of the tables; more memory
     /// (roughly 150-250 bytes per entry, up to twice this many while one buffer is applied).
+    /// 16 to 4,194,304.
     pub state_buffer_entries: NonZeroUsize,
-    /// redb page cache per shard, in MiB. The OS page cache serves the rest.
+    /// redb page cache per shard, in MiB. The OS page cache serves the rest. 1 to 65,536.
     pub cache_mib: NonZeroUsize,
     /// Verify every page checksum when a shard file is opened, so a file damaged outside
     /// dedupd is reported instead of trusted. Reads the whole file at start-up.
@@ -112,7 +118,7 @@ pub struct LedgerConfig {
     /// names them, when `allow_unknown_subscribers` is true; those found in the data
     /// directory count too). Each costs memory on every shard; past the limit a message
     /// for a new name is refused (HTTP 403 `subscriber_limit`). Configured subscribers are
-    /// never limited.
+    /// never limited. 0 to 65,536.
     pub max_implicit_subscribers: usize,
     /// How long a quarantine or dead-letter record is kept after it was first stored; older
     /// ones are removed between batches (the outcomes stay counted).
@@ -141,6 +147,51 @@ impl Default for LedgerConfig {
             record_retention: Duration::from_secs(30 * 24 * 3600),
             max_records_per_subscriber: nz(100_000),
         }
+    }
+}
+
+impl LedgerConfig {
+    /// Every count within its documented range, so a nonsense value is refused here with
+    /// the field's name instead of exhausting memory (or overflowing) in a shard thread.
+    fn validate_sizes(&self) -> Result<(), ConfigError> {
+        let sizes = [
+            ("max_batch", self.max_batch.get(), 1, 1 << 20),
+            (
+                "generation_max_claims",
+                self.generation_max_claims.get(),
+                16,
+                1 << 24,
+            ),
+            ("merge_max_claims", self.merge_max_claims.get(), 16, 1 << 30),
+            (
+                "merge_trigger_generations",
+                self.merge_trigger_generations.get(),
+                1,
+                1024,
+            ),
+            (
+                "state_buffer_entries",
+                self.state_buffer_entries.get(),
+                16,
+                1 << 22,
+            ),
+            ("cache_mib", self.cache_mib.get(), 1, 1 << 16),
+            (
+                "max_implicit_subscribers",
+                self.max_implicit_subscribers,
+                0,
+                1 << 16,
+            ),
+        ];
+        for (field, value, min, max) in sizes {
+            if !(min..=max).contains(&value) {
+                return Err(invalid(
+                    format!("ledger.{field}"),
+                    format!("is {value}; it must be between {min} and {max}"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -406,6 +457,7 @@ impl Config {
                 return Err(invalid("ledger.shards", "must be at most 256"));
             }
         }
+        self.ledger.validate_sizes()?;
         if self.ledger.max_linger > Duration::from_secs(1) {
             return Err(invalid(
                 "ledger.max_linger",
@@ -502,10 +554,25 @@ fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigEr
     }
     match &s.key {
         KeySource::Header { name } if name.is_empty() => {
-            Err(invalid(format!("{field}.key.name"), "must not be empty"))
+            return Err(invalid(format!("{field}.key.name"), "must not be empty"))
         }
-        KeySource::JsonPointer { pointer } if !pointer.starts_with('/') => Err(invalid(
-            format!("{field}.key.pointer"),
+        KeySource::JsonPointer { pointer } if !pointer.starts_with('/') => {
+            return Err(invalid(
+                format!("{field}.key.pointer"),
+                "must be a JSON pointer starting with '/'",
+            ))
+        }
+        _ => {}
+    }
+    // A pointer without '/' or an empty header name would match no message: every one
+    // would be rejected at run time for a missing partition key.
+    match &s.partition_key {
+        PartitionSource::Header { name } if name.is_empty() => Err(invalid(
+            format!("{field}.partition_key.name"),
+            "must not be empty",
+        )),
+        PartitionSource::JsonPointer { pointer } if !pointer.starts_with('/') => Err(invalid(
+            format!("{field}.partition_key.pointer"),
             "must be a JSON pointer starting with '/'",
         )),
         _ => Ok(()),
@@ -627,6 +694,64 @@ mod tests {
     #[test]
     fn zero_batch_is_refused() {
         assert!(Config::parse("[ledger]\nmax_batch = 0\n").is_err());
+    }
+
+    /// Each bounded ledger count with its lowest and highest allowed value.
+    const LEDGER_BOUNDS: &[(&str, usize, usize)] = &[
+        ("max_batch", 1, 1 << 20),
+        ("generation_max_claims", 16, 1 << 24),
+        ("merge_max_claims", 16, 1 << 30),
+        ("merge_trigger_generations", 1, 1024),
+        ("state_buffer_entries", 16, 1 << 22),
+        ("cache_mib", 1, 1 << 16),
+        ("max_implicit_subscribers", 0, 1 << 16),
+    ];
+
+    #[test]
+    fn ledger_size_bounds_obeyed() {
+        for &(field, min, max) in LEDGER_BOUNDS {
+            for value in [min, max] {
+                let text = format!("[ledger]\n{field} = {value}\n");
+                if let Err(e) = Config::parse(&text) {
+                    panic!("{field} = {value} must be accepted: {e}");
+                }
+            }
+        }
+        // The values tests and benches use stay valid.
+        let small = "[ledger]\ngeneration_max_claims = 40\nmerge_max_claims = 200\nmerge_trigger_generations = 2\nstate_buffer_entries = 64\nmax_batch = 1024\n";
+        assert!(Config::parse(small).is_ok());
+    }
+
+    #[test]
+    fn ledger_size_bounds_violated() {
+        for &(field, min, max) in LEDGER_BOUNDS {
+            let mut values = vec![max + 1, usize::MAX >> 1];
+            if min > 1 {
+                values.push(min - 1);
+            }
+            for value in values {
+                let text = format!("[ledger]\n{field} = {value}\n");
+                let err = Config::parse(&text).expect_err(field).to_string();
+                assert!(
+                    err.contains(&format!("ledger.{field}"))
+                        && err.contains(&format!("between {min} and {max}")),
+                    "{field} = {value}: {err}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn partition_key_pointer_without_slash_is_refused() {
+        let text = "[[subscriber]]\nname = \"a\"\npartition_key = { source = \"json_pointer\", pointer = \"order_id\" }\n";
+        let err = Config::parse(text).unwrap_err().to_string();
+        assert!(err.contains("subscriber[0].partition_key.pointer"), "{err}");
+        let text = "[defaults]\npartition_key = { source = \"header\", name = \"\" }\n";
+        let err = Config::parse(text).unwrap_err().to_string();
+        assert!(err.contains("defaults.partition_key.name"), "{err}");
+        let ok =
+            "[defaults]\npartition_key = { source = \"json_pointer\", pointer = \"/order_id\" }\n";
+        assert!(Config::parse(ok).is_ok());
     }
 
     #[test]

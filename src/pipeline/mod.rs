@@ -1,12 +1,15 @@
 //! The one place that knows the whole flow: decode, key, route, wait for durable outcomes,
 //! and release them in source order; and the run modes that compose sources, the ledger
-//! and the HTTP API into a process ([`run`], stopped by one [`Shutdown`]).
+//! and the HTTP API into a process ([`run`], stopped by one [`Shutdown`]); [`check`]
+//! validates a config the way `run` would, without a data directory or a connection.
 
+mod check;
 mod run;
 mod sequencer;
 mod serve;
 mod shutdown;
 
+pub use check::{check, check_file, CheckError, ConfigReport, SubscriberReport};
 pub use run::{run, Mode, RunError, Summary};
 pub use serve::HttpServer;
 pub use shutdown::{Cause, Shutdown};

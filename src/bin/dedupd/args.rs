@@ -62,6 +62,11 @@ pub enum Command {
         #[arg(long, default_value = DEFAULT_DEMO_HANDLER)]
         handler: String,
     },
+    /// Work with config files.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
     /// Work with handler components.
     Handler {
         #[command(subcommand)]
@@ -93,6 +98,18 @@ pub enum Command {
         data_dir: PathBuf,
         #[arg(long)]
         config: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ConfigCommand {
+    /// Validate FILE as `dedupd run` would (subscribers, key sources, partition keys,
+    /// handler components, `[http]` rules, librdkafka options) and print a summary;
+    /// opens no data directory, binds no port and connects nowhere.
+    Check {
+        file: PathBuf,
         #[arg(long)]
         json: bool,
     },

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Result};
 use clap::Parser;
 
-use args::{data_dir, load_config, Cli, Command, HandlerCommand, StateCommand};
+use args::{data_dir, load_config, Cli, Command, ConfigCommand, HandlerCommand, StateCommand};
 use dedupd::pipeline::{self, Mode, Summary};
 use dedupd::source::kafka;
 
@@ -85,6 +85,15 @@ fn run(command: Command) -> Result<()> {
             http.bind = bind.unwrap_or(http.bind);
             let mode = Mode::Serve { http, stdin: false };
             pipeline::run(&config, &data_dir(dir, &config)?, mode)?;
+        }
+        Command::Config {
+            command: ConfigCommand::Check { file, json },
+        } => {
+            let report = pipeline::check_file(&file)?;
+            match json {
+                true => println!("{}", serde_json::to_string_pretty(&report)?),
+                false => print!("{report}"),
+            }
         }
         Command::Handler {
             command: HandlerCommand::Check { file, json },

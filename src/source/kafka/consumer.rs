@@ -682,7 +682,10 @@ fn commit(consumer: &BaseConsumer<WorkerContext>, subscriber: &str, what: &str) 
     }
 }
 
-fn consumer_config(kafka: &KafkaConfig, subscription: &SubscriptionConfig) -> ClientConfig {
+pub(super) fn consumer_config(
+    kafka: &KafkaConfig,
+    subscription: &SubscriptionConfig,
+) -> ClientConfig {
     let mut c = super::client_config(kafka);
     let session_ms = kafka.session_timeout.as_millis().max(1);
     c.set("group.id", kafka.group_of(subscription))

@@ -5,6 +5,7 @@
 //!   flush-before-revoke, backpressure by pausing partitions, dead-letter topic.
 //! - [`outbox`](run_relay): relays handler outbox rows with an idempotent producer.
 //! - [`DevBroker`]: librdkafka's mock cluster for development and tests.
+//! - [`check_clients`]: the options checked by creating the clients, without connecting.
 //! - [`bench`](mod@bench): consume-only baseline against consume -> dedup -> handler -> offsets.
 //!
 //! Dead letters on the topic carry the original key, payload and headers plus
@@ -14,6 +15,7 @@
 
 pub mod bench;
 mod broker;
+mod check;
 mod config;
 mod consumer;
 mod keying;
@@ -26,6 +28,7 @@ use std::sync::Arc;
 use rdkafka::config::ClientConfig;
 
 pub use broker::DevBroker;
+pub use check::check_clients;
 pub use config::{KafkaConfig, OutboxRelayConfig, StartPosition, SubscriptionConfig};
 pub use consumer::{run_subscription, RunOptions, SourceStats};
 pub use keying::{key_record, Keyed, RecordView};

@@ -1,0 +1,109 @@
+//! `dedupd config check`: the `[kafka]` section's librdkafka options, tried by creating
+//! the clients `dedupd run` would create, without connecting.
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::BaseConsumer;
+use rdkafka::producer::BaseProducer;
+
+use super::{KafkaConfig, KafkaError};
+
+/// Creates (and drops) every client `dedupd run` would create from `kafka`, without its
+/// brokers: one consumer per subscription, with the options dedupd sets for it, and the
+/// idempotent producer of the outbox relay and the dead-letter topic. librdkafka checks
+/// each option's name and value (and values this build cannot support, such as TLS
+/// without OpenSSL) when a client is created, so this needs no broker and opens no connection; whether the
+/// brokers are reachable is not checked. An error names the field:
+/// `kafka.options."NAME": ...`.
+pub fn check_clients(kafka: &KafkaConfig) -> Result<(), KafkaError> {
+    for sub in &kafka.subscriptions {
+        unconnected(super::consumer::consumer_config(kafka, sub))
+            .create::<BaseConsumer>()
+            .map_err(|e| refused(kafka, "consumer", e))?;
+    }
+    if kafka.subscriptions.is_empty() {
+        // The options still reach every client: check them on a plain one.
+        unconnected(super::client_config(kafka))
+            .create::<BaseConsumer>()
+            .map_err(|e| refused(kafka, "client", e))?;
+    }
+    if kafka.outbox.enabled || kafka.dead_letter_topic.is_some() {
+        unconnected(super::producer_config(kafka))
+            .create::<BaseProducer>()
+            .map_err(|e| refused(kafka, "producer", e))?;
+    }
+    Ok(())
+}
+
+/// `config` without its brokers. librdkafka's background threads connect to the
+/// bootstrap servers as soon as the clients dedupd uses (a group consumer, an idempotent
+/// producer) are created, before any poll, so a client that must not connect is given
+/// none (a malformed brokers list is not refused at creation anyway).
+fn unconnected(mut config: ClientConfig) -> ClientConfig {
+    config.remove("bootstrap.servers");
+    config
+}
+
+/// librdkafka's refusal, told as the config field that caused it.
+fn refused(kafka: &KafkaConfig, client: &str, e: rdkafka::error::KafkaError) -> KafkaError {
+    use rdkafka::error::KafkaError as Rd;
+    match e {
+        Rd::ClientConfig(_, detail, key, _) if kafka.options.contains_key(&key) => {
+            KafkaError::Config(format!("kafka.options.{key:?}: {detail}"))
+        }
+        Rd::ClientConfig(_, detail, key, value) => KafkaError::Config(format!(
+            "kafka: librdkafka refused {key:?} = {value:?} (set by dedupd from the [kafka] section): {detail}"
+        )),
+        Rd::ClientCreation(detail) => KafkaError::Config(format!(
+            "kafka.options: librdkafka cannot create a {client} with these options: {detail}"
+        )),
+        other => KafkaError::Client(format!("cannot create a Kafka {client}: {other}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::kafka::SubscriptionConfig;
+
+    fn with_subscription(brokers: &str) -> KafkaConfig {
+        let mut k = KafkaConfig::new(brokers);
+        k.subscriptions.push(SubscriptionConfig {
+            subscriber: "orders".into(),
+            topics: vec!["orders".into()],
+            group: None,
+        });
+        k
+    }
+
+    #[test]
+    fn known_options_are_accepted_without_a_broker() {
+        let mut k = with_subscription("broker.invalid:9092");
+        k.options.insert("client.id".into(), "dedupd-check".into());
+        k.options
+            .insert("security.protocol".into(), "plaintext".into());
+        check_clients(&k).unwrap();
+    }
+
+    #[test]
+    fn unknown_option_is_refused_with_its_name() {
+        let mut k = with_subscription("127.0.0.1:9");
+        k.options.insert("no.such.option".into(), "1".into());
+        let err = check_clients(&k).unwrap_err().to_string();
+        assert!(
+            err.starts_with("kafka.options.\"no.such.option\": "),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_option_value_is_refused_with_its_name() {
+        let mut k = KafkaConfig::new("127.0.0.1:9");
+        k.options
+            .insert("security.protocol".into(), "carrier-pigeon".into());
+        let err = check_clients(&k).unwrap_err().to_string();
+        assert!(
+            err.starts_with("kafka.options.\"security.protocol\": "),
+            "{err}"
+        );
+    }
+}
