@@ -267,6 +267,63 @@ async fn same_key_in_flight_is_409_then_replayed() {
     assert_eq!(api.state.waiting(), 0);
 }
 
+/// `Prefer: wait=N` (RFC 7240): a retry that arrives while the first request with its key
+/// is in flight waits for it and gets the answer a retry gets (the stored response,
+/// replayed) instead of 409; the wait is bounded, then it is 409 after all.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_preferring_to_wait_gets_the_first_requests_answer() {
+    let api = Api::new(
+        "[ledger]\nshards = 1\n[[subscriber]]\nname = \"sleepy\"\nhandler_cpu_budget = \"10s\"\n",
+        None,
+    );
+    assert_eq!(
+        api.upload("sleepy", "fixture_sleep").await.status,
+        StatusCode::OK
+    );
+    let first_request = |key: &'static str, ms: &'static str| {
+        let app = api.router.clone();
+        tokio::spawn(async move {
+            let req = Request::post("/v1/subscribers/sleepy/messages")
+                .header("idempotency-key", key)
+                .header("sleep-ms", ms)
+                .body(Body::from(r#"{"n": 1}"#))
+                .unwrap();
+            app.oneshot(req).await.unwrap().status()
+        })
+    };
+    let retry = |key: &'static str, prefer: &'static str| {
+        let req = api
+            .req("POST", "/v1/subscribers/sleepy/messages")
+            .header("idempotency-key", key)
+            .header("prefer", prefer)
+            .body(Body::from(r#"{"n": 1}"#))
+            .unwrap();
+        api.send(req)
+    };
+
+    let first = first_request("k-wait", "1500");
+    api.wait_for_waiting(1).await;
+    let waited = retry("k-wait", "respond-async, wait=20").await;
+    assert_eq!(waited.status, StatusCode::CREATED, "{}", waited.text);
+    assert_eq!(waited.headers["idempotent-replayed"], "true");
+    assert_eq!(waited.headers["preference-applied"], "wait=20");
+    assert_eq!(waited.body["outcome"], "processed");
+    assert_eq!(first.await.unwrap(), StatusCode::CREATED);
+
+    // Bounded: a wait shorter than the first request's work ends in 409.
+    let first = first_request("k-short", "3000");
+    api.wait_for_waiting(1).await;
+    let started = Instant::now();
+    let short = retry("k-short", "wait=1").await;
+    assert_error(&short, StatusCode::CONFLICT, "in_flight");
+    let waited_for = started.elapsed();
+    assert!(
+        waited_for >= Duration::from_millis(900) && waited_for < Duration::from_millis(2900),
+        "{waited_for:?}"
+    );
+    assert_eq!(first.await.unwrap(), StatusCode::CREATED);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn oversized_bodies_are_413() {
     let api = Api::new(

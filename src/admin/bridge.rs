@@ -11,9 +11,11 @@
 //! after its outcome arrived, i.e. after the commit (G1).
 //!
 //! The same `(subscriber, key)` is "in flight" from submission until its outcome arrives,
-//! even when the client hung up meanwhile; a second request for it gets 409.
+//! even when the client hung up meanwhile; a second request for it gets 409, or, when it
+//! sends `Prefer: wait=N`, waits up to N seconds for the first to be decided and is then
+//! decided itself (a duplicate of a processed first request: the same response, replayed).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -31,7 +33,18 @@ struct Waiter {
 #[derive(Default)]
 struct Pending {
     waiters: HashMap<u64, Waiter>,
-    in_flight: HashSet<(SubscriberId, u128)>,
+    /// Keys in flight, each with the requests waiting for it to be released
+    /// (`Prefer: wait`).
+    in_flight: HashMap<(SubscriberId, u128), Vec<oneshot::Sender<()>>>,
+}
+
+impl Pending {
+    /// Releases `key` and wakes the requests waiting for it.
+    fn release(&mut self, key: &(SubscriberId, u128)) {
+        for w in self.in_flight.remove(key).into_iter().flatten() {
+            let _ = w.send(());
+        }
+    }
 }
 
 /// Why a job could not be started.
@@ -106,9 +119,10 @@ impl Ingest {
         let (tx, rx) = oneshot::channel();
         let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(k) = key {
-            if !p.in_flight.insert(k) {
+            if p.in_flight.contains_key(&k) {
                 return Err(StartError::InFlight);
             }
+            p.in_flight.insert(k, Vec::new());
         }
         p.waiters.insert(seq, Waiter { reply: tx, key });
         Ok((seq, rx))
@@ -119,9 +133,23 @@ impl Ingest {
         let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(w) = p.waiters.remove(&seq) {
             if let Some(k) = w.key {
-                p.in_flight.remove(&k);
+                p.release(&k);
             }
         }
+    }
+
+    /// Resolves when `key` is no longer in flight (at once if it is not now). A request
+    /// that found its key in flight and prefers to wait registers again after this.
+    pub fn released(&self, key: (SubscriberId, u128)) -> oneshot::Receiver<()> {
+        let (tx, rx) = oneshot::channel();
+        let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        match p.in_flight.get_mut(&key) {
+            Some(waiting) => waiting.push(tx),
+            None => {
+                let _ = tx.send(());
+            }
+        }
+        rx
     }
 
     /// Where shards send outcomes for registered sequence numbers.
@@ -167,7 +195,7 @@ fn complete(pending: &Mutex<Pending>, seq: u64, outcome: Outcome) {
         let mut p = pending.lock().unwrap_or_else(|p| p.into_inner());
         let w = p.waiters.remove(&seq);
         if let Some(k) = w.as_ref().and_then(|w| w.key) {
-            p.in_flight.remove(&k);
+            p.release(&k);
         }
         w
     };

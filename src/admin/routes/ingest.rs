@@ -2,11 +2,12 @@
 //! apart for [`crate::source::http`] (which reads it as a delivery), routes the delivery
 //! with [`envelope`], waits for the durable outcome through [`crate::admin::bridge`], and
 //! answers with `Idempotency-Key` semantics: 201 once processed, the same 201 with
-//! `Idempotent-Replayed: true` for a duplicate, 409 while the same key is in flight, 422
-//! for the key reused with another payload.
+//! `Idempotent-Replayed: true` for a duplicate, 409 while the same key is in flight (or,
+//! with `Prefer: wait=N`, a bounded wait for it to be decided, then the answer a retry
+//! gets), 422 for the key reused with another payload.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection};
@@ -57,9 +58,35 @@ pub async fn ingest_message(
         hash: job.key,
     };
     let fingerprint = job.fingerprint;
-    let outcome = submit(&st, &sub, job, shard).await?;
+    // A retry may wait for the request still holding its key (bounded well inside the
+    // request timeout, which covers its own processing too).
+    let wait = wait_preference(&headers).map(|w| w.min(st.0.http.request_timeout / 2));
+    let outcome = submit(&st, &sub, job, shard, wait).await?;
     metrics::observe_ingest(outcome.name(), started.elapsed().as_secs_f64());
-    answer(&sub, &key, fingerprint, outcome)
+    let mut response = answer(&sub, &key, fingerprint, outcome)?;
+    if let Some(w) = wait {
+        let applied = HeaderValue::from_str(&format!("wait={}", w.as_secs()));
+        if let Ok(v) = applied {
+            response.headers_mut().insert(PREFERENCE_APPLIED, v);
+        }
+    }
+    Ok(response)
+}
+
+/// `Preference-Applied` (RFC 7240), set when a `Prefer: wait` was honoured.
+const PREFERENCE_APPLIED: &str = "preference-applied";
+
+/// The `wait=N` preference of `Prefer` headers (RFC 7240), in seconds.
+fn wait_preference(headers: &HeaderMap) -> Option<Duration> {
+    headers
+        .get_all("prefer")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split([',', ';']))
+        .filter_map(|p| p.trim().split_once('='))
+        .find(|(name, _)| name.trim().eq_ignore_ascii_case("wait"))
+        .and_then(|(_, secs)| secs.trim().trim_matches('"').parse::<u64>().ok())
+        .map(Duration::from_secs)
 }
 
 /// The request as the HTTP source reads it (400 naming the header or `body` at fault).
@@ -92,23 +119,36 @@ fn route(st: &AdminState, message: Message) -> ApiResult<Routed> {
     })
 }
 
-/// Marks the job's key in flight (409 when it already is), hands it to its shard and waits
-/// for its durable outcome.
+/// Marks the job's key in flight, hands it to its shard and waits for its durable outcome.
+/// When the key is in flight already: 409, or with `wait`, waits up to that long for it to
+/// be released and tries again (then 409 if it is still held).
 async fn submit(
     st: &AdminState,
     sub: &Subscriber,
     mut job: Job,
     shard: usize,
+    wait: Option<Duration>,
 ) -> ApiResult<Outcome> {
     let ingest = st.ingest();
-    let (seq, outcome) = match ingest.register(Some((sub.id, job.key))) {
-        Ok(r) => r,
-        Err(StartError::InFlight) => {
-            return Err(ApiError::Conflict(
-                "a request with this Idempotency-Key is still being processed; retry later".into(),
-            ))
+    let key = (sub.id, job.key);
+    let deadline = wait.map(|w| Instant::now() + w);
+    let (seq, outcome) = loop {
+        match ingest.register(Some(key)) {
+            Ok(r) => break r,
+            Err(StartError::InFlight) => {
+                let left = deadline
+                    .map(|d| d.saturating_duration_since(Instant::now()))
+                    .filter(|left| !left.is_zero());
+                let Some(left) = left else {
+                    return Err(ApiError::Conflict(
+                        "a request with this Idempotency-Key is still being processed; retry later, or send `Prefer: wait=N` to wait for it".into(),
+                    ));
+                };
+                // Released, or the time is up: either way, try again.
+                let _ = tokio::time::timeout(left, ingest.released(key)).await;
+            }
+            Err(StartError::Stopped) => return Err(ApiError::Unavailable("shutting down".into())),
         }
-        Err(StartError::Stopped) => return Err(ApiError::Unavailable("shutting down".into())),
     };
     job.seq = seq;
     ingest
