@@ -684,3 +684,59 @@ fn claim_indexes_grow_with_their_claims() {
     assert!(index("busy") >= 16 << 20, "busy: {} bytes", index("busy"));
     ledger.close().unwrap();
 }
+
+/// The wall clock steps forward by three days while the engine runs (a bad NTP server, an
+/// operator). Claims expire by engine time, which follows the monotonic clock: the sealed
+/// generation must not be dropped, and a redelivery stays a duplicate (G2). Run against a
+/// clock that follows the wall, as `SystemClock` did before, the same steps drop it.
+#[test]
+fn a_forward_wall_clock_jump_does_not_expire_claims() {
+    use dedupd::clock::GuardedClock;
+    use std::sync::atomic::AtomicU64;
+
+    struct WallClock(Arc<AtomicU64>);
+    impl Clock for WallClock {
+        fn now_ms(&self) -> u64 {
+            self.0.load(Ordering::SeqCst)
+        }
+    }
+
+    fn redelivery_after_a_jump(
+        clock: Arc<dyn Clock>,
+        wall: &AtomicU64,
+        mono: &AtomicU64,
+    ) -> Outcome {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config::parse(
+            "[ledger]\nshards = 1\n[[subscriber]]\nname = \"orders\"\nttl = \"1h\"\n",
+        )
+        .unwrap();
+        let ledger = Ledger::open(dir.path(), &cfg, clock).unwrap();
+        assert_eq!(deliver(&ledger, "orders", "o-1", b"{}"), Outcome::Processed);
+        ledger.maintain(true).unwrap();
+        wall.fetch_add(3 * 86_400_000, Ordering::SeqCst);
+        mono.fetch_add(1_000, Ordering::SeqCst);
+        ledger.maintain(false).unwrap();
+        let outcome = deliver(&ledger, "orders", "o-1", b"{}");
+        ledger.close().unwrap();
+        outcome
+    }
+
+    let wall = Arc::new(AtomicU64::new(1_700_000_000_000));
+    let mono = Arc::new(AtomicU64::new(0));
+    let (w, m) = (wall.clone(), mono.clone());
+    let guarded = GuardedClock::new(
+        move || w.load(Ordering::SeqCst),
+        move || m.load(Ordering::SeqCst),
+    );
+    assert_eq!(
+        redelivery_after_a_jump(Arc::new(guarded), &wall, &mono),
+        Outcome::Duplicate
+    );
+    let wall = Arc::new(AtomicU64::new(1_700_000_000_000));
+    assert_eq!(
+        redelivery_after_a_jump(Arc::new(WallClock(wall.clone())), &wall, &mono),
+        Outcome::Processed,
+        "the scenario must expire the claim under a wall-following clock"
+    );
+}
