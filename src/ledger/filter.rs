@@ -120,6 +120,18 @@ impl GenFilter {
                 if b.len() != 30 + n * 2 {
                     return Err("filter record has trailing bytes".into());
                 }
+                // `may_contain` indexes the fingerprints with positions the descriptor
+                // yields (up to `segment_count_length + 2 * segment_length`), unchecked
+                // by xorf: a record that decodes but disagrees with itself would panic
+                // the shard on its first lookup. Such a record is rebuilt instead.
+                let l = u64::from(descriptor.segment_length);
+                let consistent = l.is_power_of_two()
+                    && u64::from(descriptor.segment_length_mask) == l - 1
+                    && u64::from(descriptor.segment_count_length) % l == 0
+                    && u64::from(descriptor.segment_count_length) + 2 * l <= n as u64;
+                if !consistent {
+                    return Err("filter record has an inconsistent descriptor".into());
+                }
                 let fingerprints: Box<[u16]> = body
                     .chunks_exact(2)
                     .map(|c| u16::from_le_bytes([c[0], c[1]]))
@@ -175,6 +187,48 @@ mod tests {
             let g = GenFilter::decode(&f.encode()).expect("decode");
             assert!(keys.iter().all(|k| g.may_contain(*k)));
             assert_eq!(f.memory_bytes(), g.memory_bytes());
+        }
+    }
+
+    /// Every field of a fuse descriptor changed alone: the record either decodes to a
+    /// filter that answers lookups without panicking, or is refused (then rebuilt).
+    #[test]
+    fn a_decodable_but_inconsistent_descriptor_is_refused_not_a_panic() {
+        let keys: Vec<u128> = (0..5000u128)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        let good = GenFilter::build(keys.iter().copied()).encode();
+        // seed 2..10, segment_length 10..14, mask 14..18, segment_count_length 18..22.
+        let mut refused = 0;
+        for (at, value) in [
+            (18, u32::MAX),
+            (18, 1 << 30),
+            (10, 1 << 20),
+            (10, 3),
+            (14, u32::MAX),
+            (10, 0),
+        ] {
+            let mut bytes = good.clone();
+            bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
+            match GenFilter::decode(&bytes) {
+                Ok(f) => {
+                    for k in &keys {
+                        f.may_contain(*k);
+                    }
+                }
+                Err(e) => {
+                    assert!(e.contains("inconsistent"), "{e}");
+                    refused += 1;
+                }
+            }
+        }
+        assert_eq!(refused, 6);
+        // Real filters of every size still decode and keep every key.
+        for n in [64usize, 65, 100, 1000, 4096, 70_000, 300_000] {
+            let keys: Vec<u128> = (0..n as u128).map(|i| i * 7919 + 3).collect();
+            let f = GenFilter::decode(&GenFilter::build(keys.iter().copied()).encode())
+                .expect("a real filter decodes");
+            assert!(keys.iter().all(|k| f.may_contain(*k)), "n = {n}");
         }
     }
 
