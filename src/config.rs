@@ -295,6 +295,22 @@ pub struct SubscriberSettings {
     /// committed offset.
     #[serde(with = "humantime_serde")]
     pub max_backoff: Duration,
+    /// What of a JSON payload the fingerprint covers (G4).
+    #[serde(default)]
+    pub fingerprint: FingerprintSpec,
+}
+
+/// Which parts of a JSON payload the fingerprint covers. A producer that re-stamps a
+/// field on every retry (`/sent_at`, `/trace_id`) would otherwise turn its own retries
+/// into quarantined mismatches. Changing it changes the fingerprint of every message:
+/// a redelivery of a message claimed before the change is quarantined as a mismatch.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FingerprintSpec {
+    /// JSON pointers (RFC 6901) left out of the fingerprint; a missing one is no error.
+    /// Handlers still get the whole payload. Empty: the whole payload counts.
+    #[serde(default)]
+    pub ignore: Vec<String>,
 }
 
 impl Default for SubscriberSettings {
@@ -313,6 +329,7 @@ impl Default for SubscriberSettings {
             max_attempts: 3,
             retry_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_secs(60),
+            fingerprint: FingerprintSpec::default(),
         }
     }
 }
@@ -365,6 +382,8 @@ pub struct SubscriberConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub max_backoff: Option<Duration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<FingerprintSpec>,
 }
 
 impl SubscriberConfig {
@@ -395,6 +414,10 @@ impl SubscriberConfig {
             max_attempts: self.max_attempts.unwrap_or(defaults.max_attempts),
             retry_backoff: self.retry_backoff.unwrap_or(defaults.retry_backoff),
             max_backoff: self.max_backoff.unwrap_or(defaults.max_backoff),
+            fingerprint: self
+                .fingerprint
+                .clone()
+                .unwrap_or_else(|| defaults.fingerprint.clone()),
         }
     }
 }
@@ -551,6 +574,14 @@ fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigEr
             format!("{field}.max_backoff"),
             "must be at least retry_backoff (raise max_backoff or lower retry_backoff)",
         ));
+    }
+    for (i, pointer) in s.fingerprint.ignore.iter().enumerate() {
+        if !pointer.starts_with('/') {
+            return Err(invalid(
+                format!("{field}.fingerprint.ignore[{i}]"),
+                format!("{pointer:?} is not a JSON pointer: it must start with `/` (the whole payload cannot be ignored)"),
+            ));
+        }
     }
     match &s.key {
         KeySource::Header { name } if name.is_empty() => {

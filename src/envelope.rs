@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
-use crate::config::{KeySource, PartitionSource, SubscriberSettings};
+use crate::config::{FingerprintSpec, KeySource, PartitionSource, SubscriberSettings};
 
 /// One input message as it arrives on a line of JSON (pipe mode) or from another source.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -57,6 +57,48 @@ pub fn key_hash(bytes: &[u8]) -> u128 {
 #[inline]
 pub fn fingerprint(payload: &[u8]) -> u64 {
     xxh3_64(payload)
+}
+
+/// The fingerprint of a payload under a subscriber's `fingerprint` setting: of `bytes`
+/// when it ignores nothing, else of the canonical JSON with the ignored pointers removed
+/// (`json` when the caller parsed it already, else `bytes` parsed; bytes that are not
+/// JSON have nothing to ignore and are fingerprinted as they are).
+pub fn payload_fingerprint(bytes: &[u8], json: &Value, spec: &FingerprintSpec) -> u64 {
+    if spec.ignore.is_empty() {
+        return fingerprint(bytes);
+    }
+    let mut value = if json.is_null() {
+        match serde_json::from_slice::<Value>(bytes) {
+            Ok(v) => v,
+            Err(_) => return fingerprint(bytes),
+        }
+    } else {
+        json.clone()
+    };
+    for pointer in &spec.ignore {
+        remove_pointer(&mut value, pointer);
+    }
+    fingerprint(&canonical_payload(&value))
+}
+
+/// Removes what a JSON pointer (RFC 6901) names: an object member, or an array element
+/// (replaced by `null`, so later indexes keep their meaning). Nothing when it names nothing.
+fn remove_pointer(value: &mut Value, pointer: &str) {
+    let Some((parent, last)) = pointer.rsplit_once('/') else {
+        return;
+    };
+    let last = last.replace("~1", "/").replace("~0", "~");
+    match value.pointer_mut(parent) {
+        Some(Value::Object(map)) => {
+            map.remove(&last);
+        }
+        Some(Value::Array(items)) => {
+            if let Some(item) = last.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
+                *item = Value::Null;
+            }
+        }
+        _ => {}
+    }
 }
 
 /// Why a message cannot be keyed; becomes the `reason` of a `rejected` outcome.
@@ -210,6 +252,49 @@ pub fn cloudevents_hash(source: &[u8], id: &[u8]) -> u128 {
 
 #[cfg(test)]
 mod tests {
+
+    fn ignoring(pointers: &[&str]) -> FingerprintSpec {
+        FingerprintSpec {
+            ignore: pointers.iter().map(|p| p.to_string()).collect(),
+        }
+    }
+
+    fn fp(payload: &str, spec: &FingerprintSpec) -> u64 {
+        let bytes = payload.as_bytes();
+        payload_fingerprint(bytes, &Value::Null, spec)
+    }
+
+    #[test]
+    fn ignored_pointers_leave_the_fingerprint() {
+        let spec = ignoring(&["/sent_at", "/meta/trace_id", "/a~1b", "/items/1"]);
+        let a = r#"{"order":1,"sent_at":"10:00","meta":{"trace_id":"t1","v":2},"a/b":1,"items":[1,2,3]}"#;
+        let b = r#"{"items":[1,9,3],"a/b":7,"meta":{"v":2,"trace_id":"t2"},"sent_at":"10:05","order":1}"#;
+        assert_eq!(fp(a, &spec), fp(b, &spec));
+        // Anything else still counts: another order, another meta.v, another item 0.
+        for other in [
+            r#"{"order":2,"sent_at":"10:00","meta":{"trace_id":"t1","v":2},"a/b":1,"items":[1,2,3]}"#,
+            r#"{"order":1,"sent_at":"10:00","meta":{"trace_id":"t1","v":3},"a/b":1,"items":[1,2,3]}"#,
+            r#"{"order":1,"sent_at":"10:00","meta":{"trace_id":"t1","v":2},"a/b":1,"items":[0,2,3]}"#,
+        ] {
+            assert_ne!(fp(a, &spec), fp(other, &spec), "{other}");
+        }
+        // Without the setting every byte counts (and the parsed value gives the same answer).
+        let none = FingerprintSpec::default();
+        assert_ne!(fp(a, &none), fp(b, &none));
+        let parsed: Value = serde_json::from_str(a).unwrap();
+        assert_eq!(
+            payload_fingerprint(&canonical_payload(&parsed), &parsed, &spec),
+            fp(a, &spec)
+        );
+    }
+
+    #[test]
+    fn a_missing_pointer_or_a_payload_that_is_not_json_is_fingerprinted_as_it_is() {
+        let spec = ignoring(&["/nope/deeper", "/x"]);
+        assert_eq!(fp(r#"{"a":1}"#, &spec), fingerprint(br#"{"a":1}"#));
+        assert_eq!(fp("not json", &spec), fingerprint(b"not json"));
+    }
+
     use super::*;
     use serde_json::json;
 

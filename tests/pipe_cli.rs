@@ -510,6 +510,44 @@ fn payload_key_order_does_not_make_a_mismatch() {
     );
 }
 
+/// `fingerprint = { ignore = [...] }`: a producer retry that re-stamps `sent_at` is a
+/// duplicate, not a quarantined mismatch; any other difference still is one. Without the
+/// setting the same retry is quarantined.
+#[test]
+fn ignored_fields_do_not_make_a_mismatch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = jsonl(&[
+        json!({"id": "o1", "payload": {"total": 5, "sent_at": "10:00:00", "meta": {"trace": "a"}}}),
+        json!({"id": "o1", "payload": {"total": 5, "sent_at": "10:00:07", "meta": {"trace": "b"}}}),
+        json!({"id": "o1", "payload": {"total": 6, "sent_at": "10:00:09", "meta": {"trace": "c"}}}),
+    ]);
+    let config = write_config(
+        tmp.path(),
+        "fp.toml",
+        "[defaults]\nfingerprint = { ignore = [\"/sent_at\", \"/meta/trace\"] }\n",
+    );
+    let run = pipe_cfg(&tmp.path().join("with"), Some(&config), &input);
+    run.assert_success();
+    assert_eq!(
+        as_strs(&run.outcomes()),
+        ["processed", "duplicate", "quarantined"]
+    );
+    let run = pipe(&tmp.path().join("without"), &input);
+    run.assert_success();
+    assert_eq!(
+        as_strs(&run.outcomes()),
+        ["processed", "quarantined", "quarantined"]
+    );
+    // Not a JSON pointer: refused at start, naming the field.
+    let bad = write_config(
+        tmp.path(),
+        "bad.toml",
+        "[defaults]\nfingerprint = { ignore = [\"sent_at\"] }\n",
+    );
+    pipe_cfg(&tmp.path().join("bad"), Some(&bad), "")
+        .assert_refused(&["defaults.fingerprint.ignore[0]", "JSON pointer"]);
+}
+
 #[test]
 fn numbers_differing_past_f64_precision_are_a_mismatch() {
     let tmp = tempfile::tempdir().unwrap();

@@ -17,7 +17,8 @@ use serde_json::Value;
 
 use crate::config::{KeySource, PartitionSource, SubscriberSettings};
 use crate::envelope::{
-    canonical_payload, derive_entity, derive_key, fingerprint, Envelope, IdempotencyKey, KeyError,
+    canonical_payload, derive_entity, derive_key, payload_fingerprint, Envelope, IdempotencyKey,
+    KeyError,
 };
 use crate::ledger::{AckSender, Job, Ledger, LedgerError, Subscriber};
 
@@ -286,7 +287,7 @@ pub fn envelope(
         0,
         sub.id,
         key.hash,
-        fingerprint(&bytes),
+        payload_fingerprint(&bytes, &env.payload, &settings.fingerprint),
         &key.text,
         &[],
         ack,
@@ -331,7 +332,10 @@ mod tests {
         };
         let r = route(&ledger, d, Keying::Derive).unwrap();
         assert_eq!(&*r.job.payload, br#"{"a":1.50,"b":1}"#);
-        assert_eq!(r.job.fingerprint, fingerprint(br#"{"a":1.50,"b":1}"#));
+        assert_eq!(
+            r.job.fingerprint,
+            crate::envelope::fingerprint(br#"{"a":1.50,"b":1}"#)
+        );
         assert_eq!((&*r.job.id, r.job.key), ("e-1", key_hash(b"e-1")));
     }
 
@@ -352,7 +356,7 @@ mod tests {
         };
         let r = route(&ledger, d, Keying::Given(&given)).unwrap();
         assert_eq!(&*r.job.payload, &raw[..]);
-        assert_eq!(r.job.fingerprint, fingerprint(&raw));
+        assert_eq!(r.job.fingerprint, crate::envelope::fingerprint(&raw));
         assert_eq!((&*r.job.id, r.job.key), ("m-1", given.hash));
         // Headers reach the job as received, repeats and order kept.
         assert_eq!(
