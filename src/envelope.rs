@@ -61,9 +61,9 @@ pub fn fingerprint(payload: &[u8]) -> u64 {
 
 /// The fingerprint of a payload under a subscriber's `fingerprint` setting: of `bytes`
 /// when it ignores nothing, else of the canonical JSON with the ignored pointers removed
-/// (`json` when the caller parsed it already, else `bytes` parsed; bytes that are not
-/// JSON have nothing to ignore and are fingerprinted as they are).
-pub fn payload_fingerprint(bytes: &[u8], json: &Value, spec: &FingerprintSpec) -> u64 {
+/// (`json` when the caller parsed it already — taken, not copied —, else `bytes` parsed;
+/// bytes that are not JSON have nothing to ignore and are fingerprinted as they are).
+pub fn payload_fingerprint(bytes: &[u8], json: Value, spec: &FingerprintSpec) -> u64 {
     if spec.ignore.is_empty() {
         return fingerprint(bytes);
     }
@@ -73,7 +73,7 @@ pub fn payload_fingerprint(bytes: &[u8], json: &Value, spec: &FingerprintSpec) -
             Err(_) => return fingerprint(bytes),
         }
     } else {
-        json.clone()
+        json
     };
     for pointer in &spec.ignore {
         remove_pointer(&mut value, pointer);
@@ -261,7 +261,7 @@ mod tests {
 
     fn fp(payload: &str, spec: &FingerprintSpec) -> u64 {
         let bytes = payload.as_bytes();
-        payload_fingerprint(bytes, &Value::Null, spec)
+        payload_fingerprint(bytes, Value::Null, spec)
     }
 
     #[test]
@@ -283,7 +283,7 @@ mod tests {
         assert_ne!(fp(a, &none), fp(b, &none));
         let parsed: Value = serde_json::from_str(a).unwrap();
         assert_eq!(
-            payload_fingerprint(&canonical_payload(&parsed), &parsed, &spec),
+            payload_fingerprint(&canonical_payload(&parsed), parsed.clone(), &spec),
             fp(a, &spec)
         );
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::clock::SystemClock;
 use crate::config::Config;
-use crate::ledger::{Ledger, LedgerError, LedgerReport};
+use crate::ledger::{Ledger, LedgerError, LedgerReport, MANIFEST};
 
 /// Why an offline look failed.
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +24,7 @@ pub enum InspectError {
 
 /// Opens an existing data directory (never creates one).
 fn open_existing(dir: &Path, config: &Config) -> Result<Ledger, InspectError> {
-    if !dir.join("dedupd.manifest.json").exists() {
+    if !dir.join(MANIFEST).exists() {
         return Err(InspectError::NotADataDir(dir.to_path_buf()));
     }
     Ok(Ledger::open(dir, config, Arc::new(SystemClock))?)

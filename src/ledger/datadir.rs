@@ -16,7 +16,8 @@ struct Manifest {
     shards: usize,
 }
 
-pub(super) const MANIFEST: &str = "dedupd.manifest.json";
+/// The manifest file that marks a directory as a dedupd data directory.
+pub const MANIFEST: &str = "dedupd.manifest.json";
 
 /// The file of shard `index` inside `dir`. Part of the on-disk format.
 pub(super) fn shard_path(dir: &Path, index: usize) -> PathBuf {

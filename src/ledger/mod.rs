@@ -55,7 +55,7 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
-pub use datadir::dir_bytes;
+pub use datadir::{dir_bytes, MANIFEST};
 pub use naive::{NaiveBaseline, NaiveError};
 pub use ops::{OutboxRow, RecordKind, StoredRecord};
 pub use placement::{entity_scope, Placement};

@@ -280,14 +280,16 @@ pub fn envelope(
     };
     let settings = sub.settings();
     let mut delivery = delivery;
-    let (env, bytes) = open(&mut delivery, &settings);
+    let (mut env, bytes) = open(&mut delivery, &settings);
     let lower = delivery.lowercase_header_names;
     let Keys { key, entity } = keys(&sub.name, &env, &bytes, &settings, keying, lower)?;
+    // Keyed: the parsed payload is needed only for the fingerprint now.
+    let payload = std::mem::take(&mut env.payload);
     let mut job = Job::new(
         0,
         sub.id,
         key.hash,
-        payload_fingerprint(&bytes, &env.payload, &settings.fingerprint),
+        payload_fingerprint(&bytes, payload, &settings.fingerprint),
         &key.text,
         &[],
         ack,
