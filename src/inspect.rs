@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::clock::SystemClock;
 use crate::config::Config;
-use crate::ledger::{Ledger, LedgerError, LedgerReport, MANIFEST};
+use crate::ledger::{disk_usage, DiskUsage, Ledger, LedgerError, LedgerReport, MANIFEST};
 
 /// Why an offline look failed.
 #[derive(Debug, thiserror::Error)]
@@ -33,8 +33,9 @@ fn open_existing(dir: &Path, config: &Config) -> Result<Ledger, InspectError> {
 /// Claims, generations, records and in-memory sizes per subscriber.
 pub fn inspect(dir: &Path, config: &Config) -> Result<LedgerReport, InspectError> {
     let ledger = open_existing(dir, config)?;
-    let report = ledger.report()?;
+    let mut report = ledger.report()?;
     ledger.close()?;
+    report.disk = Some(disk_usage(dir, report.shards)?);
     Ok(report)
 }
 
@@ -71,7 +72,50 @@ pub fn write_table(report: &LedgerReport, mut out: impl Write) -> std::io::Resul
             s.index_bytes
         )?;
     }
+    if let Some(disk) = &report.disk {
+        write_disk(disk, &mut out)?;
+    }
     Ok(())
+}
+
+/// Where the bytes go: one line per kind of table, then what no table accounts for.
+fn write_disk(disk: &DiskUsage, mut out: impl Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "\n{:<24} {:>8} {:>12} {:>14} {:>14} {:>14} {:>6}",
+        "tables (all shards)",
+        "tables",
+        "entries",
+        "stored B",
+        "metadata B",
+        "fragmented B",
+        "file"
+    )?;
+    let share = |b: u64| 100.0 * b as f64 / disk.file_bytes.max(1) as f64;
+    for g in &disk.groups {
+        writeln!(
+            out,
+            "{:<24} {:>8} {:>12} {:>14} {:>14} {:>14} {:>5.1}%",
+            g.kind,
+            g.tables,
+            g.entries,
+            g.stored_bytes,
+            g.metadata_bytes,
+            g.fragmented_bytes,
+            share(g.page_bytes())
+        )?;
+    }
+    writeln!(
+        out,
+        "{:<24} {:>8} {:>12} {:>14} {:>14} {:>14} {:>5.1}%",
+        "free pages, redb's own",
+        "",
+        "",
+        "",
+        "",
+        "",
+        share(disk.other_bytes)
+    )
 }
 
 /// Writes `subscriber`'s handler state as JSON lines `{"key", "value"}` (and `"entity"`

@@ -179,13 +179,13 @@ impl SubState {
         (active + sealing + sealed, active)
     }
 
-    /// Filters of sealed generations and of handler uniqueness marks.
+    /// Filters of sealed generations and of handler state runs.
     pub fn filter_bytes(&self) -> u64 {
         self.sealed
             .iter()
             .map(|g| g.filter.memory_bytes() as u64)
             .sum::<u64>()
-            + self.state_buf.marks.memory_bytes()
+            + self.state_buf.filter_bytes()
     }
 
     pub fn index_bytes(&self) -> u64 {

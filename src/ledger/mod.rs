@@ -43,6 +43,7 @@ mod report;
 mod shard;
 mod state;
 mod tables;
+mod usage;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -68,6 +69,7 @@ pub use registry::{
 };
 pub use report::{LedgerReport, ShardMetrics, SubscriberReport};
 use shard::{Control, PeerMsg, ShardMsg};
+pub use usage::{disk_usage, DiskUsage, TableGroup};
 
 /// What a caller should do about a ledger error is in its text; every variant is fatal for
 /// acking: after one, nothing more is acknowledged (G7).

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::datadir::dir_bytes;
 use super::shard::Control;
-use super::{Ledger, LedgerError, FORMAT_VERSION};
+use super::{DiskUsage, Ledger, LedgerError, FORMAT_VERSION};
 
 /// What `inspect` shows of one subscriber.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -55,6 +55,10 @@ pub struct LedgerReport {
     pub shards: usize,
     pub file_bytes: u64,
     pub subscribers: Vec<SubscriberReport>,
+    /// Where the bytes go, per kind of table: only from `dedupd inspect`, which reads it
+    /// from the closed files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskUsage>,
 }
 
 /// Commit-level measurements of one shard.
@@ -93,6 +97,7 @@ impl Ledger {
             format_version: FORMAT_VERSION,
             shards: self.shards.len(),
             file_bytes: dir_bytes(&self.data_dir),
+            disk: None,
             subscribers: by_name.into_values().collect(),
         })
     }

@@ -121,6 +121,22 @@ pub fn state_log_name(sub: &str) -> String {
     format!("statelog_v1/{sub}")
 }
 
+/// One sorted run of a subscriber's handler state (`state/run.rs`): last key of a block ->
+/// block.
+pub fn state_run_name(sub: &str, table_id: u64) -> String {
+    format!("{STATE_RUN_PREFIX}{sub}/{table_id}")
+}
+
+pub const STATE_RUN_PREFIX: &str = "staterun_v1/";
+
+/// The runs of a subscriber's handler state: table id -> encoded run metadata and filter
+/// (`state/runs.rs`).
+pub fn state_runs_name(sub: &str) -> String {
+    format!("stateruns_v1/{sub}")
+}
+
+pub type StateRunsDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
+
 /// Handler state of the first layout, one redb row per entry (`state_v1/<sub>`,
 /// `unique_v1/<sub>`, `versions_v1/<sub>`): read once, by the upgrade to blocks
 /// (`state/upgrade.rs`), then deleted.

@@ -27,14 +27,14 @@ impl Shard {
                 let _ = reply.send(Ok(self.report()));
             }
             Control::StateLen { subscriber, reply } => {
-                let r = self.flush_state(&subscriber).and_then(|()| {
-                    state::state_len(&self.db, &subscriber).map_err(|e| self.err(e))
+                let r = self.with_flushed_state(&subscriber, |db, buf| {
+                    state::state_len(db, &subscriber, buf)
                 });
                 let _ = reply.send(r);
             }
             Control::StateEntries { subscriber, reply } => {
-                let r = self.flush_state(&subscriber).and_then(|()| {
-                    state::state_entries(&self.db, &subscriber).map_err(|e| self.err(e))
+                let r = self.with_flushed_state(&subscriber, |db, buf| {
+                    state::state_entries(db, &subscriber, buf)
                 });
                 let _ = reply.send(r);
             }
@@ -96,11 +96,25 @@ impl Shard {
         result
     }
 
-    /// Applies a subscriber's buffered handler effects to its sorted state tables, so they
-    /// can be read whole (state dump, counts).
-    fn flush_state(&mut self, subscriber: &str) -> Result<(), LedgerError> {
+    /// Writes a subscriber's buffered handler effects into a run, then reads its runs
+    /// whole with `read` (state dump, counts).
+    fn with_flushed_state<T>(
+        &mut self,
+        subscriber: &str,
+        read: impl FnOnce(&Database, &StateBuffer) -> Result<T, redb::Error>,
+    ) -> Result<T, LedgerError> {
         let spec = self.ctx.registry.resolve(subscriber, true)?;
         let idx = self.sub_index(spec.id)?;
+        self.flush_state(idx)?;
+        let r = match self.subs[idx].as_ref() {
+            Some(st) => read(&self.db, &st.state_buf),
+            None => StateBuffer::load(&self.db, subscriber).and_then(|b| read(&self.db, &b)),
+        };
+        r.map_err(|e| self.err(e))
+    }
+
+    /// Writes a subscriber's buffered handler effects into a run.
+    fn flush_state(&mut self, idx: usize) -> Result<(), LedgerError> {
         let threshold = self.ctx.config.state_buffer_entries.get();
         if self.subs[idx]
             .as_ref()
@@ -109,11 +123,12 @@ impl Shard {
             return Ok(());
         }
         self.small_commit(|shard, txn| {
+            let db = shard.db.clone();
             let Some(st) = shard.subs[idx].as_mut() else {
                 return Ok(());
             };
             st.state_buf
-                .maintain(txn, &st.name, threshold, usize::MAX, true)
+                .maintain(&db, txn, &st.name, threshold, usize::MAX, true)
                 .map(|_| ())
                 .map_err(|e| storage(&shard.ctx.path, e))
         })

@@ -208,13 +208,10 @@ impl Shard {
         };
         let mut view = match st.view.take() {
             Some(v) => v,
-            None => {
-                st.state_buf.tend_marks(&self.db, &st.name);
-                Box::new(
-                    BatchView::open(&self.db, &st.name, &st.state_buf)
-                        .map_err(|e| storage(&self.ctx.path, e))?,
-                )
-            }
+            None => Box::new(
+                BatchView::open(&self.db, &st.name, &st.state_buf)
+                    .map_err(|e| storage(&self.ctx.path, e))?,
+            ),
         };
         // Reuses the previous message's buffers.
         let msg = &mut self.handler_msg;

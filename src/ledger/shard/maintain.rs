@@ -123,6 +123,7 @@ impl Shard {
         let mut did = st
             .state_buf
             .maintain(
+                &self.db,
                 txn,
                 &st.name,
                 cfg.state_buffer_entries.get(),

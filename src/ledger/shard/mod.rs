@@ -262,7 +262,7 @@ impl MessageHandler for Unavailable {
 }
 
 /// Maps any redb error to a ledger error naming the file.
-fn storage(path: &std::path::Path, e: impl Into<redb::Error>) -> LedgerError {
+pub(super) fn storage(path: &std::path::Path, e: impl Into<redb::Error>) -> LedgerError {
     match e.into() {
         redb::Error::DatabaseAlreadyOpen => LedgerError::InUse {
             path: path.parent().unwrap_or(path).to_path_buf(),

@@ -64,7 +64,7 @@ impl Shard {
         };
         let txn = shard.durable_txn()?;
         let loaded = shard.check_meta_and_load(&txn)?;
-        state::upgrade_v1_tables(&txn, &loaded.tables).map_err(|e| shard.err(e))?;
+        state::upgrade_old_tables(&txn, &loaded.tables).map_err(|e| shard.err(e))?;
         shard.recover(&txn, loaded)?;
         txn.commit().map_err(|e| err(e.into()))?;
         Ok(shard)

@@ -1,4 +1,8 @@
-//! Sorted key-value entries packed into blocks: the layout of the handler state tables.
+//! The second layout of the handler state tables (`state_v2/` and its row tables), kept to
+//! read them once when a shard file is upgraded to sorted runs (`upgrade.rs`); the writing
+//! half is kept for tests, which build files of this layout to upgrade.
+//!
+//! Sorted key-value entries packed into blocks.
 //!
 //! A block table is one redb table: *last key of a block* -> block. Block `i` holds the keys
 //! in `(last[i-1], last[i]]`, so the block that holds or would hold a key is the first one
@@ -15,8 +19,11 @@
 //! Block format (v1): `n: u32`, then `n` offsets (`u32`, into the entries), then the
 //! entries, each `key_len: u32, key, value_len: u32, value`. Little endian.
 
-use redb::{ReadableTable, ReadableTableMetadata, StorageError, Table};
+use redb::{ReadableTable, StorageError};
+#[cfg(test)]
+use redb::{ReadableTableMetadata, Table};
 
+#[cfg(test)]
 /// Entry bytes a block is filled to before the next one starts. Measured on shipping-label
 /// runs (alternating, 2M messages): 3 KiB blocks gave a median of ~261k msgs/s against
 /// ~229k with 1 KiB, and random keys were no slower (189k/205k vs 182k/202k at 1M). A key
@@ -86,6 +93,7 @@ impl<'a> Block<'a> {
         Ok(Err(lo))
     }
 
+    #[cfg(test)]
     pub fn get(&self, key: &[u8]) -> Result<Option<&'a [u8]>, StorageError> {
         match self.find(key)? {
             Ok(i) => Ok(Some(self.entry(i)?.1)),
@@ -93,11 +101,13 @@ impl<'a> Block<'a> {
         }
     }
 
+    #[cfg(test)]
     pub fn entries(self) -> impl Iterator<Item = Result<(&'a [u8], &'a [u8]), StorageError>> {
         (0..self.n).map(move |i| self.entry(i))
     }
 }
 
+#[cfg(test)]
 /// Packs sorted entries into blocks of about [`BLOCK_TARGET`] bytes.
 #[derive(Default)]
 struct Packer {
@@ -109,6 +119,7 @@ struct Packer {
     done: Vec<OwnedBlock>,
 }
 
+#[cfg(test)]
 impl Packer {
     fn push(&mut self, key: &[u8], value: &[u8]) {
         if self.n > 0 && self.data.len() + 8 + key.len() + value.len() > BLOCK_TARGET {
@@ -147,9 +158,11 @@ impl Packer {
     }
 }
 
+#[cfg(test)]
 /// A block as (its last key, its bytes).
 type OwnedBlock = (Vec<u8>, Vec<u8>);
 
+#[cfg(test)]
 /// The block that holds or would hold `key`.
 fn block_for<T: ReadableTable<&'static [u8], &'static [u8]>>(
     t: &T,
@@ -164,6 +177,7 @@ fn block_for<T: ReadableTable<&'static [u8], &'static [u8]>>(
     }
 }
 
+#[cfg(test)]
 /// The value stored under `key`.
 pub(crate) fn get<T: ReadableTable<&'static [u8], &'static [u8]>>(
     t: &T,
@@ -177,6 +191,7 @@ pub(crate) fn get<T: ReadableTable<&'static [u8], &'static [u8]>>(
     Ok(Block::parse(bytes)?.get(key)?.map(<[u8]>::to_vec))
 }
 
+#[cfg(test)]
 /// Whether `key` is stored (no copy of the value).
 pub(crate) fn contains<T: ReadableTable<&'static [u8], &'static [u8]>>(
     t: &T,
@@ -224,6 +239,7 @@ pub(crate) fn len<T: ReadableTable<&'static [u8], &'static [u8]>>(
     Ok(n)
 }
 
+#[cfg(test)]
 /// Applies `updates` (in strictly ascending key order; `None` deletes) to a block table.
 /// Each block the updates touch is read once, merged with its updates and written back,
 /// split into blocks of about [`BLOCK_TARGET`] bytes (or removed when nothing is left).
@@ -296,6 +312,7 @@ pub(crate) fn apply(
     Ok(())
 }
 
+#[cfg(test)]
 /// Updates that land inside the blocks' key range are written as rows of their own (the
 /// *row table*) when there are fewer than one per this many blocks: a block rewritten for a
 /// single key costs two B-tree descents and a few KiB, where a row costs one descent.
@@ -303,6 +320,7 @@ pub(crate) fn apply(
 /// the run ~30 % slower than one row per entry; keys in order still go to blocks.
 const SPARSE_BLOCKS: u64 = 2;
 
+#[cfg(test)]
 /// Applies `updates` (strictly ascending keys; `None` deletes) to a block table and its row
 /// table. Keys past the last block, and keys dense enough inside the blocks' range, go to
 /// blocks; sparse keys inside the range go to rows. A row shadows a block entry with the
@@ -354,6 +372,7 @@ pub(crate) fn apply_mixed(
     apply(blocks, beyond)
 }
 
+#[cfg(test)]
 /// The value of `key` in a block table and its row table (rows win).
 pub(crate) fn get_mixed<T: ReadableTable<&'static [u8], &'static [u8]>>(
     blocks: Option<&T>,
@@ -371,6 +390,7 @@ pub(crate) fn get_mixed<T: ReadableTable<&'static [u8], &'static [u8]>>(
     }
 }
 
+#[cfg(test)]
 /// Whether `key` is in a block table or its row table.
 pub(crate) fn contains_mixed<T: ReadableTable<&'static [u8], &'static [u8]>>(
     blocks: Option<&T>,

@@ -1,7 +1,7 @@
 //! The buffer of a subscriber's committed handler effects on one shard: each batch's
 //! effects are one row of the subscriber's state log and join the active buffer; a full
-//! buffer is frozen and applied to the sorted block tables in key order, a slice per batch
-//! (see the module docs of `state`).
+//! buffer is frozen and written as a new sorted run, a slice per batch, and the runs
+//! merge by size tiers (see the module docs of `state` and `runs.rs`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -10,13 +10,12 @@ use foldhash::fast::RandomState;
 
 use redb::{Database, ReadableDatabase, ReadableTable, WriteTransaction};
 
-use super::blocks;
 use super::log_row::{decode_effects, encode_effects};
-use super::marks::MarkFilter;
+use super::run::{run_key, RunWriter, KIND_MARK, KIND_STATE, KIND_VERSION};
+use super::runs::Runs;
 use crate::effects::Effects;
 use crate::ledger::tables::{
-    missing_is_none, rows_name, state_log_name, state_name, unique_name, versions_name, BlockDef,
-    StateLogDef,
+    missing_is_none, state_log_name, state_run_name, BlockDef, StateLogDef,
 };
 
 /// Buffered effects, merged (later wins). Marks and versions are only ever looked up by key,
@@ -47,30 +46,35 @@ impl Buffered {
     }
 }
 
-/// A subscriber's handler state effects not yet applied to its sorted tables, on one shard.
+/// A subscriber's handler state on one shard: effects not yet in a run, and the runs.
 #[derive(Default)]
 pub(crate) struct StateBuffer {
     /// Effects of batches committed since the last freeze.
     pub active: Arc<Buffered>,
-    /// A frozen buffer being applied to the sorted tables, a slice per batch.
+    /// A frozen buffer being written as a run, a slice per batch.
     pub frozen: Option<Frozen>,
     /// First log row not yet deleted.
     pub first_row: u64,
     /// Next log row to write.
     pub next_row: u64,
-    /// Filter over every committed mark: in the unique table or buffered on the way there.
-    pub marks: MarkFilter,
+    /// The sorted runs, newest first.
+    pub runs: Runs,
 }
 
 pub(crate) struct Frozen {
     pub effects: Arc<Buffered>,
-    /// Marks and versions in key order, for applying.
+    /// Marks and versions in key order, for writing.
     uniques: Vec<Vec<u8>>,
     versions: Vec<(String, [u8; 8])>,
     /// Log rows `..=last_row` are covered by this buffer.
     last_row: u64,
-    /// Where applying resumes.
+    /// Where writing resumes.
     cursor: Cursor,
+    table_id: u64,
+    order: u64,
+    writer: RunWriter,
+    /// No older run exists: deletes need no tombstone.
+    drop_tombstones: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,10 +88,14 @@ enum Cursor {
 }
 
 impl StateBuffer {
-    /// Rebuilds the buffer from the subscriber's log (rows left by a crash or a stop).
+    /// Rebuilds the buffer from the subscriber's log (rows left by a crash or a stop) and
+    /// loads its runs.
     pub fn load(db: &Database, sub: &str) -> Result<StateBuffer, redb::Error> {
         let txn = db.begin_read()?;
-        let mut buf = StateBuffer::default();
+        let mut buf = StateBuffer {
+            runs: Runs::load(&txn, sub)?,
+            ..StateBuffer::default()
+        };
         let Some(t) = missing_is_none(txn.open_table(StateLogDef::new(&state_log_name(sub))))?
         else {
             return Ok(buf);
@@ -112,26 +120,19 @@ impl StateBuffer {
         Ok(buf)
     }
 
-    /// Lets the mark filter take a finished build or start one (see [`MarkFilter::tend`]).
-    pub fn tend_marks(&mut self, db: &Arc<Database>, sub: &str) {
-        // Marks not in the table yet: a new build's snapshot does not have them.
-        let frozen = self.frozen.as_ref().map(|f| &f.effects.uniques);
-        let unapplied = self
-            .active
-            .uniques
-            .iter()
-            .chain(frozen.into_iter().flatten());
-        self.marks.tend(db, sub, unapplied.map(Vec::as_slice));
-    }
-
     /// Whether nothing is buffered.
     pub fn is_empty(&self) -> bool {
         self.frozen.is_none() && self.active.is_empty()
     }
 
-    /// Whether applying work is pending (a frozen buffer, or a full active one).
+    /// Whether maintenance has work: a frozen buffer, a full active one, or runs to merge.
     pub fn has_work(&self, threshold: usize) -> bool {
-        self.frozen.is_some() || self.active.len() >= threshold
+        self.frozen.is_some() || self.active.len() >= threshold || self.runs.has_work(threshold)
+    }
+
+    /// Heap bytes of the runs' filters.
+    pub fn filter_bytes(&self) -> u64 {
+        self.runs.filter_bytes() + self.frozen.as_ref().map_or(0, |f| f.writer.filter_bytes())
     }
 
     /// Writes one batch's effects as a log row and adds them to the active buffer.
@@ -144,157 +145,153 @@ impl StateBuffer {
         let mut t = txn.open_table(StateLogDef::new(&state_log_name(sub)))?;
         t.insert(self.next_row, encode_effects(&effects).as_slice())?;
         self.next_row += 1;
-        self.marks.add(effects.uniques.iter().map(Vec::as_slice));
         Arc::make_mut(&mut self.active).merge(effects);
         Ok(())
     }
 
-    /// Freezes a full active buffer (or any non-empty one when `all`) when none is being
-    /// applied, then applies up to `budget` entries of the frozen one (all when `all`).
-    /// Returns whether it wrote anything.
+    /// One slice of run maintenance (a merge), then: freezes a full active buffer (or any
+    /// non-empty one when `all`) when none is being written, and writes up to `budget`
+    /// entries of the frozen one as a new run (all of it when `all`). Returns whether it
+    /// wrote anything.
+    ///
+    /// The merge goes first: it reads its inputs through a read snapshot, so it must only
+    /// ever see runs committed by earlier transactions, never one this call just finished.
     pub fn maintain(
         &mut self,
+        db: &Database,
         txn: &WriteTransaction,
         sub: &str,
         threshold: usize,
         budget: usize,
         all: bool,
     ) -> Result<bool, redb::Error> {
-        let mut wrote = false;
+        let mut wrote = self.runs.maintain(db, txn, sub, threshold, budget)?;
         loop {
             if self.frozen.is_none() {
                 let n = self.active.len();
                 if n == 0 || (n < threshold && !all) {
                     return Ok(wrote);
                 }
-                let effects = std::mem::take(&mut self.active);
-                let mut uniques: Vec<Vec<u8>> = effects.uniques.iter().cloned().collect();
-                uniques.sort_unstable();
-                let mut versions: Vec<(String, [u8; 8])> = effects
-                    .versions
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.to_le_bytes()))
-                    .collect();
-                versions.sort_unstable();
-                self.frozen = Some(Frozen {
-                    effects,
-                    uniques,
-                    versions,
-                    last_row: self.next_row.saturating_sub(1),
-                    cursor: Cursor::State(None),
-                });
+                self.freeze();
             }
             let Some(f) = self.frozen.as_mut() else {
                 return Ok(wrote);
             };
             let limit = if all { usize::MAX } else { budget };
-            apply_slice(txn, sub, f, limit)?;
+            write_slice(txn, sub, f, limit)?;
             wrote = true;
             if f.cursor != Cursor::Done {
                 return Ok(wrote);
             }
-            // Applied in full: the log rows it covers go in the same transaction.
-            let last = f.last_row;
-            self.frozen = None;
+            // Written in full: the run is registered and the log rows it covers go, in the
+            // same transaction.
+            let Some(f) = self.frozen.take() else {
+                return Ok(wrote);
+            };
+            let mut run = txn.open_table(BlockDef::new(&state_run_name(sub, f.table_id)))?;
+            let written = f.writer.finish(&mut run)?;
+            drop(run);
+            self.runs
+                .add_flushed(txn, sub, f.table_id, f.order, written)?;
             let mut t = txn.open_table(StateLogDef::new(&state_log_name(sub)))?;
-            for row in self.first_row..=last {
+            for row in self.first_row..=f.last_row {
                 t.remove(row)?;
             }
-            self.first_row = last + 1;
+            self.first_row = f.last_row + 1;
             if !all {
                 return Ok(wrote);
             }
         }
     }
+
+    fn freeze(&mut self) {
+        let effects = std::mem::take(&mut self.active);
+        let mut uniques: Vec<Vec<u8>> = effects.uniques.iter().cloned().collect();
+        uniques.sort_unstable();
+        let mut versions: Vec<(String, [u8; 8])> = effects
+            .versions
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_le_bytes()))
+            .collect();
+        versions.sort_unstable();
+        let (table_id, order) = self.runs.next_flush();
+        self.frozen = Some(Frozen {
+            writer: RunWriter::new(effects.len() as u64),
+            effects,
+            uniques,
+            versions,
+            last_row: self.next_row.saturating_sub(1),
+            cursor: Cursor::State(None),
+            table_id,
+            order,
+            drop_tombstones: self.runs.list.is_empty(),
+        });
+    }
 }
 
-/// Applies up to `limit` entries of a frozen buffer from its cursor on, in key order per
-/// table.
-fn apply_slice(
+/// Writes up to `limit` entries of a frozen buffer from its cursor on into its run, in run
+/// key order: state entries, then marks, then versions.
+fn write_slice(
     txn: &WriteTransaction,
     sub: &str,
     f: &mut Frozen,
     mut limit: usize,
 ) -> Result<(), redb::Error> {
     use std::ops::Bound::{Excluded, Unbounded};
+    let mut t = txn.open_table(BlockDef::new(&state_run_name(sub, f.table_id)))?;
+    let mut key = Vec::new();
     if let Cursor::State(start) = &f.cursor {
         let from = start.as_deref().map_or(Unbounded, Excluded);
-        let rows: Vec<(&[u8], Option<&[u8]>)> = f
+        let mut last = None;
+        for (k, v) in f
             .effects
             .state
             .range::<[u8], _>((from, Unbounded))
             .take(limit)
-            .map(|(k, v)| (k.as_slice(), v.as_deref()))
-            .collect();
-        // A table is only opened (and so created) when it has something to write.
-        if let Some((last, _)) = rows.last() {
-            apply_to(txn, &state_name(sub), &rows)?;
-            limit -= rows.len();
-            if limit == 0 {
-                f.cursor = Cursor::State(Some(last.to_vec()));
+        {
+            limit -= 1;
+            last = Some(k);
+            if v.is_none() && f.drop_tombstones {
+                continue;
+            }
+            key.clear();
+            key.push(KIND_STATE);
+            key.extend_from_slice(k);
+            f.writer.push(&mut t, &key, v.as_deref())?;
+        }
+        if limit == 0 {
+            if let Some(last) = last {
+                f.cursor = Cursor::State(Some(last.clone()));
                 return Ok(());
             }
         }
         f.cursor = Cursor::Uniques(0);
     }
     if let Cursor::Uniques(from) = f.cursor {
-        let n = apply_sorted(&f.uniques, from, limit, |marks| {
-            let rows: Vec<(&[u8], Option<&[u8]>)> = marks
-                .iter()
-                .map(|m| (m.as_slice(), Some(&[][..])))
-                .collect();
-            apply_to(txn, &unique_name(sub), &rows)
-        })?;
+        let n = f.uniques.len().saturating_sub(from).min(limit);
+        for m in &f.uniques[from..from + n] {
+            f.writer.push(&mut t, &run_key(KIND_MARK, m), Some(&[]))?;
+        }
         limit -= n;
-        if limit == 0 {
+        if limit == 0 && from + n < f.uniques.len() {
             f.cursor = Cursor::Uniques(from + n);
             return Ok(());
         }
         f.cursor = Cursor::Versions(0);
     }
     if let Cursor::Versions(from) = f.cursor {
-        let n = apply_sorted(&f.versions, from, limit, |versions| {
-            let rows: Vec<(&[u8], Option<&[u8]>)> = versions
-                .iter()
-                .map(|(k, v)| (k.as_bytes(), Some(&v[..])))
-                .collect();
-            apply_to(txn, &versions_name(sub), &rows)
-        })?;
-        limit -= n;
-        if limit == 0 {
+        let n = f.versions.len().saturating_sub(from).min(limit);
+        for (k, v) in &f.versions[from..from + n] {
+            f.writer
+                .push(&mut t, &run_key(KIND_VERSION, k.as_bytes()), Some(&v[..]))?;
+        }
+        if from + n < f.versions.len() {
             f.cursor = Cursor::Versions(from + n);
             return Ok(());
         }
         f.cursor = Cursor::Done;
     }
     Ok(())
-}
-
-/// Applies sorted updates to a block table and its row table.
-fn apply_to(
-    txn: &WriteTransaction,
-    table: &str,
-    updates: &[(&[u8], Option<&[u8]>)],
-) -> Result<(), redb::Error> {
-    let mut blocks = txn.open_table(BlockDef::new(table))?;
-    let mut rows = txn.open_table(BlockDef::new(&rows_name(table)))?;
-    Ok(blocks::apply_mixed(&mut blocks, &mut rows, updates)?)
-}
-
-/// Hands `write` the rows from `from` on, at most `limit` (not called when there are none,
-/// so no table is created for nothing); returns how many it wrote.
-fn apply_sorted<T>(
-    rows: &[T],
-    from: usize,
-    limit: usize,
-    write: impl FnOnce(&[T]) -> Result<(), redb::Error>,
-) -> Result<usize, redb::Error> {
-    let rest = &rows[from.min(rows.len())..];
-    let n = rest.len().min(limit);
-    if n > 0 {
-        write(&rest[..n])?;
-    }
-    Ok(n)
 }
 
 #[cfg(test)]
@@ -338,7 +335,7 @@ mod tests {
             e.versions.insert("ver".into(), u64::from(batch));
             commit(&db, |txn| {
                 buf.append(txn, "s", e).unwrap();
-                buf.maintain(txn, "s", 10, 1, false).unwrap();
+                buf.maintain(&db, txn, "s", 10, 1, false).unwrap();
             });
             if batch % 9 == 4 {
                 drop(db);
@@ -362,13 +359,115 @@ mod tests {
             assert_eq!(view.version("ver"), Some(u64::from(batch)));
         }
         commit(&db, |txn| {
-            buf.maintain(txn, "s", 10, usize::MAX, true).unwrap();
+            buf.maintain(&db, txn, "s", 10, usize::MAX, true).unwrap();
         });
         assert!(buf.frozen.is_none() && buf.active.is_empty());
         let reloaded = StateBuffer::load(&db, "s").unwrap();
-        assert!(reloaded.active.is_empty(), "the log is empty once applied");
+        assert!(reloaded.active.is_empty(), "the log is empty once written");
         assert_eq!(
-            state_entries(&db, "s").unwrap(),
+            state_entries(&db, "s", &reloaded).unwrap(),
+            reference.into_iter().collect::<Vec<_>>()
+        );
+    }
+
+    fn xorshift(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        }
+    }
+
+    /// The state model: random keys, deletes, marks and versions in 300 batches with a
+    /// buffer of 16 entries written 5 entries per batch, so flushes and tiered merges run in
+    /// slices across batches, tombstones meet the oldest run, and restarts land mid-flush
+    /// and mid-merge (the partial run tables are orphans to delete). After every batch each
+    /// key, a prefix scan, the marks and the versions read as a BTreeMap reference says;
+    /// at the end the runs hold exactly the reference.
+    #[test]
+    fn runs_read_like_a_reference_map_through_merges_deletes_and_restarts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let mut db = Database::create(&path).unwrap();
+        let mut buf = StateBuffer::default();
+        let mut rand = xorshift(0x5eed);
+        let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        let mut marks: Vec<Vec<u8>> = Vec::new();
+        let mut versions: BTreeMap<String, u64> = BTreeMap::new();
+        let mut most_runs = 0;
+        let key = |n: u64| format!("k/{:016x}", n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 8);
+        for batch in 0u64..300 {
+            let mut e = Effects::default();
+            for _ in 0..(1 + rand(6)) {
+                let k = key(rand(400));
+                if rand(4) == 0 {
+                    put(&mut e, &k, None);
+                    reference.remove(k.as_bytes());
+                } else {
+                    let v = format!("v{batch}.{}", rand(1000));
+                    put(&mut e, &k, Some(&v));
+                    reference.insert(k.into_bytes(), v.into_bytes());
+                }
+            }
+            if rand(3) == 0 {
+                let mark = unique_key("n", &rand(10_000).to_string());
+                e.uniques.insert(mark.clone());
+                marks.push(mark);
+            }
+            let ver = format!("ver/{}", rand(5));
+            e.versions.insert(ver.clone(), batch);
+            versions.insert(ver, batch);
+            commit(&db, |txn| {
+                buf.append(txn, "s", e).unwrap();
+                buf.maintain(&db, txn, "s", 16, 5, false).unwrap();
+            });
+            most_runs = most_runs.max(buf.runs.list.len());
+            if rand(23) == 0 {
+                drop(db);
+                db = Database::open(&path).unwrap();
+                buf = StateBuffer::load(&db, "s").unwrap();
+            }
+            let view = BatchView::open(&db, "s", &buf).unwrap();
+            for n in 0..400 {
+                let k = key(n).into_bytes();
+                assert_eq!(view.get(&k), reference.get(&k).cloned(), "batch {batch}");
+            }
+            let from = key(rand(400));
+            let prefix = &from.as_bytes()[..4];
+            let want: Vec<StateEntry> = reference
+                .range(prefix.to_vec()..)
+                .take_while(|(k, _)| k.starts_with(prefix))
+                .take(7)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            assert_eq!(view.scan(prefix, 7), want, "batch {batch}");
+            assert!(marks.iter().all(|m| view.unique_exists(m)), "batch {batch}");
+            assert!(!view.unique_exists(&unique_key("n", "never")));
+            for (k, v) in &versions {
+                assert_eq!(view.version(k), Some(*v), "batch {batch}");
+            }
+        }
+        assert!(most_runs >= 3, "runs accumulated: {most_runs}");
+        // Let every merge finish, then everything is in runs and nothing is orphaned.
+        for _ in 0..200 {
+            commit(&db, |txn| {
+                buf.maintain(&db, txn, "s", 16, 64, true).unwrap();
+            });
+        }
+        assert!(!buf.has_work(16), "maintenance settles");
+        let names: Vec<String> = db
+            .begin_read()
+            .unwrap()
+            .list_tables()
+            .unwrap()
+            .map(|h| redb::TableHandle::name(&h).to_string())
+            .filter(|n| n.starts_with("staterun_v1/"))
+            .collect();
+        assert_eq!(names.len(), buf.runs.list.len(), "{names:?}");
+        let reloaded = StateBuffer::load(&db, "s").unwrap();
+        assert_eq!(
+            state_entries(&db, "s", &reloaded).unwrap(),
             reference.into_iter().collect::<Vec<_>>()
         );
     }

@@ -1,90 +1,101 @@
 //! The state a handler reads during one batch ([`BatchView`]), in layers, newest first:
 //! the call's own writes (the host), the batch's earlier successful messages, the shard's
-//! buffered effects of earlier batches (`buffer.rs`), and the sorted block tables as of
-//! the batch's start (a read transaction). Kept apart from the buffer and its writes
-//! because it only reads.
+//! buffered effects of earlier batches (`buffer.rs`), and the sorted runs as of the
+//! batch's start (a read transaction), newest first, each behind its filter. Kept apart
+//! from the buffer and its writes because it only reads.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use fastbloom::AtomicBloomFilter;
-use redb::{Database, ReadOnlyTable, ReadTransaction, ReadableDatabase};
+use redb::{Database, ReadOnlyTable, ReadTransaction, ReadableDatabase, StorageError};
 
-use super::blocks;
 use super::buffer::{Buffered, StateBuffer};
-use super::marks;
+use super::run::{run_key, Entry, Merge, RunScan, KIND_MARK, KIND_STATE, KIND_VERSION};
+use super::runs::{self, Run};
 use crate::effects::{Effects, StateEntry, StateReader};
-use crate::ledger::tables::{
-    missing_is_none, rows_name, state_name, unique_name, versions_name, BlockDef,
-};
 
-type BlockTable = ReadOnlyTable<&'static [u8], &'static [u8]>;
+type RunTable = ReadOnlyTable<&'static [u8], &'static [u8]>;
 
-/// A block table and its row table, each absent until first written.
-#[derive(Default)]
-pub(super) struct Tables {
-    blocks: Option<BlockTable>,
-    rows: Option<BlockTable>,
+/// The runs of a subscriber as of one read transaction, newest first.
+pub(super) struct RunTables {
+    _txn: ReadTransaction,
+    runs: Vec<Arc<Run>>,
+    tables: Vec<RunTable>,
 }
 
-impl Tables {
-    pub(super) fn open(txn: &ReadTransaction, name: &str) -> Result<Tables, redb::Error> {
-        Ok(Tables {
-            blocks: missing_is_none(txn.open_table(BlockDef::new(name)))?,
-            rows: missing_is_none(txn.open_table(BlockDef::new(&rows_name(name))))?,
+impl RunTables {
+    pub(super) fn open(
+        db: &Database,
+        sub: &str,
+        buffer: &StateBuffer,
+    ) -> Result<RunTables, redb::Error> {
+        let txn = db.begin_read()?;
+        let runs = buffer.runs.list.clone();
+        let tables = runs
+            .iter()
+            .map(|r| runs::open_run(&txn, sub, r))
+            .collect::<Result<_, _>>()?;
+        Ok(RunTables {
+            _txn: txn,
+            runs,
+            tables,
         })
     }
 
-    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, redb::StorageError> {
-        blocks::get_mixed(self.blocks.as_ref(), self.rows.as_ref(), key)
+    /// The newest entry of `kind`/`key` in the runs (`Some(None)`: deleted).
+    fn lookup(&self, kind: u8, key: &[u8]) -> Result<Option<Option<Vec<u8>>>, StorageError> {
+        if self.runs.is_empty() {
+            return Ok(None);
+        }
+        runs::lookup(&self.runs, &self.tables, &run_key(kind, key))
     }
 
-    fn contains(&self, key: &[u8]) -> Result<bool, redb::StorageError> {
-        blocks::contains_mixed(self.blocks.as_ref(), self.rows.as_ref(), key)
+    /// Scans of `kind` from `from` on, one per run, newest first.
+    fn scans(&self, kind: u8, from: &[u8]) -> Result<Vec<RunScan>, StorageError> {
+        self.tables
+            .iter()
+            .map(|t| RunScan::new(t, kind, from))
+            .collect()
     }
 
+    /// Calls `f` for every live state entry from `from` on, in key order, until it returns
+    /// `false`.
     pub(super) fn for_each_from(
         &self,
         from: &[u8],
-        f: impl FnMut(&[u8], &[u8]) -> bool,
-    ) -> Result<(), redb::StorageError> {
-        blocks::for_each_mixed(self.blocks.as_ref(), self.rows.as_ref(), from, f)
+        mut f: impl FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<(), StorageError> {
+        for entry in Merge::new(self.scans(KIND_STATE, from)?)? {
+            let (k, v) = entry?;
+            if let Some(v) = v {
+                if !f(&k, &v) {
+                    break;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
 /// The state a handler reads during one batch.
 pub(crate) struct BatchView {
-    _txn: ReadTransaction,
-    /// Each kind as (block table, row table).
-    state: Tables,
-    uniques: Tables,
-    versions: Tables,
+    runs: RunTables,
     /// Buffered effects of earlier batches, newest first (active, then frozen).
     buffered: Vec<Arc<Buffered>>,
     /// Effects of this batch's earlier successful messages.
     overlay: Effects,
-    /// Says "certainly absent" for most new marks (once built).
-    marks: Option<Arc<AtomicBloomFilter>>,
     /// The current call's entity scope (empty: the subscriber's whole store).
     scope: Vec<u8>,
 }
 
 impl BatchView {
     pub fn open(db: &Database, sub: &str, buffer: &StateBuffer) -> Result<BatchView, redb::Error> {
-        let txn = db.begin_read()?;
-        let state = Tables::open(&txn, &state_name(sub))?;
-        let uniques = Tables::open(&txn, &unique_name(sub))?;
-        let versions = Tables::open(&txn, &versions_name(sub))?;
         let mut buffered = vec![buffer.active.clone()];
         buffered.extend(buffer.frozen.as_ref().map(|f| f.effects.clone()));
         Ok(BatchView {
-            _txn: txn,
-            state,
-            uniques,
-            versions,
+            runs: RunTables::open(db, sub, buffer)?,
             buffered,
             overlay: Effects::default(),
-            marks: buffer.marks.bloom(),
             scope: Vec::new(),
         })
     }
@@ -126,58 +137,51 @@ impl BatchView {
                 return v.clone();
             }
         }
-        logged(self.state.get(key))?
+        logged(self.runs.lookup(KIND_STATE, key))??
     }
 
     fn scan_raw(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry> {
-        // Each in-memory entry under the prefix can hide at most one table row.
-        let shadowing: usize = self
+        type Source<'a> = Box<dyn Iterator<Item = Result<Entry, StorageError>> + 'a>;
+        let mut sources: Vec<Source> = self
             .state_layers()
-            .map(|l| {
-                l.range::<[u8], _>(from_prefix(prefix))
-                    .take_while(|(k, _)| k.starts_with(prefix))
-                    .count()
+            .map(|l| -> Source {
+                Box::new(
+                    l.range::<[u8], _>(from_prefix(prefix))
+                        .map(|(k, v)| Ok((k.clone(), v.clone()))),
+                )
             })
-            .sum();
-        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-        logged(self.state.for_each_from(prefix, |k, v| {
-            if !k.starts_with(prefix) {
-                return false;
+            .collect();
+        let Some(scans) = logged(self.runs.scans(KIND_STATE, prefix)) else {
+            return Vec::new();
+        };
+        sources.extend(scans.into_iter().map(|s| -> Source { Box::new(s) }));
+        let Some(merged) = logged(Merge::new(sources)) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for entry in merged {
+            let Some((k, v)) = logged(entry) else {
+                break;
+            };
+            if !k.starts_with(prefix) || out.len() == limit {
+                break;
             }
-            merged.insert(k.to_vec(), v.to_vec());
-            merged.len() < limit + shadowing
-        }));
-        // Oldest layer first, so newer writes win.
-        let layers: Vec<_> = self.state_layers().collect();
-        for layer in layers.into_iter().rev() {
-            for (k, v) in layer.range::<[u8], _>(from_prefix(prefix)) {
-                if !k.starts_with(prefix) {
-                    break;
-                }
-                match v {
-                    Some(v) => merged.insert(k.clone(), v.clone()),
-                    None => merged.remove(k),
-                };
+            if let Some(v) = v {
+                out.push((k, v));
             }
         }
-        merged.into_iter().take(limit).collect()
+        out
     }
 
     fn unique_raw(&self, mark: &[u8]) -> bool {
         if self.overlay.uniques.contains(mark) {
             return true;
         }
-        // The filter holds every committed mark, buffered or applied: most new marks stop
-        // here without touching the buffers' hash sets or the table.
-        if let Some(f) = &self.marks {
-            if !f.contains_hash(marks::hash(mark)) {
-                return false;
-            }
-        }
         if self.buffered.iter().any(|b| b.uniques.contains(mark)) {
             return true;
         }
-        logged(self.uniques.contains(mark)).unwrap_or(false)
+        // Marks are never deleted: any entry is the mark.
+        logged(self.runs.lookup(KIND_MARK, mark)).is_some_and(|e| e.is_some())
     }
 
     fn version_raw(&self, key: &str) -> Option<u64> {
@@ -189,7 +193,7 @@ impl BatchView {
                 return Some(*v);
             }
         }
-        let v = logged(self.versions.get(key.as_bytes()))??;
+        let v = logged(self.runs.lookup(KIND_VERSION, key.as_bytes()))???;
         Some(u64::from_le_bytes(v.as_slice().try_into().ok()?))
     }
 }

@@ -1,0 +1,493 @@
+//! One sorted run of handler state: an immutable redb table of prefix-compressed blocks,
+//! written once in key order and read through its filter.
+//!
+//! A run table maps *the last key of a block* -> block, so the block that holds or would
+//! hold a key is the first one whose last key is at or after it: one B-tree descent
+//! (`range(key..)`), then a walk through one block. Runs are written only by appending in
+//! key order (a flushed buffer, a merge), so redb fills its leaves in order and a run costs
+//! about its own bytes on disk, where random keys inserted into one big table rewrote a
+//! leaf per key per commit (see `runs.rs` and the design notes).
+//!
+//! Keys in a run carry their kind as a first byte ([`KIND_STATE`], [`KIND_MARK`],
+//! [`KIND_VERSION`]), so one run holds a flushed buffer's state entries, `insert-unique`
+//! marks and versions in one key order. A deleted key is kept as a tombstone until a merge
+//! reaches the oldest run.
+//!
+//! Block format (v3): entries back to back, each
+//! `shared: varint, suffix_len: varint, suffix, tag: varint, value`, where `shared` is the
+//! length of the prefix shared with the previous key of the block (0 for the first) and
+//! `tag` is 0 for a tombstone or `value_len + 1`. Varints are LEB128.
+
+use fastbloom::BloomFilter;
+use redb::{ReadOnlyTable, ReadableTable, StorageError, Table};
+
+/// Handler state entries (`state::put`).
+pub(crate) const KIND_STATE: u8 = b's';
+/// `insert-unique` marks (empty values).
+pub(crate) const KIND_MARK: u8 = b'u';
+/// `advance-version` versions (`u64`, little endian).
+pub(crate) const KIND_VERSION: u8 = b'v';
+
+/// Bytes a block is filled to before the next one starts: one block and its key fill one
+/// 4 KiB redb leaf page. A block past the page (4,096 bytes measured) made redb give each
+/// leaf two pages, half of them empty: 142 MB of fragmentation beside 143 MB stored on a
+/// 1M-message shipping-label run. One lookup reads one block, so smaller is cheaper to
+/// search; larger shares redb's per-row overhead among more entries.
+const BLOCK_TARGET: usize = 3800;
+
+/// An entry as read from a run: `None` is a tombstone.
+pub(crate) type Entry = (Vec<u8>, Option<Vec<u8>>);
+
+fn corrupt(what: &str) -> StorageError {
+    StorageError::Corrupted(format!("handler state run: {what}"))
+}
+
+fn put_varint(out: &mut Vec<u8>, mut n: usize) {
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+fn varint(b: &[u8], at: &mut usize) -> Option<usize> {
+    let mut n = 0usize;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*at)?;
+        *at += 1;
+        n |= usize::from(byte & 0x7f).checked_shl(shift)?;
+        if byte < 0x80 {
+            return Some(n);
+        }
+    }
+    None
+}
+
+/// The key of `kind` and `key` in a run.
+pub(crate) fn run_key(kind: u8, key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(1 + key.len());
+    k.push(kind);
+    k.extend_from_slice(key);
+    k
+}
+
+/// The filter hash of a run key.
+pub(crate) fn key_hash(run_key: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(run_key)
+}
+
+/// Filter bits per entry: with [`FILTER_HASHES`] probes about 0.8 % false positives.
+const FILTER_BITS_PER_ENTRY: usize = 10;
+pub(crate) const FILTER_HASHES: u32 = 7;
+
+/// An empty filter sized for `entries` keys.
+pub(crate) fn new_filter(entries: u64) -> BloomFilter {
+    let bits = (entries as usize)
+        .saturating_mul(FILTER_BITS_PER_ENTRY)
+        .max(1024);
+    BloomFilter::with_num_bits(bits).hashes(FILTER_HASHES)
+}
+
+/// Walks the entries of one block, rebuilding each key from its shared prefix.
+pub(crate) struct BlockCursor<'a> {
+    data: &'a [u8],
+    at: usize,
+    key: Vec<u8>,
+}
+
+impl<'a> BlockCursor<'a> {
+    pub fn new(data: &'a [u8]) -> BlockCursor<'a> {
+        BlockCursor {
+            data,
+            at: 0,
+            key: Vec::new(),
+        }
+    }
+
+    /// The next entry: its key (valid until the next call) and value (`None`: tombstone).
+    #[allow(clippy::type_complexity)]
+    pub fn next_entry(&mut self) -> Result<Option<(&[u8], Option<&'a [u8]>)>, StorageError> {
+        if self.at >= self.data.len() {
+            return Ok(None);
+        }
+        let d = self.data;
+        let mut at = self.at;
+        let parsed = (|| {
+            let shared = varint(d, &mut at)?;
+            let suffix_len = varint(d, &mut at)?;
+            let suffix = d.get(at..at.checked_add(suffix_len)?)?;
+            at += suffix_len;
+            let tag = varint(d, &mut at)?;
+            let value = match tag {
+                0 => None,
+                n => {
+                    let v = d.get(at..at.checked_add(n - 1)?)?;
+                    at += n - 1;
+                    Some(v)
+                }
+            };
+            (shared <= self.key.len()).then_some((shared, suffix, value))
+        })();
+        let (shared, suffix, value) = parsed.ok_or_else(|| corrupt("entry out of bounds"))?;
+        self.key.truncate(shared);
+        self.key.extend_from_slice(suffix);
+        self.at = at;
+        Ok(Some((&self.key, value)))
+    }
+}
+
+/// Writes a run in key order, a block at a time, across as many transactions as it takes
+/// (it holds no table: each call gets the run's table of the current transaction).
+pub(crate) struct RunWriter {
+    block: Vec<u8>,
+    /// The last key pushed (the key of the block being filled, once it is written).
+    last: Vec<u8>,
+    /// Filter over every key written, built as they are written.
+    filter: BloomFilter,
+    entries: u64,
+    bytes: u64,
+}
+
+/// What a finished run holds: its filter, entries and bytes written.
+pub(crate) struct Written {
+    pub filter: BloomFilter,
+    pub entries: u64,
+    pub bytes: u64,
+}
+
+impl RunWriter {
+    /// A writer for at most about `expected` entries (the size of its filter).
+    pub fn new(expected: u64) -> RunWriter {
+        RunWriter {
+            block: Vec::with_capacity(BLOCK_TARGET + 256),
+            last: Vec::new(),
+            filter: new_filter(expected),
+            entries: 0,
+            bytes: 0,
+        }
+    }
+
+    /// Heap bytes of its filter.
+    pub fn filter_bytes(&self) -> u64 {
+        (self.filter.num_bits() / 8) as u64
+    }
+
+    /// Appends one entry; keys must come in strictly ascending order.
+    pub fn push(
+        &mut self,
+        t: &mut Table<&'static [u8], &'static [u8]>,
+        key: &[u8],
+        value: Option<&[u8]>,
+    ) -> Result<(), StorageError> {
+        debug_assert!(self.entries == 0 || key > self.last.as_slice());
+        let len = key.len() + value.map_or(0, <[u8]>::len) + 8;
+        if !self.block.is_empty() && self.block.len() + len > BLOCK_TARGET {
+            self.write_block(t)?;
+        }
+        let shared = if self.block.is_empty() {
+            0
+        } else {
+            key.iter()
+                .zip(&self.last)
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        put_varint(&mut self.block, shared);
+        put_varint(&mut self.block, key.len() - shared);
+        self.block.extend_from_slice(&key[shared..]);
+        match value {
+            None => self.block.push(0),
+            Some(v) => {
+                put_varint(&mut self.block, v.len() + 1);
+                self.block.extend_from_slice(v);
+            }
+        }
+        self.last.clear();
+        self.last.extend_from_slice(key);
+        self.filter.insert_hash(key_hash(key));
+        self.entries += 1;
+        Ok(())
+    }
+
+    fn write_block(
+        &mut self,
+        t: &mut Table<&'static [u8], &'static [u8]>,
+    ) -> Result<(), StorageError> {
+        if self.block.is_empty() {
+            return Ok(());
+        }
+        t.insert(self.last.as_slice(), self.block.as_slice())?;
+        self.bytes += (self.block.len() + self.last.len()) as u64;
+        self.block.clear();
+        Ok(())
+    }
+
+    /// Writes the last block.
+    pub fn finish(
+        mut self,
+        t: &mut Table<&'static [u8], &'static [u8]>,
+    ) -> Result<Written, StorageError> {
+        self.write_block(t)?;
+        Ok(Written {
+            filter: self.filter,
+            entries: self.entries,
+            bytes: self.bytes,
+        })
+    }
+}
+
+/// The entry stored under `key` in a run: `Some(None)` is a tombstone.
+pub(crate) fn get<T: ReadableTable<&'static [u8], &'static [u8]>>(
+    t: &T,
+    key: &[u8],
+) -> Result<Option<Option<Vec<u8>>>, StorageError> {
+    let Some(row) = t.range::<&[u8]>(key..)?.next() else {
+        return Ok(None);
+    };
+    let (_, block) = row?;
+    let mut cursor = BlockCursor::new(block.value());
+    while let Some((k, v)) = cursor.next_entry()? {
+        match k.cmp(key) {
+            std::cmp::Ordering::Less => continue,
+            std::cmp::Ordering::Equal => return Ok(Some(v.map(<[u8]>::to_vec))),
+            std::cmp::Ordering::Greater => return Ok(None),
+        }
+    }
+    Ok(None)
+}
+
+/// The entries of one kind of a run from a key on, in key order, keys without their kind
+/// byte. Owns its range (a read-only table's ranges hold no borrow).
+pub(crate) struct RunScan {
+    range: redb::Range<'static, &'static [u8], &'static [u8]>,
+    /// Only this kind, returned without its byte; every entry, whole, when `None`.
+    kind: Option<u8>,
+    /// The current block's entries not yet returned, in reverse order.
+    pending: Vec<Entry>,
+    /// Entries before this run key are skipped.
+    from: Vec<u8>,
+    done: bool,
+}
+
+impl RunScan {
+    pub fn new(
+        t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
+        kind: u8,
+        from: &[u8],
+    ) -> Result<RunScan, StorageError> {
+        RunScan::open(t, Some(kind), run_key(kind, from))
+    }
+
+    /// Every entry from run key `from` on, keys whole.
+    pub fn all(
+        t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
+        from: &[u8],
+    ) -> Result<RunScan, StorageError> {
+        RunScan::open(t, None, from.to_vec())
+    }
+
+    fn open(
+        t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
+        kind: Option<u8>,
+        from: Vec<u8>,
+    ) -> Result<RunScan, StorageError> {
+        Ok(RunScan {
+            range: t.range::<&[u8]>(from.as_slice()..)?,
+            kind,
+            pending: Vec::new(),
+            from,
+            done: false,
+        })
+    }
+
+    fn fill(&mut self) -> Result<(), StorageError> {
+        while self.pending.is_empty() && !self.done {
+            let Some(row) = self.range.next() else {
+                self.done = true;
+                return Ok(());
+            };
+            let (_, block) = row?;
+            let mut cursor = BlockCursor::new(block.value());
+            let mut out = Vec::new();
+            while let Some((k, v)) = cursor.next_entry()? {
+                if k < self.from.as_slice() {
+                    continue;
+                }
+                let key = match self.kind {
+                    None => k,
+                    Some(kind) if k.first() == Some(&kind) => &k[1..],
+                    Some(_) => {
+                        self.done = true;
+                        break;
+                    }
+                };
+                out.push((key.to_vec(), v.map(<[u8]>::to_vec)));
+            }
+            out.reverse();
+            self.pending = out;
+        }
+        Ok(())
+    }
+}
+
+impl Iterator for RunScan {
+    type Item = Result<Entry, StorageError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Err(e) = self.fill() {
+            self.done = true;
+            self.pending.clear();
+            return Some(Err(e));
+        }
+        self.pending.pop().map(Ok)
+    }
+}
+
+/// Entry sources merged newest first: for each key the first source (lowest index) that
+/// has it wins, tombstones included (the caller decides whether to keep them).
+pub(crate) struct Merge<I: Iterator<Item = Result<Entry, StorageError>>> {
+    heads: Vec<Option<Entry>>,
+    sources: Vec<I>,
+}
+
+impl<I: Iterator<Item = Result<Entry, StorageError>>> Merge<I> {
+    pub fn new(mut sources: Vec<I>) -> Result<Merge<I>, StorageError> {
+        let heads = sources
+            .iter_mut()
+            .map(|s| s.next().transpose())
+            .collect::<Result<_, _>>()?;
+        Ok(Merge { heads, sources })
+    }
+
+    fn step(&mut self) -> Result<Option<Entry>, StorageError> {
+        let Some(min) = self.heads.iter().flatten().map(|(k, _)| k).min().cloned() else {
+            return Ok(None);
+        };
+        let mut winner = None;
+        for (head, source) in self.heads.iter_mut().zip(&mut self.sources) {
+            if head.as_ref().is_some_and(|(k, _)| *k == min) {
+                let taken = std::mem::replace(head, source.next().transpose()?);
+                if winner.is_none() {
+                    winner = taken;
+                }
+            }
+        }
+        Ok(winner)
+    }
+}
+
+impl<I: Iterator<Item = Result<Entry, StorageError>>> Iterator for Merge<I> {
+    type Item = Result<Entry, StorageError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.step().transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redb::{Database, ReadableDatabase, TableDefinition};
+
+    use super::*;
+
+    const T: TableDefinition<&[u8], &[u8]> = TableDefinition::new("run");
+
+    fn write(db: &Database, entries: &[(Vec<u8>, Option<Vec<u8>>)]) -> Written {
+        let txn = db.begin_write().unwrap();
+        let out = {
+            let mut t = txn.open_table(T).unwrap();
+            let mut w = RunWriter::new(entries.len() as u64);
+            for (k, v) in entries {
+                w.push(&mut t, k, v.as_deref()).unwrap();
+            }
+            w.finish(&mut t).unwrap()
+        };
+        txn.commit().unwrap();
+        out
+    }
+
+    /// Keys sharing long prefixes, tombstones and values of many sizes read back exactly,
+    /// one by one and scanned per kind; absent keys between and around them read absent.
+    #[test]
+    fn a_run_reads_back_what_was_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("r.redb")).unwrap();
+        let mut entries = Vec::new();
+        for i in 0..5000u32 {
+            let key = run_key(KIND_STATE, format!("label/{:08}", i * 2).as_bytes());
+            let value = (i % 7 != 3).then(|| vec![b'x'; (i % 300) as usize]);
+            entries.push((key, value));
+        }
+        for i in 0..100u32 {
+            entries.push((
+                run_key(KIND_MARK, format!("m\0{i:03}").as_bytes()),
+                Some(vec![]),
+            ));
+        }
+        let written = write(&db, &entries);
+        assert_eq!(written.entries, entries.len() as u64);
+        assert!(written.bytes > 0);
+        assert!(entries
+            .iter()
+            .all(|(k, _)| written.filter.contains_hash(key_hash(k))));
+        let txn = db.begin_read().unwrap();
+        let t = txn.open_table(T).unwrap();
+        for (k, v) in &entries {
+            assert_eq!(get(&t, k).unwrap(), Some(v.clone()));
+        }
+        for i in [1u32, 77, 9999, 10001] {
+            let k = run_key(KIND_STATE, format!("label/{i:08}").as_bytes());
+            assert_eq!(get(&t, &k).unwrap(), None);
+        }
+        assert_eq!(get(&t, b"zzz").unwrap(), None);
+        let scanned: Vec<Entry> = RunScan::new(&t, KIND_STATE, b"label/00000100")
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let want: Vec<Entry> = entries
+            .iter()
+            .filter(|(k, _)| k[0] == KIND_STATE && &k[1..] >= b"label/00000100".as_slice())
+            .map(|(k, v)| (k[1..].to_vec(), v.clone()))
+            .collect();
+        assert_eq!(scanned, want);
+        let marks = RunScan::new(&t, KIND_MARK, b"").unwrap().count();
+        assert_eq!(marks, 100);
+        let all: Vec<Entry> = RunScan::all(&t, b"")
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(all, entries);
+    }
+
+    #[test]
+    fn a_damaged_block_is_an_error_not_a_panic() {
+        let mut cursor = BlockCursor::new(&[0, 200, 1]);
+        assert!(cursor.next_entry().is_err());
+        let mut cursor = BlockCursor::new(&[5, 1, b'a', 0]);
+        assert!(
+            cursor.next_entry().is_err(),
+            "shares more than the previous key"
+        );
+        let mut cursor = BlockCursor::new(&[0xff; 12]);
+        assert!(cursor.next_entry().is_err());
+    }
+
+    #[test]
+    fn merging_takes_the_newest_source_per_key() {
+        let e = |k: &str, v: Option<&str>| -> Result<Entry, StorageError> {
+            Ok((k.as_bytes().to_vec(), v.map(|v| v.as_bytes().to_vec())))
+        };
+        let newest = vec![e("b", None), e("d", Some("new"))];
+        let oldest = vec![e("a", Some("1")), e("b", Some("2")), e("d", Some("old"))];
+        let merged: Vec<Entry> = Merge::new(vec![newest.into_iter(), oldest.into_iter()])
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let want: Vec<Entry> = vec![
+            e("a", Some("1")).unwrap(),
+            e("b", None).unwrap(),
+            e("d", Some("new")).unwrap(),
+        ];
+        assert_eq!(merged, want);
+    }
+}

@@ -1,0 +1,454 @@
+//! The sorted runs of a subscriber's handler state on one shard, and how they merge.
+//!
+//! Each frozen state buffer becomes one new run (`buffer.rs`), so a batch never rewrites
+//! older data: a run is written once, in key order, and then only read, until a merge
+//! replaces it. Runs are kept newest first; a key's current entry is in the newest run
+//! that has it (a tombstone says "deleted").
+//!
+//! **Merge policy (size tiers).** A run's tier is how many times it is [`FANOUT`] times
+//! larger than a flushed buffer (`ledger.state_buffer_entries`): flushed runs are tier 0,
+//! and [`FANOUT`] runs of one tier merge into one of the next. So an entry is rewritten
+//! about once per tier (log4 of the state size over the buffer size: 4-6 times at 10M
+//! entries), never once per batch, and a lookup probes at most about
+//! `(FANOUT - 1) x tiers` filters. The runs merged are always adjacent in age, so the
+//! newest-first order still holds after the merge; a merge that reaches the oldest run
+//! drops tombstones. At most [`MAX_RUNS`] runs are kept: past that the adjacent runs with
+//! the fewest entries merge whatever their tiers.
+//!
+//! **Bounded slices.** A merge writes at most the batch's maintenance budget of entries
+//! per transaction, reading its inputs through a read snapshot (they are committed and
+//! immutable) from where the last slice stopped. Until its last slice commits, readers
+//! use the inputs; the last slice writes the output's metadata row and deletes the
+//! inputs' tables and rows in the same transaction, so a crash leaves either the inputs
+//! (and a partial output table without a metadata row, deleted on the next maintenance)
+//! or the output. Claims and state commit together in every batch either way (G2, G6).
+//!
+//! Each run's metadata row holds its Bloom filter, so a restart loads the filters without
+//! reading the runs.
+
+use std::sync::Arc;
+
+use fastbloom::BloomFilter;
+use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, TableHandle};
+use redb::{StorageError, WriteTransaction};
+
+use super::run::{self, Merge, RunScan, RunWriter, Written};
+use crate::ledger::tables::{
+    missing_is_none, state_run_name, state_runs_name, BlockDef, StateRunsDef, STATE_RUN_PREFIX,
+};
+
+/// Runs of one tier that merge into one of the next.
+pub(crate) const FANOUT: usize = 4;
+/// Most runs kept before adjacent small ones merge regardless of tier.
+pub(crate) const MAX_RUNS: usize = 16;
+
+/// One run: its table, its age and its filter.
+pub(crate) struct Run {
+    pub table_id: u64,
+    /// Higher is newer: the flush that wrote it, or the newest of the runs merged into it.
+    pub order: u64,
+    pub entries: u64,
+    /// Bytes of its blocks and block keys.
+    pub bytes: u64,
+    filter: BloomFilter,
+}
+
+impl Run {
+    /// `false`: the key is certainly not in this run.
+    #[inline]
+    pub fn may_contain(&self, hash: u64) -> bool {
+        self.filter.contains_hash(hash)
+    }
+
+    pub fn filter_bytes(&self) -> u64 {
+        (self.filter.num_bits() / 8) as u64
+    }
+
+    /// Row format (v1): `order u64, entries u64, bytes u64, hashes u32, words u64`, then
+    /// the filter's words; little endian.
+    fn encode(&self) -> Vec<u8> {
+        let words = self.filter.as_slice();
+        let mut out = Vec::with_capacity(36 + words.len() * 8);
+        for n in [self.order, self.entries, self.bytes] {
+            out.extend_from_slice(&n.to_le_bytes());
+        }
+        out.extend_from_slice(&self.filter.num_hashes().to_le_bytes());
+        out.extend_from_slice(&(words.len() as u64).to_le_bytes());
+        for w in words {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        out
+    }
+
+    fn decode(table_id: u64, b: &[u8]) -> Option<Run> {
+        let u64_at = |at: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+        };
+        let hashes = u32::from_le_bytes(b.get(24..28)?.try_into().ok()?);
+        let n = usize::try_from(u64_at(28)?).ok()?;
+        let body = b.get(36..)?;
+        if n == 0 || hashes == 0 || body.len() != n.checked_mul(8)? {
+            return None;
+        }
+        let words = body
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect();
+        Some(Run {
+            table_id,
+            order: u64_at(0)?,
+            entries: u64_at(8)?,
+            bytes: u64_at(16)?,
+            filter: BloomFilter::from_vec(words).hashes(hashes),
+        })
+    }
+}
+
+/// A merge in progress: `inputs` are adjacent in the run list.
+struct Merging {
+    inputs: Vec<Arc<Run>>,
+    /// Whether the inputs include the oldest run (tombstones are dropped).
+    bottom: bool,
+    out_id: u64,
+    writer: RunWriter,
+    /// Run key the next slice starts at.
+    resume: Vec<u8>,
+}
+
+/// The runs of a subscriber on one shard.
+#[derive(Default)]
+pub(crate) struct Runs {
+    /// Newest first.
+    pub list: Vec<Arc<Run>>,
+    next_id: u64,
+    next_order: u64,
+    /// Partial run tables of an interrupted flush or merge, deleted at the next maintenance.
+    orphans: Vec<String>,
+    merging: Option<Merging>,
+}
+
+fn corrupt(what: String) -> redb::Error {
+    redb::Error::Corrupted(what)
+}
+
+impl Runs {
+    /// Loads the run list and filters from the metadata table, and notes run tables no
+    /// metadata row names (left by a crash mid-write).
+    pub fn load(txn: &ReadTransaction, sub: &str) -> Result<Runs, redb::Error> {
+        let mut runs = Runs::default();
+        if let Some(t) = missing_is_none(txn.open_table(StateRunsDef::new(&state_runs_name(sub))))?
+        {
+            for row in t.iter()? {
+                let (k, v) = row?;
+                let run = Run::decode(k.value(), v.value()).ok_or_else(|| {
+                    corrupt(format!(
+                        "{} row {} does not decode",
+                        state_runs_name(sub),
+                        k.value()
+                    ))
+                })?;
+                runs.next_order = runs.next_order.max(run.order + 1);
+                runs.list.push(Arc::new(run));
+            }
+        }
+        runs.list.sort_by_key(|r| std::cmp::Reverse(r.order));
+        let prefix = format!("{STATE_RUN_PREFIX}{sub}/");
+        runs.next_id = runs.list.iter().map(|r| r.table_id + 1).max().unwrap_or(0);
+        for table in txn.list_tables()? {
+            let name = table.name();
+            let Some(id) = name
+                .strip_prefix(&prefix)
+                .and_then(|i| i.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            runs.next_id = runs.next_id.max(id + 1);
+            if !runs.list.iter().any(|r| r.table_id == id) {
+                runs.orphans.push(name.to_string());
+            }
+        }
+        Ok(runs)
+    }
+
+    pub fn filter_bytes(&self) -> u64 {
+        self.list.iter().map(|r| r.filter_bytes()).sum::<u64>()
+            + self.merging.as_ref().map_or(0, |m| m.writer.filter_bytes())
+    }
+
+    /// A fresh table id and the order of a new flush (newer than every run).
+    pub fn next_flush(&mut self) -> (u64, u64) {
+        let ids = (self.next_id, self.next_order);
+        self.next_id += 1;
+        self.next_order += 1;
+        ids
+    }
+
+    /// Whether maintenance has run work to do.
+    pub fn has_work(&self, base: usize) -> bool {
+        !self.orphans.is_empty() || self.merging.is_some() || pick(&self.list, base).is_some()
+    }
+
+    /// Registers a finished run as the newest (or deletes its table when it holds
+    /// nothing), writing its metadata row in `txn`.
+    pub fn add_flushed(
+        &mut self,
+        txn: &WriteTransaction,
+        sub: &str,
+        table_id: u64,
+        order: u64,
+        written: Written,
+    ) -> Result<(), redb::Error> {
+        if let Some(run) = register(txn, sub, table_id, order, written)? {
+            self.list.insert(0, run);
+        }
+        Ok(())
+    }
+
+    /// Deletes orphaned tables, starts a merge when the policy asks for one, and writes
+    /// one slice of it (at most `budget` entries, all of it when `all`). Returns whether
+    /// it wrote anything.
+    pub fn maintain(
+        &mut self,
+        db: &Database,
+        txn: &WriteTransaction,
+        sub: &str,
+        base: usize,
+        budget: usize,
+    ) -> Result<bool, redb::Error> {
+        let mut wrote = false;
+        for name in self.orphans.drain(..) {
+            txn.delete_table(BlockDef::new(&name))?;
+            wrote = true;
+        }
+        if self.merging.is_none() {
+            if let Some(window) = pick(&self.list, base) {
+                let inputs: Vec<Arc<Run>> = self.list[window.clone()].to_vec();
+                let expected = inputs.iter().map(|r| r.entries).sum();
+                self.merging = Some(Merging {
+                    bottom: window.end == self.list.len(),
+                    inputs,
+                    out_id: self.next_id,
+                    writer: RunWriter::new(expected),
+                    resume: Vec::new(),
+                });
+                self.next_id += 1;
+            }
+        }
+        if self.merging.is_some() {
+            self.merge_slice(db, txn, sub, budget)?;
+            wrote = true;
+        }
+        Ok(wrote)
+    }
+
+    fn merge_slice(
+        &mut self,
+        db: &Database,
+        txn: &WriteTransaction,
+        sub: &str,
+        budget: usize,
+    ) -> Result<(), redb::Error> {
+        let Some(m) = self.merging.as_mut() else {
+            return Ok(());
+        };
+        let read = db.begin_read()?;
+        let mut scans = Vec::with_capacity(m.inputs.len());
+        for r in &m.inputs {
+            let t = read.open_table(BlockDef::new(&state_run_name(sub, r.table_id)))?;
+            scans.push(RunScan::all(&t, &m.resume)?);
+        }
+        let mut out = txn.open_table(BlockDef::new(&state_run_name(sub, m.out_id)))?;
+        let mut written = 0;
+        let mut finished = true;
+        for entry in Merge::new(scans)? {
+            let (k, v) = entry?;
+            if v.is_some() || !m.bottom {
+                m.writer.push(&mut out, &k, v.as_deref())?;
+            }
+            written += 1;
+            if written >= budget {
+                // The next slice starts just after this key.
+                m.resume = k;
+                m.resume.push(0);
+                finished = false;
+                break;
+            }
+        }
+        if !finished {
+            return Ok(());
+        }
+        let Some(m) = self.merging.take() else {
+            return Ok(());
+        };
+        let done = m.writer.finish(&mut out)?;
+        drop(out);
+        let mut meta = txn.open_table(StateRunsDef::new(&state_runs_name(sub)))?;
+        for r in &m.inputs {
+            meta.remove(r.table_id)?;
+            txn.delete_table(BlockDef::new(&state_run_name(sub, r.table_id)))?;
+        }
+        drop(meta);
+        let order = m.inputs.iter().map(|r| r.order).max().unwrap_or(0);
+        let merged = register(txn, sub, m.out_id, order, done)?;
+        let Some(at) = self
+            .list
+            .iter()
+            .position(|r| r.table_id == m.inputs[0].table_id)
+        else {
+            return Err(corrupt(format!("{sub}: merged runs are no longer listed")));
+        };
+        self.list.splice(at..at + m.inputs.len(), merged);
+        Ok(())
+    }
+}
+
+/// Writes a finished run's metadata row and returns it, or deletes its table when it holds
+/// no entry.
+pub(crate) fn register(
+    txn: &WriteTransaction,
+    sub: &str,
+    table_id: u64,
+    order: u64,
+    written: Written,
+) -> Result<Option<Arc<Run>>, redb::Error> {
+    if written.entries == 0 {
+        txn.delete_table(BlockDef::new(&state_run_name(sub, table_id)))?;
+        return Ok(None);
+    }
+    let run = Run {
+        table_id,
+        order,
+        entries: written.entries,
+        bytes: written.bytes,
+        filter: written.filter,
+    };
+    txn.open_table(StateRunsDef::new(&state_runs_name(sub)))?
+        .insert(table_id, run.encode().as_slice())?;
+    Ok(Some(Arc::new(run)))
+}
+
+/// A run's tier: 0 below `FANOUT x base` entries, then one more per factor of `FANOUT`.
+fn tier(entries: u64, base: usize) -> u32 {
+    let mut cap = (base as u64).max(1).saturating_mul(FANOUT as u64);
+    let mut t = 0;
+    while entries >= cap && cap < u64::MAX {
+        t += 1;
+        cap = cap.saturating_mul(FANOUT as u64);
+    }
+    t
+}
+
+/// The runs to merge next, if any: the oldest `FANOUT` adjacent runs of one tier, or past
+/// [`MAX_RUNS`] the `FANOUT` adjacent runs with the fewest entries.
+fn pick(list: &[Arc<Run>], base: usize) -> Option<std::ops::Range<usize>> {
+    if list.len() < FANOUT {
+        return None;
+    }
+    let tiers: Vec<u32> = list.iter().map(|r| tier(r.entries, base)).collect();
+    for start in (0..=list.len() - FANOUT).rev() {
+        let w = &tiers[start..start + FANOUT];
+        if w.iter().all(|t| *t == w[0]) {
+            return Some(start..start + FANOUT);
+        }
+    }
+    if list.len() <= MAX_RUNS {
+        return None;
+    }
+    (0..=list.len() - FANOUT)
+        .min_by_key(|s| list[*s..*s + FANOUT].iter().map(|r| r.entries).sum::<u64>())
+        .map(|s| s..s + FANOUT)
+}
+
+/// A run's table as of a read transaction.
+pub(crate) fn open_run(
+    txn: &ReadTransaction,
+    sub: &str,
+    run: &Run,
+) -> Result<redb::ReadOnlyTable<&'static [u8], &'static [u8]>, redb::Error> {
+    Ok(txn.open_table(BlockDef::new(&state_run_name(sub, run.table_id)))?)
+}
+
+/// The entry of `key` (a run key) in the newest run that has it: `Some(None)` is a
+/// tombstone. `tables` are the runs' tables, in the same order.
+pub(crate) fn lookup(
+    runs: &[Arc<Run>],
+    tables: &[redb::ReadOnlyTable<&'static [u8], &'static [u8]>],
+    key: &[u8],
+) -> Result<Option<Option<Vec<u8>>>, StorageError> {
+    let hash = run::key_hash(key);
+    for (r, t) in runs.iter().zip(tables) {
+        if !r.may_contain(hash) {
+            continue;
+        }
+        if let Some(found) = run::get(t, key)? {
+            return Ok(Some(found));
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runs(sizes: &[u64]) -> Vec<Arc<Run>> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &entries)| {
+                Arc::new(Run {
+                    table_id: i as u64,
+                    order: 100 - i as u64,
+                    entries,
+                    bytes: 0,
+                    filter: run::new_filter(1),
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn runs_merge_by_tier_oldest_first() {
+        let base = 100;
+        assert_eq!(tier(1, base), 0);
+        assert_eq!(tier(399, base), 0);
+        assert_eq!(tier(400, base), 1);
+        assert_eq!(tier(1600, base), 2);
+        assert_eq!(pick(&runs(&[100, 100, 100]), base), None);
+        assert_eq!(pick(&runs(&[100, 100, 100, 100]), base), Some(0..4));
+        // Four flushed runs newer than a tier-1 run: the flushed ones merge.
+        assert_eq!(pick(&runs(&[90, 100, 100, 100, 400]), base), Some(0..4));
+        // The oldest qualifying window first.
+        assert_eq!(
+            pick(&runs(&[100, 100, 100, 100, 500, 500, 500, 500]), base),
+            Some(4..8)
+        );
+        assert_eq!(pick(&runs(&[100, 500, 100, 2000, 100]), base), None);
+        // Past MAX_RUNS the smallest adjacent window merges whatever the tiers.
+        let mut mixed = Vec::new();
+        for i in 0..(MAX_RUNS as u64 + 1) {
+            mixed.push(if i % 2 == 0 { 100 } else { 500 + i });
+        }
+        let w = pick(&runs(&mixed), base).unwrap();
+        assert_eq!(w.len(), FANOUT);
+    }
+
+    #[test]
+    fn run_metadata_round_trips_and_damage_is_refused() {
+        let mut filter = run::new_filter(100);
+        filter.insert_hash(7);
+        let r = Run {
+            table_id: 3,
+            order: 9,
+            entries: 100,
+            bytes: 4096,
+            filter,
+        };
+        let b = r.encode();
+        let back = Run::decode(3, &b).unwrap();
+        assert_eq!((back.order, back.entries, back.bytes), (9, 100, 4096));
+        assert!(back.may_contain(7));
+        assert!(Run::decode(3, &b[..b.len() - 1]).is_none());
+        assert!(Run::decode(3, &b[..20]).is_none());
+    }
+}
