@@ -26,10 +26,13 @@
 //! Each run's metadata row holds its Bloom filter, so a restart loads the filters without
 //! reading the runs.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use fastbloom::BloomFilter;
-use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, TableHandle};
+use redb::{
+    Database, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableHandle,
+};
 use redb::{StorageError, WriteTransaction};
 
 use super::run::{self, Merge, RunScan, RunWriter, Written};
@@ -41,6 +44,9 @@ use crate::ledger::tables::{
 pub(crate) const FANOUT: usize = 4;
 /// Most runs kept before adjacent small ones merge regardless of tier.
 pub(crate) const MAX_RUNS: usize = 16;
+/// About how many entries one block of a shipping-label run holds: removing a block of a
+/// retired table counts as this many entries of a slice's budget.
+const ENTRIES_PER_BLOCK: usize = 16;
 
 /// One run: its table, its age and its filter.
 pub(crate) struct Run {
@@ -122,8 +128,11 @@ pub(crate) struct Runs {
     pub list: Vec<Arc<Run>>,
     next_id: u64,
     next_order: u64,
-    /// Partial run tables of an interrupted flush or merge, deleted at the next maintenance.
-    orphans: Vec<String>,
+    /// Tables no longer read: a merge's inputs, and partial runs of an interrupted flush or
+    /// merge. Emptied a slice at a time by later maintenance, then deleted: deleting a
+    /// table of millions of entries at once stalled its batch (54-69 ms at 530k entries,
+    /// growing with the run).
+    retired: VecDeque<String>,
     merging: Option<Merging>,
 }
 
@@ -164,7 +173,7 @@ impl Runs {
             };
             runs.next_id = runs.next_id.max(id + 1);
             if !runs.list.iter().any(|r| r.table_id == id) {
-                runs.orphans.push(name.to_string());
+                runs.retired.push_back(name.to_string());
             }
         }
         Ok(runs)
@@ -185,7 +194,7 @@ impl Runs {
 
     /// Whether maintenance has run work to do.
     pub fn has_work(&self, base: usize) -> bool {
-        !self.orphans.is_empty() || self.merging.is_some() || pick(&self.list, base).is_some()
+        !self.retired.is_empty() || self.merging.is_some() || pick(&self.list, base).is_some()
     }
 
     /// Registers a finished run as the newest (or deletes its table when it holds
@@ -204,9 +213,9 @@ impl Runs {
         Ok(())
     }
 
-    /// Deletes orphaned tables, starts a merge when the policy asks for one, and writes
-    /// one slice of it (at most `budget` entries, all of it when `all`). Returns whether
-    /// it wrote anything.
+    /// Empties retired tables by a slice, starts a merge when the policy asks for one, and
+    /// writes one slice of it (at most `budget` entries). Returns whether it wrote
+    /// anything.
     pub fn maintain(
         &mut self,
         db: &Database,
@@ -215,11 +224,7 @@ impl Runs {
         base: usize,
         budget: usize,
     ) -> Result<bool, redb::Error> {
-        let mut wrote = false;
-        for name in self.orphans.drain(..) {
-            txn.delete_table(BlockDef::new(&name))?;
-            wrote = true;
-        }
+        let mut wrote = self.drop_retired(txn, budget)?;
         if self.merging.is_none() {
             if let Some(window) = pick(&self.list, base) {
                 let inputs: Vec<Arc<Run>> = self.list[window.clone()].to_vec();
@@ -239,6 +244,26 @@ impl Runs {
             wrote = true;
         }
         Ok(wrote)
+    }
+
+    /// Removes up to a block per [`ENTRIES_PER_BLOCK`] of `budget` from the oldest retired
+    /// table, deleting it once empty.
+    fn drop_retired(&mut self, txn: &WriteTransaction, budget: usize) -> Result<bool, redb::Error> {
+        let Some(name) = self.retired.front() else {
+            return Ok(false);
+        };
+        let mut t = txn.open_table(BlockDef::new(name))?;
+        for _ in 0..(budget / ENTRIES_PER_BLOCK).max(1) {
+            if t.pop_first()?.is_none() {
+                break;
+            }
+        }
+        if t.is_empty()? {
+            drop(t);
+            txn.delete_table(BlockDef::new(name))?;
+            self.retired.pop_front();
+        }
+        Ok(true)
     }
 
     fn merge_slice(
@@ -280,12 +305,13 @@ impl Runs {
         let Some(m) = self.merging.take() else {
             return Ok(());
         };
+        let started = std::time::Instant::now();
         let done = m.writer.finish(&mut out)?;
         drop(out);
         let mut meta = txn.open_table(StateRunsDef::new(&state_runs_name(sub)))?;
         for r in &m.inputs {
             meta.remove(r.table_id)?;
-            txn.delete_table(BlockDef::new(&state_run_name(sub, r.table_id)))?;
+            self.retired.push_back(state_run_name(sub, r.table_id));
         }
         drop(meta);
         let order = m.inputs.iter().map(|r| r.order).max().unwrap_or(0);
@@ -297,6 +323,8 @@ impl Runs {
         else {
             return Err(corrupt(format!("{sub}: merged runs are no longer listed")));
         };
+        tracing::debug!(subscriber = %sub, runs = m.inputs.len(), entries = self.list[at..at + m.inputs.len()].iter().map(|r| r.entries).sum::<u64>(),
+            finish_ms = started.elapsed().as_millis() as u64, "handler state runs merged");
         self.list.splice(at..at + m.inputs.len(), merged);
         Ok(())
     }
