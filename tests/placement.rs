@@ -343,7 +343,7 @@ fn format_1_directory_is_upgraded_and_older_binaries_are_refused() {
     // Make it a format-1 directory, as an older dedupd left it.
     let manifest = tmp.path().join("dedupd.manifest.json");
     let mut m: Value = serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
-    assert_eq!(m["format_version"], 2);
+    assert_eq!(m["format_version"], dedupd::ledger::FORMAT_VERSION);
     m["format_version"] = json!(1);
     std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
     for shard in 0..2 {
@@ -363,7 +363,8 @@ fn format_1_directory_is_upgraded_and_older_binaries_are_refused() {
     let ledger = open_with_counter(tmp.path(), &config);
     m = serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
     assert_eq!(
-        m["format_version"], 2,
+        m["format_version"],
+        dedupd::ledger::FORMAT_VERSION,
         "the manifest now refuses older binaries"
     );
     assert_eq!(run_lines(&ledger, &config, &lines), vec!["duplicate"; 300]);

@@ -10,7 +10,9 @@
 ///   to the entity; quarantine and dead-letter records are one per message and payload
 ///   (index tables, `count`), with outcome counters in `meta_v1`. Format-1 shards are upgraded on open: their subscribers are marked as
 ///   placed anywhere, so every shard is asked for their claims.
-pub const FORMAT_VERSION: u64 = 2;
+/// - 3: handler state in sorted runs (`staterun_v1`, `stateruns_v1`); the block and row
+///   tables of format 2 are rewritten as one run per subscriber on open.
+pub const FORMAT_VERSION: u64 = 3;
 
 /// Bytes of an encoded [`ClaimRecord`].
 pub const CLAIM_LEN: usize = 32;

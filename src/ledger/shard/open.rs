@@ -185,7 +185,7 @@ impl Shard {
         let mut placements = txn
             .open_table(tables::PLACEMENTS)
             .map_err(|e| self.err(e))?;
-        if let Some(from) = upgrade_from {
+        if let Some(from) = upgrade_from.filter(|v| *v < 2) {
             // Format 1 routed by the configured partition key: a subscriber's claims may
             // be on any shard, and its handler state is not scoped to entities.
             let mut names: std::collections::BTreeSet<&str> =
