@@ -27,6 +27,8 @@ pub enum ConfigError {
     Invalid { field: String, problem: String },
 }
 
+mod env;
+
 fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
@@ -450,12 +452,27 @@ impl Config {
         Ok(config)
     }
 
-    /// Parses and validates TOML text.
+    /// Parses and validates TOML text, with `${NAME}` in strings replaced by environment
+    /// variables (see `config/env.rs`).
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        Config::parse_with_env(text, &|name| std::env::var(name).ok())
+    }
+
+    fn parse_with_env(
+        text: &str,
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let parse_error = |e: &dyn std::fmt::Display| ConfigError::Parse {
             path: PathBuf::from("<text>"),
             message: e.to_string(),
-        })?;
+        };
+        // Parsed as written first, so errors point at a line and column.
+        let mut config: Config = toml::from_str(text).map_err(|e| parse_error(&e))?;
+        if text.contains("${") {
+            let mut value: toml::Value = toml::from_str(text).map_err(|e| parse_error(&e))?;
+            env::expand(&mut value, "", lookup)?;
+            config = value.try_into().map_err(|e| parse_error(&e))?;
+        }
         config.validate()?;
         Ok(config)
     }
@@ -632,6 +649,23 @@ pub fn validate_subscriber_name(field: &str, name: &str) -> Result<(), ConfigErr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `${NAME}` in strings reads the environment (here a fake one); an unset name is an
+    /// error that names the field.
+    #[test]
+    fn environment_variables_fill_config_strings() {
+        let text = "[http]\nbind = \"127.0.0.1:0\"\ntoken = \"${DEDUPD_TOKEN}\"\n";
+        let c = Config::parse_with_env(text, &|n| (n == "DEDUPD_TOKEN").then(|| "t0ken".into()))
+            .unwrap();
+        assert_eq!(c.http.unwrap().token.as_deref(), Some("t0ken"));
+        let e = Config::parse_with_env(text, &|_| None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("http.token") && e.contains("DEDUPD_TOKEN"),
+            "{e}"
+        );
+    }
 
     /// The sample shipped in the repository must stay valid.
     #[test]

@@ -175,6 +175,95 @@ fn bad_http_token_rule_fails_naming_the_field() {
     fails_naming("[http]\nbind = \"0.0.0.0:8080\"\n", "http.bind");
 }
 
+/// A self-signed CA in PEM, made with the `openssl` command (`scripts/test` installs it).
+fn make_ca(dir: &Path) -> std::path::PathBuf {
+    let ca = dir.join("ca.pem");
+    let out = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+        ])
+        .args([
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=dedupd-test-ca",
+            "-keyout",
+        ])
+        .arg(dir.join("ca.key"))
+        .arg("-out")
+        .arg(&ca)
+        .output()
+        .expect("the openssl command (scripts/test installs it)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ca
+}
+
+fn tls_config(ca: &Path, protocol: &str, extra: &str) -> String {
+    format!(
+        "[[subscriber]]\nname = \"orders\"\nkey = {{ source = \"header\", name = \"id\" }}\n\
+         [kafka]\nbrokers = \"127.0.0.1:9\"\n\
+         options = {{ \"security.protocol\" = \"{protocol}\", \"ssl.ca.location\" = {ca:?}{extra} }}\n\
+         [[kafka.subscription]]\nsubscriber = \"orders\"\ntopics = [\"orders\"]\n"
+    )
+}
+
+/// librdkafka is built with OpenSSL and SASL: a TLS client with a CA file, and SASL_SSL
+/// with SCRAM whose password comes from the environment, are created (they failed with
+/// "not available at build time" before); a CA file that does not exist is refused.
+#[test]
+fn tls_and_sasl_ssl_clients_are_accepted_and_a_missing_ca_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = make_ca(dir.path());
+    let c = check(dir.path(), &tls_config(&ca, "SSL", ""));
+    assert_eq!(
+        c.code,
+        Some(0),
+        "stdout: {}\nstderr: {}",
+        c.stdout,
+        c.stderr
+    );
+
+    let scram = ", \"sasl.mechanisms\" = \"SCRAM-SHA-256\", \"sasl.username\" = \"svc\", \
+                 \"sasl.password\" = \"${DEDUPD_TEST_SASL_PASSWORD}\"";
+    let file = dir.path().join("sasl.toml");
+    std::fs::write(&file, tls_config(&ca, "SASL_SSL", scram)).unwrap();
+    let run = |password: Option<&str>| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["config", "check"]).arg(&file);
+        match password {
+            Some(p) => cmd.env("DEDUPD_TEST_SASL_PASSWORD", p),
+            None => cmd.env_remove("DEDUPD_TEST_SASL_PASSWORD"),
+        };
+        cmd.output().unwrap()
+    };
+    let ok = run(Some("pa\"ss"));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let unset = run(None);
+    let err = String::from_utf8_lossy(&unset.stderr);
+    assert_eq!(unset.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("kafka.options.sasl.password") && err.contains("DEDUPD_TEST_SASL_PASSWORD"),
+        "{err}"
+    );
+
+    let missing = dir.path().join("no-such-ca.pem");
+    fails_naming(&tls_config(&missing, "SSL", ""), "ssl.ca.location");
+}
+
 #[test]
 fn unknown_librdkafka_option_fails_naming_it() {
     let text = "[[subscriber]]\nname = \"orders\"\nkey = { source = \"header\", name = \"id\" }\n\

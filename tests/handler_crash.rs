@@ -3,6 +3,12 @@
 //! is redelivered from the start each time, as a broker would. Afterwards there must be
 //! exactly one label per order — none doubled, none lost — no event may have been printed
 //! `processed` twice, and everything acknowledged before a kill must be a `duplicate` after.
+//!
+//! Shipping-label is idempotent by construction (`insert-unique`), so a doubled effect could
+//! hide there. The kill loop at the end runs the `fixture-counter` component instead
+//! (`count/<order>` = get + 1 per event, not idempotent) through ten seeded kills with a
+//! tiny state buffer, so runs are flushed and merged across the kills: any effect applied
+//! twice or lost changes a count.
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
@@ -47,10 +53,14 @@ fn stream() -> Vec<(String, String)> {
 }
 
 fn write_config(dir: &Path, ledger: &str) -> PathBuf {
+    write_config_for(dir, ledger, "shipping_label")
+}
+
+fn write_config_for(dir: &Path, ledger: &str, component: &str) -> PathBuf {
     let path = dir.join("dedupd.toml");
     let text = format!(
         "{ledger}[defaults]\nhandler = {:?}\nhandler_cpu_budget = \"2s\"\npartition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\n",
-        common::component("shipping_label").display().to_string()
+        common::component(component).display().to_string()
     );
     std::fs::write(&path, text).unwrap();
     path
@@ -202,4 +212,87 @@ fn kill_9_rounds(ledger: &str) {
         let order = l["value"]["order_id"].as_str().unwrap();
         assert_eq!(l["key"], format!("label/{order}"));
     }
+}
+
+/// Ten seeded kill points, spread over the stream.
+fn kill_points(n: usize, len: usize) -> Vec<usize> {
+    let mut points: Vec<usize> = (0..n as u64)
+        .map(|i| 200 + (mix(SEED ^ 0xc0_0000 ^ i) % (len as u64 - 600)) as usize)
+        .collect();
+    points.sort_unstable();
+    points.dedup();
+    points
+}
+
+#[test]
+fn counts_are_exact_after_ten_kill_9_rounds_with_state_runs_merging() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let config = write_config_for(
+        dir.path(),
+        "[ledger]\nstate_buffer_entries = 64\n",
+        "fixture_counter",
+    );
+    let lines = stream();
+    let points = kill_points(10, lines.len());
+    assert_eq!(points.len(), 10);
+    let mut processed: BTreeMap<String, usize> = BTreeMap::new();
+    let mut acked_processed: BTreeSet<String> = BTreeSet::new();
+    for (round, kill_after) in points.into_iter().enumerate() {
+        let (got, _) = run(&data, &config, &lines, Some(kill_after));
+        assert_eq!(
+            got.len(),
+            kill_after,
+            "round {round}: lines before the kill"
+        );
+        for (id, outcome) in &got {
+            if acked_processed.contains(id) {
+                assert_eq!(outcome, "duplicate", "round {round}: {id} acked earlier");
+            }
+            if outcome == "processed" {
+                *processed.entry(id.clone()).or_default() += 1;
+            }
+        }
+        acked_processed.extend(
+            got.iter()
+                .filter(|(_, o)| o == "processed")
+                .map(|(id, _)| id.clone()),
+        );
+    }
+    let (got, clean) = run(&data, &config, &lines, None);
+    assert!(clean, "the final run must exit 0");
+    for (id, outcome) in &got {
+        if outcome == "processed" {
+            *processed.entry(id.clone()).or_default() += 1;
+        }
+    }
+    assert!(
+        processed.values().all(|n| *n == 1),
+        "an event was processed twice"
+    );
+    let dump = Command::new(env!("CARGO_BIN_EXE_dedupd"))
+        .args(["state", "dump", "--subscriber", "default", "--data-dir"])
+        .arg(&data)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        dump.status.success(),
+        "{}",
+        String::from_utf8_lossy(&dump.stderr)
+    );
+    let counts: BTreeMap<String, String> = common::json_lines(dump.stdout)
+        .iter()
+        .map(|l| {
+            (
+                l["key"].as_str().unwrap().to_string(),
+                l["value"].to_string(),
+            )
+        })
+        .collect();
+    // Two distinct events per order: each order's count is exactly 2.
+    assert_eq!(counts.len() as u64, EVENTS / 2, "orders lost or split");
+    let wrong: Vec<_> = counts.iter().filter(|(_, v)| *v != "2").take(5).collect();
+    assert!(wrong.is_empty(), "counts doubled or lost: {wrong:?}");
 }

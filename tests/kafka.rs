@@ -424,6 +424,74 @@ key = { source = "header", name = "message-id" }
     ledger.close().unwrap();
 }
 
+/// librdkafka is built with zstd: a zstd-compressed topic is consumed (it failed to
+/// decompress before), every record processed once.
+#[test]
+fn zstd_compressed_records_are_consumed() {
+    let c = cluster();
+    let orders = topic("orders-zstd");
+    let mut config = Config::parse(
+        r#"
+[[subscriber]]
+name = "orders"
+key = { source = "header", name = "message-id" }
+"#,
+    )
+    .unwrap();
+    let mut k = kafka_config(&c.bootstrap);
+    k.subscriptions = vec![SubscriptionConfig {
+        subscriber: "orders".into(),
+        topics: vec![orders.clone()],
+        group: Some(format!("g-{orders}")),
+    }];
+    config.kafka = Some(k.clone());
+    config.validate().unwrap();
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", &c.bootstrap)
+        .set("compression.type", "zstd")
+        .set("linger.ms", "20")
+        .create()
+        .unwrap();
+    for i in 0..200 {
+        let id = format!("m-{i}");
+        let payload = format!(
+            "{{\"order_id\":\"o-{i}\",\"note\":\"{}\"}}",
+            "x".repeat(200)
+        );
+        let h = OwnedHeaders::new().insert(Header {
+            key: "message-id",
+            value: Some(id.as_bytes()),
+        });
+        producer
+            .send(
+                BaseRecord::to(&orders)
+                    .key(&id)
+                    .payload(&payload)
+                    .headers(h),
+            )
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+    let stop = Shutdown::new();
+    let summary = std::thread::scope(|s| {
+        let run = s.spawn(|| kafka::run(ledger.clone(), &k, &stop));
+        let _guard = ShutdownOnDrop(&stop);
+        wait_until("offsets at the log end", Duration::from_secs(60), || {
+            at_log_end(&c.bootstrap, &format!("g-{orders}"), &orders)
+        });
+        stop.trigger(Cause::Requested);
+        run.join().unwrap().unwrap()
+    });
+    assert_eq!(summary.processed, 200, "{summary:?}");
+    assert_eq!(summary.rejected, 0, "{summary:?}");
+    let ledger = Arc::try_unwrap(ledger).ok().unwrap();
+    ledger.close().unwrap();
+}
+
 #[test]
 fn rebalance_moves_partitions_without_double_processing() {
     let c = cluster();
