@@ -72,6 +72,29 @@ pub fn write_table(report: &LedgerReport, mut out: impl Write) -> std::io::Resul
             s.index_bytes
         )?;
     }
+    let with_state: Vec<_> = report
+        .subscribers
+        .iter()
+        .filter(|s| s.state_runs + s.state_buffered > 0)
+        .collect();
+    if !with_state.is_empty() {
+        writeln!(
+            out,
+            "\n{:<24} {:>6} {:>14} {:>10} {:>8}",
+            "handler state", "runs", "run entries", "buffered", "retired"
+        )?;
+        for s in with_state {
+            writeln!(
+                out,
+                "{:<24} {:>6} {:>14} {:>10} {:>8}",
+                s.subscriber,
+                s.state_runs,
+                s.state_run_entries,
+                s.state_buffered,
+                s.state_retired_runs
+            )?;
+        }
+    }
     if let Some(disk) = &report.disk {
         write_disk(disk, &mut out)?;
     }
@@ -168,6 +191,55 @@ mod tests {
         assert_eq!(readable(br#"{"a":1}"#), serde_json::json!({"a": 1}));
         assert_eq!(readable(b"label"), serde_json::json!("label"));
         assert_eq!(readable(&[0xff, 0x00]), serde_json::json!({"hex": "ff00"}));
+    }
+
+    /// The table shows handler state runs and where the bytes go when the report has them.
+    #[test]
+    fn the_table_shows_state_runs_and_disk_use() {
+        let report = LedgerReport {
+            data_dir: "d".into(),
+            format_version: 3,
+            shards: 2,
+            file_bytes: 1000,
+            subscribers: vec![crate::ledger::SubscriberReport {
+                subscriber: "orders".into(),
+                state_runs: 3,
+                state_run_entries: 1234,
+                state_buffered: 7,
+                ..Default::default()
+            }],
+            disk: Some(DiskUsage {
+                groups: vec![crate::ledger::TableGroup {
+                    kind: "staterun_v1".into(),
+                    tables: 3,
+                    entries: 40,
+                    stored_bytes: 500,
+                    metadata_bytes: 100,
+                    fragmented_bytes: 150,
+                }],
+                file_bytes: 1000,
+                other_bytes: 250,
+            }),
+        };
+        let mut out = Vec::new();
+        write_table(&report, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let runs = text
+            .lines()
+            .find(|l| l.starts_with("orders") && l.contains("1234"));
+        assert!(
+            runs.is_some_and(
+                |l| l.split_whitespace().collect::<Vec<_>>() == ["orders", "3", "1234", "7", "0"]
+            ),
+            "{text}"
+        );
+        let disk = text.lines().find(|l| l.starts_with("staterun_v1")).unwrap();
+        assert!(disk.ends_with("75.0%"), "{disk}");
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("free pages") && l.ends_with("25.0%")),
+            "{text}"
+        );
     }
 
     #[test]

@@ -30,6 +30,18 @@ pub struct SubscriberReport {
     pub dead_letter_records: u64,
     pub filter_bytes: u64,
     pub index_bytes: u64,
+    /// Handler state: sorted runs (all shards).
+    #[serde(default)]
+    pub state_runs: u64,
+    /// Entries in those runs (overwritten keys and tombstones count until merged away).
+    #[serde(default)]
+    pub state_run_entries: u64,
+    /// Handler state entries buffered, not yet written as a run.
+    #[serde(default)]
+    pub state_buffered: u64,
+    /// Runs replaced by a merge and still being emptied.
+    #[serde(default)]
+    pub state_retired_runs: u64,
 }
 
 impl SubscriberReport {
@@ -44,6 +56,10 @@ impl SubscriberReport {
         self.dead_letter_records += r.dead_letter_records;
         self.filter_bytes += r.filter_bytes;
         self.index_bytes += r.index_bytes;
+        self.state_runs += r.state_runs;
+        self.state_run_entries += r.state_run_entries;
+        self.state_buffered += r.state_buffered;
+        self.state_retired_runs += r.state_retired_runs;
     }
 }
 

@@ -287,6 +287,7 @@ impl Shard {
             .flatten()
             .map(|st| {
                 let (claims, active) = st.claims();
+                let state = st.state_buf.stats();
                 SubscriberReport {
                     subscriber: st.name.to_string(),
                     claims,
@@ -298,6 +299,10 @@ impl Shard {
                     dead_letter_records: st.records.dead_letter.stored,
                     filter_bytes: st.filter_bytes(),
                     index_bytes: st.index_bytes(),
+                    state_runs: state.runs,
+                    state_run_entries: state.run_entries,
+                    state_buffered: state.buffered,
+                    state_retired_runs: state.retired_runs,
                 }
             })
             .collect()

@@ -46,6 +46,14 @@ impl Buffered {
     }
 }
 
+/// What [`StateBuffer::stats`] counts.
+pub(crate) struct StateStats {
+    pub runs: u64,
+    pub run_entries: u64,
+    pub buffered: u64,
+    pub retired_runs: u64,
+}
+
 /// A subscriber's handler state on one shard: effects not yet in a run, and the runs.
 #[derive(Default)]
 pub(crate) struct StateBuffer {
@@ -128,6 +136,17 @@ impl StateBuffer {
     /// Whether maintenance has work: a frozen buffer, a full active one, or runs to merge.
     pub fn has_work(&self, threshold: usize) -> bool {
         self.frozen.is_some() || self.active.len() >= threshold || self.runs.has_work(threshold)
+    }
+
+    /// Runs, their entries, buffered entries and retired runs, for reports.
+    pub fn stats(&self) -> StateStats {
+        StateStats {
+            runs: self.runs.list.len() as u64,
+            run_entries: self.runs.list.iter().map(|r| r.entries).sum(),
+            buffered: (self.active.len() + self.frozen.as_ref().map_or(0, |f| f.effects.len()))
+                as u64,
+            retired_runs: self.runs.retired_len() as u64,
+        }
     }
 
     /// Heap bytes of the runs' filters.

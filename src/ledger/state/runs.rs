@@ -179,6 +179,11 @@ impl Runs {
         Ok(runs)
     }
 
+    /// Retired tables not yet deleted.
+    pub fn retired_len(&self) -> usize {
+        self.retired.len()
+    }
+
     pub fn filter_bytes(&self) -> u64 {
         self.list.iter().map(|r| r.filter_bytes()).sum::<u64>()
             + self.merging.as_ref().map_or(0, |m| m.writer.filter_bytes())
