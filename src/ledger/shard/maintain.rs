@@ -22,6 +22,7 @@ impl Shard {
         let cfg = &self.ctx.config;
         let expiry_due = now.saturating_sub(self.last_expiry_check_ms) >= EXPIRY_CHECK_MS;
         !self.retired_logs.is_empty()
+            || !self.retired_claims.is_empty()
             || records::sweep_due(&self.subs, now)
             || self.subs.iter().flatten().any(|st| {
                 st.state_buf.has_work(cfg.state_buffer_entries.get())
@@ -104,7 +105,49 @@ impl Shard {
                 RETIRE_ROWS
             },
         )?;
+        did |= self.trim_retired_claims(txn, budget)?;
         Ok(did)
+    }
+
+    /// Empties key ranges of the oldest retired claims table until about `budget` claims
+    /// are removed; deletes the table once every range is empty.
+    fn trim_retired_claims(
+        &mut self,
+        txn: &WriteTransaction,
+        budget: usize,
+    ) -> Result<bool, LedgerError> {
+        let Some((name, next)) = self.retired_claims.front_mut() else {
+            return Ok(false);
+        };
+        let mut removed = 0usize;
+        {
+            let mut t = txn
+                .open_table(claims_def(name))
+                .map_err(|e| storage(&self.ctx.path, e))?;
+            while *next < RETIRE_RANGES && removed < budget {
+                let lo = u128::from(*next) << 116;
+                let r = if *next + 1 == RETIRE_RANGES {
+                    t.retain_in(lo.., |_, _| {
+                        removed += 1;
+                        false
+                    })
+                } else {
+                    t.retain_in(lo..lo + (1u128 << 116), |_, _| {
+                        removed += 1;
+                        false
+                    })
+                };
+                r.map_err(|e| storage(&self.ctx.path, e))?;
+                *next += 1;
+            }
+        }
+        if *next == RETIRE_RANGES {
+            let name = name.clone();
+            txn.delete_table(claims_def(&name))
+                .map_err(|e| self.err(e))?;
+            self.retired_claims.pop_front();
+        }
+        Ok(true)
     }
 
     /// One subscriber's maintenance: its handler state buffer, then sealing, expiry and
@@ -437,13 +480,14 @@ impl Shard {
     }
 
     pub(super) fn delete_generation(
-        &self,
+        &mut self,
         txn: &WriteTransaction,
         sub: &str,
         id: u64,
     ) -> Result<(), LedgerError> {
-        txn.delete_table(claims_def(&tables::claims_name(sub, id)))
-            .map_err(|e| self.err(e))?;
+        // The table itself is emptied by later slices (`trim_retired_claims`).
+        self.retired_claims
+            .push_back((tables::claims_name(sub, id), 0));
         let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
         filters.remove((sub, id)).map_err(|e| self.err(e))?;
         let mut gens = txn

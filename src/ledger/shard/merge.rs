@@ -81,8 +81,10 @@ impl Shard {
         let created = st.sealed[oi].created_at_ms;
         let count = m.count;
         let max_expires = m.max_expires_ms;
+        let started = std::time::Instant::now();
         self.delete_generation(txn, &st.name, older)?;
         self.delete_generation(txn, &st.name, newer)?;
+        let deleted = started.elapsed();
         st.sealed
             .retain(|g| g.table_id != older && g.table_id != newer);
         self.commit_sealed(
@@ -98,6 +100,8 @@ impl Shard {
             },
         )?;
         st.merging = None;
+        tracing::debug!(subscriber = %st.name, claims = count, delete_ms = deleted.as_millis() as u64,
+            finish_ms = started.elapsed().as_millis() as u64, "generations merged");
         self.ctx
             .metrics
             .lock()

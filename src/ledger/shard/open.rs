@@ -51,6 +51,7 @@ impl Shard {
             spare_maps: Vec::new(),
             map_requested: false,
             retired_logs: Default::default(),
+            retired_claims: Default::default(),
             retries: Default::default(),
             retry_order: 0,
             dead_rows: Vec::new(),
