@@ -124,11 +124,12 @@ impl Shard {
         }
         self.small_commit(|shard, txn| {
             let db = shard.db.clone();
+            let mut unlimited = usize::MAX;
             let Some(st) = shard.subs[idx].as_mut() else {
                 return Ok(());
             };
             st.state_buf
-                .maintain(&db, txn, &st.name, threshold, usize::MAX, true)
+                .maintain(&db, txn, &st.name, threshold, &mut unlimited, true)
                 .map(|_| ())
                 .map_err(|e| storage(&shard.ctx.path, e))
         })

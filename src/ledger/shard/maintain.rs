@@ -81,11 +81,26 @@ impl Shard {
             self.last_expiry_check_ms = now;
         }
         let cfg = self.ctx.config.clone();
-        for idx in 0..self.subs.len() {
+        // Handler state work (flushes, merges, retired runs) of all subscribers shares one
+        // budget per transaction, taken in turn: with one budget each, three subscribers
+        // filling in step did up to nine slices in one batch (166 ms seen in the demo).
+        let mut state_budget = budget.saturating_mul(STATE_SLICES);
+        let n = self.subs.len().max(1);
+        let first = self.next_state_turn % n;
+        self.next_state_turn = self.next_state_turn.wrapping_add(1);
+        for idx in (first..self.subs.len()).chain(0..first) {
             let Some(mut st) = self.subs[idx].take() else {
                 continue;
             };
-            let r = self.maintain_sub(&mut st, txn, now, budget, seal_all, expiry_due, &cfg);
+            let r = self.maintain_sub(
+                &mut st,
+                txn,
+                now,
+                (budget, &mut state_budget),
+                seal_all,
+                expiry_due,
+                &cfg,
+            );
             self.subs[idx] = Some(st);
             did |= r?;
         }
@@ -158,7 +173,7 @@ impl Shard {
         st: &mut SubState,
         txn: &WriteTransaction,
         now: u64,
-        budget: usize,
+        (budget, state_budget): (usize, &mut usize),
         seal_all: bool,
         expiry_due: bool,
         cfg: &LedgerConfig,
@@ -170,7 +185,7 @@ impl Shard {
                 txn,
                 &st.name,
                 cfg.state_buffer_entries.get(),
-                budget,
+                state_budget,
                 seal_all,
             )
             .map_err(|e| self.err(e))?;

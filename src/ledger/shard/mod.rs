@@ -212,6 +212,9 @@ pub(crate) struct Shard {
     /// Probes sent to the other shards and the jobs waiting for their answers.
     probing: HashMap<u64, ProbeGroup>,
     next_group: u64,
+    /// The subscriber handler state maintenance starts with in the next transaction, so a
+    /// transaction's shared state budget reaches every subscriber in turn.
+    next_state_turn: usize,
 }
 
 /// A message waiting for its next attempt; the heap pops the earliest due first.
@@ -296,6 +299,9 @@ fn slice_budget(batch_len: usize) -> usize {
 }
 
 const IDLE_SLICE: usize = 65_536;
+/// Handler state work per transaction, in slice budgets, shared by all subscribers: one for
+/// a flush and one for a merge.
+const STATE_SLICES: usize = 2;
 /// A retired claims table is emptied by this many equal ranges of the key hash (the top 12
 /// bits), as many per transaction as the slice budget allows: about 2,000 claims per range
 /// for the largest generations (8M claims).

@@ -61,6 +61,7 @@ impl Shard {
             handler_msg: HandlerMessage::default(),
             probing: HashMap::new(),
             next_group: 0,
+            next_state_turn: 0,
             ctx,
         };
         let txn = shard.durable_txn()?;

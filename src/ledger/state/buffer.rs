@@ -168,10 +168,11 @@ impl StateBuffer {
         Ok(())
     }
 
-    /// One slice of run maintenance (a merge), then: freezes a full active buffer (or any
-    /// non-empty one when `all`) when none is being written, and writes up to `budget`
-    /// entries of the frozen one as a new run (all of it when `all`). Returns whether it
-    /// wrote anything.
+    /// One slice of run maintenance (a merge, retired runs), then: freezes a full active
+    /// buffer (or any non-empty one when `all`) when none is being written, and writes
+    /// entries of the frozen one as a new run (all of it when `all`). Takes what it uses
+    /// from `budget` (entries; shared with the other subscribers of the transaction) and
+    /// does nothing when it is spent, unless `all`. Returns whether it wrote anything.
     ///
     /// The merge goes first: it reads its inputs through a read snapshot, so it must only
     /// ever see runs committed by earlier transactions, never one this call just finished.
@@ -181,10 +182,22 @@ impl StateBuffer {
         txn: &WriteTransaction,
         sub: &str,
         threshold: usize,
-        budget: usize,
+        budget: &mut usize,
         all: bool,
     ) -> Result<bool, redb::Error> {
-        let mut wrote = self.runs.maintain(db, txn, sub, threshold, budget)?;
+        if *budget == 0 && !all {
+            return Ok(false);
+        }
+        // A flush pending takes half, so neither starves the other.
+        let flushing = self.frozen.is_some() || self.active.len() >= threshold;
+        let merge_budget = match (all, flushing) {
+            (true, _) => usize::MAX,
+            (false, true) => *budget / 2 + 1,
+            (false, false) => *budget,
+        };
+        let used = self.runs.maintain(db, txn, sub, threshold, merge_budget)?;
+        *budget = budget.saturating_sub(used);
+        let mut wrote = used > 0;
         loop {
             if self.frozen.is_none() {
                 let n = self.active.len();
@@ -196,8 +209,10 @@ impl StateBuffer {
             let Some(f) = self.frozen.as_mut() else {
                 return Ok(wrote);
             };
-            let limit = if all { usize::MAX } else { budget };
+            let limit = if all { usize::MAX } else { (*budget).max(1) };
+            let before = f.writer.entries();
             write_slice(txn, sub, f, limit)?;
+            *budget = budget.saturating_sub((f.writer.entries() - before) as usize);
             wrote = true;
             if f.cursor != Cursor::Done {
                 return Ok(wrote);
@@ -354,7 +369,7 @@ mod tests {
             e.versions.insert("ver".into(), u64::from(batch));
             commit(&db, |txn| {
                 buf.append(txn, "s", e).unwrap();
-                buf.maintain(&db, txn, "s", 10, 1, false).unwrap();
+                buf.maintain(&db, txn, "s", 10, &mut 1, false).unwrap();
             });
             if batch % 9 == 4 {
                 drop(db);
@@ -378,7 +393,8 @@ mod tests {
             assert_eq!(view.version("ver"), Some(u64::from(batch)));
         }
         commit(&db, |txn| {
-            buf.maintain(&db, txn, "s", 10, usize::MAX, true).unwrap();
+            buf.maintain(&db, txn, "s", 10, &mut { usize::MAX }, true)
+                .unwrap();
         });
         assert!(buf.frozen.is_none() && buf.active.is_empty());
         let reloaded = StateBuffer::load(&db, "s").unwrap();
@@ -439,7 +455,7 @@ mod tests {
             versions.insert(ver, batch);
             commit(&db, |txn| {
                 buf.append(txn, "s", e).unwrap();
-                buf.maintain(&db, txn, "s", 16, 5, false).unwrap();
+                buf.maintain(&db, txn, "s", 16, &mut 5, false).unwrap();
             });
             most_runs = most_runs.max(buf.runs.list.len());
             if rand(23) == 0 {
@@ -471,7 +487,7 @@ mod tests {
         // Let every merge finish, then everything is in runs and nothing is orphaned.
         for _ in 0..200 {
             commit(&db, |txn| {
-                buf.maintain(&db, txn, "s", 16, 64, true).unwrap();
+                buf.maintain(&db, txn, "s", 16, &mut 64, true).unwrap();
             });
         }
         assert!(!buf.has_work(16), "maintenance settles");

@@ -167,6 +167,11 @@ impl RunWriter {
         }
     }
 
+    /// Entries written so far.
+    pub fn entries(&self) -> u64 {
+        self.entries
+    }
+
     /// Heap bytes of its filter.
     pub fn filter_bytes(&self) -> u64 {
         (self.filter.num_bits() / 8) as u64

@@ -219,8 +219,9 @@ impl Runs {
     }
 
     /// Empties retired tables by a slice, starts a merge when the policy asks for one, and
-    /// writes one slice of it (at most `budget` entries). Returns whether it wrote
-    /// anything.
+    /// writes one slice of it (at most `budget` entries). Returns the work done, in entries
+    /// (a block removed from a retired table counts as [`ENTRIES_PER_BLOCK`]); 0 when it
+    /// wrote nothing.
     pub fn maintain(
         &mut self,
         db: &Database,
@@ -228,8 +229,8 @@ impl Runs {
         sub: &str,
         base: usize,
         budget: usize,
-    ) -> Result<bool, redb::Error> {
-        let mut wrote = self.drop_retired(txn, budget)?;
+    ) -> Result<usize, redb::Error> {
+        let mut used = self.drop_retired(txn, budget)?;
         if self.merging.is_none() {
             if let Some(window) = pick(&self.list, base) {
                 let inputs: Vec<Arc<Run>> = self.list[window.clone()].to_vec();
@@ -245,20 +246,25 @@ impl Runs {
             }
         }
         if self.merging.is_some() {
-            self.merge_slice(db, txn, sub, budget)?;
-            wrote = true;
+            used += self.merge_slice(db, txn, sub, budget.saturating_sub(used).max(1))?;
         }
-        Ok(wrote)
+        Ok(used)
     }
 
     /// Removes up to a block per [`ENTRIES_PER_BLOCK`] of `budget` from the oldest retired
     /// table, deleting it once empty.
-    fn drop_retired(&mut self, txn: &WriteTransaction, budget: usize) -> Result<bool, redb::Error> {
+    fn drop_retired(
+        &mut self,
+        txn: &WriteTransaction,
+        budget: usize,
+    ) -> Result<usize, redb::Error> {
         let Some(name) = self.retired.front() else {
-            return Ok(false);
+            return Ok(0);
         };
         let mut t = txn.open_table(BlockDef::new(name))?;
+        let mut used = 0;
         for _ in 0..(budget / ENTRIES_PER_BLOCK).max(1) {
+            used += ENTRIES_PER_BLOCK;
             if t.pop_first()?.is_none() {
                 break;
             }
@@ -268,7 +274,7 @@ impl Runs {
             txn.delete_table(BlockDef::new(name))?;
             self.retired.pop_front();
         }
-        Ok(true)
+        Ok(used)
     }
 
     fn merge_slice(
@@ -277,9 +283,9 @@ impl Runs {
         txn: &WriteTransaction,
         sub: &str,
         budget: usize,
-    ) -> Result<(), redb::Error> {
+    ) -> Result<usize, redb::Error> {
         let Some(m) = self.merging.as_mut() else {
-            return Ok(());
+            return Ok(0);
         };
         let read = db.begin_read()?;
         let mut scans = Vec::with_capacity(m.inputs.len());
@@ -305,10 +311,10 @@ impl Runs {
             }
         }
         if !finished {
-            return Ok(());
+            return Ok(written);
         }
         let Some(m) = self.merging.take() else {
-            return Ok(());
+            return Ok(written);
         };
         let started = std::time::Instant::now();
         let done = m.writer.finish(&mut out)?;
@@ -331,7 +337,7 @@ impl Runs {
         tracing::debug!(subscriber = %sub, runs = m.inputs.len(), entries = self.list[at..at + m.inputs.len()].iter().map(|r| r.entries).sum::<u64>(),
             finish_ms = started.elapsed().as_millis() as u64, "handler state runs merged");
         self.list.splice(at..at + m.inputs.len(), merged);
-        Ok(())
+        Ok(written.max(1))
     }
 }
 
