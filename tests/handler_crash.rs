@@ -52,10 +52,6 @@ fn stream() -> Vec<(String, String)> {
     lines
 }
 
-fn write_config(dir: &Path, ledger: &str) -> PathBuf {
-    write_config_for(dir, ledger, "shipping_label")
-}
-
 fn write_config_for(dir: &Path, ledger: &str, component: &str) -> PathBuf {
     let path = dir.join("dedupd.toml");
     let text = format!(
@@ -135,12 +131,43 @@ fn one_label_per_order_with_state_buffers_applied_between_kills() {
 
 fn kill_9_rounds(ledger: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let config = write_config(dir.path(), ledger);
+    let (data, config) = kill_rounds_then_finish(
+        dir.path(),
+        ledger,
+        "shipping_label",
+        &[900, 2_500, 4_100, 5_300],
+    );
+    // Exactly one label per order.
+    let labels = dump_state(&data, &config);
+    let orders: BTreeSet<String> = labels
+        .iter()
+        .map(|l| l["value"]["order_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(labels.len() as u64, EVENTS / 2, "labels doubled or lost");
+    assert_eq!(orders.len() as u64, EVENTS / 2);
+    for l in &labels {
+        let order = l["value"]["order_id"].as_str().unwrap();
+        assert_eq!(l["key"], format!("label/{order}"));
+    }
+}
+
+/// Runs pipe mode with `component` over the stream, killed after each of `kills` outcome
+/// lines and redelivered from the start each time, then once to the end. Asserts that
+/// nothing acknowledged before a kill is processed after it, that no event is printed
+/// `processed` twice and that the final run answers every line in order. Returns the data
+/// directory and the config file.
+fn kill_rounds_then_finish(
+    dir: &Path,
+    ledger: &str,
+    component: &str,
+    kills: &[usize],
+) -> (PathBuf, PathBuf) {
+    let data = dir.join("data");
+    let config = write_config_for(dir, ledger, component);
     let lines = stream();
     let mut processed: BTreeMap<String, usize> = BTreeMap::new();
     let mut acked_processed: BTreeSet<String> = BTreeSet::new();
-    for (round, kill_after) in [900usize, 2_500, 4_100, 5_300].into_iter().enumerate() {
+    for (round, &kill_after) in kills.iter().enumerate() {
         let (got, _) = run(&data, &config, &lines, Some(kill_after));
         assert_eq!(
             got.len(),
@@ -178,8 +205,8 @@ fn kill_9_rounds(ledger: &str) {
     }
     // No event was printed `processed` twice. (An event whose commit raced a kill was
     // processed but never printed; it reads `duplicate` afterwards, so the union of
-    // `processed` lines may be smaller than the event count. The labels below prove that
-    // its effects were kept exactly once.)
+    // `processed` lines may be smaller than the event count. The state the caller checks
+    // proves that its effects were kept exactly once.)
     assert!(
         processed.values().all(|n| *n == 1),
         "an event was processed twice"
@@ -188,12 +215,16 @@ fn kill_9_rounds(ledger: &str) {
         .iter()
         .all(|(_, o)| o == "processed" || o == "duplicate"));
 
-    // Exactly one label per order.
+    (data, config)
+}
+
+/// `dedupd state dump` of the default subscriber, as JSON values.
+fn dump_state(data: &Path, config: &Path) -> Vec<serde_json::Value> {
     let dump = Command::new(env!("CARGO_BIN_EXE_dedupd"))
         .args(["state", "dump", "--subscriber", "default", "--data-dir"])
-        .arg(&data)
+        .arg(data)
         .arg("--config")
-        .arg(&config)
+        .arg(config)
         .output()
         .unwrap();
     assert!(
@@ -201,17 +232,7 @@ fn kill_9_rounds(ledger: &str) {
         "{}",
         String::from_utf8_lossy(&dump.stderr)
     );
-    let labels: Vec<serde_json::Value> = common::json_lines(dump.stdout);
-    let orders: BTreeSet<String> = labels
-        .iter()
-        .map(|l| l["value"]["order_id"].as_str().unwrap().to_string())
-        .collect();
-    assert_eq!(labels.len() as u64, EVENTS / 2, "labels doubled or lost");
-    assert_eq!(orders.len() as u64, EVENTS / 2);
-    for l in &labels {
-        let order = l["value"]["order_id"].as_str().unwrap();
-        assert_eq!(l["key"], format!("label/{order}"));
-    }
+    common::json_lines(dump.stdout)
 }
 
 /// Ten seeded kill points, spread over the stream.
@@ -227,62 +248,15 @@ fn kill_points(n: usize, len: usize) -> Vec<usize> {
 #[test]
 fn counts_are_exact_after_ten_kill_9_rounds_with_state_runs_merging() {
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let config = write_config_for(
+    let points = kill_points(10, stream().len());
+    assert_eq!(points.len(), 10);
+    let (data, config) = kill_rounds_then_finish(
         dir.path(),
         "[ledger]\nstate_buffer_entries = 64\n",
         "fixture_counter",
+        &points,
     );
-    let lines = stream();
-    let points = kill_points(10, lines.len());
-    assert_eq!(points.len(), 10);
-    let mut processed: BTreeMap<String, usize> = BTreeMap::new();
-    let mut acked_processed: BTreeSet<String> = BTreeSet::new();
-    for (round, kill_after) in points.into_iter().enumerate() {
-        let (got, _) = run(&data, &config, &lines, Some(kill_after));
-        assert_eq!(
-            got.len(),
-            kill_after,
-            "round {round}: lines before the kill"
-        );
-        for (id, outcome) in &got {
-            if acked_processed.contains(id) {
-                assert_eq!(outcome, "duplicate", "round {round}: {id} acked earlier");
-            }
-            if outcome == "processed" {
-                *processed.entry(id.clone()).or_default() += 1;
-            }
-        }
-        acked_processed.extend(
-            got.iter()
-                .filter(|(_, o)| o == "processed")
-                .map(|(id, _)| id.clone()),
-        );
-    }
-    let (got, clean) = run(&data, &config, &lines, None);
-    assert!(clean, "the final run must exit 0");
-    for (id, outcome) in &got {
-        if outcome == "processed" {
-            *processed.entry(id.clone()).or_default() += 1;
-        }
-    }
-    assert!(
-        processed.values().all(|n| *n == 1),
-        "an event was processed twice"
-    );
-    let dump = Command::new(env!("CARGO_BIN_EXE_dedupd"))
-        .args(["state", "dump", "--subscriber", "default", "--data-dir"])
-        .arg(&data)
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
-    assert!(
-        dump.status.success(),
-        "{}",
-        String::from_utf8_lossy(&dump.stderr)
-    );
-    let counts: BTreeMap<String, String> = common::json_lines(dump.stdout)
+    let counts: BTreeMap<String, String> = dump_state(&data, &config)
         .iter()
         .map(|l| {
             (

@@ -363,12 +363,9 @@ handler = "{}"
     ledger.close().unwrap();
 }
 
-/// A record with no usable key is kept in the ledger as a dead letter; a binary payload
-/// must be kept byte for byte (base64), not through a lossy UTF-8 conversion.
-#[test]
-fn unkeyed_binary_record_is_kept_byte_exact_in_the_ledger() {
-    let c = cluster();
-    let orders = topic("orders-binary");
+/// Subscriber `orders` keyed by the `message-id` header, consuming `topic` in group
+/// `g-<topic>`.
+fn header_keyed_config(bootstrap: &str, topic: &str) -> (Config, KafkaConfig) {
     let mut config = Config::parse(
         r#"
 [[subscriber]]
@@ -377,14 +374,43 @@ key = { source = "header", name = "message-id" }
 "#,
     )
     .unwrap();
-    let mut k = kafka_config(&c.bootstrap);
+    let mut k = kafka_config(bootstrap);
     k.subscriptions = vec![SubscriptionConfig {
         subscriber: "orders".into(),
-        topics: vec![orders.clone()],
-        group: Some(format!("g-{orders}")),
+        topics: vec![topic.to_string()],
+        group: Some(format!("g-{topic}")),
     }];
     config.kafka = Some(k.clone());
     config.validate().unwrap();
+    (config, k)
+}
+
+/// Runs the Kafka source until group `g-<topic>` has committed the log end, then stops it.
+fn consume_to_end(
+    ledger: &Arc<Ledger>,
+    k: &KafkaConfig,
+    bootstrap: &str,
+    topic: &str,
+) -> kafka::KafkaSummary {
+    let stop = Shutdown::new();
+    std::thread::scope(|s| {
+        let run = s.spawn(|| kafka::run(ledger.clone(), k, &stop));
+        let _guard = ShutdownOnDrop(&stop);
+        wait_until("offsets at the log end", Duration::from_secs(60), || {
+            at_log_end(bootstrap, &format!("g-{topic}"), topic)
+        });
+        stop.trigger(Cause::Requested);
+        run.join().unwrap().unwrap()
+    })
+}
+
+/// A record with no usable key is kept in the ledger as a dead letter; a binary payload
+/// must be kept byte for byte (base64), not through a lossy UTF-8 conversion.
+#[test]
+fn unkeyed_binary_record_is_kept_byte_exact_in_the_ledger() {
+    let c = cluster();
+    let orders = topic("orders-binary");
+    let (config, k) = header_keyed_config(&c.bootstrap, &orders);
     let payload: &[u8] = &[0xff, 0xfe, 0x00, b'a', 0x80];
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", &c.bootstrap)
@@ -398,16 +424,7 @@ key = { source = "header", name = "message-id" }
 
     let dir = tempfile::tempdir().unwrap();
     let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
-    let stop = Shutdown::new();
-    let summary = std::thread::scope(|s| {
-        let run = s.spawn(|| kafka::run(ledger.clone(), &k, &stop));
-        let _guard = ShutdownOnDrop(&stop);
-        wait_until("offsets at the log end", Duration::from_secs(60), || {
-            at_log_end(&c.bootstrap, &format!("g-{orders}"), &orders)
-        });
-        stop.trigger(Cause::Requested);
-        run.join().unwrap().unwrap()
-    });
+    let summary = consume_to_end(&ledger, &k, &c.bootstrap, &orders);
     assert_eq!(summary.rejected, 1, "{summary:?}");
     let records = ledger
         .records(RecordKind::DeadLetter, "orders", None, 10)
@@ -430,22 +447,7 @@ key = { source = "header", name = "message-id" }
 fn zstd_compressed_records_are_consumed() {
     let c = cluster();
     let orders = topic("orders-zstd");
-    let mut config = Config::parse(
-        r#"
-[[subscriber]]
-name = "orders"
-key = { source = "header", name = "message-id" }
-"#,
-    )
-    .unwrap();
-    let mut k = kafka_config(&c.bootstrap);
-    k.subscriptions = vec![SubscriptionConfig {
-        subscriber: "orders".into(),
-        topics: vec![orders.clone()],
-        group: Some(format!("g-{orders}")),
-    }];
-    config.kafka = Some(k.clone());
-    config.validate().unwrap();
+    let (config, k) = header_keyed_config(&c.bootstrap, &orders);
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", &c.bootstrap)
         .set("compression.type", "zstd")
@@ -476,16 +478,7 @@ key = { source = "header", name = "message-id" }
 
     let dir = tempfile::tempdir().unwrap();
     let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
-    let stop = Shutdown::new();
-    let summary = std::thread::scope(|s| {
-        let run = s.spawn(|| kafka::run(ledger.clone(), &k, &stop));
-        let _guard = ShutdownOnDrop(&stop);
-        wait_until("offsets at the log end", Duration::from_secs(60), || {
-            at_log_end(&c.bootstrap, &format!("g-{orders}"), &orders)
-        });
-        stop.trigger(Cause::Requested);
-        run.join().unwrap().unwrap()
-    });
+    let summary = consume_to_end(&ledger, &k, &c.bootstrap, &orders);
     assert_eq!(summary.processed, 200, "{summary:?}");
     assert_eq!(summary.rejected, 0, "{summary:?}");
     let ledger = Arc::try_unwrap(ledger).ok().unwrap();
