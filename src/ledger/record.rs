@@ -12,7 +12,9 @@
 ///   placed anywhere, so every shard is asked for their claims.
 /// - 3: handler state in sorted runs (`staterun_v1`, `stateruns_v1`); the block and row
 ///   tables of format 2 are rewritten as one run per subscriber on open.
-pub const FORMAT_VERSION: u64 = 3;
+/// - 4: blocks of bigger state runs may be zstd-compressed (a block's first byte says
+///   which). Format-3 shards are read as they are; only older binaries must refuse them.
+pub const FORMAT_VERSION: u64 = 4;
 
 /// Bytes of an encoded [`ClaimRecord`].
 pub const CLAIM_LEN: usize = 32;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use foldhash::fast::RandomState;
 
-use redb::{Database, ReadableDatabase, ReadableTable, WriteTransaction};
+use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
 
 use super::log_row::{decode_effects, encode_effects};
 use super::run::{run_key, RunWriter, KIND_MARK, KIND_STATE, KIND_VERSION};
@@ -99,9 +99,13 @@ impl StateBuffer {
     /// Rebuilds the buffer from the subscriber's log (rows left by a crash or a stop) and
     /// loads its runs.
     pub fn load(db: &Database, sub: &str) -> Result<StateBuffer, redb::Error> {
-        let txn = db.begin_read()?;
+        StateBuffer::load_from(&db.begin_read()?, sub)
+    }
+
+    /// [`StateBuffer::load`] through a read transaction (also of a read-only handle).
+    pub fn load_from(txn: &ReadTransaction, sub: &str) -> Result<StateBuffer, redb::Error> {
         let mut buf = StateBuffer {
-            runs: Runs::load(&txn, sub)?,
+            runs: Runs::load(txn, sub)?,
             ..StateBuffer::default()
         };
         let Some(t) = missing_is_none(txn.open_table(StateLogDef::new(&state_log_name(sub))))?
@@ -250,7 +254,7 @@ impl StateBuffer {
         versions.sort_unstable();
         let (table_id, order) = self.runs.next_flush();
         self.frozen = Some(Frozen {
-            writer: RunWriter::new(effects.len() as u64),
+            writer: RunWriter::new(effects.len() as u64, false),
             effects,
             uniques,
             versions,

@@ -44,6 +44,12 @@ use crate::ledger::tables::{
 pub(crate) const FANOUT: usize = 4;
 /// Most runs kept before adjacent small ones merge regardless of tier.
 pub(crate) const MAX_RUNS: usize = 16;
+/// Merge outputs of this tier and above store compressed blocks (`run.rs`): they hold
+/// most of the state (a tier holds `FANOUT` times the one below) and are rewritten the
+/// fewest times, so they get most of the bytes saved for the least compression work.
+/// Flushed runs and small merges stay raw: they are written in the commit path's budget
+/// and rewritten again soon.
+pub(crate) const COMPRESS_FROM_TIER: u32 = 2;
 /// About how many entries one block of a shipping-label run holds: removing a block of a
 /// retired table counts as this many entries of a slice's budget.
 const ENTRIES_PER_BLOCK: usize = 16;
@@ -239,7 +245,7 @@ impl Runs {
                     bottom: window.end == self.list.len(),
                     inputs,
                     out_id: self.next_id,
-                    writer: RunWriter::new(expected),
+                    writer: RunWriter::new(expected, compress_tier(expected, base)),
                     resume: Vec::new(),
                 });
                 self.next_id += 1;
@@ -366,6 +372,11 @@ pub(crate) fn register(
     Ok(Some(Arc::new(run)))
 }
 
+/// Whether a merge output of `entries` stores compressed blocks.
+fn compress_tier(entries: u64, base: usize) -> bool {
+    tier(entries, base) >= COMPRESS_FROM_TIER
+}
+
 /// A run's tier: 0 below `FANOUT x base` entries, then one more per factor of `FANOUT`.
 fn tier(entries: u64, base: usize) -> u32 {
     let mut cap = (base as u64).max(1).saturating_mul(FANOUT as u64);
@@ -470,6 +481,99 @@ mod tests {
         }
         let w = pick(&runs(&mixed), base).unwrap();
         assert_eq!(w.len(), FANOUT);
+    }
+
+    /// Writes keys `keys` as a flushed run.
+    fn flush(db: &Database, runs: &mut Runs, keys: std::ops::Range<u64>) {
+        let txn = db.begin_write().unwrap();
+        let (id, order) = runs.next_flush();
+        let written = {
+            let mut t = txn
+                .open_table(BlockDef::new(&state_run_name("s", id)))
+                .unwrap();
+            let mut w = RunWriter::new(keys.end - keys.start, false);
+            for i in keys {
+                let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
+                w.push(&mut t, &k, Some(format!("{{\"n\":{i}}}").as_bytes()))
+                    .unwrap();
+            }
+            w.finish(&mut t).unwrap()
+        };
+        runs.add_flushed(&txn, "s", id, order, written).unwrap();
+        txn.commit().unwrap();
+    }
+
+    /// Runs maintenance until no merge or retired table is left.
+    fn settle(db: &Database, runs: &mut Runs, base: usize) {
+        while runs.has_work(base) {
+            let txn = db.begin_write().unwrap();
+            runs.maintain(db, &txn, "s", base, 100).unwrap();
+            txn.commit().unwrap();
+        }
+    }
+
+    /// Whether every block of a run is stored compressed (`None`: some are, some not).
+    fn compressed(db: &Database, run: &Run) -> Option<bool> {
+        let txn = db.begin_read().unwrap();
+        let t = txn
+            .open_table(BlockDef::new(&state_run_name("s", run.table_id)))
+            .unwrap();
+        let flags: Vec<bool> = t
+            .iter()
+            .unwrap()
+            .map(|r| r.unwrap().1.value().first() == Some(&run::BLOCK_ZSTD))
+            .collect();
+        let all = flags.iter().all(|c| *c);
+        (all || !flags.iter().any(|c| *c)).then_some(all)
+    }
+
+    /// Merges into tier 2 and above write compressed blocks, smaller ones raw, and both read
+    /// back every key.
+    #[test]
+    fn merges_into_tier_two_and_above_store_compressed_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("r.redb")).unwrap();
+        let base = 16;
+        let mut runs = Runs::default();
+        // Four tier-1 runs (64 entries each) merge into one of 256 entries: tier 2; four
+        // of those (read compressed) into one of 1,024: tier 3.
+        for set in 0..4 {
+            for i in 0..4 {
+                let from = set * 256 + i * 64;
+                flush(&db, &mut runs, from..from + 64);
+            }
+            assert!(runs.list[..4].iter().all(|r| tier(r.entries, base) == 1));
+            settle(&db, &mut runs, base);
+            assert!(tier(runs.list[0].entries, base) >= 2);
+            assert_eq!(compressed(&db, &runs.list[0]), Some(true));
+        }
+        assert_eq!(runs.list.len(), 1);
+        assert_eq!(tier(runs.list[0].entries, base), 3);
+        assert_eq!(compressed(&db, &runs.list[0]), Some(true));
+        // Four flushed runs merge into a tier-1 run: raw.
+        for i in 0..4 {
+            flush(&db, &mut runs, 1024 + i * 16..1024 + (i + 1) * 16);
+        }
+        settle(&db, &mut runs, base);
+        assert_eq!(runs.list.len(), 2);
+        assert_eq!(tier(runs.list[0].entries, base), 1);
+        assert_eq!(compressed(&db, &runs.list[0]), Some(false));
+        let per_entry = |r: &Run| r.bytes as f64 / r.entries as f64;
+        assert!(
+            per_entry(&runs.list[1]) * 2.0 < per_entry(&runs.list[0]),
+            "compressed blocks take less than half the bytes per entry"
+        );
+        let txn = db.begin_read().unwrap();
+        for i in 0..1088u64 {
+            let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
+            let holder = runs.list.iter().find(|r| {
+                let t = txn
+                    .open_table(BlockDef::new(&state_run_name("s", r.table_id)))
+                    .unwrap();
+                run::get(&t, &k).unwrap().is_some()
+            });
+            assert!(holder.is_some(), "key {i}");
+        }
     }
 
     #[test]

@@ -126,7 +126,7 @@ fn upgrade_sub(txn: &WriteTransaction, sub: &str) -> Result<u64, redb::Error> {
     }
     let mut out: Table<&'static [u8], &'static [u8]> =
         txn.open_table(BlockDef::new(&state_run_name(sub, 0)))?;
-    let mut writer = RunWriter::new(expected);
+    let mut writer = RunWriter::new(expected, true);
     for kind in kinds {
         each_old_entry(txn, sub, kind, |k, v| writer.push(&mut out, k, Some(v)))?;
     }
