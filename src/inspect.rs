@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use crate::clock::SystemClock;
 use crate::config::Config;
-use crate::ledger::{disk_usage, DiskUsage, Ledger, LedgerError, LedgerReport, MANIFEST};
+use crate::ledger::{
+    disk_usage, offline_report, DiskUsage, Ledger, LedgerError, LedgerReport, MANIFEST,
+};
 
 /// Why an offline look failed.
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +18,8 @@ pub enum InspectError {
     /// Refused so that a typo does not create an empty data directory.
     #[error("{} is not a dedupd data directory (no dedupd.manifest.json)", .0.display())]
     NotADataDir(PathBuf),
+    #[error("{} is in use by a running dedupd: inspect reads only closed files; the running engine reports the same counts live (`GET /v1/subscribers`, `GET /v1/subscribers/NAME/stats`, the dashboard, `/metrics`)", .0.display())]
+    Running(PathBuf),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
     #[error("writing the output failed: {0}")]
@@ -30,8 +34,26 @@ fn open_existing(dir: &Path, config: &Config) -> Result<Ledger, InspectError> {
     Ok(Ledger::open(dir, config, Arc::new(SystemClock))?)
 }
 
-/// Claims, generations, records and in-memory sizes per subscriber.
-pub fn inspect(dir: &Path, config: &Config) -> Result<LedgerReport, InspectError> {
+/// Claims, generations, records and state runs per subscriber, and where the bytes go,
+/// read without writing: every shard file is opened read-only, so the files are left as
+/// they were. A directory held by a running engine is refused (its admin API reports the
+/// same counts live); one the engine did not close cleanly needs `repair`.
+pub fn inspect(dir: &Path) -> Result<LedgerReport, InspectError> {
+    if !dir.join(MANIFEST).exists() {
+        return Err(InspectError::NotADataDir(dir.to_path_buf()));
+    }
+    let mut report = offline_report(dir).map_err(|e| match e {
+        LedgerError::InUse { .. } => InspectError::Running(dir.to_path_buf()),
+        e => e.into(),
+    })?;
+    report.disk = Some(disk_usage(dir, report.shards)?);
+    Ok(report)
+}
+
+/// [`inspect`] after opening the engine on the directory, which writes: it repairs a file
+/// not closed cleanly, finishes interrupted seals and merges and upgrades an older format.
+/// The in-memory index sizes are reported too.
+pub fn inspect_repairing(dir: &Path, config: &Config) -> Result<LedgerReport, InspectError> {
     let ledger = open_existing(dir, config)?;
     let mut report = ledger.report()?;
     ledger.close()?;
@@ -45,6 +67,12 @@ pub fn write_table(report: &LedgerReport, mut out: impl Write) -> std::io::Resul
     writeln!(out, "format       v{}", report.format_version)?;
     writeln!(out, "shards       {}", report.shards)?;
     writeln!(out, "file bytes   {}", report.file_bytes)?;
+    if report.offline {
+        writeln!(
+            out,
+            "read-only    files opened read-only; index B (memory of a running engine) not known"
+        )?;
+    }
     // Outcomes counted / records stored (repeats of one message share a record).
     writeln!(
         out,
@@ -69,7 +97,10 @@ pub fn write_table(report: &LedgerReport, mut out: impl Write) -> std::io::Resul
             format!("{}/{}", s.quarantined, s.quarantine_records),
             format!("{}/{}", s.dead_lettered, s.dead_letter_records),
             s.filter_bytes,
-            s.index_bytes
+            match report.offline {
+                true => "-".to_string(),
+                false => s.index_bytes.to_string(),
+            }
         )?;
     }
     let with_state: Vec<_> = report
@@ -220,6 +251,7 @@ mod tests {
                 file_bytes: 1000,
                 other_bytes: 250,
             }),
+            offline: true,
         };
         let mut out = Vec::new();
         write_table(&report, &mut out).unwrap();
@@ -240,13 +272,21 @@ mod tests {
                 .any(|l| l.starts_with("free pages") && l.ends_with("25.0%")),
             "{text}"
         );
+        // Read from closed files: no index size, and the table says why.
+        assert!(text.contains("read-only"), "{text}");
+        let sub = text
+            .lines()
+            .find(|l| l.starts_with("orders") && !l.contains("1234"));
+        assert!(sub.is_some_and(|l| l.ends_with(" -")), "{text}");
     }
 
     #[test]
     fn a_missing_data_directory_is_refused_not_created() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("typo");
-        let err = inspect(&dir, &Config::default()).unwrap_err();
+        let err = inspect(&dir).unwrap_err();
+        assert!(matches!(err, InspectError::NotADataDir(_)), "{err}");
+        let err = inspect_repairing(&dir, &Config::default()).unwrap_err();
         assert!(matches!(err, InspectError::NotADataDir(_)), "{err}");
         assert!(!dir.exists());
     }

@@ -318,13 +318,12 @@ fn seeds(base: u64) -> Vec<u64> {
     }
 }
 
-/// Per subscriber: (claims, quarantined, sealed generations), from `dedupd inspect`.
-fn claims_per_subscriber(dir: &Path, config: &Path) -> HashMap<String, (u64, u64, u64)> {
+/// Per subscriber: (claims, quarantined, sealed generations), from `dedupd inspect`
+/// (read-only: the engine's last run closed the files).
+fn claims_per_subscriber(dir: &Path) -> HashMap<String, (u64, u64, u64)> {
     let out = Command::new(BIN)
         .args(["inspect", "--json", "--data-dir"])
         .arg(dir)
-        .arg("--config")
-        .arg(config)
         .output()
         .expect("run dedupd inspect");
     assert!(
@@ -539,7 +538,7 @@ fn crash_scenario(config_text: &str, seed: u64, expect_sealed: bool) {
     );
 
     // The store agrees: one claim per unique key, nothing quarantined.
-    let claims = claims_per_subscriber(&dir, &config);
+    let claims = claims_per_subscriber(&dir);
     for (sub, name) in SUBSCRIBERS.iter().enumerate() {
         let want = unique.iter().filter(|k| k.0 == sub).count() as u64;
         let (stored, quarantined, sealed) = claims

@@ -781,3 +781,103 @@ fn retired_claims_tables_are_emptied_and_deleted_and_claims_survive_merges() {
         "retired claims tables left behind"
     );
 }
+
+/// Every file of a data directory: name -> (bytes, modification time).
+fn files_of(
+    dir: &std::path::Path,
+) -> std::collections::BTreeMap<String, (Vec<u8>, std::time::SystemTime)> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let meta = e.metadata().unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                (std::fs::read(e.path()).unwrap(), meta.modified().unwrap()),
+            )
+        })
+        .collect()
+}
+
+/// `dedupd inspect` reads a stopped engine's files without writing them (before, it
+/// opened the engine, which commits on open: the file size changed after an inspect), and
+/// reports what the engine itself reports after opening them: claims in sealed and
+/// active generations, records and outcome counters, handler state runs and buffer.
+#[test]
+fn inspect_reads_without_writing_and_agrees_with_the_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(2);
+    cfg.ledger.generation_max_claims = std::num::NonZeroUsize::new(64).unwrap();
+    cfg.ledger.state_buffer_entries = std::num::NonZeroUsize::new(32).unwrap();
+    let ledger = Ledger::open(dir.path(), &cfg, clock()).unwrap();
+    ledger
+        .set_handler(
+            "labels",
+            Some(Arc::new(Switchable {
+                fail: Arc::new(AtomicBool::new(false)),
+                version: 1,
+            })),
+        )
+        .unwrap();
+    for i in 0..700 {
+        deliver(
+            &ledger,
+            "labels",
+            &format!("o-{i}"),
+            format!("{{\"n\":{i}}}").as_bytes(),
+        );
+        deliver(&ledger, "orders", &format!("o-{i}"), b"{}");
+    }
+    for i in 0..30 {
+        let mismatch = deliver(&ledger, "orders", &format!("o-{}", i % 3), b"{\"other\":1}");
+        assert!(
+            matches!(mismatch, Outcome::Quarantined { .. }),
+            "{mismatch:?}"
+        );
+    }
+    ledger.maintain(true).unwrap();
+    for i in 700..730 {
+        deliver(&ledger, "orders", &format!("o-{i}"), b"{}");
+    }
+    ledger.close().unwrap();
+
+    let before = files_of(dir.path());
+    let offline = dedupd::inspect::inspect(dir.path()).unwrap();
+    let after = files_of(dir.path());
+    assert!(before == after, "inspect changed the data directory");
+    assert!(offline.offline);
+
+    let engine = dedupd::inspect::inspect_repairing(dir.path(), &cfg).unwrap();
+    assert!(!engine.offline);
+    assert_eq!(offline.subscribers.len(), 2);
+    for (o, e) in offline.subscribers.iter().zip(&engine.subscribers) {
+        assert_eq!(o.subscriber, e.subscriber);
+        let counts = |r: &dedupd::ledger::SubscriberReport| {
+            (
+                r.claims,
+                r.active_claims,
+                r.sealed_generations,
+                (r.quarantined, r.quarantine_records),
+                (r.dead_lettered, r.dead_letter_records),
+                (r.state_runs, r.state_run_entries, r.state_buffered),
+            )
+        };
+        assert_eq!(counts(o), counts(e), "{}", o.subscriber);
+        // Stored filters, decoded, against the engine's filters in memory.
+        assert!(e.filter_bytes > 0);
+        assert_eq!(o.filter_bytes, e.filter_bytes, "{}", o.subscriber);
+        assert_eq!(o.index_bytes, 0);
+    }
+    let orders = &offline.subscribers[1];
+    assert_eq!((orders.subscriber.as_str(), orders.claims), ("orders", 730));
+    assert_eq!((orders.quarantined, orders.quarantine_records), (30, 3));
+    assert!(orders.sealed_generations > 0 && orders.active_claims > 0);
+    let labels = &offline.subscribers[0];
+    assert_eq!(labels.claims, 700);
+    assert!(labels.state_runs > 0, "{labels:?}");
+    assert_eq!(
+        labels.state_run_entries + labels.state_buffered,
+        700,
+        "{labels:?}"
+    );
+}

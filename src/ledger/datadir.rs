@@ -19,6 +19,24 @@ struct Manifest {
 /// The manifest file that marks a directory as a dedupd data directory.
 pub const MANIFEST: &str = "dedupd.manifest.json";
 
+/// Reads an existing directory's manifest without changing anything: its format version
+/// and shard count.
+pub fn read_manifest(dir: &Path) -> Result<(u64, usize), LedgerError> {
+    let path = dir.join(MANIFEST);
+    let bytes = std::fs::read(&path).map_err(|e| data_dir_error(dir, e))?;
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| LedgerError::Corrupt {
+        path: path.clone(),
+        detail: format!("manifest is not readable: {e}"),
+    })?;
+    if m.shards == 0 || m.shards > 256 {
+        return Err(LedgerError::Corrupt {
+            path,
+            detail: format!("manifest names {} shards", m.shards),
+        });
+    }
+    Ok((m.format_version, m.shards))
+}
+
 /// The file of shard `index` inside `dir`. Part of the on-disk format.
 pub(super) fn shard_path(dir: &Path, index: usize) -> PathBuf {
     dir.join(format!("shard-{index:03}.redb"))

@@ -32,6 +32,7 @@ mod fault;
 pub mod filter;
 mod generation;
 mod naive;
+mod offline;
 mod ops;
 mod outbox;
 mod placement;
@@ -56,8 +57,9 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
-pub use datadir::{dir_bytes, MANIFEST};
+pub use datadir::{dir_bytes, read_manifest, MANIFEST};
 pub use naive::{NaiveBaseline, NaiveError};
+pub use offline::offline_report;
 pub use ops::{OutboxRow, RecordKind, StoredRecord};
 pub use placement::{entity_scope, Placement};
 pub use poison::PoisonHook;
@@ -78,6 +80,9 @@ pub use usage::{disk_usage, DiskUsage, TableGroup};
 pub enum LedgerError {
     #[error("data directory {path} is in use by another dedupd process; stop it or use another --data-dir")]
     InUse { path: PathBuf },
+    /// A read-only look (`inspect`) cannot use the files as they are.
+    #[error("{path} cannot be read without writing: {detail}; `dedupd run` repairs or upgrades it when it starts, or `dedupd inspect --repair` opens it for writing first")]
+    NeedsRepair { path: PathBuf, detail: String },
     #[error("data directory {path} was written by a newer dedupd (format {found}, this build reads up to {supported}); upgrade dedupd")]
     NewerFormat {
         path: PathBuf,

@@ -46,7 +46,7 @@ pub struct SubscriberReport {
 
 impl SubscriberReport {
     /// Adds another shard's counts of the same subscriber.
-    fn add(&mut self, r: &SubscriberReport) {
+    pub(crate) fn add(&mut self, r: &SubscriberReport) {
         self.claims += r.claims;
         self.active_claims += r.active_claims;
         self.sealed_generations += r.sealed_generations;
@@ -75,6 +75,10 @@ pub struct LedgerReport {
     /// from the closed files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk: Option<DiskUsage>,
+    /// Read from the closed files without opening the engine (`dedupd inspect`): the
+    /// in-memory index sizes are not known (`index_bytes` 0).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub offline: bool,
 }
 
 /// Commit-level measurements of one shard.
@@ -114,6 +118,7 @@ impl Ledger {
             shards: self.shards.len(),
             file_bytes: dir_bytes(&self.data_dir),
             disk: None,
+            offline: false,
             subscribers: by_name.into_values().collect(),
         })
     }

@@ -137,6 +137,16 @@ pub fn state_runs_name(sub: &str) -> String {
 
 pub type StateRunsDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
 
+/// The subscriber whose format-3 handler state a table holds (runs, run list, log).
+pub fn state_run_subscriber(table: &str) -> Option<&str> {
+    if let Some(rest) = table.strip_prefix(STATE_RUN_PREFIX) {
+        return rest.rsplit_once('/').map(|(sub, _)| sub);
+    }
+    table
+        .strip_prefix("stateruns_v1/")
+        .or_else(|| table.strip_prefix("statelog_v1/"))
+}
+
 /// Handler state of the first layout, one redb row per entry (`state_v1/<sub>`,
 /// `unique_v1/<sub>`, `versions_v1/<sub>`): read once, by the upgrade to blocks
 /// (`state/upgrade.rs`), then deleted.

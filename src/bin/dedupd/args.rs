@@ -92,11 +92,17 @@ pub enum Command {
     },
     /// Kafka source against a consume-only rdkafka baseline on the mock broker, same run.
     KafkaBench(KafkaBenchArgs),
-    /// Per-subscriber counts, generations, file size and filter memory of a data directory.
+    /// Per-subscriber counts, generations, state runs, filter sizes and where the disk
+    /// bytes go, read from a stopped engine's data directory without writing it.
     Inspect {
         #[arg(long)]
         data_dir: PathBuf,
+        /// Open the engine on the directory first (this writes): repairs files a killed
+        /// engine left, upgrades an older format, and reports the in-memory index sizes.
         #[arg(long)]
+        repair: bool,
+        /// With --repair: the config whose subscriber settings the engine opens with.
+        #[arg(long, requires = "repair")]
         config: Option<PathBuf>,
         #[arg(long)]
         json: bool,

@@ -117,10 +117,16 @@ fn run(command: Command) -> Result<()> {
         }
         Command::Inspect {
             data_dir,
+            repair,
             config,
             json,
         } => {
-            let report = dedupd::inspect::inspect(&data_dir, &load_config(config.as_deref())?)?;
+            let report = match repair {
+                false => dedupd::inspect::inspect(&data_dir)?,
+                true => {
+                    dedupd::inspect::inspect_repairing(&data_dir, &load_config(config.as_deref())?)?
+                }
+            };
             match json {
                 true => println!("{}", serde_json::to_string_pretty(&report)?),
                 false => dedupd::inspect::write_table(&report, std::io::stdout().lock())?,

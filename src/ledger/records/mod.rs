@@ -27,7 +27,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use redb::{Database, ReadableDatabase, ReadableTable, WriteTransaction};
+use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
 use serde::Deserialize;
 
 use super::generation::SubState;
@@ -126,7 +126,11 @@ pub(crate) struct Loaded {
 /// Counts a subscriber's stored records and reads its outcome counters (a data directory
 /// that has none yet counts one outcome per record).
 pub(crate) fn load(db: &Database, subscriber: &str) -> Result<Loaded, redb::Error> {
-    let txn = db.begin_read()?;
+    load_from(&db.begin_read()?, subscriber)
+}
+
+/// [`load`] through a read transaction (also of a read-only handle: `inspect`).
+pub(crate) fn load_from(txn: &ReadTransaction, subscriber: &str) -> Result<Loaded, redb::Error> {
     let mut out = Loaded {
         records: SubRecords::default(),
         quarantined: 0,

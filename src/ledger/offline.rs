@@ -1,0 +1,177 @@
+//! `dedupd inspect` without writing: the per-subscriber report read from the shard files
+//! through redb read-only handles, so the files (bytes and times) are left as they were.
+//!
+//! The engine's own report ([`Ledger::report`](super::Ledger::report)) comes from its
+//! in-memory state after the shards have opened, and opening a shard writes (format
+//! check, recovery of interrupted seals and merges, upgrades). Here the same counts are
+//! read from the tables the engine rebuilds that state from: generation metadata and the
+//! logs of unsealed generations (claims), the record tables and outcome counters
+//! (quarantine, dead letters), stored filters, and the state runs and state log. What
+//! only exists in memory — the size of the active generations' indexes — is not
+//! reported (`index_bytes` is 0 and `offline` is set).
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+
+use redb::{ReadOnlyDatabase, ReadTransaction, ReadableDatabase, ReadableTable, TableHandle};
+
+use super::datadir::{dir_bytes, read_manifest, shard_path};
+use super::filter::GenFilter;
+use super::record::{GenMeta, GenState, LogRow};
+use super::shard::storage;
+use super::state::StateBuffer;
+use super::tables::{self, missing_is_none};
+use super::{records, LedgerError, LedgerReport, SubscriberReport, FORMAT_VERSION};
+
+/// Oldest format read here: state runs came with format 3. Older directories are upgraded
+/// by the engine when it opens them, which writes.
+const OLDEST_READABLE: u64 = 3;
+
+/// Reads the report of an existing data directory, opening every shard file read-only.
+/// A shard held by a running engine is [`LedgerError::InUse`]; one not closed cleanly, or
+/// of a format older than state runs, is [`LedgerError::NeedsRepair`].
+pub fn offline_report(dir: &Path) -> Result<LedgerReport, LedgerError> {
+    let (format, shards) = read_manifest(dir)?;
+    if format > FORMAT_VERSION {
+        return Err(LedgerError::NewerFormat {
+            path: dir.to_path_buf(),
+            found: format,
+            supported: FORMAT_VERSION,
+        });
+    }
+    if format < OLDEST_READABLE {
+        return Err(LedgerError::NeedsRepair {
+            path: dir.to_path_buf(),
+            detail: format!(
+                "it is in format {format}, which `dedupd run` upgrades to {FORMAT_VERSION} when it opens it"
+            ),
+        });
+    }
+    let mut by_name: BTreeMap<String, SubscriberReport> = BTreeMap::new();
+    for index in 0..shards {
+        let path = shard_path(dir, index);
+        let db = ReadOnlyDatabase::open(&path).map_err(|e| match redb::Error::from(e) {
+            redb::Error::RepairAborted => LedgerError::NeedsRepair {
+                path: path.clone(),
+                detail: "it was not closed cleanly (the engine was killed, or crashed)".into(),
+            },
+            e => storage(&path, e),
+        })?;
+        let txn = db.begin_read().map_err(|e| storage(&path, e))?;
+        for r in shard_report(&txn).map_err(|e| storage(&path, e))? {
+            by_name
+                .entry(r.subscriber.clone())
+                .or_insert_with(|| SubscriberReport {
+                    subscriber: r.subscriber.clone(),
+                    ..Default::default()
+                })
+                .add(&r);
+        }
+    }
+    Ok(LedgerReport {
+        data_dir: dir.to_path_buf(),
+        format_version: format,
+        shards,
+        file_bytes: dir_bytes(dir),
+        subscribers: by_name.into_values().collect(),
+        disk: None,
+        offline: true,
+    })
+}
+
+/// The subscribers of one shard, as the engine would report them after opening it.
+fn shard_report(txn: &ReadTransaction) -> Result<Vec<SubscriberReport>, redb::Error> {
+    let mut gens: BTreeMap<String, Vec<(u64, GenMeta)>> = BTreeMap::new();
+    if let Some(t) = missing_is_none(txn.open_table(tables::GENERATIONS))? {
+        for row in t.iter()? {
+            let (k, v) = row?;
+            let (sub, id) = k.value();
+            let m = GenMeta::decode(v.value())
+                .map_err(|d| redb::Error::Corrupted(format!("generation {sub}/{id}: {d}")))?;
+            gens.entry(sub.to_string()).or_default().push((id, m));
+        }
+    }
+    // A subscriber the engine loads has a generation; one with only handler state or
+    // records left (its claims all expired and dropped) is reported too.
+    let mut names: HashSet<String> = gens.keys().cloned().collect();
+    for table in txn.list_tables()? {
+        if let Some(sub) = tables::state_run_subscriber(table.name()) {
+            names.insert(sub.to_string());
+        }
+    }
+    for kind in [tables::QUARANTINE, tables::DEAD_LETTERS] {
+        if let Some(t) = missing_is_none(txn.open_table(kind))? {
+            for row in t.iter()? {
+                names.insert(row?.0.value().0.to_string());
+            }
+        }
+    }
+    let filters = missing_is_none(txn.open_table(tables::FILTERS))?;
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        let mut r = SubscriberReport {
+            subscriber: name.clone(),
+            ..Default::default()
+        };
+        let mut gens = gens.remove(&name).unwrap_or_default();
+        gens.sort_by_key(|(_, m)| m.order);
+        let mut logs = Vec::new();
+        for (id, m) in gens {
+            match m.state {
+                GenState::Sealed => {
+                    r.sealed_generations += 1;
+                    r.claims += m.count;
+                    // Decoded, to count what the engine holds in memory for it.
+                    if let Some(row) = filters.as_ref().map(|f| f.get((name.as_str(), id))) {
+                        if let Some(v) = row? {
+                            let f = GenFilter::decode(v.value()).map_err(|d| {
+                                redb::Error::Corrupted(format!("filter of {name}/{id}: {d}"))
+                            })?;
+                            r.filter_bytes += f.memory_bytes() as u64;
+                        }
+                    }
+                }
+                GenState::Active | GenState::Sealing => logs.push(id),
+            }
+        }
+        // The newest unsealed generation is the active one; older ones are sealed again
+        // as one when the engine opens the shard. Each counts the distinct keys of its log.
+        if let Some(active) = logs.pop() {
+            r.active_claims = log_claims(txn, &name, &[active])?;
+            r.claims += r.active_claims + log_claims(txn, &name, &logs)?;
+        }
+        let loaded = records::load_from(txn, &name)?;
+        r.quarantined = loaded.quarantined;
+        r.quarantine_records = loaded.records.quarantine.stored;
+        r.dead_lettered = loaded.dead_lettered;
+        r.dead_letter_records = loaded.records.dead_letter.stored;
+        let state = StateBuffer::load_from(txn, &name)?;
+        let stats = state.stats();
+        r.state_runs = stats.runs;
+        r.state_run_entries = stats.run_entries;
+        r.state_buffered = stats.buffered;
+        r.state_retired_runs = stats.retired_runs;
+        r.filter_bytes += state.filter_bytes();
+        out.push(r);
+    }
+    Ok(out)
+}
+
+/// Distinct claim keys in the logs of generations `ids` (a key logged twice counts once,
+/// as when the engine replays them).
+fn log_claims(txn: &ReadTransaction, sub: &str, ids: &[u64]) -> Result<u64, redb::Error> {
+    let mut keys = HashSet::new();
+    for id in ids {
+        let name = tables::log_name(sub, *id);
+        let Some(t) = missing_is_none(txn.open_table(tables::log_def(&name)))? else {
+            continue;
+        };
+        for row in t.iter()? {
+            let (_, v) = row?;
+            let claims = LogRow::decode(v.value())
+                .map_err(|d| redb::Error::Corrupted(format!("{name}: {d}")))?;
+            keys.extend(claims.into_iter().map(|(k, _)| k));
+        }
+    }
+    Ok(keys.len() as u64)
+}
