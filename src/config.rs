@@ -230,8 +230,15 @@ pub enum KeySource {
     Id,
     /// A header value.
     Header { name: String },
-    /// A JSON pointer (RFC 6901) into the payload, e.g. `/order/id`.
-    JsonPointer { pointer: String },
+    /// A JSON pointer (RFC 6901) into the payload, e.g. `/order/id`; or, as `pointers`,
+    /// several whose values together are the key (a composite key such as
+    /// `["/tenant", "/order_id"]`). Exactly one of the two is given.
+    JsonPointer {
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        pointer: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pointers: Vec<String>,
+    },
     /// CloudEvents: `source` + `id`, from the payload (structured mode) or the
     /// `ce_source`/`ce_id` headers (binary mode).
     Cloudevents,
@@ -604,11 +611,33 @@ fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigEr
         KeySource::Header { name } if name.is_empty() => {
             return Err(invalid(format!("{field}.key.name"), "must not be empty"))
         }
-        KeySource::JsonPointer { pointer } if !pointer.starts_with('/') => {
-            return Err(invalid(
-                format!("{field}.key.pointer"),
-                "must be a JSON pointer starting with '/'",
-            ))
+        KeySource::JsonPointer { pointer, pointers } => {
+            if pointer.is_empty() == pointers.is_empty() {
+                return Err(invalid(
+                    format!("{field}.key"),
+                    "json_pointer takes `pointer` (one JSON pointer) or `pointers` (a composite key), exactly one of them",
+                ));
+            }
+            if !pointer.is_empty() && !pointer.starts_with('/') {
+                return Err(invalid(
+                    format!("{field}.key.pointer"),
+                    "must be a JSON pointer starting with '/'",
+                ));
+            }
+            for (i, p) in pointers.iter().enumerate() {
+                if !p.starts_with('/') {
+                    return Err(invalid(
+                        format!("{field}.key.pointers[{i}]"),
+                        format!("{p:?} must be a JSON pointer starting with '/'"),
+                    ));
+                }
+                if pointers[..i].contains(p) {
+                    return Err(invalid(
+                        format!("{field}.key.pointers[{i}]"),
+                        format!("{p:?} is listed twice"),
+                    ));
+                }
+            }
         }
         _ => {}
     }
@@ -677,7 +706,8 @@ mod tests {
         assert_eq!(
             billing.key,
             KeySource::JsonPointer {
-                pointer: "/order_id".into()
+                pointer: "/order_id".into(),
+                pointers: vec![]
             }
         );
         assert!(billing.sliding_ttl);
@@ -803,6 +833,45 @@ mod tests {
                     "{field} = {value}: {err}"
                 );
             }
+        }
+    }
+
+    /// `pointers` makes a composite key; `pointer` and `pointers` together, neither, a
+    /// part that is not a pointer or one listed twice are refused naming the field.
+    #[test]
+    fn composite_json_pointer_keys_parse_and_bad_ones_are_refused() {
+        let sub = |key: &str| format!("[[subscriber]]\nname = \"a\"\nkey = {key}\n");
+        let ok = Config::parse(&sub(
+            r#"{ source = "json_pointer", pointers = ["/tenant", "/order_id"] }"#,
+        ))
+        .unwrap();
+        assert_eq!(
+            ok.settings_for("a").unwrap().key,
+            KeySource::JsonPointer {
+                pointer: String::new(),
+                pointers: vec!["/tenant".into(), "/order_id".into()],
+            }
+        );
+        for (key, field) in [
+            (
+                r#"{ source = "json_pointer", pointer = "/a", pointers = ["/b"] }"#,
+                "`subscriber[0].key` json_pointer takes",
+            ),
+            (
+                r#"{ source = "json_pointer" }"#,
+                "`subscriber[0].key` json_pointer takes",
+            ),
+            (
+                r#"{ source = "json_pointer", pointers = ["/a", "b"] }"#,
+                "subscriber[0].key.pointers[1]",
+            ),
+            (
+                r#"{ source = "json_pointer", pointers = ["/a", "/a"] }"#,
+                "subscriber[0].key.pointers[1]",
+            ),
+        ] {
+            let err = Config::parse(&sub(key)).unwrap_err().to_string();
+            assert!(err.contains(field), "{key}: {err}");
         }
     }
 

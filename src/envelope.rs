@@ -3,6 +3,8 @@
 //! The key names the logical event; the fingerprint names its content. Same key with the
 //! same fingerprint is a duplicate; same key with another fingerprint is quarantined (G4).
 
+use std::borrow::Cow;
+
 use std::collections::BTreeMap;
 
 use serde::Deserialize;
@@ -124,6 +126,20 @@ pub fn canonical_payload(payload: &Value) -> Vec<u8> {
     serde_json::to_vec(payload).unwrap_or_default()
 }
 
+/// The key text at `pointer`: a non-empty string, or a number's text.
+fn pointer_text<'a>(payload: &'a Value, pointer: &str) -> Result<Cow<'a, str>, KeyError> {
+    match payload.pointer(pointer) {
+        Some(Value::String(s)) if !s.is_empty() => Ok(Cow::Borrowed(s)),
+        Some(Value::Number(n)) => Ok(Cow::Owned(n.to_string())),
+        Some(other) if !other.is_null() && !matches!(other, Value::String(_)) => Err(
+            KeyError::Missing(format!("payload at `{pointer}` is not a string or number")),
+        ),
+        _ => Err(KeyError::Missing(format!(
+            "payload has nothing at `{pointer}`"
+        ))),
+    }
+}
+
 /// Derives the idempotency key of an envelope under a subscriber's settings.
 pub fn derive_key(
     env: &Envelope,
@@ -140,20 +156,18 @@ pub fn derive_key(
             Some(v) if !v.is_empty() => IdempotencyKey::from_id(v),
             _ => return Err(KeyError::Missing(format!("header `{name}` is missing"))),
         },
-        KeySource::JsonPointer { pointer } => match env.payload.pointer(pointer) {
-            Some(Value::String(s)) if !s.is_empty() => IdempotencyKey::from_id(s),
-            Some(Value::Number(n)) => IdempotencyKey::from_id(&n.to_string()),
-            Some(other) if !other.is_null() && !matches!(other, Value::String(_)) => {
-                return Err(KeyError::Missing(format!(
-                    "payload at `{pointer}` is not a string or number"
-                )))
-            }
-            _ => {
-                return Err(KeyError::Missing(format!(
-                    "payload has nothing at `{pointer}`"
-                )))
-            }
-        },
+        KeySource::JsonPointer { pointer, pointers } if pointers.is_empty() => {
+            IdempotencyKey::from_id(&pointer_text(&env.payload, pointer)?)
+        }
+        KeySource::JsonPointer { pointers, .. } => {
+            // A JSON array of the parts: unambiguous whatever the parts hold
+            // (["a,b","c"] and ["a","b,c"] differ), and readable in records.
+            let parts = pointers
+                .iter()
+                .map(|p| pointer_text(&env.payload, p).map(|t| Value::String(t.into_owned())))
+                .collect::<Result<Vec<_>, _>>()?;
+            IdempotencyKey::from_id(&Value::Array(parts).to_string())
+        }
         KeySource::Cloudevents => {
             let from_payload = (
                 env.payload.get("source").and_then(Value::as_str),
@@ -346,10 +360,34 @@ mod tests {
         let e = env(json!({"payload": {"order": {"id": 42}}}));
         let s = settings(KeySource::JsonPointer {
             pointer: "/order/id".into(),
+            pointers: vec![],
         });
         assert_eq!(derive_key(&e, b"", &s).expect("key").text, "42");
         let missing = env(json!({"payload": {"order": {}}}));
         assert!(derive_key(&missing, b"", &s).is_err());
+    }
+
+    /// A composite key is the parts together: the same parts give the same key, another
+    /// tenant with the same order id another key, and parts holding the separator cannot
+    /// collide with other parts.
+    #[test]
+    fn composite_json_pointer_key_joins_its_parts_unambiguously() {
+        let s = settings(KeySource::JsonPointer {
+            pointer: String::new(),
+            pointers: vec!["/tenant".into(), "/order_id".into()],
+        });
+        let key = |payload: Value| derive_key(&env(json!({ "payload": payload })), b"", &s);
+        let a = key(json!({"tenant": "acme", "order_id": 17, "at": 1})).expect("key");
+        assert_eq!(a.text, r#"["acme","17"]"#);
+        let again = key(json!({"order_id": 17, "tenant": "acme", "at": 2})).expect("key");
+        assert_eq!((a.hash, &a.text), (again.hash, &again.text));
+        let other = key(json!({"tenant": "umbrella", "order_id": 17})).expect("key");
+        assert_ne!(a.hash, other.hash);
+        let left = key(json!({"tenant": "a\",\"b", "order_id": "c"})).expect("key");
+        let right = key(json!({"tenant": "a", "order_id": "b\",\"c"})).expect("key");
+        assert_ne!(left.hash, right.hash);
+        let err = key(json!({"tenant": "acme"})).unwrap_err().to_string();
+        assert!(err.contains("/order_id"), "{err}");
     }
 
     #[test]
@@ -441,6 +479,7 @@ mod tests {
     fn json_pointer_key_keeps_every_digit_of_a_number() {
         let s = settings(KeySource::JsonPointer {
             pointer: "/order".into(),
+            pointers: vec![],
         });
         let a: Envelope = serde_json::from_str(r#"{"payload":{"order":12345678901234567890123}}"#)
             .expect("envelope");

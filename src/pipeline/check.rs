@@ -131,7 +131,12 @@ impl SubscriberReport {
         let key = match &s.key {
             KeySource::Id => "id".to_string(),
             KeySource::Header { name } => format!("header {name}"),
-            KeySource::JsonPointer { pointer } => format!("json_pointer {pointer}"),
+            KeySource::JsonPointer { pointer, pointers } if pointers.is_empty() => {
+                format!("json_pointer {pointer}")
+            }
+            KeySource::JsonPointer { pointers, .. } => {
+                format!("json_pointer [{}]", pointers.join(", "))
+            }
             KeySource::Cloudevents => "cloudevents".to_string(),
             KeySource::ContentHash => "content_hash".to_string(),
         };

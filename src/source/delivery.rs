@@ -375,6 +375,7 @@ mod tests {
         let mut s = SubscriberSettings {
             key: KeySource::JsonPointer {
                 pointer: "/order/id".into(),
+                pointers: vec![],
             },
             ..SubscriberSettings::default()
         };

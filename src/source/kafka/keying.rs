@@ -168,6 +168,7 @@ mod tests {
         };
         let s = settings(KeySource::JsonPointer {
             pointer: "/order/id".into(),
+            pointers: vec![],
         });
         assert_eq!(key_record(&rec, &s).expect("keyed").key.text, "A-7");
     }
@@ -248,6 +249,7 @@ mod tests {
         assert!(reason.contains("message-id"), "{reason}");
         let s = settings(KeySource::JsonPointer {
             pointer: "/id".into(),
+            pointers: vec![],
         });
         let garbage = RecordView {
             key: None,
