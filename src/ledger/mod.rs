@@ -350,23 +350,24 @@ impl Ledger {
     }
 
     /// Like [`Ledger::open`], with a switch that makes every shard file fail all writes
-    /// and fsyncs after a chosen number of further fsyncs. For crash-consistency tests.
+    /// and fsyncs, or lose its power, after a chosen number of further fsyncs. For
+    /// crash-consistency tests.
     #[doc(hidden)]
     pub fn open_with_fault_switch(
         data_dir: &Path,
         config: &Config,
         clock: Arc<dyn Clock>,
     ) -> Result<(Ledger, FaultSwitch), LedgerError> {
-        let budget = Arc::new(std::sync::atomic::AtomicI64::new(i64::MAX));
-        let ledger = Ledger::open_inner(data_dir, config, clock, Some(budget.clone()))?;
-        Ok((ledger, FaultSwitch(budget)))
+        let plan = Arc::new(fault::FaultPlan::new());
+        let ledger = Ledger::open_inner(data_dir, config, clock, Some(plan.clone()))?;
+        Ok((ledger, FaultSwitch(plan)))
     }
 
     fn open_inner(
         data_dir: &Path,
         config: &Config,
         clock: Arc<dyn Clock>,
-        fault: Option<Arc<std::sync::atomic::AtomicI64>>,
+        fault: Option<Arc<fault::FaultPlan>>,
     ) -> Result<Ledger, LedgerError> {
         let (shard_count, created) = datadir::prepare_data_dir(data_dir, &config.ledger)?;
         if !created {
@@ -603,12 +604,25 @@ impl Drop for Ledger {
 /// Arms the injected storage fault of [`Ledger::open_with_fault_switch`].
 #[doc(hidden)]
 #[derive(Debug, Clone)]
-pub struct FaultSwitch(Arc<std::sync::atomic::AtomicI64>);
+pub struct FaultSwitch(Arc<fault::FaultPlan>);
 
 impl FaultSwitch {
-    /// From now on, `fsyncs` more fsyncs succeed (across all shards); then storage fails.
+    /// From now on, `fsyncs` more fsyncs succeed (across all shards); then storage fails,
+    /// keeping what was written (as a dying disk under a live page cache would).
     pub fn fail_after_fsyncs(&self, fsyncs: u64) {
-        self.0.store(fsyncs as i64, Ordering::SeqCst);
+        self.0.arm(fsyncs, false, 1);
+    }
+
+    /// From now on, `fsyncs` more fsyncs succeed; then the power is cut: every write since
+    /// a file's last completed fsync is lost except a random half (drawn from `seed`),
+    /// and storage answers nothing more.
+    pub fn cut_power_after_fsyncs(&self, fsyncs: u64, seed: u64) {
+        self.0.arm(fsyncs, true, seed);
+    }
+
+    /// Unsynced writes the power cuts lost so far, over all shard files.
+    pub fn lost_writes(&self) -> u64 {
+        self.0.lost_writes()
     }
 }
 

@@ -167,7 +167,7 @@ pub(crate) struct ShardContext {
     pub metrics: Arc<Mutex<ShardMetrics>>,
     pub builder: Builder,
     /// Test-only fault injection (see `fault.rs`).
-    pub fault: Option<Arc<std::sync::atomic::AtomicI64>>,
+    pub fault: Option<Arc<crate::ledger::fault::FaultPlan>>,
     /// Every shard's peer channel, by index (set before `Ledger::open` returns).
     pub peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>>,
     /// Keys being decided with a probe, shared by all shards.
