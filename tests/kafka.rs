@@ -804,3 +804,174 @@ fn dev_broker_prints_a_bootstrap_address_and_stops_on_sigterm() {
         .unwrap();
     assert!(child.0.wait().unwrap().success());
 }
+
+fn mix_u64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z ^ (z >> 31)
+}
+
+/// `dedupd run` on Kafka with the non-idempotent `fixture-counter` handler (`count/<order>`
+/// = get + 1), a 64-entry state buffer and offsets committed every 100 ms, killed with
+/// kill -9 ten times at seeded moments (so kills land just after offset commits, during
+/// state flushes and merges, and while the group is rebalancing after the previous
+/// restart), then run to the log end. The topic holds two distinct events per order and
+/// redeliveries of earlier records. Afterwards every order's count is exactly 2: an effect
+/// applied twice, or an offset committed past a message whose effect was not durable (it
+/// would never be delivered again), would change a count.
+#[test]
+fn counts_are_exact_after_ten_kill_9_rounds_on_kafka() {
+    let c = cluster();
+    let t = topic("kill-loop");
+    let group = format!("g-{t}");
+    const EVENTS: usize = 40_000;
+    let mut recs: Vec<Rec<'_>> = Vec::new();
+    for n in 0..EVENTS {
+        let rec = |n: usize| Rec {
+            key: ["a", "b", "c", "d"][(n / 2) % 4],
+            headers: vec![("message-id", format!("e-{n}"))],
+            payload: format!(
+                r#"{{"type":"OrderPlaced","order_id":"o-{}","n":{n}}}"#,
+                n / 2
+            ),
+        };
+        recs.push(rec(n));
+        if n % 10 == 9 {
+            recs.push(rec(n - 7)); // a redelivery of an earlier record
+        }
+    }
+    // Produced in 11 parts, one before each run, so every kill lands mid-stream however
+    // fast the engine is: ten killed runs, then one that finishes.
+    let parts: Vec<&[Rec<'_>]> = recs.chunks(recs.len().div_ceil(11)).collect();
+    assert_eq!(parts.len(), 11);
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cfg = dir.path().join("dedupd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"
+[ledger]
+state_buffer_entries = 64
+
+[[subscriber]]
+name = "orders"
+key = {{ source = "header", name = "message-id" }}
+partition_key = {{ source = "json_pointer", pointer = "/order_id" }}
+handler = {:?}
+handler_cpu_budget = "2s"
+
+[kafka]
+brokers = "{}"
+group = "{group}"
+session_timeout = "3s"
+commit_interval = "100ms"
+
+[[kafka.subscription]]
+subscriber = "orders"
+topics = ["{t}"]
+"#,
+            component("fixture_counter").display().to_string(),
+            c.bootstrap
+        ),
+    )
+    .unwrap();
+    let bin = env!("CARGO_BIN_EXE_dedupd");
+    let log = dir.path().join("run.log");
+    let start = || {
+        KillOnDrop(
+            Command::new(bin)
+                .args(["run", "--config"])
+                .arg(&cfg)
+                .arg("--data-dir")
+                .arg(&data)
+                .env("NO_COLOR", "1")
+                .env("RUST_LOG", "dedupd=info")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let committed = || -> i64 {
+        committed_and_end(&c.bootstrap, &group, &t)
+            .iter()
+            .map(|(c, _)| (*c).max(0))
+            .sum()
+    };
+    let mut committed_at_kills = Vec::new();
+    let mut produced = 0;
+    for (round, part) in parts[..10].iter().enumerate() {
+        produce(&c.bootstrap, &t, part);
+        produced += part.len();
+        let before = committed();
+        let child = start();
+        // Each round waits for the group to settle after the last kill (the dead member
+        // holds its partitions until its session times out). Even rounds then kill 0-300 ms
+        // after the partitions are assigned (mid-batch, mid-flush, before any commit); odd
+        // rounds 0-150 ms after an offset commit past the last round's (just after a
+        // commit, or while the next one is being made).
+        wait_until("partitions assigned", Duration::from_secs(60), || {
+            std::fs::read_to_string(&log).is_ok_and(|l| l.contains("kafka partition assigned"))
+        });
+        let r = mix_u64((round as u64) ^ 0x5eed);
+        if round % 2 == 1 {
+            wait_until("an offset commit", Duration::from_secs(60), || {
+                committed() > before
+            });
+            std::thread::sleep(Duration::from_millis(r % 150));
+        } else {
+            std::thread::sleep(Duration::from_millis(r % 300));
+        }
+        drop(child); // SIGKILL
+        committed_at_kills.push((committed(), produced));
+    }
+    produce(&c.bootstrap, &t, parts[10]);
+    let mut child = start();
+    // Stopped only once it holds its partitions (a SIGTERM before the engine installs its
+    // handler ends it by the signal) and the group's offsets are at the log end.
+    wait_until("partitions assigned", Duration::from_secs(60), || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("kafka partition assigned"))
+    });
+    wait_until("offsets at the log end", Duration::from_secs(180), || {
+        at_log_end(&c.bootstrap, &group, &t)
+    });
+    let status = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = child.0.wait().unwrap();
+    assert!(
+        exit.success(),
+        "graceful stop exits 0, got {exit:?}: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    eprintln!("(offsets committed, records produced) at the kills: {committed_at_kills:?}");
+
+    let config = Config::load(&cfg).unwrap();
+    let ledger = Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap();
+    let counts: Vec<(Vec<u8>, Vec<u8>)> = ledger.state_entries("orders").unwrap();
+    let claims: u64 = ledger
+        .report()
+        .unwrap()
+        .subscribers
+        .iter()
+        .map(|s| s.claims)
+        .sum();
+    ledger.close().unwrap();
+    assert_eq!(claims, EVENTS as u64, "one claim per distinct event");
+    assert_eq!(counts.len(), EVENTS / 2, "orders lost or split");
+    let wrong: Vec<_> = counts
+        .iter()
+        .filter(|(_, v)| v.as_slice() != b"2")
+        .take(5)
+        .map(|(k, v)| {
+            (
+                String::from_utf8_lossy(k).into_owned(),
+                String::from_utf8_lossy(v).into_owned(),
+            )
+        })
+        .collect();
+    assert!(wrong.is_empty(), "counts doubled or lost: {wrong:?}");
+}
