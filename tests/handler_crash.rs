@@ -20,7 +20,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 const EVENTS: u64 = 6_000;
-const SEED: u64 = 0x5eed_1abe1;
+/// The stream's and the kill points' seed (`DEDUPD_RELIABILITY_SEED` varies it).
+fn seed() -> u64 {
+    common::seed(0x5eed_1abe1)
+}
 
 fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -32,6 +35,7 @@ fn mix(mut z: u64) -> u64 {
 /// Two distinct events per order (a producer retry with a fresh id), plus redeliveries of
 /// earlier lines.
 fn stream() -> Vec<(String, String)> {
+    let seed = seed();
     let mut lines = Vec::new();
     let mut sent: Vec<(String, String)> = Vec::new();
     for i in 0..EVENTS {
@@ -44,8 +48,8 @@ fn stream() -> Vec<(String, String)> {
         );
         sent.push(ev.clone());
         lines.push(ev);
-        if mix(SEED ^ i).is_multiple_of(10) {
-            let j = (mix(SEED ^ i ^ 1) % sent.len() as u64) as usize;
+        if mix(seed ^ i).is_multiple_of(10) {
+            let j = (mix(seed ^ i ^ 1) % sent.len() as u64) as usize;
             lines.push(sent[j].clone());
         }
     }
@@ -238,7 +242,7 @@ fn dump_state(data: &Path, config: &Path) -> Vec<serde_json::Value> {
 /// Ten seeded kill points, spread over the stream.
 fn kill_points(n: usize, len: usize) -> Vec<usize> {
     let mut points: Vec<usize> = (0..n as u64)
-        .map(|i| 200 + (mix(SEED ^ 0xc0_0000 ^ i) % (len as u64 - 600)) as usize)
+        .map(|i| 200 + (mix(seed() ^ 0xc0_0000 ^ i) % (len as u64 - 600)) as usize)
         .collect();
     points.sort_unstable();
     points.dedup();

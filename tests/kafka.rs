@@ -914,7 +914,7 @@ topics = ["{t}"]
         wait_until("partitions assigned", Duration::from_secs(60), || {
             std::fs::read_to_string(&log).is_ok_and(|l| l.contains("kafka partition assigned"))
         });
-        let r = mix_u64((round as u64) ^ 0x5eed);
+        let r = mix_u64((round as u64) ^ common::seed(0x5eed));
         if round % 2 == 1 {
             wait_until("an offset commit", Duration::from_secs(60), || {
                 committed() > before

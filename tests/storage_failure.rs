@@ -443,7 +443,7 @@ fn a_storage_fault_in_any_state_phase_loses_and_doubles_nothing() {
 #[test]
 fn a_power_cut_in_any_state_phase_loses_and_doubles_nothing() {
     let mut lost = 0;
-    for seed in [0x5eed_u64, 0x9e37_79b9_7f4a_7c15] {
+    for seed in [common::seed(0x5eed), common::seed(0x9e37_79b9_7f4a_7c15)] {
         lost += fault_points_lose_and_double_nothing(|fault, at| {
             fault.cut_power_after_fsyncs(at, seed ^ at)
         });

@@ -35,3 +35,16 @@ pub fn outcome_names(out: Vec<u8>) -> Vec<String> {
         .map(|v| v["outcome"].as_str().unwrap().to_string())
         .collect()
 }
+
+/// The seed of a seeded reliability test: `base`, mixed with `DEDUPD_RELIABILITY_SEED`
+/// when it is set to a number other than 0 (`scripts/reliability` runs the suite once per
+/// seed; a failure is replayed by setting the same value).
+pub fn seed(base: u64) -> u64 {
+    match std::env::var("DEDUPD_RELIABILITY_SEED")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+    {
+        Some(s) if s != 0 => base ^ s.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        _ => base,
+    }
+}
