@@ -37,7 +37,7 @@ use crate::envelope::{key_hash, Envelope};
 use crate::handler::{CallTrace, Component, GuardCall, HandlerError, WasmHandler};
 use crate::inspect::readable;
 use crate::ledger::{Job, Ledger, LedgerError, Outcome};
-use crate::source::delivery::{envelope, Delivery, Keying, Payload, Target};
+use crate::source::delivery::{envelope, Delivery, EnvelopeError, Keying, Payload, Target};
 
 /// The time every message is received at unless told otherwise: 2023-11-14T22:13:20Z.
 pub const DEFAULT_NOW_MS: u64 = 1_700_000_000_000;
@@ -649,7 +649,11 @@ fn run_on(
                 fill(&mut report, recorded, &outcome);
             }
             Err(e) => {
-                report.id = env.id;
+                // As pipe mode answers: the derived key when only the entity failed.
+                report.id = match &e {
+                    EnvelopeError::Entity { key, .. } => Some(key.text.clone()),
+                    _ => env.id,
+                };
                 report.reason = Some(e.to_string());
             }
         }

@@ -338,6 +338,7 @@ fn config_settings_and_entity_scoped_state_apply() {
             json!({"payload": {"event_id": "b", "order_id": "o-2"}}),
             json!({"subscriber": "counts", "payload": {"event_id": "a", "order_id": "o-1"}}),
             json!({"payload": {"order_id": "o-3"}}),
+            json!({"payload": {"event_id": "c"}}),
         ],
     );
     let cfg = config.to_str().unwrap();
@@ -358,7 +359,13 @@ fn config_settings_and_entity_scoped_state_apply() {
     .reports();
     assert_eq!(
         outcomes(&r),
-        ["processed", "processed", "duplicate", "rejected"]
+        [
+            "processed",
+            "processed",
+            "duplicate",
+            "rejected",
+            "rejected"
+        ]
     );
     assert_eq!((&r[0]["id"], &r[0]["entity"]), (&json!("a"), &json!("o-1")));
     assert_eq!(r[0]["state"], json!([{"key": "count/o-1", "value": 11}]));
@@ -366,6 +373,17 @@ fn config_settings_and_entity_scoped_state_apply() {
     assert_eq!(
         r[3]["reason"],
         "no idempotency key: payload has nothing at `/event_id`"
+    );
+    assert!(r[3].get("id").is_none(), "{}", r[3]);
+    // Keyed, but without an entity: refused, with the key it had (as pipe mode answers).
+    assert_eq!(r[4]["id"], "c");
+    assert!(
+        r[4]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("no idempotency key: no partition key"),
+        "{}",
+        r[4]
     );
 
     // Without an entity the entry cannot be placed in any store.
