@@ -941,7 +941,7 @@ pub fn compare(file: &str, expected: &str, reports: &[Report]) -> Result<usize, 
     let mut want = Vec::new();
     for (line, text) in numbered(expected) {
         match serde_json::from_str::<Value>(text) {
-            Ok(v) => want.push((line, v)),
+            Ok(v) => want.push((line, v, text)),
             Err(e) => return Err(format!("{file}:{line}: not JSON: {}", json_reason(&e))),
         }
     }
@@ -949,7 +949,7 @@ pub fn compare(file: &str, expected: &str, reports: &[Report]) -> Result<usize, 
         .iter()
         .map(|r| serde_json::to_value(r).unwrap_or_default())
         .collect();
-    for (i, ((line, w), g)) in want.iter().zip(&got).enumerate() {
+    for (i, ((line, w, text_w), g)) in want.iter().zip(&got).enumerate() {
         if w == g {
             continue;
         }
@@ -969,7 +969,9 @@ pub fn compare(file: &str, expected: &str, reports: &[Report]) -> Result<usize, 
                 diffs.len() - 20
             ));
         }
-        text.push_str(&format!("expected: {w}\nactual:   {g}\n"));
+        // As written and as `--json` prints it, not re-ordered.
+        let actual = serde_json::to_string(&reports[i]).unwrap_or_default();
+        text.push_str(&format!("expected: {text_w}\nactual:   {actual}\n"));
         return Err(text);
     }
     match want.len().cmp(&got.len()) {
@@ -978,14 +980,14 @@ pub fn compare(file: &str, expected: &str, reports: &[Report]) -> Result<usize, 
             "{file} expects {} messages, the run gave {}; the first unexpected one:\nactual:   {}\n",
             want.len(),
             got.len(),
-            got[want.len()]
+            serde_json::to_string(&reports[want.len()]).unwrap_or_default()
         )),
         std::cmp::Ordering::Greater => Err(format!(
             "{file} expects {} messages, the run gave {}; the first missing one ({file}:{}):\nexpected: {}\n",
             want.len(),
             got.len(),
             want[got.len()].0,
-            want[got.len()].1
+            want[got.len()].2
         )),
     }
 }
@@ -1161,6 +1163,15 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("/state/0/value/n: expected 3, got 2"), "{err}");
+        // Both shown as written and as `--json` prints them.
+        assert!(
+            err.contains(&format!("expected: {}\n", changed.trim())),
+            "{err}"
+        );
+        assert!(
+            err.contains("actual:   {\"line\":4,\"id\":\"e-1\""),
+            "{err}"
+        );
         let err =
             compare("x", &format!("{same}{same}"), std::slice::from_ref(&report)).unwrap_err();
         assert!(
