@@ -49,7 +49,8 @@
 //! Modules, in the order of the flow: [`source`] (stdin, Kafka — the only rdkafka user —,
 //! the generator, and the shared envelope step), [`envelope`] (keys and fingerprints),
 //! [`config`] (validated settings), [`ledger`] (the only redb user), [`effects`] (the seam
-//! between the ledger and handlers), [`handler`] (the only wasmtime user), [`pipeline`]
+//! between the ledger and handlers), [`handler`] (the only wasmtime user), [`harness`]
+//! (`dedupd handler test`: a component over test messages on a temporary ledger), [`pipeline`]
 //! (ordering, handler installation, run modes, shutdown), [`admin`] (the HTTP API, ingest
 //! and dashboard; the only axum user), [`inspect`] (offline looks into a data directory),
 //! [`telemetry`] (latency histograms, memory), [`bench`](mod@bench) and [`demo`] (the
@@ -86,6 +87,7 @@ pub mod demo;
 pub mod effects;
 pub mod envelope;
 pub mod handler;
+pub mod harness;
 pub mod inspect;
 pub mod ledger;
 pub mod pipeline;

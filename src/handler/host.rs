@@ -16,7 +16,7 @@ use xxhash_rust::xxh3::xxh3_128;
 use super::bindings::dedupd::handler::host::{self, Entry, Level};
 use super::clock::CallClock;
 use super::output::GuestOutput;
-use super::Limits;
+use super::{CallTrace, GuardCall, GuestLog, Limits};
 use crate::effects::{unique_key, Effects, EmptyState, HandlerMessage, OutboxMessage, StateReader};
 
 /// Largest key and value a handler may store (an outbox message's key and payload too);
@@ -133,6 +133,10 @@ pub(crate) struct HostState {
     in_call: bool,
     reader: Box<dyn StateReader>,
     effects: Effects,
+    /// Whether calls are traced (`dedupd handler test`): logs and guard answers are kept
+    /// in `trace` instead of (logs) or besides (guards) going to the engine's log.
+    pub recording: bool,
+    trace: Option<CallTrace>,
 }
 
 impl HostState {
@@ -148,6 +152,8 @@ impl HostState {
             in_call: false,
             reader: Box::new(EmptyState),
             effects: Effects::default(),
+            recording: false,
+            trace: None,
         }
     }
 
@@ -166,15 +172,27 @@ impl HostState {
         call.writes = 0;
         call.write_bytes = 0;
         call.logs = 0;
+        self.trace = self.recording.then(CallTrace::default);
         self.in_call = true;
     }
 
     /// Ends a call: hands back the reader, the effects and what ran out.
     pub fn finish(&mut self) -> Finished {
         if std::mem::take(&mut self.in_call) {
-            self.output.flush_to_log(&self.call.subscriber);
+            match self.trace.as_mut() {
+                Some(trace) => {
+                    trace
+                        .logs
+                        .extend(self.output.take_lines().into_iter().map(|text| GuestLog {
+                            level: "stdout",
+                            text,
+                        }))
+                }
+                None => self.output.flush_to_log(&self.call.subscriber),
+            }
         }
         Finished {
+            trace: self.trace.take(),
             reader: std::mem::replace(&mut self.reader, Box::new(EmptyState)),
             effects: std::mem::take(&mut self.effects),
             memory_denied: self.limiter.denied,
@@ -240,6 +258,26 @@ impl HostState {
     }
 }
 
+impl HostState {
+    /// Records a guard's answer when calls are traced.
+    fn traced(&mut self, call: impl FnOnce() -> GuardCall) {
+        if let Some(trace) = self.trace.as_mut() {
+            trace.guards.push(call());
+        }
+    }
+}
+
+/// The name of a log level, as `dedupd handler test` prints it.
+fn level_name(level: Level) -> &'static str {
+    match level {
+        Level::Trace => "trace",
+        Level::Debug => "debug",
+        Level::Info => "info",
+        Level::Warn => "warn",
+        Level::Error => "error",
+    }
+}
+
 /// What a call left behind, from [`HostState::finish`].
 pub(crate) struct Finished {
     pub reader: Box<dyn StateReader>,
@@ -248,6 +286,8 @@ pub(crate) struct Finished {
     pub memory_denied: bool,
     /// A wait reached the end of the budget (`clock.rs`).
     pub out_of_time: bool,
+    /// What the call logged and how its guards answered, when recording.
+    pub trace: Option<CallTrace>,
 }
 
 /// `format!("{:032x}")` without the formatting machinery (2 % of a shipping-label run's
@@ -316,9 +356,21 @@ impl host::Host for HostState {
     fn log(&mut self, level: Level, text: String) -> wasmtime::Result<()> {
         let call = self.call_mut()?;
         call.logs += 1;
-        if call.logs > MAX_LOG_LINES {
+        let over = call.logs > MAX_LOG_LINES;
+        if let Some(trace) = self.trace.as_mut() {
+            match over {
+                true => trace.dropped_logs += 1,
+                false => trace.logs.push(GuestLog {
+                    level: level_name(level),
+                    text,
+                }),
+            }
             return Ok(());
         }
+        if over {
+            return Ok(());
+        }
+        let call = self.call()?;
         let (sub, id) = (&call.subscriber, &call.id);
         match level {
             Level::Trace => tracing::trace!(subscriber = %sub, id = %id, "{text}"),
@@ -385,12 +437,17 @@ impl host::Host for HostState {
             );
         }
         let mark = unique_key(&namespace, &key);
-        if self.effects.uniques.contains(&mark) || self.reader.unique_exists(&mark) {
-            return Ok(false);
+        let inserted = !(self.effects.uniques.contains(&mark) || self.reader.unique_exists(&mark));
+        if inserted {
+            self.charge_write(mark.len())?;
+            self.effects.uniques.insert(mark);
         }
-        self.charge_write(mark.len())?;
-        self.effects.uniques.insert(mark);
-        Ok(true)
+        self.traced(|| GuardCall::InsertUnique {
+            namespace,
+            key,
+            inserted,
+        });
+        Ok(inserted)
     }
 
     fn advance_version(&mut self, key: String, version: u64) -> wasmtime::Result<bool> {
@@ -401,12 +458,24 @@ impl host::Host for HostState {
             Some(v) => Some(*v),
             None => self.reader.version(&key),
         };
-        if current.is_some_and(|c| version <= c) {
-            return Ok(false);
+        let advanced = current.is_none_or(|c| version > c);
+        if advanced {
+            self.charge_write(key.len() + 8)?;
         }
-        self.charge_write(key.len() + 8)?;
-        self.effects.versions.insert(key, version);
-        Ok(true)
+        // Only a traced call pays for the key's copy.
+        let traced = self.trace.is_some().then(|| key.clone());
+        if advanced {
+            self.effects.versions.insert(key, version);
+        }
+        if let Some(key) = traced {
+            self.traced(|| GuardCall::AdvanceVersion {
+                key,
+                version,
+                current,
+                advanced,
+            });
+        }
+        Ok(advanced)
     }
 
     fn compare_and_set(
@@ -417,12 +486,19 @@ impl host::Host for HostState {
     ) -> wasmtime::Result<bool> {
         check_key(&key)?;
         check_value(&new)?;
-        if self.read(&key) != expected {
-            return Ok(false);
+        let swapped = self.read(&key) == expected;
+        if swapped {
+            self.charge_write(key.len() + new.len())?;
         }
-        self.charge_write(key.len() + new.len())?;
-        self.effects.state.insert(key, Some(new));
-        Ok(true)
+        // Only a traced call pays for the key's copy.
+        let traced = self.trace.is_some().then(|| key.clone());
+        if swapped {
+            self.effects.state.insert(key, Some(new));
+        }
+        if let Some(key) = traced {
+            self.traced(|| GuardCall::CompareAndSet { key, swapped });
+        }
+        Ok(swapped)
     }
 
     fn emit(

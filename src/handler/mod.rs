@@ -173,6 +173,47 @@ impl std::fmt::Display for CheckReport {
     }
 }
 
+/// What one traced call logged and how its guards answered (see
+/// [`WasmHandler::record_calls`]); its writes are in the call's [`Effects`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CallTrace {
+    /// `log` host calls in order, then the lines the guest printed on stdout/stderr
+    /// (level `stdout`). The engine writes these to its own log.
+    pub logs: Vec<GuestLog>,
+    /// `log` calls over the per-call limit of 20 lines, dropped as the engine drops them.
+    pub dropped_logs: u32,
+    /// Every guard call and its answer, in order.
+    pub guards: Vec<GuardCall>,
+}
+
+/// One line a handler logged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestLog {
+    /// `trace`, `debug`, `info`, `warn`, `error`, or `stdout` for printed output.
+    pub level: &'static str,
+    pub text: String,
+}
+
+/// A host call whose answer depends on state: what was asked and what it answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GuardCall {
+    /// `insert-unique`: `inserted` is false when the mark existed.
+    InsertUnique {
+        namespace: String,
+        key: String,
+        inserted: bool,
+    },
+    /// `advance-version`: `current` is the version it compared with.
+    AdvanceVersion {
+        key: String,
+        version: u64,
+        current: Option<u64>,
+        advanced: bool,
+    },
+    /// `compare-and-set`: `swapped` is false when the value was not the expected one.
+    CompareAndSet { key: Vec<u8>, swapped: bool },
+}
+
 /// A compiled, validated, pre-instantiated handler component.
 pub struct Component {
     path: PathBuf,
@@ -294,6 +335,8 @@ impl Component {
             name: self.path.display().to_string(),
             limits: self.limits,
             live: None,
+            recording: false,
+            trace: None,
             input: guest::Message {
                 subscriber: String::new(),
                 id: String::new(),
@@ -307,10 +350,19 @@ impl Component {
     }
 }
 
+impl Component {
+    /// A handler instantiated now, so an instantiation failure shows here rather than on
+    /// the first call.
+    pub fn live_handler(&self) -> Result<WasmHandler, HandlerError> {
+        let mut h = self.handler();
+        h.ensure_live()?;
+        Ok(h)
+    }
+}
+
 impl HandlerFactory for Component {
     fn instantiate(&self) -> Result<Box<dyn MessageHandler>, String> {
-        let mut h = self.handler();
-        h.ensure_live().map_err(|e| e.to_string())?;
+        let h = self.live_handler().map_err(|e| e.to_string())?;
         Ok(Box::new(h))
     }
 
@@ -331,9 +383,24 @@ pub struct WasmHandler {
     limits: Limits,
     live: Option<(Store<HostState>, bindings::DedupdHandler)>,
     input: guest::Message,
+    recording: bool,
+    trace: Option<CallTrace>,
 }
 
 impl WasmHandler {
+    /// Traces every further call (`dedupd handler test`): its log lines and printed
+    /// output are kept for [`WasmHandler::take_trace`] instead of going to the engine's
+    /// log, and its guard calls are recorded with their answers. The call itself is the
+    /// same: same host, limits and results.
+    pub fn record_calls(&mut self) {
+        self.recording = true;
+    }
+
+    /// The trace of the last call, when recording.
+    pub fn take_trace(&mut self) -> Option<CallTrace> {
+        self.trace.take()
+    }
+
     fn ensure_live(&mut self) -> Result<(), HandlerError> {
         if self.live.is_some() {
             return Ok(());
@@ -371,6 +438,7 @@ impl MessageHandler for WasmHandler {
         msg: &HandlerMessage,
         state: Box<dyn StateReader>,
     ) -> (Box<dyn StateReader>, Result<Effects, Failure>) {
+        self.trace = None;
         if let Err(e) = self.ensure_live() {
             return (state, Err(Failure::Trap(e.to_string())));
         }
@@ -378,6 +446,7 @@ impl MessageHandler for WasmHandler {
         let Some((store, bindings)) = self.live.as_mut() else {
             return (state, Err(Failure::Trap("no instance".into())));
         };
+        store.data_mut().recording = self.recording;
         store.data_mut().begin(msg, state);
         store.set_epoch_deadline(ticks);
         // The guest's copy reuses the previous call's buffers: no allocation per call.
@@ -393,7 +462,8 @@ impl MessageHandler for WasmHandler {
             .dedupd_handler_handler()
             .call_handle(&mut *store, input);
         store.set_epoch_deadline(PARKED);
-        let end = store.data_mut().finish();
+        let mut end = store.data_mut().finish();
+        self.trace = end.trace.take();
         let result = match called {
             // A wait was cut short at the end of the budget: whatever the guest made of
             // that, the call ran out of time.

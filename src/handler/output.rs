@@ -51,6 +51,26 @@ impl GuestOutput {
         g.dropped_bytes += (bytes.len() - take) as u64;
     }
 
+    /// Takes what the last call printed, as its non-blank lines, instead of logging it
+    /// (`dedupd handler test`). The per-call cap applies as it does for the log; a line
+    /// says how many bytes over it were dropped. No rate limit: it depends on the time.
+    pub fn take_lines(&self) -> Vec<String> {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let text = String::from_utf8_lossy(&std::mem::take(&mut g.buf)).into_owned();
+        let mut lines: Vec<String> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect();
+        let dropped = std::mem::take(&mut g.dropped_bytes);
+        if dropped > 0 {
+            lines.push(format!(
+                "({dropped} bytes of output over the {CALL_CAP}-byte limit per call were dropped)"
+            ));
+        }
+        lines
+    }
+
     /// Writes what the last call printed to the log, within the rate limit.
     pub fn flush_to_log(&self, subscriber: &str) {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());

@@ -104,6 +104,9 @@ fn run(command: Command) -> Result<()> {
                 false => print!("{}", component.report()),
             }
         }
+        Command::Handler {
+            command: HandlerCommand::Test(args),
+        } => handler_test(args)?,
         Command::State {
             command:
                 StateCommand::Dump {
@@ -166,6 +169,52 @@ fn run(command: Command) -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `dedupd handler test`.
+fn handler_test(args: args::HandlerTestArgs) -> Result<()> {
+    use dedupd::harness;
+    if !args.file.exists() {
+        bail!("handler {} not found", args.file.display());
+    }
+    let messages = harness::read_messages(&args.input)?;
+    let seed = match &args.state {
+        Some(p) => harness::read_state(p)?,
+        None => harness::Seed::default(),
+    };
+    let expected = match &args.expect {
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))?,
+        ),
+        None => None,
+    };
+    let options = harness::Options {
+        component: args.file,
+        config: load_config(args.config.as_deref())?,
+        subscriber: args.subscriber,
+        now_ms: args.now_ms,
+        cpu_budget: args.cpu_budget,
+    };
+    let reports = harness::run(&options, &messages, &seed)?;
+    if let (Some(path), Some(expected)) = (&args.expect, expected) {
+        let file = path.display().to_string();
+        match harness::compare(&file, &expected, &reports) {
+            Ok(n) => println!("ok: {n} messages as expected in {file}"),
+            Err(diff) => {
+                eprint!("{diff}");
+                bail!("the output differs from {file}");
+            }
+        }
+        return Ok(());
+    }
+    let mut out = std::io::stdout().lock();
+    match args.json {
+        true => out.write_all(harness::json_lines(&reports).as_bytes())?,
+        false => harness::write_human(&reports, &mut out)?,
+    }
+    out.flush()?;
     Ok(())
 }
 
