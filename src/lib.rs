@@ -91,5 +91,6 @@ pub mod harness;
 pub mod inspect;
 pub mod ledger;
 pub mod pipeline;
+pub mod scaffold;
 pub mod source;
 pub mod telemetry;

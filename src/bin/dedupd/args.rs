@@ -135,6 +135,19 @@ pub enum HandlerCommand {
     /// state writes, uniqueness marks, versions, emitted messages, guard answers and logs.
     /// Deterministic: `--json > expected.jsonl` makes a file for `--expect`.
     Test(HandlerTestArgs),
+    /// Create a standalone handler project DIR/NAME (its own cargo workspace with the SDK
+    /// and the WIT contract vendored, a sample handler, sample messages and a README)
+    /// that builds with `cargo build --release --target wasm32-wasip2`.
+    New {
+        /// The crate name: ASCII letters, digits, '-' and '_', starting with a letter.
+        name: String,
+        /// The handler's language (only `rust` so far).
+        #[arg(long, default_value = "rust")]
+        lang: String,
+        /// Where to create the NAME directory.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
 }
 
 /// `dedupd handler test`.

@@ -107,6 +107,17 @@ fn run(command: Command) -> Result<()> {
         Command::Handler {
             command: HandlerCommand::Test(args),
         } => handler_test(args)?,
+        Command::Handler {
+            command: HandlerCommand::New { name, lang, dir },
+        } => {
+            let project = dedupd::scaffold::create(&dir, &name, lang.parse()?)?;
+            println!(
+                "created {} ({} files)\n\nnext:\n{}",
+                project.dir.display(),
+                project.files.len(),
+                project.next_steps()
+            );
+        }
         Command::State {
             command:
                 StateCommand::Dump {

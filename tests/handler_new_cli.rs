@@ -1,0 +1,213 @@
+//! `dedupd handler new` as a process: the generated project is built for real (offline, from
+//! the local cargo registry, inside a directory that has a cargo workspace of its own, which
+//! the project must not join), and the component it produces passes `dedupd handler check`
+//! and `dedupd handler test` on the generated `events.jsonl`. Plus the refusals: an existing
+//! non-empty directory, bad names and languages without a template.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_dedupd");
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn assert_success(&self) {
+        assert_eq!(
+            self.code,
+            Some(0),
+            "exit code; stderr:\n{}\nstdout:\n{}",
+            self.stderr,
+            self.stdout
+        );
+    }
+
+    fn assert_refused(&self, needle: &str) {
+        assert_eq!(
+            self.code,
+            Some(1),
+            "stderr:\n{}\nstdout:\n{}",
+            self.stderr,
+            self.stdout
+        );
+        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
+        assert!(
+            self.stderr.contains(needle),
+            "stderr lacks {needle:?}:\n{}",
+            self.stderr
+        );
+    }
+}
+
+fn run(cmd: &mut Command) -> Run {
+    let out = cmd.output().unwrap();
+    Run {
+        code: out.status.code(),
+        stdout: String::from_utf8(out.stdout).unwrap(),
+        stderr: String::from_utf8(out.stderr).unwrap(),
+    }
+}
+
+fn dedupd(args: &[&str]) -> Run {
+    run(Command::new(BIN).args(args).env("RUST_LOG", "warn"))
+}
+
+fn new_handler(name: &str, dir: &Path, extra: &[&str]) -> Run {
+    let mut args = vec!["handler", "new", name, "--dir", dir.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    dedupd(&args)
+}
+
+/// Where generated projects are built: shared across runs so the dependencies
+/// (wit-bindgen, serde) compile once; the project's own crates are rebuilt every time,
+/// since their sources are in a fresh directory.
+fn build_cache() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("handler-new-target")
+}
+
+#[test]
+fn generated_project_builds_and_passes_check_and_test() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A parent directory that is a cargo workspace: a project without a [workspace] of its
+    // own would fail to build here ("believes it's in a workspace when it's not").
+    let parent = tmp.path().join("monorepo");
+    std::fs::create_dir(&parent).unwrap();
+    std::fs::write(parent.join("Cargo.toml"), "[workspace]\nmembers = []\n").unwrap();
+
+    let created = new_handler("demo-handler", &parent, &[]);
+    created.assert_success();
+    let project = parent.join("demo-handler");
+    for step in [
+        "cargo build --release --target wasm32-wasip2",
+        "dedupd handler check target/wasm32-wasip2/release/demo_handler.wasm",
+        "dedupd handler test target/wasm32-wasip2/release/demo_handler.wasm --input events.jsonl",
+    ] {
+        assert!(created.stdout.contains(step), "{}", created.stdout);
+    }
+    for file in [
+        "Cargo.toml",
+        "Cargo.lock",
+        "src/lib.rs",
+        "sdk/Cargo.toml",
+        "sdk/src/lib.rs",
+        "wit/handler.wit",
+        "events.jsonl",
+        "README.md",
+        ".gitignore",
+    ] {
+        assert!(project.join(file).is_file(), "{file} missing");
+    }
+
+    // The documented build, offline: only the local registry cache.
+    let target = build_cache();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = run(Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "--target",
+            "wasm32-wasip2",
+            "--offline",
+        ])
+        .current_dir(&project)
+        .env("CARGO_TARGET_DIR", &target)
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_BUILD_TARGET")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS"));
+    built.assert_success();
+    assert!(
+        built.stderr.contains("Compiling demo-handler v0.1.0"),
+        "the generated crate itself was not built:\n{}",
+        built.stderr
+    );
+    let wasm = target.join("wasm32-wasip2/release/demo_handler.wasm");
+    let wasm = wasm.to_str().unwrap();
+
+    let checked = dedupd(&["handler", "check", wasm, "--json"]);
+    checked.assert_success();
+    let report: Value = serde_json::from_str(&checked.stdout).unwrap();
+    assert!(
+        report.to_string().contains("dedupd:handler/handler@0.1.0"),
+        "{report}"
+    );
+
+    let events = project.join("events.jsonl");
+    let tested = dedupd(&[
+        "handler",
+        "test",
+        wasm,
+        "--input",
+        events.to_str().unwrap(),
+        "--json",
+        "--cpu-budget",
+        "2s",
+    ]);
+    tested.assert_success();
+    let reports = common::json_lines(tested.stdout.into_bytes());
+    let outcomes: Vec<&str> = reports
+        .iter()
+        .map(|r| r["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            "processed",
+            "duplicate",
+            "processed",
+            "processed",
+            "dead_lettered"
+        ]
+    );
+    let state: Vec<&Value> = reports.iter().map(|r| &r["state"]).collect();
+    assert_eq!(state[0], &json!([{"key": "count/o-1", "value": 1}]));
+    assert_eq!(state[2], &json!([{"key": "count/o-1", "value": 2}]));
+    assert_eq!(state[3], &json!([{"key": "count/o-2", "value": 1}]));
+}
+
+#[test]
+fn refuses_an_existing_non_empty_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("mine");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("notes.txt"), "keep me").unwrap();
+
+    new_handler("mine", tmp.path(), &[]).assert_refused("exists and is not empty");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
+        "keep me"
+    );
+
+    // An empty directory is fine.
+    std::fs::create_dir(tmp.path().join("empty")).unwrap();
+    new_handler("empty", tmp.path(), &[]).assert_success();
+    assert!(tmp.path().join("empty/src/lib.rs").is_file());
+}
+
+#[test]
+fn refuses_bad_names_and_languages_and_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, why) in [
+        ("1st-handler", "must start with a letter"),
+        ("my handler", "' ' is not allowed"),
+        ("../escape", "'.' is not allowed"),
+        ("fn", "keyword"),
+    ] {
+        new_handler(name, tmp.path(), &[]).assert_refused(why);
+    }
+    new_handler("py", tmp.path(), &["--lang", "python"])
+        .assert_refused("python handlers are not available yet");
+    new_handler("go", tmp.path(), &["--lang", "go"]).assert_refused("only one available is rust");
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    assert!(!tmp.path().parent().unwrap().join("escape").exists());
+}
