@@ -8,59 +8,12 @@
 
 mod common;
 
+use common::{dedupd, Run};
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::{json, Value};
-
-const BIN: &str = env!("CARGO_BIN_EXE_dedupd");
-
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    fn assert_success(&self) {
-        assert_eq!(
-            self.code,
-            Some(0),
-            "exit code; stderr:\n{}\nstdout:\n{}",
-            self.stderr,
-            self.stdout
-        );
-    }
-
-    fn assert_refused(&self, needle: &str) {
-        assert_eq!(
-            self.code,
-            Some(1),
-            "stderr:\n{}\nstdout:\n{}",
-            self.stderr,
-            self.stdout
-        );
-        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
-        assert!(
-            self.stderr.contains(needle),
-            "stderr lacks {needle:?}:\n{}",
-            self.stderr
-        );
-    }
-}
-
-fn run(cmd: &mut Command) -> Run {
-    let out = cmd.output().unwrap();
-    Run {
-        code: out.status.code(),
-        stdout: String::from_utf8(out.stdout).unwrap(),
-        stderr: String::from_utf8(out.stderr).unwrap(),
-    }
-}
-
-fn dedupd(args: &[&str]) -> Run {
-    run(Command::new(BIN).args(args).env("RUST_LOG", "warn"))
-}
 
 fn new_handler(name: &str, dir: &Path, extra: &[&str]) -> Run {
     let mut args = vec!["handler", "new", name, "--dir", dir.to_str().unwrap()];
@@ -111,19 +64,21 @@ fn generated_project_builds_and_passes_check_and_test() {
     // The documented build, offline: only the local registry cache.
     let target = build_cache();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = run(Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "--target",
-            "wasm32-wasip2",
-            "--offline",
-        ])
-        .current_dir(&project)
-        .env("CARGO_TARGET_DIR", &target)
-        .env_remove("RUSTFLAGS")
-        .env_remove("CARGO_BUILD_TARGET")
-        .env_remove("CARGO_ENCODED_RUSTFLAGS"));
+    let built = Run::of(
+        Command::new(cargo)
+            .args([
+                "build",
+                "--release",
+                "--target",
+                "wasm32-wasip2",
+                "--offline",
+            ])
+            .current_dir(&project)
+            .env("CARGO_TARGET_DIR", &target)
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_BUILD_TARGET")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS"),
+    );
     built.assert_success();
     assert!(
         built.stderr.contains("Compiling demo-handler v0.1.0"),
@@ -181,7 +136,7 @@ fn refuses_an_existing_non_empty_directory() {
     std::fs::create_dir(&dir).unwrap();
     std::fs::write(dir.join("notes.txt"), "keep me").unwrap();
 
-    new_handler("mine", tmp.path(), &[]).assert_refused("exists and is not empty");
+    new_handler("mine", tmp.path(), &[]).assert_refused(&["exists and is not empty"]);
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
     assert_eq!(
         std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
@@ -203,11 +158,12 @@ fn refuses_bad_names_and_languages_and_writes_nothing() {
         ("../escape", "'.' is not allowed"),
         ("fn", "keyword"),
     ] {
-        new_handler(name, tmp.path(), &[]).assert_refused(why);
+        new_handler(name, tmp.path(), &[]).assert_refused(&[why]);
     }
     new_handler("py", tmp.path(), &["--lang", "python"])
-        .assert_refused("python handlers are not available yet");
-    new_handler("go", tmp.path(), &["--lang", "go"]).assert_refused("only one available is rust");
+        .assert_refused(&["python handlers are not available yet"]);
+    new_handler("go", tmp.path(), &["--lang", "go"])
+        .assert_refused(&["only one available is rust"]);
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
     assert!(!tmp.path().parent().unwrap().join("escape").exists());
 }

@@ -12,64 +12,19 @@ use std::process::Command;
 
 use serde_json::{json, Value};
 
-use common::component;
+use common::{component, dedupd, Run};
 
 const BIN: &str = env!("CARGO_BIN_EXE_dedupd");
 
-/// What one `dedupd` invocation produced.
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
+/// The `--json` reports of a run.
+trait Reports {
+    fn reports(&self) -> Vec<Value>;
 }
 
-impl Run {
-    fn assert_success(&self) {
-        assert_eq!(
-            self.code,
-            Some(0),
-            "exit code; stderr:\n{}\nstdout:\n{}",
-            self.stderr,
-            self.stdout
-        );
-    }
-
-    /// Exit 1, nothing on stdout, no panic, and stderr holds every needle.
-    fn assert_refused(&self, needles: &[&str]) {
-        assert_eq!(
-            self.code,
-            Some(1),
-            "stderr:\n{}\nstdout:\n{}",
-            self.stderr,
-            self.stdout
-        );
-        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
-        for n in needles {
-            assert!(
-                self.stderr.contains(n),
-                "stderr lacks {n:?}:\n{}",
-                self.stderr
-            );
-        }
-    }
-
-    /// The `--json` reports.
+impl Reports for Run {
     fn reports(&self) -> Vec<Value> {
         self.assert_success();
         common::json_lines(self.stdout.clone().into_bytes())
-    }
-}
-
-fn dedupd(args: &[&str]) -> Run {
-    let out = Command::new(BIN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap();
-    Run {
-        code: out.status.code(),
-        stdout: String::from_utf8(out.stdout).unwrap(),
-        stderr: String::from_utf8(out.stderr).unwrap(),
     }
 }
 

@@ -65,17 +65,7 @@ fn request(
 #[test]
 fn serve_answers_over_tcp_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = dedupd()
-        .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let addr = address(&mut stderr);
-    let mut conn = TcpStream::connect(&addr).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
+    let (mut child, mut conn) = serve(&dir.path().join("data"));
     let (status, body) = request(&mut conn, "GET", "/healthz", "", "");
     assert!(status.ends_with("200 OK"), "{status}");
     assert!(body.contains("ok"));
@@ -117,6 +107,24 @@ fn serve_answers_over_tcp_and_stops_on_sigterm() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status:?}");
+}
+
+/// `dedupd serve` on a free loopback port over `data`, and a connection to it.
+fn serve(data: &std::path::Path) -> (std::process::Child, TcpStream) {
+    let mut child = dedupd()
+        .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
+        .arg(data)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let addr = address(&mut stderr);
+    // Keep reading what it logs, so its stderr stays open and never fills.
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+    let conn = TcpStream::connect(&addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    (child, conn)
 }
 
 /// Waits for the "HTTP API on http://ADDR" line and returns ADDR.
@@ -216,17 +224,7 @@ fn inspect(data: &std::path::Path, extra: &[&str]) -> std::process::Output {
 fn inspect_points_at_the_running_engine_and_repairs_only_when_asked() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let mut child = dedupd()
-        .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
-        .arg(&data)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let addr = address(&mut stderr);
-    let mut conn = TcpStream::connect(&addr).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
+    let (mut child, mut conn) = serve(&data);
     for i in 0..3 {
         let key = format!("Idempotency-Key: k-{i}\r\nContent-Type: application/json\r\n");
         let (status, body) = request(&mut conn, "POST", "/v1/subscribers/s/messages", &key, "{}");

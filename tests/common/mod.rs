@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::process::Command;
 
 use serde_json::Value;
 
@@ -47,4 +48,61 @@ pub fn seed(base: u64) -> u64 {
         Some(s) if s != 0 => base ^ s.wrapping_mul(0x9e37_79b9_7f4a_7c15),
         _ => base,
     }
+}
+
+/// What one process run produced.
+pub struct Run {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    /// Runs `cmd` to its end.
+    pub fn of(cmd: &mut Command) -> Run {
+        let out = cmd.output().unwrap();
+        Run {
+            code: out.status.code(),
+            stdout: String::from_utf8(out.stdout).unwrap(),
+            stderr: String::from_utf8(out.stderr).unwrap(),
+        }
+    }
+
+    pub fn assert_success(&self) {
+        assert_eq!(
+            self.code,
+            Some(0),
+            "exit code; stderr:\n{}\nstdout:\n{}",
+            self.stderr,
+            self.stdout
+        );
+    }
+
+    /// Exit 1, no panic, and stderr holds every needle.
+    pub fn assert_refused(&self, needles: &[&str]) {
+        assert_eq!(
+            self.code,
+            Some(1),
+            "stderr:\n{}\nstdout:\n{}",
+            self.stderr,
+            self.stdout
+        );
+        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
+        for n in needles {
+            assert!(
+                self.stderr.contains(n),
+                "stderr lacks {n:?}:\n{}",
+                self.stderr
+            );
+        }
+    }
+}
+
+/// `dedupd ARGS` (engine logs at `warn`).
+pub fn dedupd(args: &[&str]) -> Run {
+    Run::of(
+        Command::new(env!("CARGO_BIN_EXE_dedupd"))
+            .args(args)
+            .env("RUST_LOG", "warn"),
+    )
 }
