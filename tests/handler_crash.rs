@@ -142,7 +142,7 @@ fn kill_9_rounds(ledger: &str) {
         &[900, 2_500, 4_100, 5_300],
     );
     // Exactly one label per order.
-    let labels = dump_state(&data, &config);
+    let labels = common::state_dump(&data, &config);
     let orders: BTreeSet<String> = labels
         .iter()
         .map(|l| l["value"]["order_id"].as_str().unwrap().to_string())
@@ -222,23 +222,6 @@ fn kill_rounds_then_finish(
     (data, config)
 }
 
-/// `dedupd state dump` of the default subscriber, as JSON values.
-fn dump_state(data: &Path, config: &Path) -> Vec<serde_json::Value> {
-    let dump = Command::new(env!("CARGO_BIN_EXE_dedupd"))
-        .args(["state", "dump", "--subscriber", "default", "--data-dir"])
-        .arg(data)
-        .arg("--config")
-        .arg(config)
-        .output()
-        .unwrap();
-    assert!(
-        dump.status.success(),
-        "{}",
-        String::from_utf8_lossy(&dump.stderr)
-    );
-    common::json_lines(dump.stdout)
-}
-
 /// Ten seeded kill points, spread over the stream.
 fn kill_points(n: usize, len: usize) -> Vec<usize> {
     let mut points: Vec<usize> = (0..n as u64)
@@ -260,7 +243,7 @@ fn counts_are_exact_after_ten_kill_9_rounds_with_state_runs_merging() {
         "fixture_counter",
         &points,
     );
-    let counts: BTreeMap<String, String> = dump_state(&data, &config)
+    let counts: BTreeMap<String, String> = common::state_dump(&data, &config)
         .iter()
         .map(|l| {
             (

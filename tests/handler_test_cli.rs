@@ -212,17 +212,16 @@ fn state_seeding_changes_the_outcome() {
     }
     let out = pipe.wait_with_output().unwrap();
     assert!(out.status.success());
-    let dump = Command::new(BIN)
-        .args(["state", "dump", "--data-dir", data.to_str().unwrap()])
-        .args(["--subscriber", "default"])
-        .output()
-        .unwrap();
-    assert!(
-        dump.status.success(),
-        "{}",
-        String::from_utf8_lossy(&dump.stderr)
-    );
-    let dump_text = String::from_utf8(dump.stdout).unwrap();
+    let dump = dedupd(&[
+        "state",
+        "dump",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--subscriber",
+        "default",
+    ]);
+    dump.assert_success();
+    let dump_text = dump.stdout;
     assert_eq!(dump_text.trim(), r#"{"key":"count/o-1","value":2}"#);
     let state = write_text(tmp.path(), "state.jsonl", &dump_text);
 

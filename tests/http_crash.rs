@@ -218,19 +218,7 @@ fn counts_are_exact_after_ten_kill_9_rounds_over_http_with_client_retries() {
         "answered as newly processed twice: {twice:?}"
     );
 
-    let dump = Command::new(env!("CARGO_BIN_EXE_dedupd"))
-        .args(["state", "dump", "--subscriber", "default", "--data-dir"])
-        .arg(&data)
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
-    assert!(
-        dump.status.success(),
-        "{}",
-        String::from_utf8_lossy(&dump.stderr)
-    );
-    let counts: BTreeMap<String, String> = common::json_lines(dump.stdout)
+    let counts: BTreeMap<String, String> = common::state_dump(&data, &config)
         .iter()
         .map(|l| {
             (

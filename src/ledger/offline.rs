@@ -18,6 +18,7 @@ use redb::{ReadOnlyDatabase, ReadTransaction, ReadableDatabase, ReadableTable, T
 use super::datadir::{dir_bytes, read_manifest, shard_path};
 use super::filter::GenFilter;
 use super::record::{GenMeta, GenState, LogRow};
+use super::report::summed;
 use super::shard::storage;
 use super::state::StateBuffer;
 use super::tables::{self, missing_is_none};
@@ -47,7 +48,7 @@ pub fn offline_report(dir: &Path) -> Result<LedgerReport, LedgerError> {
             ),
         });
     }
-    let mut by_name: BTreeMap<String, SubscriberReport> = BTreeMap::new();
+    let mut rows = Vec::new();
     for index in 0..shards {
         let path = shard_path(dir, index);
         let db = ReadOnlyDatabase::open(&path).map_err(|e| match redb::Error::from(e) {
@@ -58,22 +59,14 @@ pub fn offline_report(dir: &Path) -> Result<LedgerReport, LedgerError> {
             e => storage(&path, e),
         })?;
         let txn = db.begin_read().map_err(|e| storage(&path, e))?;
-        for r in shard_report(&txn).map_err(|e| storage(&path, e))? {
-            by_name
-                .entry(r.subscriber.clone())
-                .or_insert_with(|| SubscriberReport {
-                    subscriber: r.subscriber.clone(),
-                    ..Default::default()
-                })
-                .add(&r);
-        }
+        rows.extend(shard_report(&txn).map_err(|e| storage(&path, e))?);
     }
     Ok(LedgerReport {
         data_dir: dir.to_path_buf(),
         format_version: format,
         shards,
         file_bytes: dir_bytes(dir),
-        subscribers: by_name.into_values().collect(),
+        subscribers: summed(rows),
         disk: None,
         offline: true,
     })

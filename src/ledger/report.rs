@@ -44,9 +44,24 @@ pub struct SubscriberReport {
     pub state_retired_runs: u64,
 }
 
+/// Each subscriber's rows of every shard summed into one, by name.
+pub(crate) fn summed(rows: impl IntoIterator<Item = SubscriberReport>) -> Vec<SubscriberReport> {
+    let mut by_name: std::collections::BTreeMap<String, SubscriberReport> = Default::default();
+    for r in rows {
+        by_name
+            .entry(r.subscriber.clone())
+            .or_insert_with(|| SubscriberReport {
+                subscriber: r.subscriber.clone(),
+                ..Default::default()
+            })
+            .add(&r);
+    }
+    by_name.into_values().collect()
+}
+
 impl SubscriberReport {
     /// Adds another shard's counts of the same subscriber.
-    pub(crate) fn add(&mut self, r: &SubscriberReport) {
+    fn add(&mut self, r: &SubscriberReport) {
         self.claims += r.claims;
         self.active_claims += r.active_claims;
         self.sealed_generations += r.sealed_generations;
@@ -100,18 +115,7 @@ pub struct ShardMetrics {
 impl Ledger {
     /// Per-subscriber counts summed over shards.
     pub fn report(&self) -> Result<LedgerReport, LedgerError> {
-        let mut by_name: std::collections::BTreeMap<String, SubscriberReport> = Default::default();
-        for rows in self.ask_all(|reply| Control::Report { reply })? {
-            for r in rows {
-                by_name
-                    .entry(r.subscriber.clone())
-                    .or_insert_with(|| SubscriberReport {
-                        subscriber: r.subscriber.clone(),
-                        ..Default::default()
-                    })
-                    .add(&r);
-            }
-        }
+        let rows = self.ask_all(|reply| Control::Report { reply })?;
         Ok(LedgerReport {
             data_dir: self.data_dir.clone(),
             format_version: FORMAT_VERSION,
@@ -119,7 +123,7 @@ impl Ledger {
             file_bytes: dir_bytes(&self.data_dir),
             disk: None,
             offline: false,
-            subscribers: by_name.into_values().collect(),
+            subscribers: summed(rows.into_iter().flatten()),
         })
     }
 

@@ -106,3 +106,17 @@ pub fn dedupd(args: &[&str]) -> Run {
             .env("RUST_LOG", "warn"),
     )
 }
+
+/// `dedupd state dump` of the `default` subscriber (subscriber settings from `config`), as
+/// JSON values.
+pub fn state_dump(data: &std::path::Path, config: &std::path::Path) -> Vec<Value> {
+    let dump = Run::of(
+        Command::new(env!("CARGO_BIN_EXE_dedupd"))
+            .args(["state", "dump", "--subscriber", "default", "--data-dir"])
+            .arg(data)
+            .arg("--config")
+            .arg(config),
+    );
+    dump.assert_success();
+    json_lines(dump.stdout.into_bytes())
+}
