@@ -90,9 +90,14 @@ pub struct BenchReport {
     pub max_commit_ms: f64,
     /// Filters of sealed generations per stored key (the part that grows with keys).
     pub filter_bytes_per_key: f64,
+    /// Length of the data directory's files.
     pub disk_bytes: u64,
     /// Data directory bytes per stored claim (with a handler: claim and its state).
     pub disk_bytes_per_key: f64,
+    /// Bytes the data directory's files take on the disk (allocated blocks, as `du`
+    /// counts): redb grows a file ahead of use, and the part not yet written is a hole.
+    pub disk_allocated_bytes: u64,
+    pub disk_allocated_bytes_per_key: f64,
     pub batches: u64,
     pub commits: u64,
     pub mean_batch: f64,
@@ -251,6 +256,9 @@ pub fn run(
     report.data_dir = data_dir;
     report.disk_bytes = crate::ledger::dir_bytes(&report.data_dir);
     report.disk_bytes_per_key = report.disk_bytes as f64 / report.stored_keys.max(1) as f64;
+    report.disk_allocated_bytes = crate::ledger::dir_allocated_bytes(&report.data_dir);
+    report.disk_allocated_bytes_per_key =
+        report.disk_allocated_bytes as f64 / report.stored_keys.max(1) as f64;
     report.naive_batch = report.mean_batch.round().max(1.0) as u64;
     if params.naive_messages > 0 {
         let n = params.naive_messages;
@@ -545,6 +553,8 @@ fn assemble(
         filter_bytes_per_key: filter_bytes as f64 / stored_keys.max(1) as f64,
         disk_bytes: 0,
         disk_bytes_per_key: 0.0,
+        disk_allocated_bytes: 0,
+        disk_allocated_bytes_per_key: 0.0,
         batches,
         commits: m.iter().map(|m| m.commits).sum(),
         mean_batch,
@@ -696,6 +706,7 @@ mod tests {
         assert!(r.rss_bytes_per_key >= 0.0 && r.rss_base_bytes > 0);
         assert_eq!(r.stored_keys, r.processed);
         assert!(r.disk_bytes_per_key > 0.0);
+        assert!(r.disk_allocated_bytes_per_key > 0.0);
         assert!(r.index_bytes_per_key > 0.0);
         assert!(r.max_batch_ms >= r.max_batch_ms_plain);
         assert!(r.naive_msgs_per_sec > 0.0);

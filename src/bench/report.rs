@@ -70,7 +70,9 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "disk     {:.1} MiB ({:.1} B/key)",
+            "disk     {:.1} MiB allocated ({:.1} B/key); files {:.1} MiB long ({:.1} B/key)",
+            r.disk_allocated_bytes as f64 / 1048576.0,
+            r.disk_allocated_bytes_per_key,
             r.disk_bytes as f64 / 1048576.0,
             r.disk_bytes_per_key
         )?;

@@ -200,6 +200,22 @@ fn write_durably(path: &Path, body: &[u8]) -> std::io::Result<()> {
 }
 
 /// Sum of the sizes of the files in a directory (not recursive).
+/// Bytes the files of `dir` take on the disk (allocated blocks, as `du` counts them):
+/// less than [`dir_bytes`] where a file has holes, e.g. the part of a shard file redb has
+/// grown but not yet written.
+pub fn dir_allocated_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .map(|it| {
+            it.filter_map(|e| e.ok())
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.blocks() * 512)
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
 pub fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|it| {

@@ -57,7 +57,7 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
-pub use datadir::{dir_bytes, read_manifest, MANIFEST};
+pub use datadir::{dir_allocated_bytes, dir_bytes, read_manifest, MANIFEST};
 pub use naive::{NaiveBaseline, NaiveError};
 pub use offline::offline_report;
 pub use ops::{OutboxRow, RecordKind, StoredRecord};

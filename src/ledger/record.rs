@@ -14,7 +14,10 @@
 ///   tables of format 2 are rewritten as one run per subscriber on open.
 /// - 4: blocks of bigger state runs may be zstd-compressed (a block's first byte says
 ///   which). Format-3 shards are read as they are; only older binaries must refuse them.
-pub const FORMAT_VERSION: u64 = 4;
+/// - 5: a state merge frees its inputs' blocks behind its cursor and records its progress
+///   in the run list (`state/runs.rs`); an older binary would read the half-freed inputs
+///   as whole. Format-3 and -4 shards are read as they are.
+pub const FORMAT_VERSION: u64 = 5;
 
 /// Bytes of an encoded [`ClaimRecord`].
 pub const CLAIM_LEN: usize = 32;

@@ -303,6 +303,40 @@ impl RunWriter {
         Ok(())
     }
 
+    /// Writes the block being filled now, so the table holds every entry pushed so far:
+    /// a merge does this at the end of each slice, before it frees what it consumed.
+    pub fn flush_block(
+        &mut self,
+        t: &mut Table<&'static [u8], &'static [u8]>,
+    ) -> Result<(), StorageError> {
+        self.write_block(t)
+    }
+
+    /// A writer that carries on a run already written up to its last block (a merge
+    /// interrupted by a restart): its filter, counts and last key are rebuilt by reading
+    /// the table once.
+    pub fn resume<T: ReadableTable<&'static [u8], &'static [u8]>>(
+        t: &T,
+        expected: u64,
+        compress: bool,
+    ) -> Result<RunWriter, StorageError> {
+        let mut w = RunWriter::new(expected, compress);
+        for row in t.iter()? {
+            let (k, block) = row?;
+            let stored = block.value();
+            w.bytes += (stored.len() + k.value().len()) as u64;
+            let raw = block_bytes(stored)?;
+            let mut cursor = BlockCursor::new(&raw);
+            while let Some((key, _)) = cursor.next_entry()? {
+                w.filter.insert_hash(key_hash(key));
+                w.entries += 1;
+                w.last.clear();
+                w.last.extend_from_slice(key);
+            }
+        }
+        Ok(w)
+    }
+
     /// Writes the last block.
     pub fn finish(
         mut self,
@@ -348,10 +382,13 @@ pub(crate) struct RunScan {
     pending: Vec<Entry>,
     /// Entries before this run key are skipped.
     from: Vec<u8>,
+    /// The scan ends before this run key.
+    until: Option<Vec<u8>>,
     done: bool,
 }
 
 impl RunScan {
+    #[cfg(test)]
     pub fn new(
         t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
         kind: u8,
@@ -368,18 +405,30 @@ impl RunScan {
         RunScan::open(t, None, from.to_vec())
     }
 
-    fn open(
+    /// The entries of `kind` (every entry when `None`) with run keys from `from` up to
+    /// `until` (excluded; no end when `None`).
+    pub fn between(
         t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
         kind: Option<u8>,
         from: Vec<u8>,
+        until: Option<Vec<u8>>,
     ) -> Result<RunScan, StorageError> {
         Ok(RunScan {
             range: t.range::<&[u8]>(from.as_slice()..)?,
             kind,
             pending: Vec::new(),
             from,
+            until,
             done: false,
         })
+    }
+
+    fn open(
+        t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
+        kind: Option<u8>,
+        from: Vec<u8>,
+    ) -> Result<RunScan, StorageError> {
+        RunScan::between(t, kind, from, None)
     }
 
     fn fill(&mut self) -> Result<(), StorageError> {
@@ -395,6 +444,10 @@ impl RunScan {
             while let Some((k, v)) = cursor.next_entry()? {
                 if k < self.from.as_slice() {
                     continue;
+                }
+                if self.until.as_deref().is_some_and(|u| k >= u) {
+                    self.done = true;
+                    break;
                 }
                 let key = match self.kind {
                     None => k,

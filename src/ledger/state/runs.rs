@@ -116,15 +116,65 @@ impl Run {
     }
 }
 
+/// The key of the merge-progress row in a subscriber's run list table (no run has it:
+/// table ids count up from 0).
+const MERGE_ROW: u64 = u64::MAX;
+
 /// A merge in progress: `inputs` are adjacent in the run list.
 struct Merging {
     inputs: Vec<Arc<Run>>,
     /// Whether the inputs include the oldest run (tombstones are dropped).
     bottom: bool,
     out_id: u64,
+    compress: bool,
     writer: RunWriter,
-    /// Run key the next slice starts at.
+    /// Run key the next slice starts at. Every key before it is in the output table (and
+    /// gone from the inputs' tables); readers take keys before it from the output.
     resume: Vec<u8>,
+}
+
+impl Merging {
+    /// Progress row (v1): `out_id u64, bottom u8, compress u8, inputs u32, input table
+    /// ids u64 each, resume key`; little endian.
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(14 + 8 * self.inputs.len() + self.resume.len());
+        out.extend_from_slice(&self.out_id.to_le_bytes());
+        out.push(u8::from(self.bottom));
+        out.push(u8::from(self.compress));
+        out.extend_from_slice(&(self.inputs.len() as u32).to_le_bytes());
+        for r in &self.inputs {
+            out.extend_from_slice(&r.table_id.to_le_bytes());
+        }
+        out.extend_from_slice(&self.resume);
+        out
+    }
+}
+
+/// A decoded progress row: output table id, bottom, compress, input table ids, resume key.
+type Progress = (u64, bool, bool, Vec<u64>, Vec<u8>);
+
+fn decode_progress(b: &[u8]) -> Option<Progress> {
+    let out_id = u64::from_le_bytes(b.get(..8)?.try_into().ok()?);
+    let bottom = *b.get(8)? == 1;
+    let compress = *b.get(9)? == 1;
+    let n = u32::from_le_bytes(b.get(10..14)?.try_into().ok()?) as usize;
+    let ids_end = 14usize.checked_add(n.checked_mul(8)?)?;
+    let inputs = b
+        .get(14..ids_end)?
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect();
+    Some((out_id, bottom, compress, inputs, b.get(ids_end..)?.to_vec()))
+}
+
+/// A merge in progress as readers see it: the runs at `at..at + inputs` of the list are
+/// its inputs, and keys before `resume` are read from the output table `out_id` instead.
+#[derive(Clone)]
+pub(crate) struct Partial {
+    pub at: usize,
+    pub inputs: usize,
+    pub out_id: u64,
+    pub resume: Vec<u8>,
 }
 
 /// The runs of a subscriber on one shard.
@@ -151,10 +201,20 @@ impl Runs {
     /// metadata row names (left by a crash mid-write).
     pub fn load(txn: &ReadTransaction, sub: &str) -> Result<Runs, redb::Error> {
         let mut runs = Runs::default();
+        let mut progress = None;
         if let Some(t) = missing_is_none(txn.open_table(StateRunsDef::new(&state_runs_name(sub))))?
         {
             for row in t.iter()? {
                 let (k, v) = row?;
+                if k.value() == MERGE_ROW {
+                    progress = Some(decode_progress(v.value()).ok_or_else(|| {
+                        corrupt(format!(
+                            "{} merge progress does not decode",
+                            state_runs_name(sub)
+                        ))
+                    })?);
+                    continue;
+                }
                 let run = Run::decode(k.value(), v.value()).ok_or_else(|| {
                     corrupt(format!(
                         "{} row {} does not decode",
@@ -167,8 +227,13 @@ impl Runs {
             }
         }
         runs.list.sort_by_key(|r| std::cmp::Reverse(r.order));
-        let prefix = format!("{STATE_RUN_PREFIX}{sub}/");
         runs.next_id = runs.list.iter().map(|r| r.table_id + 1).max().unwrap_or(0);
+        if let Some((out_id, bottom, compress, ids, resume)) = progress {
+            runs.merging =
+                Some(runs.resume_merge(txn, sub, out_id, bottom, compress, &ids, resume)?);
+            runs.next_id = runs.next_id.max(out_id + 1);
+        }
+        let prefix = format!("{STATE_RUN_PREFIX}{sub}/");
         for table in txn.list_tables()? {
             let name = table.name();
             let Some(id) = name
@@ -178,11 +243,76 @@ impl Runs {
                 continue;
             };
             runs.next_id = runs.next_id.max(id + 1);
-            if !runs.list.iter().any(|r| r.table_id == id) {
+            let merge_output = runs.merging.as_ref().is_some_and(|m| m.out_id == id);
+            if !merge_output && !runs.list.iter().any(|r| r.table_id == id) {
                 runs.retired.push_back(name.to_string());
             }
         }
         Ok(runs)
+    }
+
+    /// Picks up a merge a restart interrupted: its inputs must still be listed, adjacent,
+    /// and its output's written blocks are read once to rebuild the writer.
+    #[allow(clippy::too_many_arguments)]
+    fn resume_merge(
+        &self,
+        txn: &ReadTransaction,
+        sub: &str,
+        out_id: u64,
+        bottom: bool,
+        compress: bool,
+        ids: &[u64],
+        resume: Vec<u8>,
+    ) -> Result<Merging, redb::Error> {
+        let at = ids
+            .first()
+            .and_then(|first| self.list.iter().position(|r| r.table_id == *first));
+        let inputs: Option<Vec<Arc<Run>>> = at.and_then(|at| {
+            let window = self.list.get(at..at + ids.len())?;
+            window
+                .iter()
+                .zip(ids)
+                .all(|(r, id)| r.table_id == *id)
+                .then(|| window.to_vec())
+        });
+        let Some(inputs) = inputs else {
+            return Err(corrupt(format!(
+                "{}: the merge in progress names runs {ids:?} that are not listed together",
+                state_runs_name(sub)
+            )));
+        };
+        let expected = inputs.iter().map(|r| r.entries).sum();
+        let writer =
+            match missing_is_none(txn.open_table(BlockDef::new(&state_run_name(sub, out_id))))? {
+                Some(t) => RunWriter::resume(&t, expected, compress)?,
+                None => RunWriter::new(expected, compress),
+            };
+        Ok(Merging {
+            inputs,
+            bottom,
+            out_id,
+            compress,
+            writer,
+            resume,
+        })
+    }
+
+    /// The merge in progress as readers of the last commit see it.
+    pub fn partial(&self) -> Option<Partial> {
+        let m = self.merging.as_ref()?;
+        if m.resume.is_empty() {
+            return None;
+        }
+        let at = self
+            .list
+            .iter()
+            .position(|r| r.table_id == m.inputs[0].table_id)?;
+        Some(Partial {
+            at,
+            inputs: m.inputs.len(),
+            out_id: m.out_id,
+            resume: m.resume.clone(),
+        })
     }
 
     /// Retired tables not yet deleted.
@@ -241,11 +371,13 @@ impl Runs {
             if let Some(window) = pick(&self.list, base) {
                 let inputs: Vec<Arc<Run>> = self.list[window.clone()].to_vec();
                 let expected = inputs.iter().map(|r| r.entries).sum();
+                let compress = compress_tier(expected, base);
                 self.merging = Some(Merging {
                     bottom: window.end == self.list.len(),
                     inputs,
                     out_id: self.next_id,
-                    writer: RunWriter::new(expected, compress_tier(expected, base)),
+                    compress,
+                    writer: RunWriter::new(expected, compress),
                     resume: Vec::new(),
                 });
                 self.next_id += 1;
@@ -317,6 +449,23 @@ impl Runs {
             }
         }
         if !finished {
+            // Everything before `resume` is now in the output's table: its inputs' blocks
+            // that end before it are read by nobody after this commit (readers of earlier
+            // snapshots keep theirs), so they go now and the merge never holds the state
+            // twice over. The progress row lets a restart carry on from here.
+            m.writer.flush_block(&mut out)?;
+            drop(out);
+            for r in &m.inputs {
+                let mut t = txn.open_table(BlockDef::new(&state_run_name(sub, r.table_id)))?;
+                while t
+                    .first()?
+                    .is_some_and(|(last, _)| last.value() < m.resume.as_slice())
+                {
+                    t.pop_first()?;
+                }
+            }
+            txn.open_table(StateRunsDef::new(&state_runs_name(sub)))?
+                .insert(MERGE_ROW, m.encode().as_slice())?;
             return Ok(written);
         }
         let Some(m) = self.merging.take() else {
@@ -326,6 +475,7 @@ impl Runs {
         let done = m.writer.finish(&mut out)?;
         drop(out);
         let mut meta = txn.open_table(StateRunsDef::new(&state_runs_name(sub)))?;
+        meta.remove(MERGE_ROW)?;
         for r in &m.inputs {
             meta.remove(r.table_id)?;
             self.retired.push_back(state_run_name(sub, r.table_id));
@@ -414,27 +564,83 @@ pub(crate) fn open_run(
     txn: &ReadTransaction,
     sub: &str,
     run: &Run,
-) -> Result<redb::ReadOnlyTable<&'static [u8], &'static [u8]>, redb::Error> {
+) -> Result<RunTable, redb::Error> {
     Ok(txn.open_table(BlockDef::new(&state_run_name(sub, run.table_id)))?)
 }
 
 /// The entry of `key` (a run key) in the newest run that has it: `Some(None)` is a
-/// tombstone. `tables` are the runs' tables, in the same order.
+/// tombstone. `tables` are the runs' tables, in the same order; `partial` is a merge in
+/// progress and its output's table.
 pub(crate) fn lookup(
     runs: &[Arc<Run>],
-    tables: &[redb::ReadOnlyTable<&'static [u8], &'static [u8]>],
+    tables: &[RunTable],
+    partial: Option<&(Partial, RunTable)>,
     key: &[u8],
 ) -> Result<Option<Option<Vec<u8>>>, StorageError> {
     let hash = run::key_hash(key);
-    for (r, t) in runs.iter().zip(tables) {
-        if !r.may_contain(hash) {
+    let mut i = 0;
+    while i < runs.len() {
+        if let Some((p, out)) = partial.filter(|(p, _)| p.at == i && key < p.resume.as_slice()) {
+            // Merged already: the output holds the newest entry of the inputs (no filter
+            // of its own yet, but it holds only keys of theirs).
+            let inputs = &runs[i..(i + p.inputs).min(runs.len())];
+            if inputs.iter().any(|r| r.may_contain(hash)) {
+                if let Some(found) = run::get(out, key)? {
+                    return Ok(Some(found));
+                }
+            }
+            i += p.inputs;
             continue;
         }
-        if let Some(found) = run::get(t, key)? {
-            return Ok(Some(found));
+        if runs[i].may_contain(hash) {
+            if let Some(found) = run::get(&tables[i], key)? {
+                return Ok(Some(found));
+            }
         }
+        i += 1;
     }
     Ok(None)
+}
+
+/// A run's table as read.
+pub(crate) type RunTable = redb::ReadOnlyTable<&'static [u8], &'static [u8]>;
+
+/// Scans of `kind` from `from` (a key without its kind byte) on, one per source newest
+/// first: a run's table, or for a merge in progress its output up to the resume key
+/// followed by its inputs from there on.
+pub(crate) fn scans(
+    tables: &[RunTable],
+    partial: Option<&(Partial, RunTable)>,
+    kind: u8,
+    from: &[u8],
+) -> Result<Vec<RunScan>, StorageError> {
+    let start = run::run_key(kind, from);
+    let mut out = Vec::with_capacity(tables.len() + 1);
+    let mut i = 0;
+    while i < tables.len() {
+        if let Some((p, table)) = partial.filter(|(p, _)| p.at == i) {
+            out.push(RunScan::between(
+                table,
+                Some(kind),
+                start.clone(),
+                Some(p.resume.clone()),
+            )?);
+            let rest = start.clone().max(p.resume.clone());
+            for t in &tables[i..(i + p.inputs).min(tables.len())] {
+                out.push(RunScan::between(t, Some(kind), rest.clone(), None)?);
+            }
+            i += p.inputs;
+            continue;
+        }
+        out.push(RunScan::between(
+            &tables[i],
+            Some(kind),
+            start.clone(),
+            None,
+        )?);
+        i += 1;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -574,6 +780,136 @@ mod tests {
             });
             assert!(holder.is_some(), "key {i}");
         }
+    }
+
+    /// Blocks of a run's table.
+    fn blocks(db: &Database, id: u64) -> usize {
+        let txn = db.begin_read().unwrap();
+        missing_is_none(txn.open_table(BlockDef::new(&state_run_name("s", id))))
+            .unwrap()
+            .map_or(0, |t| t.len().unwrap() as usize)
+    }
+
+    /// Every key as a reader of the last commit finds it, and a prefix scan.
+    fn check_reads(db: &Database, runs: &Runs, keys: u64, value: &dyn Fn(u64) -> Vec<u8>) {
+        let txn = db.begin_read().unwrap();
+        let tables: Vec<RunTable> = runs
+            .list
+            .iter()
+            .map(|r| open_run(&txn, "s", r).unwrap())
+            .collect();
+        let partial = runs.partial().map(|p| {
+            let t = txn
+                .open_table(BlockDef::new(&state_run_name("s", p.out_id)))
+                .unwrap();
+            (p, t)
+        });
+        for i in 0..keys {
+            let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
+            assert_eq!(
+                lookup(&runs.list, &tables, partial.as_ref(), &k).unwrap(),
+                Some(Some(value(i))),
+                "key {i}"
+            );
+        }
+        // Every key from k00000010 on, each with its value.
+        let scanned: Vec<(String, bool)> =
+            Merge::new(scans(&tables, partial.as_ref(), run::KIND_STATE, b"k0000001").unwrap())
+                .unwrap()
+                .map(|e| {
+                    let (k, v) = e.unwrap();
+                    let k = String::from_utf8(k).unwrap();
+                    let i: u64 = k[1..].parse().unwrap();
+                    (k, v == Some(value(i)))
+                })
+                .collect();
+        let want: Vec<(String, bool)> = (10..keys).map(|i| (format!("k{i:08}"), true)).collect();
+        assert_eq!(scanned, want);
+    }
+
+    /// A merge deletes its inputs' blocks behind its cursor slice by slice, so the state
+    /// is never held twice over, readers see every key throughout (output before the
+    /// cursor, inputs after it), and a restart mid-merge carries on where it stopped.
+    #[test]
+    fn a_merge_frees_its_inputs_behind_its_cursor_and_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.redb");
+        let mut db = Database::create(&path).unwrap();
+        let base = 16;
+        let mut runs = Runs::default();
+        let value = |i: u64| format!("{i:0200}").into_bytes();
+        // Four runs of 64 interleaved keys (run j holds keys j, j + 4, ...), ~200-byte
+        // values: about 18 entries a block, 4 blocks a run.
+        for j in 0..4u64 {
+            let txn = db.begin_write().unwrap();
+            let (id, order) = runs.next_flush();
+            let written = {
+                let mut t = txn
+                    .open_table(BlockDef::new(&state_run_name("s", id)))
+                    .unwrap();
+                let mut w = RunWriter::new(64, false);
+                for i in (j..256).step_by(4) {
+                    let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
+                    w.push(&mut t, &k, Some(&value(i))).unwrap();
+                }
+                w.finish(&mut t).unwrap()
+            };
+            runs.add_flushed(&txn, "s", id, order, written).unwrap();
+            txn.commit().unwrap();
+        }
+        let inputs: Vec<u64> = runs.list.iter().map(|r| r.table_id).collect();
+        let input_blocks = |db: &Database| inputs.iter().map(|id| blocks(db, *id)).sum::<usize>();
+        let before = input_blocks(&db);
+        assert!(before >= 12, "{before} blocks");
+        let mut slices = 0;
+        let mut restarted = false;
+        let mut out_id = None;
+        while runs.merging.is_some() || slices == 0 {
+            let txn = db.begin_write().unwrap();
+            runs.maintain(&db, &txn, "s", base, 24).unwrap();
+            txn.commit().unwrap();
+            slices += 1;
+            let Some(m) = runs.merging.as_ref() else {
+                break;
+            };
+            out_id = Some(m.out_id);
+            let (left, written) = (input_blocks(&db), blocks(&db, m.out_id));
+            // Never much more than the state once over: a block per input may be half
+            // consumed, and each slice's last output block may be short.
+            assert!(
+                left + written <= before + 4 + slices,
+                "slice {slices}: {left} input blocks left, {written} written, {before} before"
+            );
+            check_reads(&db, &runs, 256, &value);
+            if slices == 5 {
+                assert!(
+                    left <= before - 4,
+                    "slice 5: {left} of {before} input blocks left"
+                );
+                // A restart: the merge is picked up from its progress row.
+                drop(runs);
+                drop(db);
+                db = Database::open(&path).unwrap();
+                runs = Runs::load(&db.begin_read().unwrap(), "s").unwrap();
+                assert!(runs.partial().is_some(), "the merge resumes");
+                assert_eq!(runs.retired_len(), 0, "its output is not an orphan");
+                check_reads(&db, &runs, 256, &value);
+                restarted = true;
+            }
+        }
+        assert!(restarted && slices > 6, "{slices} slices");
+        settle(&db, &mut runs, base);
+        assert_eq!(runs.list.len(), 1);
+        assert_eq!(Some(runs.list[0].table_id), out_id);
+        assert_eq!(runs.list[0].entries, 256);
+        assert_eq!(input_blocks(&db), 0);
+        check_reads(&db, &runs, 256, &value);
+        // The progress row is gone with the merge.
+        let txn = db.begin_read().unwrap();
+        let meta = txn
+            .open_table(StateRunsDef::new(&state_runs_name("s")))
+            .unwrap();
+        assert!(meta.get(MERGE_ROW).unwrap().is_none());
     }
 
     #[test]

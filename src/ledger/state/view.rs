@@ -7,20 +7,21 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use redb::{Database, ReadOnlyTable, ReadTransaction, ReadableDatabase, StorageError};
+use redb::{Database, ReadTransaction, ReadableDatabase, StorageError};
 
 use super::buffer::{Buffered, StateBuffer};
 use super::run::{run_key, Entry, Merge, RunScan, KIND_MARK, KIND_STATE, KIND_VERSION};
-use super::runs::{self, Run};
+use super::runs::{self, Partial, Run, RunTable};
 use crate::effects::{Effects, StateEntry, StateReader};
+use crate::ledger::tables::{state_run_name, BlockDef};
 
-type RunTable = ReadOnlyTable<&'static [u8], &'static [u8]>;
-
-/// The runs of a subscriber as of one read transaction, newest first.
+/// The runs of a subscriber as of one read transaction, newest first, and the merge in
+/// progress as of the same commit with its output's table.
 pub(super) struct RunTables {
     _txn: ReadTransaction,
     runs: Vec<Arc<Run>>,
     tables: Vec<RunTable>,
+    partial: Option<(Partial, RunTable)>,
 }
 
 impl RunTables {
@@ -35,10 +36,18 @@ impl RunTables {
             .iter()
             .map(|r| runs::open_run(&txn, sub, r))
             .collect::<Result<_, _>>()?;
+        let partial = match buffer.runs.partial() {
+            Some(p) => Some((
+                p.clone(),
+                txn.open_table(BlockDef::new(&state_run_name(sub, p.out_id)))?,
+            )),
+            None => None,
+        };
         Ok(RunTables {
             _txn: txn,
             runs,
             tables,
+            partial,
         })
     }
 
@@ -47,15 +56,17 @@ impl RunTables {
         if self.runs.is_empty() {
             return Ok(None);
         }
-        runs::lookup(&self.runs, &self.tables, &run_key(kind, key))
+        runs::lookup(
+            &self.runs,
+            &self.tables,
+            self.partial.as_ref(),
+            &run_key(kind, key),
+        )
     }
 
-    /// Scans of `kind` from `from` on, one per run, newest first.
+    /// Scans of `kind` from `from` on, newest first.
     fn scans(&self, kind: u8, from: &[u8]) -> Result<Vec<RunScan>, StorageError> {
-        self.tables
-            .iter()
-            .map(|t| RunScan::new(t, kind, from))
-            .collect()
+        runs::scans(&self.tables, self.partial.as_ref(), kind, from)
     }
 
     /// Calls `f` for every live state entry from `from` on, in key order, until it returns
