@@ -140,6 +140,9 @@ pub mod metric {
     pub const OUTBOX_RELAY_LAG_ROWS: &str = "dedupd_outbox_relay_lag_rows";
     /// Gauge, seconds: age of the oldest pending outbox row at the relay's last poll.
     pub const OUTBOX_RELAY_LAG_SECONDS: &str = "dedupd_outbox_relay_lag_seconds";
+    /// Gauge, rows: outbox rows waiting to be relayed or pulled, all shards (sampled at
+    /// scrape time). A warning is logged per shard at 100,000 rows and at each doubling.
+    pub const OUTBOX_ROWS: &str = "dedupd_outbox_rows";
 
     /// Every name above, for checks that the rendered text holds only known names.
     pub const ALL: &[&str] = &[
@@ -179,6 +182,7 @@ pub mod metric {
         KAFKA_MESSAGES_TOTAL,
         OUTBOX_RELAY_LAG_ROWS,
         OUTBOX_RELAY_LAG_SECONDS,
+        OUTBOX_ROWS,
     ];
 }
 

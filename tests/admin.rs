@@ -956,6 +956,115 @@ async fn maintenance_compacts_and_backs_up() {
     );
 }
 
+/// Without Kafka, what handlers emit is pulled over HTTP and acknowledged: rows stay until
+/// acknowledged (a second pull returns them again), acks delete exactly the named rows,
+/// `pending` and `dedupd_outbox_rows` count what is left, bad input names its field, a
+/// token is needed when one is configured, and a running Kafka relay makes both routes
+/// refuse, so no row goes to two consumers.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_outbox_is_pulled_and_acknowledged_over_http() {
+    let api = Api::new("[ledger]\nshards = 2\n", Some(TOKEN));
+    assert_eq!(
+        api.upload("counts", "fixture_counter").await.status,
+        StatusCode::OK
+    );
+    for (key, order) in [("a", "o1"), ("b", "o2"), ("c", "o1"), ("a", "o1")] {
+        let payload = format!("{{\"order_id\":\"{order}\"}}");
+        let r = api.ingest("counts", Some(key), &payload).await;
+        assert!(r.status.is_success(), "{}", r.text);
+    }
+    let r = api.call("GET", "/v1/outbox?limit=10", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["pending"], 3, "three new messages, one duplicate");
+    let messages = r.body["messages"].as_array().unwrap().clone();
+    assert_eq!(messages.len(), 3);
+    let mut counted: Vec<(String, String)> = messages
+        .iter()
+        .map(|m| {
+            assert_eq!(m["subscriber"], "counts");
+            assert_eq!(m["topic"], "counted");
+            assert!(m["message_id"].as_str().is_some_and(|id| !id.is_empty()));
+            (
+                m["key"].as_str().unwrap().to_string(),
+                m["payload"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    counted.sort();
+    let want = [("o1", "1"), ("o1", "2"), ("o2", "1")];
+    assert_eq!(
+        counted,
+        want.map(|(k, v)| (k.to_string(), v.to_string())).to_vec()
+    );
+    // Not acknowledged: pulled again.
+    let again = api.call("GET", "/v1/outbox?limit=10", None).await;
+    assert_eq!(again.body["messages"].as_array().unwrap().len(), 3);
+    let ids: Vec<Value> = messages[..2].iter().map(|m| m["id"].clone()).collect();
+    let r = api
+        .call("POST", "/v1/outbox/ack", Some(json!({ "ids": ids })))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["pending"], 1);
+    let left = api.call("GET", "/v1/outbox", None).await;
+    let left = left.body["messages"].as_array().unwrap().clone();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0]["id"], messages[2]["id"]);
+    // Acknowledging again is not an error.
+    let r = api
+        .call("POST", "/v1/outbox/ack", Some(json!({ "ids": ids })))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let metrics = api.call("GET", "/metrics", None).await;
+    assert!(
+        metrics.text.contains("dedupd_outbox_rows 1"),
+        "{}",
+        metrics.text
+    );
+    // Bad input.
+    for uri in [
+        "/v1/outbox?limit=0",
+        "/v1/outbox?limit=1001",
+        "/v1/outbox?limit=x",
+    ] {
+        assert_error(
+            &api.call("GET", uri, None).await,
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        );
+    }
+    for body in [
+        json!({"ids": ["nope"]}),
+        json!({"id": []}),
+        json!({"ids": "0-1"}),
+    ] {
+        let r = api.call("POST", "/v1/outbox/ack", Some(body)).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    }
+    // The token is needed.
+    let anonymous = Request::builder()
+        .uri("/v1/outbox")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(api.send(anonymous).await.status, StatusCode::UNAUTHORIZED);
+    // A Kafka relay consumes the outbox: nobody else may.
+    let ledger = api.state.ledger().clone();
+    {
+        let _relay = ledger.attach_outbox_relay();
+        let r = api.call("GET", "/v1/outbox", None).await;
+        assert_error(&r, StatusCode::CONFLICT, "relayed_to_kafka");
+        let r = api
+            .call(
+                "POST",
+                "/v1/outbox/ack",
+                Some(json!({"ids": [left[0]["id"]]})),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text);
+    }
+    let r = api.call("GET", "/v1/outbox", None).await;
+    assert_eq!(r.body["pending"], 1, "{}", r.text);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_are_prometheus_text() {
     let api = Api::open();
@@ -1110,6 +1219,8 @@ async fn openapi_lists_every_route_and_every_listed_route_is_served() {
         ("post", "/v1/maintenance/compact"),
         ("post", "/v1/maintenance/backup"),
         ("get", "/v1/audit"),
+        ("get", "/v1/outbox"),
+        ("post", "/v1/outbox/ack"),
     ];
     assert_eq!(
         exercised.len(),

@@ -42,6 +42,9 @@ pub enum ApiError {
     /// 409: the thing to create exists already (a backup name, say).
     #[error("{0}")]
     Exists(String),
+    /// 409: the outbox is relayed to Kafka, so it cannot be pulled too.
+    #[error("{0}")]
+    Relayed(String),
     /// 421: the `Host` is not a name this server answers to (DNS rebinding); the text
     /// names `http.allowed_hosts`.
     #[error("{0}")]
@@ -93,7 +96,9 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::Conflict(_) | ApiError::Exists(_) => StatusCode::CONFLICT,
+            ApiError::Conflict(_) | ApiError::Exists(_) | ApiError::Relayed(_) => {
+                StatusCode::CONFLICT
+            }
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::HandlerFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -116,6 +121,7 @@ impl ApiError {
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::Conflict(_) => "in_flight",
             ApiError::Exists(_) => "exists",
+            ApiError::Relayed(_) => "relayed_to_kafka",
             ApiError::TooLarge { .. } => "too_large",
             ApiError::Unprocessable(_) => "payload_mismatch",
             ApiError::HandlerFailed(_) => "dead_lettered",

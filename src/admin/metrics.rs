@@ -50,6 +50,7 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
         sample_storage(row);
     }
     gauge!(metric::DISK_BYTES).set(report.file_bytes as f64);
+    gauge!(metric::OUTBOX_ROWS).set(ledger.outbox_len()? as f64);
     for (i, m) in ledger.metrics().iter().enumerate() {
         sample_shard(i, m);
     }

@@ -63,6 +63,8 @@ pub const ROUTES: &[RouteDoc] = &[
     r("post", "/v1/maintenance/compact", "Run sealing, merging and expiry now (?seal_all=true seals active generations first)", true, &[200, 400, 503]),
     r("post", "/v1/maintenance/backup", "Consistent copy of every shard into the backup directory: {\"name\": DIR}", true, &[200, 400, 409]),
     r("get", "/v1/audit", "The newest operator actions (?limit=N)", true, &[200, 400]),
+    r("get", "/v1/outbox", "The oldest messages handlers emitted, not yet acknowledged (?limit=N, 1-1000), and how many are pending", true, &[200, 400, 409]),
+    r("post", "/v1/outbox/ack", "Delete pulled outbox messages: {\"ids\": [...]}", true, &[200, 400, 409]),
 ];
 
 fn status_text(code: u16) -> &'static str {

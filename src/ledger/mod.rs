@@ -60,7 +60,7 @@ use crate::effects::StateEntry;
 pub use datadir::{dir_allocated_bytes, dir_bytes, read_manifest, MANIFEST};
 pub use naive::{NaiveBaseline, NaiveError};
 pub use offline::offline_report;
-pub use ops::{OutboxRow, RecordKind, StoredRecord};
+pub use ops::{OutboxRelayGuard, OutboxRow, RecordKind, StoredRecord};
 pub use placement::{entity_scope, Placement};
 pub use poison::PoisonHook;
 pub use record::{ClaimRecord, FORMAT_VERSION};
@@ -329,6 +329,8 @@ pub struct Ledger {
     poison: Arc<poison::Poison>,
     metrics: Vec<Arc<Mutex<ShardMetrics>>>,
     clock: Arc<dyn Clock>,
+    /// A Kafka relay consumes the outbox (`ops.rs`).
+    outbox_relay: std::sync::atomic::AtomicBool,
 }
 
 /// The shard a hash routes to among `shards`. Part of the on-disk format.
@@ -409,6 +411,7 @@ impl Ledger {
             poison,
             metrics,
             clock,
+            outbox_relay: Default::default(),
         };
         if first_err.is_none() && created {
             // The new shard files' directory entries, durable before anything is acked.

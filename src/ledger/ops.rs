@@ -405,6 +405,27 @@ impl Ledger {
         Ok(out)
     }
 
+    /// Outbox rows pending in all shards.
+    pub fn outbox_len(&self) -> Result<u64, LedgerError> {
+        Ok(self
+            .ask_all(|reply| Control::OutboxLen { reply })?
+            .into_iter()
+            .sum())
+    }
+
+    /// Marks the outbox as relayed to Kafka until the guard drops, so the HTTP pull route
+    /// refuses to hand the same rows to a second consumer.
+    pub fn attach_outbox_relay(&self) -> OutboxRelayGuard<'_> {
+        self.outbox_relay
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        OutboxRelayGuard(&self.outbox_relay)
+    }
+
+    /// Whether a Kafka relay consumes the outbox.
+    pub fn outbox_relayed(&self) -> bool {
+        self.outbox_relay.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Deletes relayed outbox rows (call only after the broker acknowledged them).
     pub fn outbox_ack(&self, ids: &[String]) -> Result<(), LedgerError> {
         let mut by_shard: Vec<Vec<u64>> = vec![Vec::new(); self.shards.len()];
@@ -459,5 +480,14 @@ impl Ledger {
         *sub.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(settings);
         sub.settings_epoch.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+}
+
+/// Held while a Kafka relay consumes the outbox ([`Ledger::attach_outbox_relay`]).
+pub struct OutboxRelayGuard<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for OutboxRelayGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 }

@@ -7,7 +7,7 @@
 //! UTF-8, which altered a handler's binary `emit`; such a payload is now kept as
 //! `payload_base64`, like quarantine and dead-letter records do (`records/layout.rs`).
 
-use redb::WriteTransaction;
+use redb::{ReadableTableMetadata, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
 use super::records::StoredPayload;
@@ -50,17 +50,28 @@ impl OutboxRecord {
     }
 }
 
+/// Pending outbox rows of a shard at which a warning says nothing consumes them; it is
+/// repeated each time the count has doubled since the last one.
+pub(crate) const WARN_ROWS: u64 = 100_000;
+
+/// Whether `rows` pending (after a write) deserve a warning, the last one having been
+/// given at `warned` rows (0: none).
+pub(crate) fn warn_now(rows: u64, warned: u64) -> bool {
+    rows >= WARN_ROWS && rows >= warned.saturating_mul(2)
+}
+
 /// Appends a subscriber's emitted messages to the outbox, numbered from
-/// `next_outbox_seq`. Durable with the caller's transaction.
+/// `next_outbox_seq`. Durable with the caller's transaction. Returns the rows pending in
+/// the shard's outbox after the write (0 when there was nothing to write).
 pub(crate) fn write(
     txn: &WriteTransaction,
     sub: &str,
     outbox: &[OutboxMessage],
     next_outbox_seq: &mut u64,
     now_ms: u64,
-) -> Result<(), redb::Error> {
+) -> Result<u64, redb::Error> {
     if outbox.is_empty() {
-        return Ok(());
+        return Ok(0);
     }
     let mut t = txn.open_table(OUTBOX)?;
     for m in outbox {
@@ -71,7 +82,7 @@ pub(crate) fn write(
         )?;
         *next_outbox_seq += 1;
     }
-    Ok(())
+    Ok(t.len()?)
 }
 
 #[cfg(test)]
@@ -86,6 +97,15 @@ mod tests {
             headers: vec![("h".into(), "v".into())],
             payload: payload.to_vec(),
         }
+    }
+
+    #[test]
+    fn a_growing_outbox_is_warned_about_at_each_doubling() {
+        assert!(!warn_now(WARN_ROWS - 1, 0));
+        assert!(warn_now(WARN_ROWS, 0));
+        assert!(!warn_now(WARN_ROWS + 1, WARN_ROWS));
+        assert!(!warn_now(2 * WARN_ROWS - 1, WARN_ROWS));
+        assert!(warn_now(2 * WARN_ROWS, WARN_ROWS));
     }
 
     #[test]

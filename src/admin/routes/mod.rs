@@ -9,7 +9,8 @@
 //! - [`ingest`]: `POST /v1/subscribers/{s}/messages`, the HTTP source;
 //! - [`records`]: quarantine and dead letters: list, read, discard, replay;
 //! - [`uploads`]: a subscriber's uploaded handler: read, upload, roll back;
-//! - [`maintenance`]: compaction, backups, and the audit log.
+//! - [`maintenance`]: compaction, backups, and the audit log;
+//! - [`outbox`]: what handlers emitted, pulled and acknowledged when no Kafka relays it.
 //!
 //! Each route maps its failures to [`ApiError`]; ledger calls that wait for a shard or the
 //! disk run on the blocking pool ([`blocking`]).
@@ -17,6 +18,7 @@
 mod claims;
 mod ingest;
 mod maintenance;
+mod outbox;
 mod records;
 mod service;
 mod subscribers;
@@ -44,6 +46,7 @@ pub fn router(state: AdminState) -> Router {
     use claims::*;
     use ingest::*;
     use maintenance::*;
+    use outbox::*;
     use records::*;
     use service::*;
     use subscribers::*;
@@ -99,6 +102,8 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/maintenance/compact", post(compact))
         .route("/v1/maintenance/backup", post(backup))
         .route("/v1/audit", get(audit_log))
+        .route("/v1/outbox", get(pull_outbox))
+        .route("/v1/outbox/ack", post(ack_outbox))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(body_limit))

@@ -67,6 +67,9 @@ impl Shard {
             Control::OutboxAck { seqs, reply } => {
                 let _ = reply.send(self.outbox_ack(seqs));
             }
+            Control::OutboxLen { reply } => {
+                let _ = reply.send(self.outbox_len());
+            }
             Control::Backup { dest, reply } => {
                 let _ = reply.send(self.backup(&dest));
             }
@@ -250,6 +253,18 @@ impl Shard {
             out.push((k.value(), v.value().to_vec()));
         }
         Ok(out)
+    }
+
+    fn outbox_len(&self) -> Result<u64, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        match txn.open_table(tables::OUTBOX) {
+            Ok(t) => t.len().map_err(|e| self.err(e)),
+            Err(redb::TableError::TableDoesNotExist(_)) => Ok(0),
+            Err(e) => Err(self.err(e)),
+        }
     }
 
     fn outbox_ack(&mut self, seqs: Vec<u64>) -> Result<(), LedgerError> {

@@ -150,6 +150,9 @@ pub(crate) enum Control {
         seqs: Vec<u64>,
         reply: Sender<Result<(), LedgerError>>,
     },
+    OutboxLen {
+        reply: Sender<Result<u64, LedgerError>>,
+    },
     Backup {
         dest: PathBuf,
         reply: Sender<Result<u64, LedgerError>>,
@@ -206,6 +209,8 @@ pub(crate) struct Shard {
     /// Records that replayed jobs of this batch settled, removed with its commit.
     settled: Vec<(RecordKind, SubscriberId, u64)>,
     next_outbox_seq: u64,
+    /// Outbox rows at the last warning that they pile up (0: none yet).
+    outbox_warned: u64,
     next_dead_seq: u64,
     /// Scratch message handed to handlers, reused between calls.
     handler_msg: HandlerMessage,

@@ -57,6 +57,7 @@ impl Shard {
             dead_rows: Vec::new(),
             settled: Vec::new(),
             next_outbox_seq: 1,
+            outbox_warned: 0,
             next_dead_seq: 1,
             handler_msg: HandlerMessage::default(),
             probing: HashMap::new(),

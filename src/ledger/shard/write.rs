@@ -60,8 +60,19 @@ impl Shard {
             };
             let mut effects = view.into_effects();
             let outbox = std::mem::take(&mut effects.outbox);
-            crate::ledger::outbox::write(txn, &st.name, &outbox, &mut self.next_outbox_seq, now)
-                .map_err(|e| storage(&path, e))?;
+            let rows = crate::ledger::outbox::write(
+                txn,
+                &st.name,
+                &outbox,
+                &mut self.next_outbox_seq,
+                now,
+            )
+            .map_err(|e| storage(&path, e))?;
+            if crate::ledger::outbox::warn_now(rows, self.outbox_warned) {
+                self.outbox_warned = rows;
+                tracing::warn!(shard = self.ctx.index, rows,
+                    "outbox rows pile up: nothing consumes them (relay them to Kafka with [kafka.outbox], or pull and acknowledge them over HTTP: GET /v1/outbox, POST /v1/outbox/ack)");
+            }
             if !effects.is_empty() {
                 st.state_buf
                     .append(txn, &st.name, effects)

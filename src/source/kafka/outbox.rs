@@ -62,6 +62,7 @@ pub fn run_relay(
         .create_with_context(RelayContext { tx })
         .map_err(|e| KafkaError::Client(e.to_string()))?;
     let batch = kafka.outbox.batch.get();
+    let _relaying = ledger.attach_outbox_relay();
     let mut stopping_since: Option<Instant> = None;
     loop {
         if stop.load(Ordering::Relaxed) {
