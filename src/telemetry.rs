@@ -144,6 +144,52 @@ pub mod metric {
     /// scrape time). A warning is logged per shard at 100,000 rows and at each doubling.
     pub const OUTBOX_ROWS: &str = "dedupd_outbox_rows";
 
+    /// Gauge, always 1: labels `version` (the binary) and `format` (the data directory's
+    /// format version), to tell which build serves.
+    pub const BUILD_INFO: &str = "dedupd_build_info";
+
+    /// The `# HELP` text of every name, in the words of its documentation above.
+    pub const HELP: &[(&str, &str)] = &[
+        (MESSAGES_PROCESSED_TOTAL, "Messages whose handler ran and whose claim committed."),
+        (DUPLICATES_SKIPPED_TOTAL, "Deliveries skipped as duplicates of a live claim (same key, same payload)."),
+        (QUARANTINED_TOTAL, "Deliveries quarantined (a live claim's key with another payload)."),
+        (DEAD_LETTERED_TOTAL, "Messages dead-lettered after their handler failed for good."),
+        (HANDLER_RETRIES_TOTAL, "Failed handler attempts that were scheduled again."),
+        (SLIDING_REFRESHES_TOTAL, "Duplicates that extended a claim's sliding TTL."),
+        (RECORDS_DROPPED_TOTAL, "Stored records the ledger removed on its own; labels kind (quarantine, dead_letter) and reason (retention, cap)."),
+        (HANDLER_FAILURES_TOTAL, "Failed handler attempts; label kind (retryable, permanent, timeout, memory, trap)."),
+        (FILTER_PROBES_TOTAL, "Probes of sealed-generation filters."),
+        (FILTER_FALSE_POSITIVES_TOTAL, "Filter probes that answered 'maybe' without a stored match."),
+        (FILTER_FALSE_POSITIVE_RATIO, "False positives per filter probe so far."),
+        (CLAIMS_STORED, "Claims stored, including expired ones not yet dropped."),
+        (ACTIVE_CLAIMS, "Claims in the active (unsealed) generation."),
+        (SEALED_GENERATIONS, "Sealed claim generations."),
+        (QUARANTINE_RECORDS, "Stored quarantine records."),
+        (DEAD_LETTER_RECORDS, "Stored dead-letter records."),
+        (FILTER_MEMORY_BYTES, "Memory of the filters (sealed generations, handler uniqueness marks)."),
+        (INDEX_MEMORY_BYTES, "Memory of the in-memory claim maps of the active and sealing generations."),
+        (BATCHES_TOTAL, "Batches a shard decided."),
+        (COMMITS_TOTAL, "Durable commits of a shard."),
+        (SHARD_MESSAGES_TOTAL, "Messages a shard decided."),
+        (GENERATIONS_SEALED_TOTAL, "Claim generations sealed."),
+        (GENERATIONS_MERGED_TOTAL, "Sealed generations merged into one."),
+        (GENERATIONS_DROPPED_TOTAL, "Sealed generations dropped once every claim in them expired."),
+        (COMMIT_DURATION_MAX_SECONDS, "The longest durable commit so far."),
+        (BATCH_DURATION_MAX_SECONDS, "The longest batch so far (decide, maintenance and commit)."),
+        (COMMIT_DURATION_SECONDS, "Each durable commit (the fsync part of a batch or of maintenance)."),
+        (BATCH_DURATION_SECONDS, "Each batch, from decide to commit."),
+        (DISK_BYTES, "Everything in the data directory."),
+        (READY, "1 while the ledger takes writes (no storage error stopped it)."),
+        (HTTP_REQUESTS_WAITING, "Ingest requests and replays waiting for their durable outcome."),
+        (HTTP_INGEST_DURATION_SECONDS, "Each ingest request, received to answered; label outcome."),
+        (KAFKA_CONSUMER_LAG, "Log end minus stored offset, from librdkafka statistics; labels topic, partition."),
+        (KAFKA_MESSAGES_TOTAL, "Kafka records decided; label outcome (processed, duplicate, quarantined, dead_lettered, rejected)."),
+        (OUTBOX_RELAY_LAG_ROWS, "Outbox rows pending at the relay's last poll (at most outbox.batch)."),
+        (OUTBOX_RELAY_LAG_SECONDS, "Age of the oldest pending outbox row at the relay's last poll."),
+        (OUTBOX_ROWS, "Outbox rows waiting to be relayed or pulled, all shards (sampled at scrape time). A warning is logged per shard at 100,000 rows and at each doubling."),
+        (BUILD_INFO, "Always 1; labels: the binary's version and the data directory's format version."),
+    ];
+
     /// Every name above, for checks that the rendered text holds only known names.
     pub const ALL: &[&str] = &[
         MESSAGES_PROCESSED_TOTAL,
@@ -183,6 +229,7 @@ pub mod metric {
         OUTBOX_RELAY_LAG_ROWS,
         OUTBOX_RELAY_LAG_SECONDS,
         OUTBOX_ROWS,
+        BUILD_INFO,
     ];
 }
 
@@ -201,5 +248,15 @@ mod tests {
             );
             assert!(seen.insert(name), "{name} is listed twice");
         }
+    }
+
+    #[test]
+    fn every_metric_has_help_text() {
+        for name in metric::ALL {
+            let help = metric::HELP.iter().filter(|(n, _)| n == name).count();
+            assert_eq!(help, 1, "{name}: {help} HELP entries");
+        }
+        assert_eq!(metric::HELP.len(), metric::ALL.len());
+        assert!(metric::HELP.iter().all(|(_, h)| h.len() > 10));
     }
 }

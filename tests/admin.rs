@@ -1088,6 +1088,9 @@ async fn metrics_are_prometheus_text() {
         "dedupd_commit_duration_seconds_bucket{shard=\"0\"",
         "dedupd_batch_duration_seconds_bucket{shard=\"0\"",
         "dedupd_disk_bytes",
+        "# HELP dedupd_messages_processed_total Messages whose handler ran",
+        "# HELP dedupd_commit_duration_seconds Each durable commit",
+        "dedupd_build_info{version=\"",
         "dedupd_http_ingest_duration_seconds",
         "dedupd_kafka_consumer_lag{topic=\"orders\",partition=\"3\"} 17",
     ] {
@@ -1112,6 +1115,10 @@ async fn every_exported_metric_name_is_listed_in_telemetry() {
         assert!(
             dedupd::telemetry::metric::ALL.contains(&name),
             "{name} is exported but not a constant in telemetry::metric"
+        );
+        assert!(
+            r.text.contains(&format!("# HELP {name} ")),
+            "{name} is exported without HELP text"
         );
         seen += 1;
     }

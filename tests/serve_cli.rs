@@ -129,13 +129,59 @@ fn serve(data: &std::path::Path) -> (std::process::Child, TcpStream) {
 
 /// Waits for the "HTTP API on http://ADDR" line and returns ADDR.
 fn address(stderr: &mut impl BufRead) -> String {
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    line.split("http://")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string()
+    address_and_logs(stderr).0
+}
+
+/// The address, and the lines logged before it.
+fn address_and_logs(stderr: &mut impl BufRead) -> (String, Vec<String>) {
+    let mut before = Vec::new();
+    loop {
+        let mut line = String::new();
+        assert!(
+            stderr.read_line(&mut line).unwrap() > 0,
+            "exited: {before:?}"
+        );
+        if let Some(rest) = line.split("http://").nth(1) {
+            let addr = rest.split_whitespace().next().unwrap().to_string();
+            return (addr, before);
+        }
+        before.push(line);
+    }
+}
+
+/// `run` and `serve` say at `info` when they start and when they are ready, and
+/// `--log-format json` makes each log line one JSON object with the event's fields.
+#[test]
+fn serve_logs_its_lifecycle_as_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = dedupd()
+        .args(["--log-format", "json", "serve", "--bind", "127.0.0.1:0"])
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .env_remove("RUST_LOG")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let (_, logs) = address_and_logs(&mut stderr);
+    let _ = child.kill();
+    let _ = child.wait();
+    let events: Vec<serde_json::Value> = logs
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    let find = |msg: &str| {
+        events
+            .iter()
+            .find(|e| e["message"].as_str().is_some_and(|m| m.starts_with(msg)))
+            .unwrap_or_else(|| panic!("no {msg:?} event in {logs:?}"))
+    };
+    let starting = find("starting");
+    assert_eq!(starting["level"], "INFO");
+    assert_eq!(starting["format"], dedupd::ledger::FORMAT_VERSION);
+    let ready = find("ready");
+    assert!(ready["shards"].as_u64().is_some_and(|n| n >= 1), "{ready}");
+    assert!(ready["open_ms"].is_u64(), "{ready}");
 }
 
 #[test]

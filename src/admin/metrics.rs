@@ -30,7 +30,13 @@ pub(super) fn install() {
             .unwrap_or_else(|_| PrometheusBuilder::new().build_recorder());
         let handle = recorder.handle();
         match metrics::set_global_recorder(recorder) {
-            Ok(()) => Some(handle),
+            Ok(()) => {
+                for (name, help) in metric::HELP {
+                    // One description per name, whatever its kind.
+                    metrics::describe_gauge!(*name, *help);
+                }
+                Some(handle)
+            }
             Err(_) => {
                 tracing::warn!("a metrics recorder was installed before the admin server; /metrics shows only engine counters");
                 None
@@ -50,6 +56,9 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
         sample_storage(row);
     }
     gauge!(metric::DISK_BYTES).set(report.file_bytes as f64);
+    gauge!(metric::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"),
+        "format" => crate::ledger::FORMAT_VERSION.to_string())
+    .set(1.0);
     gauge!(metric::OUTBOX_ROWS).set(ledger.outbox_len()? as f64);
     for (i, m) in ledger.metrics().iter().enumerate() {
         sample_shard(i, m);

@@ -30,6 +30,7 @@ impl Poison {
             }
             s.reason = Some(reason.clone());
             self.set.store(true, Ordering::Release);
+            tracing::error!(%reason, "engine stopped: nothing more is acknowledged");
             std::mem::take(&mut s.hooks)
         };
         for hook in hooks {

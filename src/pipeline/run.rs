@@ -95,8 +95,17 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
         // Sources that record through the metrics facade before the server starts are kept.
         crate::admin::install_metrics();
     }
+    tracing::info!(data_dir = %dir.display(), version = env!("CARGO_PKG_VERSION"),
+        format = crate::ledger::FORMAT_VERSION, "starting");
+    let started = std::time::Instant::now();
     let ledger = Arc::new(Ledger::open(dir, config, Arc::new(SystemClock))?);
     install_handlers(&ledger, config)?;
+    tracing::info!(
+        shards = ledger.shard_count(),
+        subscribers = ledger.subscribers().len(),
+        open_ms = started.elapsed().as_millis() as u64,
+        "ready: claims, filters and handlers loaded"
+    );
     let shutdown = Shutdown::new();
     shutdown.on_ledger_failure(&ledger);
     let result = match mode {

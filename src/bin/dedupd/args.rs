@@ -16,8 +16,20 @@ use dedupd::source::kafka::bench::KafkaBenchParams;
     about = "Effectively-once consumer engine: durable claims, dedup, quarantine"
 )]
 pub struct Cli {
+    /// Log lines on stderr as text or as one JSON object per line. `RUST_LOG` sets the
+    /// levels (e.g. `RUST_LOG=dedupd=debug`); the default is `info` for `run` and `serve`
+    /// (lifecycle events: start, ready, seal, merge, drop, rebalance, stop) and `warn` for
+    /// the other commands.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]

@@ -10,7 +10,9 @@ use std::process::ExitCode;
 use anyhow::{bail, Result};
 use clap::Parser;
 
-use args::{data_dir, load_config, Cli, Command, ConfigCommand, HandlerCommand, StateCommand};
+use args::{
+    data_dir, load_config, Cli, Command, ConfigCommand, HandlerCommand, LogFormat, StateCommand,
+};
 use dedupd::pipeline::{self, Mode, Summary};
 use dedupd::source::kafka;
 
@@ -38,16 +40,29 @@ fn tune_allocator() {
     }
 }
 
+/// Logs to stderr, as text or JSON lines, at `RUST_LOG`'s levels or the command's default:
+/// the long-running commands say what they do at `info`, the others only what went wrong.
+fn init_logs(format: LogFormat, command: &Command) {
+    let default = match command {
+        Command::Run { .. } | Command::Serve { .. } => "info",
+        _ => "warn",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let logs = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter);
+    match format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
+}
+
 fn main() -> ExitCode {
     tune_allocator();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
-    match run(Cli::parse().command) {
+    let cli = Cli::parse();
+    init_logs(cli.log_format, &cli.command);
+    match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("dedupd: {e:#}");

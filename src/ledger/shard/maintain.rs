@@ -297,6 +297,8 @@ impl Shard {
         let max_expires = entries.iter().map(|e| e.1.expires_at_ms).max().unwrap_or(0);
         let count = entries.len() as u64;
         let filter = filter.clone();
+        tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims = count,
+            sealed_generations = st.sealed.len() + 1, "generation sealed");
         let (table_id, order, created, extra) = (
             s.table_id,
             s.order,
@@ -361,6 +363,8 @@ impl Shard {
             let in_merge = busy.is_some_and(|(a, b)| g.table_id == a || g.table_id == b);
             if g.max_expires_ms <= now && !in_merge {
                 let id = g.table_id;
+                tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims = g.count,
+                    "expired generation dropped");
                 self.delete_generation(txn, &st.name, id)?;
                 st.sealed.remove(i);
                 self.ctx

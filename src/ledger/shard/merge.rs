@@ -100,7 +100,7 @@ impl Shard {
             },
         )?;
         st.merging = None;
-        tracing::debug!(subscriber = %st.name, claims = count, delete_ms = deleted.as_millis() as u64,
+        tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims = count, delete_ms = deleted.as_millis() as u64,
             finish_ms = started.elapsed().as_millis() as u64, "generations merged");
         self.ctx
             .metrics

@@ -490,7 +490,7 @@ impl Runs {
         else {
             return Err(corrupt(format!("{sub}: merged runs are no longer listed")));
         };
-        tracing::debug!(subscriber = %sub, runs = m.inputs.len(), entries = self.list[at..at + m.inputs.len()].iter().map(|r| r.entries).sum::<u64>(),
+        tracing::info!(subscriber = %sub, runs = m.inputs.len(), entries = self.list[at..at + m.inputs.len()].iter().map(|r| r.entries).sum::<u64>(),
             finish_ms = started.elapsed().as_millis() as u64, "handler state runs merged");
         self.list.splice(at..at + m.inputs.len(), merged);
         Ok(written.max(1))
