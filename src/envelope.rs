@@ -652,6 +652,23 @@ mod fuzz {
         );
     }
 
+    /// A payload nested deeper than serde_json's limit (128) is a malformed line, not a
+    /// stack overflow of the reader.
+    #[test]
+    fn deeply_nested_lines_are_refused_not_a_stack_overflow() {
+        for depth in [200usize, 100_000] {
+            for (open, close) in [("[", "]"), ("{\"a\":", "}")] {
+                let line = format!(
+                    "{{\"id\":\"e\",\"payload\":{}1{}}}",
+                    open.repeat(depth),
+                    close.repeat(depth)
+                );
+                let e = serde_json::from_str::<Envelope>(&line).expect_err("too deep");
+                assert!(e.to_string().contains("recursion limit"), "{e}");
+            }
+        }
+    }
+
     #[test]
     fn fuzz_well_formed_lines_key_consistently() {
         fuzzing::run("envelope_keys", 2000, (line(), settings()), |(bytes, s)| {

@@ -192,3 +192,24 @@ fn fuzz_config_toml_ish_text_loads_or_is_refused() {
     let input = prop_oneof![3 => toml_ish(), 1 => ".{0,200}"];
     fuzzing::run("config_text", 2000, input, |text| check(&text));
 }
+
+/// Nesting deeper than any config needs is a parse error, not a stack overflow.
+#[test]
+fn deeply_nested_values_are_refused_not_a_stack_overflow() {
+    for depth in [1_000usize, 100_000] {
+        let arrays = format!(
+            "[pipe]\nwindow = {}1{}\n",
+            "[".repeat(depth),
+            "]".repeat(depth)
+        );
+        let tables = format!(
+            "[pipe]\nwindow = {}1{}\n",
+            "{a = ".repeat(depth),
+            "}".repeat(depth)
+        );
+        for text in [arrays, tables] {
+            let e = Config::parse_with_env(&text, &lookup).expect_err("too deep");
+            assert!(e.to_string().contains("parse"), "{e}");
+        }
+    }
+}
