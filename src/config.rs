@@ -28,6 +28,8 @@ pub enum ConfigError {
 }
 
 mod env;
+#[cfg(test)]
+mod fuzz;
 
 fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {

@@ -507,3 +507,179 @@ mod tests {
         assert!(serde_json::from_str::<Envelope>(r#"{"id":"1","paylod":{}}"#).is_err());
     }
 }
+
+/// Fuzz targets (see `crate::fuzzing`): input lines as pipe mode decodes them, then every
+/// key source, partition source and fingerprint setting over what decoded.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::config::FingerprintSpec;
+    use crate::fuzzing;
+    use crate::source::delivery::{key_delivery, Delivery, Keying, Payload, Target};
+
+    /// Input lines as producers write them (JSON payloads, CloudEvents in the payload or
+    /// in `ce_` headers, header keys), with an unknown field now and then.
+    fn line() -> impl Strategy<Value = Vec<u8>> {
+        let text = || prop::option::of(".{0,10}");
+        let headers =
+            prop::collection::btree_map("ce_id|ce_source|x-key|X-Key|.{0,4}", ".{0,10}", 0..4);
+        (
+            text(),
+            text(),
+            text(),
+            headers,
+            fuzzing::json(),
+            any::<bool>(),
+        )
+            .prop_map(|(subscriber, id, key, headers, payload, unknown)| {
+                let mut line = json!({ "headers": headers, "payload": payload });
+                for (name, v) in [("subscriber", subscriber), ("id", id), ("key", key)] {
+                    if let Some(v) = v {
+                        line[name] = v.into();
+                    }
+                }
+                if unknown {
+                    line["extra"] = 1.into();
+                }
+                serde_json::to_vec(&line).unwrap_or_default()
+            })
+    }
+
+    fn settings() -> impl Strategy<Value = SubscriberSettings> {
+        let pointer = || "(/(id|source|order_id|a|b|0|1|-|~0|~1|.{0,3})){0,3}";
+        let key = prop_oneof![
+            Just(KeySource::Id),
+            "ce_id|x-key|X-Key|.{0,3}".prop_map(|name| KeySource::Header { name }),
+            pointer().prop_map(|pointer| KeySource::JsonPointer {
+                pointer,
+                pointers: Vec::new()
+            }),
+            prop::collection::vec(pointer(), 1..4).prop_map(|pointers| KeySource::JsonPointer {
+                pointer: String::new(),
+                pointers
+            }),
+            Just(KeySource::Cloudevents),
+            Just(KeySource::ContentHash),
+        ];
+        let partition = prop_oneof![
+            Just(PartitionSource::IdempotencyKey),
+            Just(PartitionSource::EnvelopeKey),
+            "x-key|.{0,3}".prop_map(|name| PartitionSource::Header { name }),
+            pointer().prop_map(|pointer| PartitionSource::JsonPointer { pointer }),
+        ];
+        let ignore = prop::collection::vec(pointer(), 0..3);
+        let max_key_bytes = prop_oneof![Just(1024usize), 1usize..16];
+        (key, partition, ignore, max_key_bytes).prop_map(|(key, partition_key, ignore, max)| {
+            SubscriberSettings {
+                key,
+                partition_key,
+                max_key_bytes: max,
+                fingerprint: FingerprintSpec { ignore },
+                ..SubscriberSettings::default()
+            }
+        })
+    }
+
+    /// What keying a decoded line must satisfy under `s`.
+    fn check_keys(env: &Envelope, s: &SubscriberSettings) -> Result<(), TestCaseError> {
+        fuzzing::decoded();
+        let canonical = canonical_payload(&env.payload);
+        // Canonical bytes are a fixed point: decoding and re-encoding them changes nothing.
+        let reparsed: Value =
+            serde_json::from_slice(&canonical).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(&canonical_payload(&reparsed), &canonical);
+        let key = derive_key(env, &canonical, s);
+        prop_assert_eq!(
+            &key,
+            &derive_key(env, &canonical, s),
+            "keys are deterministic"
+        );
+        if let Ok(k) = &key {
+            prop_assert!(!k.text.is_empty() && k.text.len() <= s.max_key_bytes);
+            match &s.key {
+                KeySource::Id | KeySource::Header { .. } => {
+                    prop_assert_eq!(k.hash, key_hash(k.text.as_bytes()))
+                }
+                KeySource::ContentHash => prop_assert_eq!(k.hash, xxh3_128(&canonical)),
+                _ => {}
+            }
+        }
+        let entity = derive_entity(env, s);
+        if let Ok(Some(t)) = &entity {
+            prop_assert!(!t.is_empty() && !t.contains('\0') && t.len() <= s.max_key_bytes);
+        }
+        // Parsed or not, a payload gets one fingerprint.
+        prop_assert_eq!(
+            payload_fingerprint(&canonical, env.payload.clone(), &s.fingerprint),
+            payload_fingerprint(&canonical, Value::Null, &s.fingerprint)
+        );
+        // The step every source shares agrees with the pieces.
+        let delivery = Delivery {
+            id: env.id.clone(),
+            key: env.key.clone(),
+            headers: env.headers.clone().into_iter().collect(),
+            ..Delivery::new(Target::Name("s".into()), Payload::Json(env.payload.clone()))
+        };
+        match (key_delivery(delivery, s, Keying::Derive), key, entity) {
+            (Ok(keys), Ok(k), Ok(e)) => {
+                prop_assert_eq!(keys.key, k);
+                prop_assert_eq!(keys.entity, e);
+            }
+            (Err(_), Err(_), _) | (Err(_), Ok(_), Err(_)) => {}
+            (shared, key, entity) => {
+                return Err(TestCaseError::fail(format!(
+                    "shared step {shared:?}, key {key:?}, entity {entity:?}"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn fuzz_input_lines_decode_and_key_or_are_refused() {
+        let input = (fuzzing::hostile(300, line()), settings());
+        fuzzing::run(
+            "envelope_line",
+            3000,
+            input,
+            |(bytes, s)| match serde_json::from_slice::<Envelope>(&bytes) {
+                Ok(env) => check_keys(&env, &s),
+                Err(_) => Ok(()),
+            },
+        );
+    }
+
+    /// A payload nested deeper than serde_json's limit (128) is a malformed line, not a
+    /// stack overflow of the reader.
+    #[test]
+    fn deeply_nested_lines_are_refused_not_a_stack_overflow() {
+        for depth in [200usize, 100_000] {
+            for (open, close) in [("[", "]"), ("{\"a\":", "}")] {
+                let line = format!(
+                    "{{\"id\":\"e\",\"payload\":{}1{}}}",
+                    open.repeat(depth),
+                    close.repeat(depth)
+                );
+                let e = serde_json::from_str::<Envelope>(&line).expect_err("too deep");
+                assert!(e.to_string().contains("recursion limit"), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn fuzz_well_formed_lines_key_consistently() {
+        fuzzing::run("envelope_keys", 2000, (line(), settings()), |(bytes, s)| {
+            match serde_json::from_slice::<Envelope>(&bytes) {
+                Ok(env) => check_keys(&env, &s),
+                // Only the unknown field is refused.
+                Err(e) => {
+                    prop_assert!(e.to_string().contains("unknown field"), "{}", e);
+                    Ok(())
+                }
+            }
+        });
+    }
+}

@@ -86,6 +86,8 @@ pub mod config;
 pub mod demo;
 pub mod effects;
 pub mod envelope;
+#[cfg(test)]
+pub(crate) mod fuzzing;
 pub mod handler;
 pub mod harness;
 pub mod inspect;

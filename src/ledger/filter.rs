@@ -144,15 +144,25 @@ impl GenFilter {
             KIND_EXACT => {
                 let n = u64_at(2)? as usize;
                 let body = take(10, n.checked_mul(8).ok_or("filter length overflows")?)?;
-                Ok(GenFilter::Exact(
-                    body.chunks_exact(8)
-                        .map(|c| {
-                            let mut x = [0u8; 8];
-                            x.copy_from_slice(c);
-                            u64::from_le_bytes(x)
-                        })
-                        .collect(),
-                ))
+                if b.len() != 10 + body.len() {
+                    return Err("filter record has trailing bytes".into());
+                }
+                let halves: Vec<u64> = body
+                    .chunks_exact(8)
+                    .map(|c| {
+                        let mut x = [0u8; 8];
+                        x.copy_from_slice(c);
+                        u64::from_le_bytes(x)
+                    })
+                    .collect();
+                // `may_contain` binary-searches the list: out of order, it would say
+                // "certainly absent" for keys it holds, and a redelivery of one would
+                // skip the store and run again (G2). `build` writes it sorted and
+                // without repeats, so anything else is damage: rebuild it.
+                if halves.windows(2).any(|w| w[0] >= w[1]) {
+                    return Err("filter record lists its keys out of order".into());
+                }
+                Ok(GenFilter::Exact(halves))
             }
             k => Err(format!("filter kind {k} is unknown")),
         }
@@ -162,6 +172,8 @@ impl GenFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fuzzing;
+    use proptest::prelude::*;
     use rand::{rngs::SmallRng, Rng, SeedableRng};
 
     #[test]
@@ -230,6 +242,118 @@ mod tests {
                 .expect("a real filter decodes");
             assert!(keys.iter().all(|k| f.may_contain(*k)), "n = {n}");
         }
+    }
+
+    /// A valid record: a filter over up to 300 keys (an exact list below 64).
+    fn valid_record() -> impl Strategy<Value = Vec<u8>> {
+        prop::collection::vec(any::<u128>(), 0..300)
+            .prop_map(|keys| GenFilter::build(keys.into_iter()).encode())
+    }
+
+    /// A valid fuse record with one descriptor field (seed 2..10, segment_length 10..14,
+    /// mask 14..18, segment_count_length 18..22) or the fingerprint count (22..30) set.
+    fn descriptor_changed() -> impl Strategy<Value = Vec<u8>> {
+        let value = prop_oneof![
+            any::<u32>(),
+            (0u32..32).prop_map(|s| 1u32 << s),
+            (0u32..32).prop_map(|s| (1u32 << s) - 1),
+            0u32..1024,
+        ];
+        (
+            prop::collection::vec(any::<u128>(), 64..400),
+            prop::sample::select(vec![2usize, 6, 10, 14, 18, 22, 26]),
+            value,
+        )
+            .prop_map(|(keys, at, value)| {
+                let mut b = GenFilter::build(keys.into_iter()).encode();
+                b[at..at + 4].copy_from_slice(&value.to_le_bytes());
+                b
+            })
+    }
+
+    /// What a decoded filter must do whatever bytes it came from: answer lookups without
+    /// panicking, hold no more than the record's bytes, re-encode to the record (nothing
+    /// ignored), and find every key an exact list holds (a "no" for a stored key would
+    /// process a message twice).
+    fn check_decoded(bytes: &[u8]) -> Result<(), TestCaseError> {
+        let Ok(f) = GenFilter::decode(bytes) else {
+            return Ok(());
+        };
+        fuzzing::decoded();
+        prop_assert_eq!(&f.encode()[..], bytes, "re-encoded differently");
+        prop_assert!(f.memory_bytes() <= bytes.len());
+        let mut probe = 0x9E37_79B9_7F4A_7C15_u128;
+        for _ in 0..256 {
+            probe = probe.wrapping_mul(0x2545_F491_4F6C_DD1D).wrapping_add(1);
+            f.may_contain(probe);
+        }
+        if let GenFilter::Exact(v) = &f {
+            for k in v {
+                prop_assert!(f.may_contain(u128::from(*k)), "listed key {k} not found");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn fuzz_filter_decode_of_hostile_bytes_refuses_or_answers() {
+        fuzzing::run(
+            "filter_decode",
+            3000,
+            fuzzing::hostile(600, valid_record()),
+            |b| check_decoded(&b),
+        );
+    }
+
+    #[test]
+    fn fuzz_filter_decode_of_changed_descriptors_refuses_or_answers() {
+        fuzzing::run("filter_descriptor", 1500, descriptor_changed(), |b| {
+            check_decoded(&b)
+        });
+    }
+
+    #[test]
+    fn fuzz_filter_round_trip_keeps_every_key() {
+        let keys = prop::collection::vec(any::<u128>(), 0..3000);
+        fuzzing::run("filter_round_trip", 300, keys, |keys| {
+            let f = GenFilter::build(keys.iter().copied());
+            let bytes = f.encode();
+            let g = GenFilter::decode(&bytes).map_err(TestCaseError::fail)?;
+            fuzzing::decoded();
+            prop_assert_eq!(g.encode(), bytes);
+            prop_assert!(keys.iter().all(|k| g.may_contain(*k)));
+            Ok(())
+        });
+    }
+
+    /// Found by `fuzz_filter_decode_of_hostile_bytes_refuses_or_answers`: an exact list
+    /// out of order decoded, and its binary search then answered "certainly absent" for
+    /// a key it holds (here 256), so a redelivery would skip the store and run again (G2).
+    #[test]
+    fn an_exact_list_out_of_order_is_refused_not_a_false_no() {
+        let mut bytes = vec![1, 2, 4, 0, 0, 0, 0, 0, 0, 0];
+        for k in [256u64, 1, 2, 3] {
+            bytes.extend_from_slice(&k.to_le_bytes());
+        }
+        let e = GenFilter::decode(&bytes).expect_err("an unsorted list is refused");
+        assert!(e.contains("out of order"), "{e}");
+        // A repeated key is out of order too (`build` dedups).
+        let mut repeated = GenFilter::Exact(vec![5, 5]).encode();
+        assert!(GenFilter::decode(&repeated).is_err());
+        repeated.truncate(10);
+        repeated[2] = 0;
+        assert!(matches!(GenFilter::decode(&repeated), Ok(GenFilter::Exact(v)) if v.is_empty()));
+    }
+
+    /// Found by the same target: bytes after an exact list were ignored, so a record cut
+    /// or overwritten past its count still decoded.
+    #[test]
+    fn an_exact_list_with_trailing_bytes_is_refused() {
+        let mut bytes = GenFilter::build((0..10u128).map(|i| i * 7919)).encode();
+        assert!(GenFilter::decode(&bytes).is_ok());
+        bytes.push(0);
+        let e = GenFilter::decode(&bytes).expect_err("trailing bytes are refused");
+        assert!(e.contains("trailing"), "{e}");
     }
 
     #[test]

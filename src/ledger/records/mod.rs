@@ -401,7 +401,10 @@ pub(crate) fn sweep(
 
 #[cfg(test)]
 mod tests {
+    use super::layout::{DeadLetterRecord, QuarantineRecord};
     use super::*;
+    use crate::fuzzing;
+    use proptest::prelude::*;
 
     #[test]
     fn a_repeat_bumps_count_and_last_seen() {
@@ -437,6 +440,128 @@ mod tests {
             (other_origin.key, other_origin.fingerprint),
             (row.key, row.fingerprint)
         );
+    }
+
+    /// Stored record bodies as the shard writes them: quarantine and dead-letter records
+    /// of any strings and payload bytes, and dead letters of unusable input of any JSON.
+    fn stored_body() -> impl Strategy<Value = Vec<u8>> {
+        let text = || ".{0,10}";
+        let quarantine = (text(), text(), fuzzing::bytes(40), any::<u64>()).prop_map(
+            |(id, key_hash, payload, at)| {
+                let r = QuarantineRecord {
+                    v: 1,
+                    subscriber: "s".into(),
+                    id,
+                    key_hash,
+                    stored_fingerprint: format!("{at:016x}"),
+                    fingerprint: format!("{:016x}", at / 3),
+                    reason: "same id, different payload".into(),
+                    received_at_ms: at,
+                    key: None,
+                    headers: vec![("h".into(), "v".into())],
+                    origin: None,
+                    payload: StoredPayload::of(&payload),
+                    count: at % 5,
+                    stored_at_ms: at,
+                    last_seen_ms: at,
+                };
+                serde_json::to_vec(&r).unwrap_or_default()
+            },
+        );
+        let dead = (text(), fuzzing::bytes(40), any::<u32>()).prop_map(|(id, payload, n)| {
+            let r = DeadLetterRecord {
+                v: 1,
+                subscriber: "s".into(),
+                id,
+                key_hash: format!("{:032x}", u128::from(n)),
+                fingerprint: format!("{n:x}"),
+                kind: "permanent".into(),
+                reason: "no".into(),
+                attempts: n,
+                received_at_ms: n.into(),
+                failed_at_ms: n.into(),
+                key: Some("k".into()),
+                headers: Vec::new(),
+                origin: Some("o".into()),
+                payload: StoredPayload::of(&payload),
+                count: 1,
+                stored_at_ms: n.into(),
+                last_seen_ms: n.into(),
+            };
+            serde_json::to_vec(&r).unwrap_or_default()
+        });
+        let unusable = (fuzzing::json(), any::<u64>()).prop_map(|(v, now)| {
+            unusable_input(SubscriberId(0), "s", v, now)
+                .map(|r| r.body)
+                .unwrap_or_default()
+        });
+        prop_oneof![quarantine, dead, unusable]
+    }
+
+    /// What the shard reads of a stored record (its stamp, a repeat's bump, the listing's
+    /// defaults, the typed layouts) refuses a damaged body or reads it without a panic; a
+    /// bump counts one more delivery and keeps the rest.
+    #[test]
+    fn fuzz_stored_record_bodies_are_read_or_refused() {
+        fuzzing::run(
+            "stored_record",
+            3000,
+            fuzzing::hostile(300, stored_body()),
+            |b| {
+                if let Some(stamp) = Stamp::read(&b) {
+                    fuzzing::decoded();
+                    stamp.stored_at();
+                    stamp.index_key();
+                }
+                if let Some(bumped) = bump(&b, 7) {
+                    let before: serde_json::Value = serde_json::from_slice(&b)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    let after: serde_json::Value = serde_json::from_slice(&bumped)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    let count = before["count"].as_u64().unwrap_or(1);
+                    prop_assert_eq!(after["count"].as_u64(), Some(count.saturating_add(1)));
+                    prop_assert_eq!(after["last_seen_ms"].as_u64(), Some(7));
+                }
+                if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) {
+                    let shown = with_defaults(v.clone());
+                    if v.is_object() {
+                        prop_assert!(shown["count"].is_number() || shown["count"] == v["count"]);
+                    }
+                }
+                if let Ok(r) = serde_json::from_slice::<QuarantineRecord>(&b) {
+                    r.payload.bytes().ok();
+                    let again =
+                        serde_json::to_vec(&r).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert_eq!(
+                        serde_json::from_slice::<QuarantineRecord>(&again).ok(),
+                        Some(r)
+                    );
+                }
+                if let Ok(r) = serde_json::from_slice::<DeadLetterRecord>(&b) {
+                    r.payload.bytes().ok();
+                    let again =
+                        serde_json::to_vec(&r).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert_eq!(
+                        serde_json::from_slice::<DeadLetterRecord>(&again).ok(),
+                        Some(r)
+                    );
+                }
+                Ok(())
+            },
+        );
+    }
+
+    #[test]
+    fn fuzz_stored_payloads_round_trip_any_bytes() {
+        fuzzing::run("stored_payload", 1000, fuzzing::bytes(64), |b| {
+            let p = StoredPayload::of(&b);
+            prop_assert_eq!(p.bytes(), Ok(b.clone()));
+            let json = serde_json::to_vec(&p).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let back: StoredPayload =
+                serde_json::from_slice(&json).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(back.bytes(), Ok(b));
+            Ok(())
+        });
     }
 
     #[test]

@@ -30,6 +30,8 @@
 
 mod blocks;
 mod buffer;
+#[cfg(test)]
+mod fuzz;
 mod log_row;
 mod run;
 mod runs;

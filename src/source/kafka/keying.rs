@@ -259,3 +259,99 @@ mod tests {
         assert!(key_record(&garbage, &s).unwrap_err().contains("/id"));
     }
 }
+
+/// Fuzz target (see `crate::fuzzing`): records with any key, value and header bytes.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    use super::*;
+    use crate::config::PartitionSource;
+    use crate::fuzzing;
+
+    /// Record values: structured CloudEvents and other JSON, mutated, or any bytes.
+    fn value() -> impl Strategy<Value = Vec<u8>> {
+        let event = (".{0,8}", ".{0,8}", fuzzing::json()).prop_map(|(source, id, data)| {
+            serde_json::to_vec(&json!({ "source": source, "id": id, "data": data }))
+                .unwrap_or_default()
+        });
+        let other = fuzzing::json().prop_map(|v| serde_json::to_vec(&v).unwrap_or_default());
+        fuzzing::hostile(200, prop_oneof![event, other])
+    }
+
+    fn settings() -> impl Strategy<Value = SubscriberSettings> {
+        let key = prop_oneof![
+            Just(KeySource::Header {
+                name: "x-id".into()
+            }),
+            Just(KeySource::Cloudevents),
+            Just(KeySource::JsonPointer {
+                pointer: "/data/order_id".into(),
+                pointers: Vec::new()
+            }),
+            Just(KeySource::ContentHash),
+            Just(KeySource::Id),
+        ];
+        let partition = prop_oneof![
+            Just(PartitionSource::IdempotencyKey),
+            Just(PartitionSource::EnvelopeKey),
+            Just(PartitionSource::Header {
+                name: "x-id".into()
+            }),
+            Just(PartitionSource::JsonPointer {
+                pointer: "/id".into()
+            }),
+        ];
+        let max_key_bytes = prop_oneof![Just(1024usize), 1usize..16];
+        (key, partition, max_key_bytes).prop_map(|(key, partition_key, max_key_bytes)| {
+            SubscriberSettings {
+                key,
+                partition_key,
+                max_key_bytes,
+                ..SubscriberSettings::default()
+            }
+        })
+    }
+
+    /// A keyed record's key is within its limit, deterministic, and for a header key the
+    /// hash of the last such header's raw bytes (so invalid UTF-8 still tells ids apart).
+    #[test]
+    fn fuzz_kafka_records_key_or_are_refused() {
+        let header = ("x-id|ce_id|ce_source|.{0,3}", fuzzing::bytes(12));
+        let record = (
+            prop::option::of(fuzzing::bytes(12)),
+            value(),
+            prop::collection::vec(header, 0..5),
+            settings(),
+        );
+        fuzzing::run(
+            "kafka_record",
+            3000,
+            record,
+            |(key, payload, headers, s)| {
+                let view = RecordView {
+                    key: key.as_deref(),
+                    payload: &payload,
+                    headers: &headers,
+                };
+                let keyed = key_record(&view, &s);
+                prop_assert_eq!(&keyed, &key_record(&view, &s));
+                if let Ok(k) = keyed {
+                    fuzzing::decoded();
+                    prop_assert!(k.key.text.len() <= s.max_key_bytes);
+                    if let KeySource::Header { name } = &s.key {
+                        let raw = raw_header(&view, name).unwrap_or_default();
+                        prop_assert_eq!(k.key.hash, key_hash(raw));
+                    }
+                    let given = key.filter(|k| !k.is_empty());
+                    prop_assert_eq!(
+                        k.partition_key,
+                        given.map(|k| String::from_utf8_lossy(&k).into_owned())
+                    );
+                }
+                Ok(())
+            },
+        );
+    }
+}
