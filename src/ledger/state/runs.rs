@@ -54,6 +54,10 @@ pub(crate) const COMPRESS_FROM_TIER: u32 = 2;
 /// retired table counts as this many entries of a slice's budget.
 const ENTRIES_PER_BLOCK: usize = 16;
 
+/// Most hash functions a stored run filter may name (runs are written with
+/// `run::FILTER_HASHES`).
+const MAX_FILTER_HASHES: u32 = 32;
+
 /// One run: its table, its age and its filter.
 pub(crate) struct Run {
     pub table_id: u64,
@@ -99,7 +103,8 @@ impl Run {
         let hashes = u32::from_le_bytes(b.get(24..28)?.try_into().ok()?);
         let n = usize::try_from(u64_at(28)?).ok()?;
         let body = b.get(36..)?;
-        if n == 0 || hashes == 0 || body.len() != n.checked_mul(8)? {
+        // A damaged hash count would make every probe loop billions of times.
+        if n == 0 || !(1..=MAX_FILTER_HASHES).contains(&hashes) || body.len() != n.checked_mul(8)? {
             return None;
         }
         let words = body
@@ -929,5 +934,12 @@ mod tests {
         assert!(back.may_contain(7));
         assert!(Run::decode(3, &b[..b.len() - 1]).is_none());
         assert!(Run::decode(3, &b[..20]).is_none());
+        // A hash count no writer uses (found by fuzzing: u32::MAX hashes stalled a probe
+        // for 32 s) is refused, not probed.
+        for hashes in [0u32, 33, u32::MAX] {
+            let mut bad = b.clone();
+            bad[24..28].copy_from_slice(&hashes.to_le_bytes());
+            assert!(Run::decode(3, &bad).is_none(), "{hashes} hashes");
+        }
     }
 }
