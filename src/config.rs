@@ -61,8 +61,21 @@ pub struct Config {
     /// The Kafka source (`dedupd run` consumes it when present).
     #[serde(default)]
     pub kafka: Option<crate::source::kafka::KafkaConfig>,
+    /// A listener for `/metrics`, `/healthz` and `/readyz` only (`dedupd run`), for
+    /// deployments without the admin API or with it on another address.
+    #[serde(default)]
+    pub metrics: Option<MetricsConfig>,
     /// Limits of pipe mode (stdin lines in, outcome lines out).
     pub pipe: PipeConfig,
+}
+
+/// `[metrics]`: where the metrics-only listener binds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// For example `127.0.0.1:9464`. It serves subscriber names and counts, no payloads
+    /// and no writes.
+    pub bind: std::net::SocketAddr,
 }
 
 impl Default for Config {
@@ -76,6 +89,7 @@ impl Default for Config {
             subscribers: Vec::new(),
             http: None,
             kafka: None,
+            metrics: None,
             pipe: PipeConfig::default(),
         }
     }

@@ -250,6 +250,47 @@ mod tests {
         }
     }
 
+    /// Every metric the Grafana dashboard in `docs/` queries is one the engine exports,
+    /// and the main families are on it.
+    #[test]
+    fn the_grafana_dashboard_queries_exported_names() {
+        let doc: serde_json::Value =
+            serde_json::from_str(include_str!("../docs/grafana-dashboard.json")).unwrap();
+        let mut used = std::collections::BTreeSet::new();
+        for panel in doc["panels"].as_array().unwrap() {
+            for target in panel["targets"].as_array().unwrap() {
+                let expr = target["expr"].as_str().unwrap();
+                let mut rest = expr;
+                while let Some(at) = rest.find("dedupd_") {
+                    let name: String = rest[at..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                        .collect();
+                    rest = &rest[at + name.len()..];
+                    let base = ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| name.strip_suffix(s))
+                        .filter(|b| metric::ALL.contains(b))
+                        .unwrap_or(&name)
+                        .to_string();
+                    assert!(metric::ALL.contains(&base.as_str()), "{name} in {expr}");
+                    used.insert(base);
+                }
+            }
+        }
+        for name in [
+            metric::MESSAGES_PROCESSED_TOTAL,
+            metric::DUPLICATES_SKIPPED_TOTAL,
+            metric::BATCH_DURATION_SECONDS,
+            metric::DISK_BYTES,
+            metric::READY,
+            metric::KAFKA_CONSUMER_LAG,
+            metric::OUTBOX_ROWS,
+        ] {
+            assert!(used.contains(name), "{name} is not on the dashboard");
+        }
+    }
+
     #[test]
     fn every_metric_has_help_text() {
         for name in metric::ALL {

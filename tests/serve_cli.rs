@@ -309,3 +309,64 @@ fn inspect_points_at_the_running_engine_and_repairs_only_when_asked() {
     let after = inspect(&data, &[]);
     assert_eq!(claims(&after), 3);
 }
+
+/// `run --metrics-bind` without an `[http]` section serves `/metrics`, `/healthz` and
+/// `/readyz` and nothing else, over the ledger the stdin pipe writes to.
+#[test]
+fn run_serves_metrics_alone_on_its_own_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("dedupd.toml");
+    std::fs::write(&config, "[ledger]\nshards = 2\n").unwrap();
+    let mut child = dedupd()
+        .args(["run", "--metrics-bind", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let (addr, _) = address_and_logs(&mut stderr);
+    let addr = addr.trim_end_matches("/metrics").to_string();
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(
+        stdin,
+        r#"{{"subscriber":"s","id":"m-1","payload":{{"a":1}}}}"#
+    )
+    .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut outcome = String::new();
+    stdout.read_line(&mut outcome).unwrap();
+    assert!(outcome.contains("\"processed\""), "{outcome}");
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let (status, metrics) = request(&mut conn, "GET", "/metrics", "", "");
+    assert!(status.ends_with("200 OK"), "{status}");
+    assert!(
+        metrics.contains("dedupd_messages_processed_total{subscriber=\"s\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("# HELP dedupd_ready "), "{metrics}");
+    let (status, _) = request(&mut conn, "GET", "/readyz", "", "");
+    assert!(status.ends_with("200 OK"), "{status}");
+    // Nothing but metrics and health here.
+    for path in ["/v1/subscribers", "/", "/openapi.json"] {
+        let (status, _) = request(&mut conn, "GET", path, "", "");
+        assert!(status.contains("404"), "{path}: {status}");
+    }
+    drop(conn);
+    drop(stdin);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "run did not end with stdin");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+}

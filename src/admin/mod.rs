@@ -45,7 +45,7 @@ pub use audit::Audit;
 pub use config::HttpConfig;
 pub use error::ApiError;
 pub use openapi::{openapi, ROUTES};
-pub use routes::router;
+pub use routes::{metrics_router, router};
 pub use uploads::{HandlerInfo, UploadError, UploadStore};
 
 use crate::config::Config;
@@ -190,12 +190,37 @@ pub async fn serve(
     state: AdminState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let header_timeout = state.0.http.header_timeout;
+    serve_app(listener, router(state), header_timeout, shutdown).await
+}
+
+/// Serves only `/metrics`, `/healthz` and `/readyz` on `listener` (the `[metrics]`
+/// listener) until `shutdown` completes.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    state: AdminState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let header_timeout = state.0.http.header_timeout;
+    serve_app(
+        listener,
+        routes::metrics_router(state),
+        header_timeout,
+        shutdown,
+    )
+    .await
+}
+
+async fn serve_app(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    header_timeout: std::time::Duration,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::server::graceful::GracefulShutdown;
     use hyper_util::service::TowerToHyperService;
 
-    let header_timeout = state.0.http.header_timeout;
-    let app = router(state);
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {

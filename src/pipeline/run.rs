@@ -108,6 +108,15 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
     );
     let shutdown = Shutdown::new();
     shutdown.on_ledger_failure(&ledger);
+    let metrics = match &config.metrics {
+        Some(m) => Some(HttpServer::start_metrics(
+            &ledger,
+            config,
+            m.bind,
+            Shutdown::new(),
+        )?),
+        None => None,
+    };
     let result = match mode {
         Mode::Pipe => pipe(&ledger, config, &shutdown).map(Summary::Pipe),
         Mode::Serve { http, stdin } => serve(&ledger, config, http, stdin, &shutdown),
@@ -115,6 +124,9 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
             run_kafka(&ledger, config, &kafka, http, &shutdown).map(Summary::Kafka)
         }
     };
+    if let Some(server) = metrics {
+        server.stop()?;
+    }
     // A stdin thread in serve mode may still hold the ledger: then the process exits and
     // the OS closes the files; every acknowledged outcome was committed first (G1).
     let closed = match Arc::try_unwrap(ledger) {

@@ -26,27 +26,62 @@ impl HttpServer {
         stop: Shutdown,
     ) -> Result<HttpServer, RunError> {
         let token = http.resolve_token()?;
-        crate::admin::install_metrics();
-        let listener =
-            std::net::TcpListener::bind(http.bind).map_err(|source| RunError::Listen {
-                addr: http.bind,
-                source,
-            })?;
-        listener.set_nonblocking(true)?;
-        let addr = listener.local_addr()?;
+        let bind = http.bind;
         let mut config = config.clone();
         config.http = Some(http);
-        let state = AdminState::new(ledger.clone(), &config, token)?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .thread_name("dedupd-http")
-            .build()?;
+        HttpServer::spawn(ledger, &config, token, bind, stop, false)
+    }
+
+    /// Binds `bind` and serves only `/metrics`, `/healthz` and `/readyz` (`[metrics]`)
+    /// until `stop` triggers.
+    pub fn start_metrics(
+        ledger: &Arc<Ledger>,
+        config: &Config,
+        bind: std::net::SocketAddr,
+        stop: Shutdown,
+    ) -> Result<HttpServer, RunError> {
+        let mut config = config.clone();
+        config.http = None;
+        HttpServer::spawn(ledger, &config, None, bind, stop, true)
+    }
+
+    fn spawn(
+        ledger: &Arc<Ledger>,
+        config: &Config,
+        token: Option<String>,
+        bind: std::net::SocketAddr,
+        stop: Shutdown,
+        metrics_only: bool,
+    ) -> Result<HttpServer, RunError> {
+        crate::admin::install_metrics();
+        let listener = std::net::TcpListener::bind(bind)
+            .map_err(|source| RunError::Listen { addr: bind, source })?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let state = AdminState::new(ledger.clone(), config, token)?;
+        let mut runtime = tokio::runtime::Builder::new_multi_thread();
+        runtime.enable_all().thread_name("dedupd-http");
+        if metrics_only {
+            runtime.worker_threads(1);
+        }
+        let runtime = runtime.build()?;
         let stopped = stop.clone();
         let task = runtime.spawn(async move {
             let listener = tokio::net::TcpListener::from_std(listener)?;
-            crate::admin::serve(listener, state, async move { stopped.triggered().await }).await
+            let until = async move { stopped.triggered().await };
+            if metrics_only {
+                crate::admin::serve_metrics(listener, state, until).await
+            } else {
+                crate::admin::serve(listener, state, until).await
+            }
         });
-        eprintln!("dedupd: HTTP API on http://{addr} (dashboard at /, OpenAPI at /openapi.json)");
+        if metrics_only {
+            eprintln!("dedupd: metrics on http://{addr}/metrics");
+        } else {
+            eprintln!(
+                "dedupd: HTTP API on http://{addr} (dashboard at /, OpenAPI at /openapi.json)"
+            );
+        }
         Ok(HttpServer {
             runtime,
             task,

@@ -114,6 +114,19 @@ pub fn router(state: AdminState) -> Router {
         .with_state(state)
 }
 
+/// Only `/metrics`, `/healthz` and `/readyz`: the `[metrics]` listener. Nothing here
+/// writes or shows a payload, so it has no token and no host check.
+pub fn metrics_router(state: AdminState) -> Router {
+    use service::*;
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics::render))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
+        .with_state(state)
+}
+
 fn path<T>(p: Result<Path<T>, PathRejection>) -> ApiResult<T> {
     p.map(|Path(t)| t)
         .map_err(|e| ApiError::bad("path", format!("bad path parameter: {}", e.body_text())))

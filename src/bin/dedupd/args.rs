@@ -53,6 +53,10 @@ pub enum Command {
         config: PathBuf,
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// Also serve `/metrics`, `/healthz` and `/readyz` (nothing else) here; the same
+        /// as `[metrics] bind` in the config, which it overrides.
+        #[arg(long)]
+        metrics_bind: Option<std::net::SocketAddr>,
     },
     /// Only the admin and ingest HTTP API, until SIGINT/SIGTERM.
     Serve {

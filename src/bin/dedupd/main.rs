@@ -83,8 +83,12 @@ fn run(command: Command) -> Result<()> {
         Command::Run {
             config,
             data_dir: dir,
+            metrics_bind,
         } => {
-            let config = load_config(Some(&config))?;
+            let mut config = load_config(Some(&config))?;
+            if let Some(bind) = metrics_bind {
+                config.metrics = Some(dedupd::config::MetricsConfig { bind });
+            }
             let summary = pipeline::run(&config, &data_dir(dir, &config)?, Mode::of(&config))?;
             if let Summary::Kafka(kafka) = summary {
                 println!("{}", serde_json::json!({ "kafka": kafka }));
