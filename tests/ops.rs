@@ -374,8 +374,12 @@ fn backups_open_as_data_directories_and_settings_change_at_runtime() {
     }
     let backup = tempfile::tempdir().unwrap();
     let target = backup.path().join("b1");
-    let bytes = ledger.backup(&target).unwrap();
-    assert!(bytes > 0);
+    let copies = ledger.backup(&target).unwrap();
+    assert_eq!(copies.len(), 2, "one copy per shard");
+    assert!(copies.iter().all(|c| c.bytes > 0));
+    // Each copy is closed like a file redb closed: it opens read-only, as inspect does.
+    let report = dedupd::ledger::offline_report(&target).unwrap();
+    assert_eq!(report.subscribers[0].claims, 20);
     assert!(ledger.backup(&target).is_err(), "refuses a non-empty dir");
 
     // A shorter TTL applies to claims written after the change.

@@ -57,10 +57,12 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
-pub use datadir::{dir_bytes, read_manifest, MANIFEST};
+pub use datadir::{
+    dir_bytes, read_manifest, shard_path, sync_dir, AUDIT_LOG, HANDLERS_DIR, MANIFEST,
+};
 pub use naive::{NaiveBaseline, NaiveError};
-pub use offline::offline_report;
-pub use ops::{OutboxRow, RecordKind, StoredRecord};
+pub use offline::{close_copied_shard, hold_closed_shards, offline_report, ClosedShards};
+pub use ops::{OutboxRow, RecordKind, ShardCopy, StoredRecord};
 pub use placement::{entity_scope, Placement};
 pub use poison::PoisonHook;
 pub use record::{ClaimRecord, FORMAT_VERSION};

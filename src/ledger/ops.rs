@@ -11,12 +11,23 @@ use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
 use super::datadir::MANIFEST;
+use super::offline::close_copied_shard;
 use super::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
 use super::{AckSender, Ledger, LedgerError, Placement};
 use crate::config::SubscriberSettings;
 use crate::envelope::{key_hash, IdempotencyKey};
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
+
+/// One shard file copied for a backup, and how long its writer was paused for the copy.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ShardCopy {
+    /// The file name (`shard-NNN.redb`).
+    pub file: String,
+    pub bytes: u64,
+    /// How long the shard's writer thread did nothing but copy (microseconds).
+    pub writer_paused_us: u64,
+}
 
 /// The two kinds of records kept aside for operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -421,9 +432,13 @@ impl Ledger {
     }
 
     /// Copies every shard file (each between two of its commits) and the manifest into
-    /// `dir`, which must be absent or empty. The copy opens as a data directory of its own.
-    /// Returns the bytes copied.
-    pub fn backup(&self, dir: &Path) -> Result<u64, LedgerError> {
+    /// `dir`, which must be absent or empty. Each shard's writer pauses only while its own
+    /// file is copied; afterwards, off the writer threads, each copy is closed the way
+    /// redb closes a file ([`close_copied_shard`]) and fsync'd, so the copy opens as a data
+    /// directory of its own, read-only too. The shards are copied at the same time but
+    /// each at its own commit boundary (see `docs/operations.md`, "Backup and restore").
+    /// The directory entries are not fsync'd here: the caller adds files and syncs them.
+    pub fn backup(&self, dir: &Path) -> Result<Vec<ShardCopy>, LedgerError> {
         let bad = |detail: String| LedgerError::DataDir {
             path: dir.to_path_buf(),
             detail,
@@ -435,14 +450,16 @@ impl Ledger {
             }
         }
         std::fs::create_dir_all(dir).map_err(|e| bad(e.to_string()))?;
-        let mut total = std::fs::copy(self.data_dir.join(MANIFEST), dir.join(MANIFEST))
+        std::fs::copy(self.data_dir.join(MANIFEST), dir.join(MANIFEST))
             .map_err(|e| bad(format!("cannot copy the manifest: {e}")))?;
-        let copied = self.ask_all(|reply| Control::Backup {
+        let copies = self.ask_all(|reply| Control::Backup {
             dest: dir.to_path_buf(),
             reply,
         })?;
-        total += copied.iter().sum::<u64>();
-        Ok(total)
+        for copy in &copies {
+            close_copied_shard(&dir.join(&copy.file))?;
+        }
+        Ok(copies)
     }
 
     /// Replaces a subscriber's settings at runtime. Shards take the TTL and retry policy

@@ -265,8 +265,14 @@ impl Shard {
     }
 
     /// Copies the shard file between two commits: every commit is durable and no other
-    /// thread writes the file, so the copy is the state after the last commit.
-    pub(super) fn backup(&self, dest: &std::path::Path) -> Result<u64, LedgerError> {
+    /// thread writes the file, so the copy is the state after the last commit. The writer
+    /// is paused for the copy (page-cache to page-cache; the caller fsyncs it later, off
+    /// this thread), and only for it. The copy still carries redb's "open" mark; see
+    /// [`crate::ledger::close_copied_shard`].
+    pub(super) fn backup(
+        &self,
+        dest: &std::path::Path,
+    ) -> Result<crate::ledger::ShardCopy, LedgerError> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
@@ -276,9 +282,23 @@ impl Shard {
             .file_name()
             .map(|n| n.to_os_string())
             .unwrap_or_default();
-        std::fs::copy(&self.ctx.path, dest.join(name)).map_err(|e| LedgerError::DataDir {
-            path: dest.to_path_buf(),
-            detail: format!("backup of {} failed: {e}", self.ctx.path.display()),
+        let started = std::time::Instant::now();
+        let bytes =
+            std::fs::copy(&self.ctx.path, dest.join(&name)).map_err(|e| LedgerError::DataDir {
+                path: dest.to_path_buf(),
+                detail: format!("backup of {} failed: {e}", self.ctx.path.display()),
+            })?;
+        let paused = started.elapsed();
+        tracing::info!(
+            shard = self.ctx.index,
+            bytes,
+            paused_ms = paused.as_secs_f64() * 1e3,
+            "shard copied for a backup; its writer was paused for the copy"
+        );
+        Ok(crate::ledger::ShardCopy {
+            file: name.to_string_lossy().into_owned(),
+            bytes,
+            writer_paused_us: paused.as_micros() as u64,
         })
     }
 

@@ -152,7 +152,7 @@ pub(crate) enum Control {
     },
     Backup {
         dest: PathBuf,
-        reply: Sender<Result<u64, LedgerError>>,
+        reply: Sender<Result<crate::ledger::ShardCopy, LedgerError>>,
     },
 }
 
