@@ -44,6 +44,7 @@ mod report;
 mod shard;
 mod state;
 mod tables;
+mod tracked;
 mod usage;
 
 use std::path::{Path, PathBuf};
@@ -331,6 +332,8 @@ pub struct Ledger {
     poison: Arc<poison::Poison>,
     metrics: Vec<Arc<Mutex<ShardMetrics>>>,
     clock: Arc<dyn Clock>,
+    /// One online backup at a time: each shard records its writes for one copy.
+    backup: Mutex<()>,
 }
 
 /// The shard a hash routes to among `shards`. Part of the on-disk format.
@@ -396,6 +399,7 @@ impl Ledger {
                 fault: fault.clone(),
                 peers: peers.clone(),
                 inflight: inflight.clone(),
+                writes: Default::default(),
             };
             let (shard, peer_tx) = StartingShard::spawn(data_dir, ctx)?;
             peer_txs.push(peer_tx);
@@ -411,6 +415,7 @@ impl Ledger {
             poison,
             metrics,
             clock,
+            backup: Mutex::new(()),
         };
         if first_err.is_none() && created {
             // The new shard files' directory entries, durable before anything is acked.

@@ -150,8 +150,13 @@ pub(crate) enum Control {
         seqs: Vec<u64>,
         reply: Sender<Result<(), LedgerError>>,
     },
-    Backup {
-        dest: PathBuf,
+    /// Starts recording the file's writes; answers the file's path, to copy.
+    BackupBegin {
+        reply: Sender<Result<PathBuf, LedgerError>>,
+    },
+    /// Stops recording and brings the copy at `dest` (if any) up to this commit boundary.
+    BackupFinish {
+        dest: Option<PathBuf>,
         reply: Sender<Result<crate::ledger::ShardCopy, LedgerError>>,
     },
 }
@@ -172,6 +177,8 @@ pub(crate) struct ShardContext {
     pub peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>>,
     /// Keys being decided with a probe, shared by all shards.
     pub inflight: Arc<InFlight>,
+    /// The ranges of the file written while an online backup copies it (`tracked.rs`).
+    pub writes: Arc<crate::ledger::tracked::WriteLog>,
 }
 
 pub(crate) struct Shard {
