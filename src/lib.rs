@@ -80,6 +80,7 @@
 //! ```
 
 pub mod admin;
+pub mod backup;
 pub mod bench;
 pub mod clock;
 pub mod config;

@@ -926,8 +926,20 @@ async fn maintenance_compacts_and_backs_up() {
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert!(r.body["bytes"].as_u64().unwrap() > 0);
+    assert!(
+        r.body["longest_writer_pause_ms"].as_f64().is_some(),
+        "{}",
+        r.text
+    );
     let dir = api.state.ledger().data_dir().join("backups/b1");
     assert!(dir.join("dedupd.manifest.json").exists());
+    // The offline layout: checksums in backup.json, which verifies.
+    let manifest = dedupd::backup::verify(&dir).unwrap();
+    assert!(manifest.online);
+    assert_eq!(
+        manifest.files.len(),
+        r.body["files"].as_u64().unwrap() as usize
+    );
     let r = api
         .call(
             "POST",

@@ -374,9 +374,35 @@ fn backups_open_as_data_directories_and_settings_change_at_runtime() {
     }
     let backup = tempfile::tempdir().unwrap();
     let target = backup.path().join("b1");
-    let bytes = ledger.backup(&target).unwrap();
-    assert!(bytes > 0);
+    let copies = ledger.backup(&target).unwrap();
+    assert_eq!(copies.len(), 2, "one copy per shard");
+    assert!(copies.iter().all(|c| c.bytes > 0));
+    // Each copy is closed like a file redb closed: it opens read-only, as inspect does.
+    let report = dedupd::ledger::offline_report(&target).unwrap();
+    assert_eq!(report.subscribers[0].claims, 20);
     assert!(ledger.backup(&target).is_err(), "refuses a non-empty dir");
+
+    // Messages committed while the files are being copied are in the backup: the writers
+    // went on during the copy, and copied again what they wrote before it was finished.
+    let during = backup.path().join("b2");
+    let copies = ledger
+        .backup_after_copy(&during, || {
+            for i in 20..40 {
+                assert_eq!(
+                    deliver(&ledger, "s", &format!("k{i}"), b"p"),
+                    Outcome::Processed
+                );
+            }
+        })
+        .unwrap();
+    assert!(
+        copies.iter().any(|c| c.recopied_bytes > 0),
+        "nothing copied again: {copies:?}"
+    );
+    assert_eq!(
+        dedupd::ledger::offline_report(&during).unwrap().subscribers[0].claims,
+        40
+    );
 
     // A shorter TTL applies to claims written after the change.
     let mut settings = (*ledger.subscriber("s").unwrap().settings()).clone();
@@ -396,6 +422,15 @@ fn backups_open_as_data_directories_and_settings_change_at_runtime() {
         );
     }
     assert_eq!(deliver(&restored, "s", "short", b"p"), Outcome::Processed);
+    restored.close().unwrap();
+    let during = Ledger::open(&backup.path().join("b2"), &cfg, clock.clone()).unwrap();
+    for i in 0..40 {
+        assert_eq!(
+            deliver(&during, "s", &format!("k{i}"), b"p"),
+            Outcome::Duplicate,
+            "k{i}"
+        );
+    }
 }
 
 /// Submits `n` copies of one message in one go and returns their outcomes.

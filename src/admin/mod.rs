@@ -84,7 +84,7 @@ impl AdminState {
         }
         let uploads = UploadStore::new(ledger.data_dir());
         uploads.install_all(&ledger)?;
-        let audit = Audit::new(ledger.data_dir().join("audit.jsonl"));
+        let audit = Audit::new(ledger.data_dir().join(crate::ledger::AUDIT_LOG));
         let ingest = Ingest::start(ledger)?;
         metrics::install();
         Ok(AdminState(Arc::new(Inner {

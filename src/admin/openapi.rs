@@ -61,7 +61,7 @@ pub const ROUTES: &[RouteDoc] = &[
     r("put", "/v1/subscribers/{s}/handler", "Upload a WebAssembly component (validated first; installed between batches; the old one kept for rollback)", true, &[200, 400, 413]),
     r("post", "/v1/subscribers/{s}/handler/rollback", "Reinstall the previous uploaded handler", true, &[200, 400, 404]),
     r("post", "/v1/maintenance/compact", "Run sealing, merging and expiry now (?seal_all=true seals active generations first)", true, &[200, 400, 503]),
-    r("post", "/v1/maintenance/backup", "Consistent copy of every shard into the backup directory: {\"name\": DIR}", true, &[200, 400, 409]),
+    r("post", "/v1/maintenance/backup", "Backup into the backup directory: {\"name\": DIR}; every shard at a commit boundary, handlers, audit log, backup.json with checksums", true, &[200, 400, 409]),
     r("get", "/v1/audit", "The newest operator actions (?limit=N)", true, &[200, 400]),
     r("get", "/v1/outbox", "The oldest messages handlers emitted, not yet acknowledged (?limit=N, 1-1000), and how many are pending", true, &[200, 400, 409]),
     r("post", "/v1/outbox/ack", "Delete pulled outbox messages: {\"ids\": [...]}", true, &[200, 400, 409]),

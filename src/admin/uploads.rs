@@ -54,7 +54,7 @@ fn valid_version(v: &str) -> bool {
 impl UploadStore {
     pub fn new(data_dir: &Path) -> UploadStore {
         UploadStore {
-            root: data_dir.join("handlers"),
+            root: data_dir.join(crate::ledger::HANDLERS_DIR),
         }
     }
 

@@ -19,6 +19,12 @@ struct Manifest {
 /// The manifest file that marks a directory as a dedupd data directory.
 pub const MANIFEST: &str = "dedupd.manifest.json";
 
+/// Uploaded handler components, one directory per subscriber (`admin::UploadStore`).
+pub const HANDLERS_DIR: &str = "handlers";
+
+/// The operators' audit log (`admin::Audit`), one JSON line per action.
+pub const AUDIT_LOG: &str = "audit.jsonl";
+
 /// Reads an existing directory's manifest without changing anything: its format version
 /// and shard count.
 pub fn read_manifest(dir: &Path) -> Result<(u64, usize), LedgerError> {
@@ -38,7 +44,7 @@ pub fn read_manifest(dir: &Path) -> Result<(u64, usize), LedgerError> {
 }
 
 /// The file of shard `index` inside `dir`. Part of the on-disk format.
-pub(super) fn shard_path(dir: &Path, index: usize) -> PathBuf {
+pub fn shard_path(dir: &Path, index: usize) -> PathBuf {
     dir.join(format!("shard-{index:03}.redb"))
 }
 
@@ -178,7 +184,8 @@ pub(super) fn require_shard_files(dir: &Path, shards: usize) -> Result<(), Ledge
     Ok(())
 }
 
-pub(super) fn sync_dir(dir: &Path) -> std::io::Result<()> {
+/// Makes the entries of `dir` (files created, renamed or removed in it) durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 

@@ -44,6 +44,7 @@ mod report;
 mod shard;
 mod state;
 mod tables;
+mod tracked;
 mod usage;
 
 use std::path::{Path, PathBuf};
@@ -57,10 +58,13 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
-pub use datadir::{dir_allocated_bytes, dir_bytes, read_manifest, MANIFEST};
+pub use datadir::{
+    dir_allocated_bytes, dir_bytes, read_manifest, shard_path, sync_dir, AUDIT_LOG,
+    HANDLERS_DIR, MANIFEST,
+};
 pub use naive::{NaiveBaseline, NaiveError};
-pub use offline::offline_report;
-pub use ops::{OutboxRelayGuard, OutboxRow, RecordKind, StoredRecord};
+pub use offline::{close_copied_shard, hold_closed_shards, offline_report, ClosedShards};
+pub use ops::{OutboxRelayGuard, OutboxRow, RecordKind, ShardCopy, StoredRecord};
 pub use placement::{entity_scope, Placement};
 pub use poison::PoisonHook;
 pub use record::{ClaimRecord, FORMAT_VERSION};
@@ -331,6 +335,8 @@ pub struct Ledger {
     clock: Arc<dyn Clock>,
     /// A Kafka relay consumes the outbox (`ops.rs`).
     outbox_relay: std::sync::atomic::AtomicBool,
+    /// One online backup at a time: each shard records its writes for one copy.
+    backup: Mutex<()>,
 }
 
 /// The shard a hash routes to among `shards`. Part of the on-disk format.
@@ -396,6 +402,7 @@ impl Ledger {
                 fault: fault.clone(),
                 peers: peers.clone(),
                 inflight: inflight.clone(),
+                writes: Default::default(),
             };
             let (shard, peer_tx) = StartingShard::spawn(data_dir, ctx)?;
             peer_txs.push(peer_tx);
@@ -412,6 +419,7 @@ impl Ledger {
             metrics,
             clock,
             outbox_relay: Default::default(),
+            backup: Mutex::new(()),
         };
         if first_err.is_none() && created {
             // The new shard files' directory entries, durable before anything is acked.

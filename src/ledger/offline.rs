@@ -11,7 +11,7 @@
 //! reported (`index_bytes` is 0 and `offline` is set).
 
 use std::collections::{BTreeMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use redb::{ReadOnlyDatabase, ReadTransaction, ReadableDatabase, ReadableTable, TableHandle};
 
@@ -27,6 +27,60 @@ use super::{records, LedgerError, LedgerReport, SubscriberReport, FORMAT_VERSION
 /// Oldest format read here: state runs came with format 3. Older directories are upgraded
 /// by the engine when it opens them, which writes.
 const OLDEST_READABLE: u64 = 3;
+
+/// Read-only handles on every shard file of a data directory. While they are held, no
+/// engine can open the directory (redb's file lock), so the files can be copied as they
+/// are: closed cleanly, and unchanging.
+pub struct ClosedShards {
+    /// The shard files, in shard order.
+    pub paths: Vec<PathBuf>,
+    _handles: Vec<ReadOnlyDatabase>,
+}
+
+/// Opens every shard of `dir` read-only and keeps it open (see [`ClosedShards`]). A shard
+/// held by a running engine is [`LedgerError::InUse`]; one not closed cleanly is
+/// [`LedgerError::NeedsRepair`]; a directory of a newer format is refused.
+pub fn hold_closed_shards(dir: &Path) -> Result<ClosedShards, LedgerError> {
+    let (format, shards) = read_manifest(dir)?;
+    if format > FORMAT_VERSION {
+        return Err(LedgerError::NewerFormat {
+            path: dir.to_path_buf(),
+            found: format,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let mut held = ClosedShards {
+        paths: Vec::with_capacity(shards),
+        _handles: Vec::with_capacity(shards),
+    };
+    for index in 0..shards {
+        let path = shard_path(dir, index);
+        held._handles.push(open_read_only(&path)?);
+        held.paths.push(path);
+    }
+    Ok(held)
+}
+
+/// Closes a copy of a shard file taken while its engine had it open (between two
+/// commits): the copy carries redb's "open, repair on next open" mark, which a read-only
+/// open refuses. Opening it for writing once and closing it checks the last commit,
+/// rebuilds the free-page state from it and clears the mark; no table is changed. Run it
+/// on the copy only, never on a file an engine uses.
+pub fn close_copied_shard(path: &Path) -> Result<(), LedgerError> {
+    let db = redb::Database::create(path).map_err(|e| storage(path, e))?;
+    drop(db);
+    Ok(())
+}
+
+fn open_read_only(path: &Path) -> Result<ReadOnlyDatabase, LedgerError> {
+    ReadOnlyDatabase::open(path).map_err(|e| match redb::Error::from(e) {
+        redb::Error::RepairAborted => LedgerError::NeedsRepair {
+            path: path.to_path_buf(),
+            detail: "it was not closed cleanly (the engine was killed, or crashed)".into(),
+        },
+        e => storage(path, e),
+    })
+}
 
 /// Reads the report of an existing data directory, opening every shard file read-only.
 /// A shard held by a running engine is [`LedgerError::InUse`]; one not closed cleanly, or
@@ -51,13 +105,7 @@ pub fn offline_report(dir: &Path) -> Result<LedgerReport, LedgerError> {
     let mut rows = Vec::new();
     for index in 0..shards {
         let path = shard_path(dir, index);
-        let db = ReadOnlyDatabase::open(&path).map_err(|e| match redb::Error::from(e) {
-            redb::Error::RepairAborted => LedgerError::NeedsRepair {
-                path: path.clone(),
-                detail: "it was not closed cleanly (the engine was killed, or crashed)".into(),
-            },
-            e => storage(&path, e),
-        })?;
+        let db = open_read_only(&path)?;
         let txn = db.begin_read().map_err(|e| storage(&path, e))?;
         rows.extend(shard_report(&txn).map_err(|e| storage(&path, e))?);
     }

@@ -11,12 +11,26 @@ use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
 use super::datadir::MANIFEST;
+use super::offline::close_copied_shard;
 use super::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
 use super::{AckSender, Ledger, LedgerError, Placement};
 use crate::config::SubscriberSettings;
 use crate::envelope::{key_hash, IdempotencyKey};
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
+
+/// One shard file copied for a backup, and how long its writer was paused for the copy.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ShardCopy {
+    /// The file name (`shard-NNN.redb`).
+    pub file: String,
+    pub bytes: u64,
+    /// Bytes written to the shard while it was copied, copied again with its writer
+    /// paused.
+    pub recopied_bytes: u64,
+    /// How long the shard's writer paused for the backup (microseconds).
+    pub writer_paused_us: u64,
+}
 
 /// The two kinds of records kept aside for operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -441,14 +455,32 @@ impl Ledger {
         Ok(())
     }
 
-    /// Copies every shard file (each between two of its commits) and the manifest into
-    /// `dir`, which must be absent or empty. The copy opens as a data directory of its own.
-    /// Returns the bytes copied.
-    pub fn backup(&self, dir: &Path) -> Result<u64, LedgerError> {
+    /// Copies every shard file and the manifest into `dir`, which must be absent or
+    /// empty; each shard's copy is the file at one of its commit boundaries. The writers go
+    /// on while their files are copied; each then pauses between two batches only to copy
+    /// again the ranges written meanwhile (`tracked.rs`). Afterwards, off the writer
+    /// threads, each copy is closed the way redb closes a file ([`close_copied_shard`]) and
+    /// fsync'd, so the copy opens as a data directory of its own, read-only too. Shards
+    /// reach their boundaries at different moments (see `docs/operations.md`, "Backup and
+    /// restore"). The directory entries are not fsync'd here: the caller adds files and
+    /// syncs them. One backup runs at a time; a second waits.
+    pub fn backup(&self, dir: &Path) -> Result<Vec<ShardCopy>, LedgerError> {
+        self.backup_after_copy(dir, || {})
+    }
+
+    /// [`Ledger::backup`], running `after_copy` once the files are copied and before the
+    /// writers bring the copies up to date: what it commits must be in the backup. For tests.
+    #[doc(hidden)]
+    pub fn backup_after_copy(
+        &self,
+        dir: &Path,
+        after_copy: impl FnOnce(),
+    ) -> Result<Vec<ShardCopy>, LedgerError> {
         let bad = |detail: String| LedgerError::DataDir {
             path: dir.to_path_buf(),
             detail,
         };
+        let _one_at_a_time = self.backup.lock().unwrap_or_else(|p| p.into_inner());
         if dir.exists() {
             let mut entries = std::fs::read_dir(dir).map_err(|e| bad(e.to_string()))?;
             if entries.next().is_some() {
@@ -456,14 +488,37 @@ impl Ledger {
             }
         }
         std::fs::create_dir_all(dir).map_err(|e| bad(e.to_string()))?;
-        let mut total = std::fs::copy(self.data_dir.join(MANIFEST), dir.join(MANIFEST))
+        std::fs::copy(self.data_dir.join(MANIFEST), dir.join(MANIFEST))
             .map_err(|e| bad(format!("cannot copy the manifest: {e}")))?;
-        let copied = self.ask_all(|reply| Control::Backup {
-            dest: dir.to_path_buf(),
+        let sources = match self.ask_all(|reply| Control::BackupBegin { reply }) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = self.ask_all(|reply| Control::BackupFinish { dest: None, reply });
+                return Err(e);
+            }
+        };
+        let mut copied = Ok(());
+        for src in &sources {
+            let name = src.file_name().unwrap_or_default();
+            if let Err(e) = std::fs::copy(src, dir.join(name)) {
+                copied = Err(bad(format!("backup of {} failed: {e}", src.display())));
+                break;
+            }
+        }
+        if copied.is_ok() {
+            after_copy();
+        }
+        let dest = copied.is_ok().then(|| dir.to_path_buf());
+        let finished = self.ask_all(|reply| Control::BackupFinish {
+            dest: dest.clone(),
             reply,
-        })?;
-        total += copied.iter().sum::<u64>();
-        Ok(total)
+        });
+        copied?;
+        let copies = finished?;
+        for copy in &copies {
+            close_copied_shard(&dir.join(&copy.file))?;
+        }
+        Ok(copies)
     }
 
     /// Replaces a subscriber's settings at runtime. Shards take the TTL and retry policy

@@ -80,16 +80,33 @@ pub async fn backup(
     blocking(move || {
         std::fs::create_dir_all(&root)
             .map_err(|e| ApiError::Internal(format!("cannot create {}: {e}", root.display())))?;
-        let bytes = st.ledger().backup(&dir)?;
+        let report = crate::backup::backup_online(st.ledger(), &dir).map_err(backup_error)?;
+        let pause_ms = report.longest_writer_pause_ms();
         audit(
             &st,
             "maintenance.backup",
             None,
-            json!({"name": req.name, "bytes": bytes}),
+            json!({"name": req.name, "bytes": report.bytes, "longest_writer_pause_ms": pause_ms}),
         )?;
-        Ok(Json(json!({"name": req.name, "bytes": bytes})))
+        Ok(Json(json!({
+            "name": req.name,
+            "bytes": report.bytes,
+            "files": report.manifest.files.len(),
+            "longest_writer_pause_ms": pause_ms,
+            "shards": report.shard_copies,
+        })))
     })
     .await
+}
+
+/// Ledger failures keep their status; anything else about writing the backup is a 500
+/// (logged, not sent).
+fn backup_error(e: crate::backup::BackupError) -> ApiError {
+    match e {
+        crate::backup::BackupError::Ledger(e) => e.into(),
+        e @ crate::backup::BackupError::NotEmpty { .. } => ApiError::Exists(e.to_string()),
+        e => ApiError::Internal(format!("backup failed: {e}")),
+    }
 }
 
 #[derive(Debug, Deserialize)]

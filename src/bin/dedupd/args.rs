@@ -108,6 +108,32 @@ pub enum Command {
     },
     /// Kafka source against a consume-only rdkafka baseline on the mock broker, same run.
     KafkaBench(KafkaBenchArgs),
+    /// Back up a stopped engine's data directory into DIR (new or empty): the shard files,
+    /// the manifest, uploaded handlers and the audit log, with backup.json (sizes and
+    /// checksums) written last. A running engine is backed up with `POST
+    /// /v1/maintenance/backup` instead.
+    Backup {
+        #[arg(long)]
+        data_dir: PathBuf,
+        #[arg(long, value_name = "DIR")]
+        to: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Verify a backup (backup.json, every file's size and checksum) and copy it into a new
+    /// or empty data directory, then open that read-only to confirm it loads. Nothing is
+    /// written when the backup does not verify.
+    Restore {
+        #[arg(long, value_name = "DIR")]
+        from: PathBuf,
+        #[arg(long, required_unless_present = "check")]
+        data_dir: Option<PathBuf>,
+        /// Only verify the backup; write nothing.
+        #[arg(long, conflicts_with = "data_dir")]
+        check: bool,
+        #[arg(long)]
+        json: bool,
+    },
     /// Per-subscriber counts, generations, state runs, filter sizes and where the disk
     /// bytes go, read from a stopped engine's data directory without writing it.
     Inspect {

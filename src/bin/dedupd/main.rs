@@ -165,6 +165,25 @@ fn run(command: Command) -> Result<()> {
                 false => dedupd::inspect::write_table(&report, std::io::stdout().lock())?,
             }
         }
+        Command::Backup { data_dir, to, json } => {
+            let report = dedupd::backup::backup_offline(&data_dir, &to)?;
+            match json {
+                true => println!("{}", serde_json::to_string_pretty(&report)?),
+                false => println!(
+                    "backup {}: {} files, {} bytes, checksums in {}",
+                    to.display(),
+                    report.manifest.files.len(),
+                    report.bytes,
+                    dedupd::backup::BACKUP_MANIFEST
+                ),
+            }
+        }
+        Command::Restore {
+            from,
+            data_dir,
+            check,
+            json,
+        } => restore(&from, data_dir.filter(|_| !check), json)?,
         Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics)?,
         Command::Demo { messages, handler } => demo(messages, args::demo_handler(&handler)?)?,
         Command::Bench(args) => {
@@ -245,6 +264,43 @@ fn handler_test(args: args::HandlerTestArgs) -> Result<()> {
         false => harness::write_human(&reports, &mut out)?,
     }
     out.flush()?;
+    Ok(())
+}
+
+/// `dedupd restore`: verify only (no data directory), or verify, restore and load.
+fn restore(from: &std::path::Path, data_dir: Option<PathBuf>, json: bool) -> Result<()> {
+    let Some(data_dir) = data_dir else {
+        let manifest = dedupd::backup::verify(from)?;
+        match json {
+            true => println!("{}", serde_json::to_string_pretty(&manifest)?),
+            false => println!(
+                "backup {}: {} files verified (taken {}, dedupd {})",
+                from.display(),
+                manifest.files.len(),
+                if manifest.online { "online" } else { "offline" },
+                manifest.dedupd_version
+            ),
+        }
+        return Ok(());
+    };
+    let (manifest, report) = dedupd::backup::restore(from, &data_dir)?;
+    match json {
+        true => println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({"backup": manifest, "restored": report})
+            )?
+        ),
+        false => {
+            println!(
+                "restored {} files from {} into {}; it opens read-only:",
+                manifest.files.len(),
+                from.display(),
+                data_dir.display()
+            );
+            dedupd::inspect::write_table(&report, std::io::stdout().lock())?;
+        }
+    }
     Ok(())
 }
 

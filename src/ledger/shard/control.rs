@@ -70,8 +70,18 @@ impl Shard {
             Control::OutboxLen { reply } => {
                 let _ = reply.send(self.outbox_len());
             }
-            Control::Backup { dest, reply } => {
-                let _ = reply.send(self.backup(&dest));
+            Control::BackupBegin { reply } => {
+                let r = match &self.failed {
+                    Some(e) => Err(e.clone()),
+                    None => {
+                        self.ctx.writes.start();
+                        Ok(self.ctx.path.clone())
+                    }
+                };
+                let _ = reply.send(r);
+            }
+            Control::BackupFinish { dest, reply } => {
+                let _ = reply.send(self.finish_backup(dest.as_deref()));
             }
         }
     }
@@ -279,9 +289,18 @@ impl Shard {
         })
     }
 
-    /// Copies the shard file between two commits: every commit is durable and no other
-    /// thread writes the file, so the copy is the state after the last commit.
-    pub(super) fn backup(&self, dest: &std::path::Path) -> Result<u64, LedgerError> {
+    /// Brings the copy of the shard file at `dest`, taken while this writer went on since
+    /// [`Control::BackupBegin`], up to this commit boundary: copies again the ranges written
+    /// meanwhile and sets the length (`tracked.rs`). Every commit is durable and only this
+    /// thread writes the file, so the copy is then the state after the last commit. The
+    /// writer is paused for this step only. Without `dest` it only stops recording. The
+    /// copy still carries redb's "open" mark; see [`crate::ledger::close_copied_shard`].
+    fn finish_backup(
+        &self,
+        dest: Option<&std::path::Path>,
+    ) -> Result<crate::ledger::ShardCopy, LedgerError> {
+        let started = std::time::Instant::now();
+        let ranges = self.ctx.writes.stop();
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
@@ -289,11 +308,33 @@ impl Shard {
             .ctx
             .path
             .file_name()
-            .map(|n| n.to_os_string())
+            .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        std::fs::copy(&self.ctx.path, dest.join(name)).map_err(|e| LedgerError::DataDir {
-            path: dest.to_path_buf(),
-            detail: format!("backup of {} failed: {e}", self.ctx.path.display()),
+        let Some(dest) = dest else {
+            return Ok(crate::ledger::ShardCopy {
+                file: name,
+                bytes: 0,
+                recopied_bytes: 0,
+                writer_paused_us: 0,
+            });
+        };
+        let target = dest.join(&name);
+        let recopied =
+            crate::ledger::tracked::recopy(&self.ctx.path, &target, &ranges).map_err(|e| {
+                LedgerError::DataDir {
+                    path: dest.to_path_buf(),
+                    detail: format!("backup of {} failed: {e}", self.ctx.path.display()),
+                }
+            })?;
+        let paused = started.elapsed();
+        let bytes = std::fs::metadata(&target).map(|m| m.len()).unwrap_or(0);
+        tracing::info!(shard = self.ctx.index, bytes, recopied, paused_ms = paused.as_secs_f64() * 1e3,
+            "shard copied for a backup; its writer paused only for the ranges written during the copy");
+        Ok(crate::ledger::ShardCopy {
+            file: name,
+            bytes,
+            recopied_bytes: recopied,
+            writer_paused_us: paused.as_micros() as u64,
         })
     }
 

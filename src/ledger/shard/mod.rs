@@ -153,9 +153,14 @@ pub(crate) enum Control {
     OutboxLen {
         reply: Sender<Result<u64, LedgerError>>,
     },
-    Backup {
-        dest: PathBuf,
-        reply: Sender<Result<u64, LedgerError>>,
+    /// Starts recording the file's writes; answers the file's path, to copy.
+    BackupBegin {
+        reply: Sender<Result<PathBuf, LedgerError>>,
+    },
+    /// Stops recording and brings the copy at `dest` (if any) up to this commit boundary.
+    BackupFinish {
+        dest: Option<PathBuf>,
+        reply: Sender<Result<crate::ledger::ShardCopy, LedgerError>>,
     },
 }
 
@@ -175,6 +180,8 @@ pub(crate) struct ShardContext {
     pub peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>>,
     /// Keys being decided with a probe, shared by all shards.
     pub inflight: Arc<InFlight>,
+    /// The ranges of the file written while an online backup copies it (`tracked.rs`).
+    pub writes: Arc<crate::ledger::tracked::WriteLog>,
 }
 
 pub(crate) struct Shard {

@@ -3,6 +3,7 @@
 //! it runs in one durable transaction before the shard accepts anything (G3).
 
 use super::*;
+use crate::ledger::tracked::TrackedBackend;
 
 struct Loaded {
     metas: Vec<(String, u64, GenMeta)>,
@@ -19,23 +20,28 @@ impl Shard {
         let mut builder = Database::builder();
         builder.set_cache_size(ctx.config.cache_mib.get() << 20);
         builder.set_check_integrity_on_open(ctx.config.verify_on_open);
+        // As `builder.create(path)` opens it, with the writes recorded during a backup.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&ctx.path)
+            .map_err(|e| storage(&path, redb::StorageError::Io(e)))?;
+        let writes = ctx.writes.clone();
         let db = match &ctx.fault {
-            None => builder.create(&ctx.path).map_err(|e| storage(&path, e))?,
+            None => {
+                let backend =
+                    redb::backends::FileBackend::new(file).map_err(|e| storage(&path, e))?;
+                builder.create_with_backend(TrackedBackend::new(backend, writes))
+            }
             Some(budget) => {
-                let file = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(false)
-                    .open(&ctx.path)
-                    .map_err(|e| storage(&path, redb::StorageError::Io(e)))?;
                 let backend = crate::ledger::fault::FaultyBackend::new(file, budget.clone())
                     .map_err(|e| storage(&path, e))?;
-                builder
-                    .create_with_backend(backend)
-                    .map_err(|e| storage(&path, e))?
+                builder.create_with_backend(TrackedBackend::new(backend, writes))
             }
-        };
+        }
+        .map_err(|e| storage(&path, e))?;
         let (built_tx, built_rx) = unbounded();
         let mut shard = Shard {
             db: Arc::new(db),
