@@ -59,8 +59,8 @@ use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
 pub use datadir::{
-    dir_allocated_bytes, dir_bytes, read_manifest, shard_path, sync_dir, AUDIT_LOG,
-    HANDLERS_DIR, MANIFEST,
+    dir_allocated_bytes, dir_bytes, read_manifest, shard_path, sync_dir, AUDIT_LOG, HANDLERS_DIR,
+    MANIFEST,
 };
 pub use naive::{NaiveBaseline, NaiveError};
 pub use offline::{close_copied_shard, hold_closed_shards, offline_report, ClosedShards};
