@@ -95,17 +95,7 @@ fn serve_answers_over_tcp_and_stops_on_sigterm() {
         .status()
         .unwrap();
     assert!(kill.success());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "dedupd serve did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within_30s(&mut child, "dedupd serve did not stop on SIGTERM");
     assert!(status.success(), "{status:?}");
 }
 
@@ -240,17 +230,7 @@ fn run_with_http_serves_stdin_and_http_over_one_ledger() {
         .status()
         .unwrap();
     assert!(kill.success());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "dedupd run did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within_30s(&mut child, "dedupd run did not stop on SIGTERM");
     assert!(status.success(), "{status:?}");
 }
 
@@ -360,13 +340,18 @@ fn run_serves_metrics_alone_on_its_own_listener() {
     }
     drop(conn);
     drop(stdin);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "run did not end with stdin");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within_30s(&mut child, "run did not end with stdin");
     assert!(status.success(), "{status:?}");
+}
+
+/// Waits up to 30 s for `child` to exit; panics with `what` if it does not.
+fn exit_within_30s(child: &mut std::process::Child, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
