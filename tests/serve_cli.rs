@@ -177,31 +177,13 @@ fn serve_logs_its_lifecycle_as_json_lines() {
 #[test]
 fn run_with_http_serves_stdin_and_http_over_one_ledger() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("dedupd.toml");
-    std::fs::write(&config, "[http]\nbind = \"127.0.0.1:0\"\n").unwrap();
-    let mut child = dedupd()
-        .args(["run", "--config"])
-        .arg(&config)
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let addr = address(&mut stderr);
     // A message over stdin...
-    let mut stdin = child.stdin.take().unwrap();
-    writeln!(
-        stdin,
-        r#"{{"subscriber":"s","id":"shared-1","payload":{{"a":1}}}}"#
-    )
-    .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut outcome = String::new();
-    stdout.read_line(&mut outcome).unwrap();
-    assert!(outcome.contains("\"processed\""), "{outcome}");
+    let (mut child, addr, stdin) = run_and_process_one(
+        dir.path(),
+        "[http]\nbind = \"127.0.0.1:0\"\n",
+        &[],
+        "shared-1",
+    );
     // ...is a duplicate over HTTP: one ledger, one claim.
     let mut conn = TcpStream::connect(&addr).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(30)))
@@ -295,32 +277,13 @@ fn inspect_points_at_the_running_engine_and_repairs_only_when_asked() {
 #[test]
 fn run_serves_metrics_alone_on_its_own_listener() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("dedupd.toml");
-    std::fs::write(&config, "[ledger]\nshards = 2\n").unwrap();
-    let mut child = dedupd()
-        .args(["run", "--metrics-bind", "127.0.0.1:0", "--config"])
-        .arg(&config)
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let (addr, _) = address_and_logs(&mut stderr);
+    let (mut child, addr, stdin) = run_and_process_one(
+        dir.path(),
+        "[ledger]\nshards = 2\n",
+        &["--metrics-bind", "127.0.0.1:0"],
+        "m-1",
+    );
     let addr = addr.trim_end_matches("/metrics").to_string();
-    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-    let mut stdin = child.stdin.take().unwrap();
-    writeln!(
-        stdin,
-        r#"{{"subscriber":"s","id":"m-1","payload":{{"a":1}}}}"#
-    )
-    .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut outcome = String::new();
-    stdout.read_line(&mut outcome).unwrap();
-    assert!(outcome.contains("\"processed\""), "{outcome}");
     let mut conn = TcpStream::connect(&addr).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
@@ -354,4 +317,45 @@ fn exit_within_30s(child: &mut std::process::Child, what: &str) -> std::process:
         assert!(Instant::now() < deadline, "{what}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `dedupd run` with `config` (and `args`) over a data directory in `dir`, its address
+/// (the first `http://` line it logs), and stdin after one message `id` of subscriber `s`
+/// came out `processed` on stdout. Its stderr and stdout are drained in the background.
+fn run_and_process_one(
+    dir: &std::path::Path,
+    config: &str,
+    args: &[&str],
+    id: &str,
+) -> (std::process::Child, String, std::process::ChildStdin) {
+    let path = dir.join("dedupd.toml");
+    std::fs::write(&path, config).unwrap();
+    let mut child = dedupd()
+        .arg("run")
+        .args(args)
+        .arg("--config")
+        .arg(&path)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let addr = address(&mut stderr);
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(
+        stdin,
+        r#"{{"subscriber":"s","id":"{id}","payload":{{"a":1}}}}"#
+    )
+    .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut outcome = String::new();
+    stdout.read_line(&mut outcome).unwrap();
+    assert!(outcome.contains("\"processed\""), "{outcome}");
+    // Later output must not meet a closed pipe.
+    std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+    (child, addr, stdin)
 }

@@ -78,12 +78,32 @@ impl AdminState {
         config: &Config,
         token: Option<String>,
     ) -> Result<AdminState, UploadError> {
-        let http = config.http.clone().unwrap_or_default();
         for sub in &config.subscribers {
             ledger.subscriber(&sub.name)?;
         }
         let uploads = UploadStore::new(ledger.data_dir());
         uploads.install_all(&ledger)?;
+        AdminState::build(
+            ledger,
+            config.http.clone().unwrap_or_default(),
+            token,
+            uploads,
+        )
+    }
+
+    /// State for the `[metrics]` listener: reads the ledger only, so it neither registers
+    /// subscribers nor installs uploaded handlers (the run or the API server does that).
+    pub fn metrics_only(ledger: Arc<Ledger>) -> Result<AdminState, UploadError> {
+        let uploads = UploadStore::new(ledger.data_dir());
+        AdminState::build(ledger, HttpConfig::default(), None, uploads)
+    }
+
+    fn build(
+        ledger: Arc<Ledger>,
+        http: HttpConfig,
+        token: Option<String>,
+        uploads: UploadStore,
+    ) -> Result<AdminState, UploadError> {
         let audit = Audit::new(ledger.data_dir().join(crate::ledger::AUDIT_LOG));
         let ingest = Ingest::start(ledger)?;
         metrics::install();

@@ -109,12 +109,7 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
     let shutdown = Shutdown::new();
     shutdown.on_ledger_failure(&ledger);
     let metrics = match &config.metrics {
-        Some(m) => Some(HttpServer::start_metrics(
-            &ledger,
-            config,
-            m.bind,
-            Shutdown::new(),
-        )?),
+        Some(m) => Some(HttpServer::start_metrics(&ledger, m.bind, Shutdown::new())?),
         None => None,
     };
     let result = match mode {

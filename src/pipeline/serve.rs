@@ -29,36 +29,31 @@ impl HttpServer {
         let bind = http.bind;
         let mut config = config.clone();
         config.http = Some(http);
-        HttpServer::spawn(ledger, &config, token, bind, stop, false)
+        let state = AdminState::new(ledger.clone(), &config, token)?;
+        HttpServer::spawn(state, bind, stop, false)
     }
 
     /// Binds `bind` and serves only `/metrics`, `/healthz` and `/readyz` (`[metrics]`)
     /// until `stop` triggers.
     pub fn start_metrics(
         ledger: &Arc<Ledger>,
-        config: &Config,
         bind: std::net::SocketAddr,
         stop: Shutdown,
     ) -> Result<HttpServer, RunError> {
-        let mut config = config.clone();
-        config.http = None;
-        HttpServer::spawn(ledger, &config, None, bind, stop, true)
+        let state = AdminState::metrics_only(ledger.clone())?;
+        HttpServer::spawn(state, bind, stop, true)
     }
 
     fn spawn(
-        ledger: &Arc<Ledger>,
-        config: &Config,
-        token: Option<String>,
+        state: AdminState,
         bind: std::net::SocketAddr,
         stop: Shutdown,
         metrics_only: bool,
     ) -> Result<HttpServer, RunError> {
-        crate::admin::install_metrics();
         let listener = std::net::TcpListener::bind(bind)
             .map_err(|source| RunError::Listen { addr: bind, source })?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let state = AdminState::new(ledger.clone(), config, token)?;
         let mut runtime = tokio::runtime::Builder::new_multi_thread();
         runtime.enable_all().thread_name("dedupd-http");
         if metrics_only {
