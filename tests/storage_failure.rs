@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::unbounded;
-use dedupd::clock::SystemClock;
+use dedupd::clock::{Clock, ManualClock, SystemClock};
 use dedupd::config::Config;
 use dedupd::effects::{
     Effects, Failure, HandlerFactory, HandlerMessage, MessageHandler, StateReader,
@@ -529,4 +529,149 @@ fn fault_points_lose_and_double_nothing(arm: impl Fn(&dedupd::ledger::FaultSwitc
         "every injected fault must stop the ledger within the stream"
     );
     lost
+}
+
+/// Like [`submit_all`], claims only, with the clock one second further before each chunk
+/// of 8; returns each message's outcome and the clock when it was submitted.
+fn submit_ticking(
+    ledger: &Ledger,
+    clock: &ManualClock,
+    ids: &[String],
+) -> Vec<(String, Outcome, u64)> {
+    let mut out = Vec::new();
+    for chunk in ids.chunks(8) {
+        clock.advance_ms(1_000);
+        let now = clock.now_ms();
+        let mut part = submit_all(ledger, chunk);
+        let refused = part.len() < chunk.len();
+        out.extend(part.drain(..).map(|(id, o)| (id, o, now)));
+        if refused {
+            break;
+        }
+    }
+    out
+}
+
+/// The claims' own phases under every kind of storage fault: with 16-claim generations,
+/// merges of pairs and a 20 s TTL on a clock that moves 1 s per chunk, the 400-message
+/// stream seals, merges and drops expired generations all along. A fault at each fsync
+/// count lands in a batch commit, a seal, a merge or an expiry: the ledger stops (G7),
+/// nothing is acknowledged after the first failure, and after a reopen on a healthy disk
+/// every acknowledged message still inside its TTL is a duplicate (G2) — for a failing
+/// disk, a full disk (`ENOSPC`, named in the reason), a power cut and a torn write.
+#[test]
+fn a_storage_fault_in_any_claim_phase_loses_and_doubles_nothing() {
+    let mut config = one_shard();
+    config.ledger.generation_max_claims = std::num::NonZeroUsize::new(16).unwrap();
+    config.ledger.merge_max_claims = std::num::NonZeroUsize::new(64).unwrap();
+    config.ledger.merge_trigger_generations = std::num::NonZeroUsize::new(2).unwrap();
+    config.defaults.ttl = Duration::from_secs(20);
+    let ids: Vec<String> = (0..400).map(|i| format!("m-{i}")).collect();
+    let start = 1_700_000_000_000;
+
+    // Without a fault the stream goes through every phase; its fsyncs place the faults.
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(start);
+    let counter = dedupd::ledger::FaultSwitch::new();
+    let ledger =
+        Ledger::open_with_faults(dir.path(), &config, Arc::new(clock.clone()), &counter).unwrap();
+    let opened = counter.fsyncs();
+    let clean = submit_ticking(&ledger, &clock, &ids);
+    let stream_fsyncs = counter.fsyncs() - opened;
+    assert!(clean.iter().all(|(_, o, _)| *o == Outcome::Processed));
+    let m = &ledger.metrics()[0];
+    assert!(
+        m.seals >= 10 && m.merges >= 3 && m.dropped_generations >= 3,
+        "the stream must seal, merge and expire: {m:?}"
+    );
+    ledger.close().unwrap();
+
+    type Arm = fn(&dedupd::ledger::FaultSwitch, u64);
+    let kinds: [(&str, Arm); 4] = [
+        ("failing disk", |f, at| f.fail_after_fsyncs(at)),
+        ("full disk", |f, at| f.fill_disk_after_fsyncs(at)),
+        ("power cut", |f, at| {
+            f.cut_power_after_fsyncs(at, at ^ 0x5eed)
+        }),
+        ("torn write", |f, at| {
+            f.tear_a_write_after_fsyncs(at, at ^ 0x9e37)
+        }),
+    ];
+    for (kind, arm) in kinds {
+        let mut surfaced = 0;
+        let points: Vec<u64> = (0..20).map(|i| 1 + i * stream_fsyncs / 20).collect();
+        for &fault_at in &points {
+            let dir = tempfile::tempdir().unwrap();
+            let clock = ManualClock::new(start);
+            let faults = dedupd::ledger::FaultSwitch::new();
+            let ledger =
+                Ledger::open_with_faults(dir.path(), &config, Arc::new(clock.clone()), &faults)
+                    .unwrap();
+            arm(&faults, fault_at);
+            // The stream, then more new messages until the fault has stopped the ledger
+            // (how many commits a chunk takes varies, so a late fault may land after it).
+            let mut sent = ids.clone();
+            let mut first = submit_ticking(&ledger, &clock, &ids);
+            while ledger.poison_reason().is_none() && sent.len() < 3_000 {
+                let more: Vec<String> = (sent.len()..sent.len() + 40)
+                    .map(|i| format!("m-{i}"))
+                    .collect();
+                first.extend(submit_ticking(&ledger, &clock, &more));
+                sent.extend(more);
+            }
+            if let Some(reason) = ledger.poison_reason() {
+                surfaced += 1;
+                if kind == "full disk" {
+                    assert!(
+                        reason.contains("os error 28"),
+                        "{kind} at {fault_at}: the reason must say the disk is full: {reason}"
+                    );
+                }
+            }
+            if let Some(at) = first
+                .iter()
+                .position(|(_, o, _)| matches!(o, Outcome::Failed { .. }))
+            {
+                assert!(
+                    first[at..]
+                        .iter()
+                        .all(|(_, o, _)| matches!(o, Outcome::Failed { .. })),
+                    "{kind} at {fault_at}: acknowledged after the failure"
+                );
+            }
+            let _ = ledger.close();
+
+            let end = clock.now_ms();
+            let ledger = Ledger::open(dir.path(), &config, Arc::new(clock.clone()))
+                .unwrap_or_else(|e| panic!("{kind} at {fault_at}: reopen failed: {e}"));
+            let again = submit_all(&ledger, &sent[..first.len()]);
+            assert_eq!(again.len(), first.len(), "{kind} at {fault_at}");
+            for ((id, before, at), (_, after)) in first.iter().zip(&again) {
+                let alive = at + 20_000 > end;
+                if *before == Outcome::Processed && alive {
+                    assert_eq!(
+                        *after,
+                        Outcome::Duplicate,
+                        "{kind} at {fault_at}: {id} acknowledged at {} s was lost",
+                        (at - start) / 1000
+                    );
+                }
+            }
+            ledger.close().unwrap();
+        }
+        eprintln!(
+            "{kind}: {surfaced} of {} faults over {stream_fsyncs} fsyncs stopped the ledger",
+            points.len()
+        );
+        // A full disk stops only a write that needs a new block: once the file has its
+        // working size (early: expiry frees pages as fast as claims come), its free pages
+        // take every later write, and the engine rightly goes on. The other faults always
+        // stop it.
+        let must = if kind == "full disk" { 2 } else { points.len() };
+        assert!(
+            surfaced >= must,
+            "{kind}: only {surfaced} of {} faults stopped the ledger",
+            points.len()
+        );
+    }
 }

@@ -18,7 +18,10 @@ pub enum GenFilter {
     Exact(Vec<u64>),
 }
 
-const FILTER_VERSION: u8 = 1;
+/// Version 1 had no checksum; version 2 ends with the xxh3-64 of everything before it.
+const FILTER_VERSION_UNCHECKED: u8 = 1;
+const FILTER_VERSION: u8 = 2;
+const CHECKSUM_BYTES: usize = 8;
 const KIND_FUSE: u8 = 1;
 const KIND_EXACT: u8 = 2;
 
@@ -60,7 +63,10 @@ impl GenFilter {
         }
     }
 
-    /// Layout: `version u8 | kind u8 | payload`; fuse payload is the descriptor then LE u16s.
+    /// Layout: `version u8 | kind u8 | payload | xxh3-64 of the bytes before it (LE)`; the
+    /// fuse payload is the descriptor then LE u16s. The checksum is what catches a flipped
+    /// bit: a filter that decodes but lost a key would say "certainly absent" for it, and
+    /// a redelivery of that key would run again (G2).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = vec![FILTER_VERSION];
         match self {
@@ -85,11 +91,35 @@ impl GenFilter {
                 }
             }
         }
+        let sum = xxhash_rust::xxh3::xxh3_64(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
         out
     }
 
     /// Decodes a persisted filter; `Err` means "rebuild it from the table".
     pub fn decode(b: &[u8]) -> Result<GenFilter, String> {
+        match b.first() {
+            Some(&FILTER_VERSION) => {
+                let body_len = b
+                    .len()
+                    .checked_sub(CHECKSUM_BYTES)
+                    .ok_or("filter record is truncated")?;
+                let (body, sum) = b.split_at(body_len);
+                let mut stored = [0u8; CHECKSUM_BYTES];
+                stored.copy_from_slice(sum);
+                if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(stored) {
+                    return Err("filter record fails its checksum".into());
+                }
+                Self::decode_body(body)
+            }
+            // Written before checksums: taken as it is (its structure is still checked).
+            Some(&FILTER_VERSION_UNCHECKED) => Self::decode_body(b),
+            _ => Err("filter record has an unknown version".into()),
+        }
+    }
+
+    /// Decodes `version u8 | kind u8 | payload` without a checksum.
+    fn decode_body(b: &[u8]) -> Result<GenFilter, String> {
         let take = |at: usize, n: usize| -> Result<&[u8], String> {
             b.get(at..at + n)
                 .ok_or_else(|| "filter record is truncated".to_string())
@@ -104,8 +134,8 @@ impl GenFilter {
             x.copy_from_slice(take(at, 4)?);
             Ok(u32::from_le_bytes(x))
         };
-        if b.len() < 2 || b[0] != FILTER_VERSION {
-            return Err("filter record has an unknown version".into());
+        if b.len() < 2 {
+            return Err("filter record is truncated".into());
         }
         match b[1] {
             KIND_FUSE => {
@@ -222,7 +252,7 @@ mod tests {
         ] {
             let mut bytes = good.clone();
             bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
-            match GenFilter::decode(&bytes) {
+            match GenFilter::decode(&resealed(bytes)) {
                 Ok(f) => {
                     for k in &keys {
                         f.may_contain(*k);
@@ -244,10 +274,33 @@ mod tests {
         }
     }
 
+    /// `b` with its checksum made right again, so a change reaches the structure checks.
+    fn resealed(mut b: Vec<u8>) -> Vec<u8> {
+        if b.len() >= CHECKSUM_BYTES {
+            let at = b.len() - CHECKSUM_BYTES;
+            let sum = xxhash_rust::xxh3::xxh3_64(&b[..at]);
+            b[at..].copy_from_slice(&sum.to_le_bytes());
+        }
+        b
+    }
+
+    /// A version-1 record (no checksum) with the same body.
+    fn unchecked(b: &[u8]) -> Vec<u8> {
+        let mut v = b[..b.len() - CHECKSUM_BYTES].to_vec();
+        v[0] = FILTER_VERSION_UNCHECKED;
+        v
+    }
+
     /// A valid record: a filter over up to 300 keys (an exact list below 64).
     fn valid_record() -> impl Strategy<Value = Vec<u8>> {
         prop::collection::vec(any::<u128>(), 0..300)
             .prop_map(|keys| GenFilter::build(keys.into_iter()).encode())
+    }
+
+    /// A valid record as version 1 wrote it: without a checksum, so byte changes reach
+    /// the structure checks.
+    fn valid_unchecked_record() -> impl Strategy<Value = Vec<u8>> {
+        valid_record().prop_map(|b| unchecked(&b))
     }
 
     /// A valid fuse record with one descriptor field (seed 2..10, segment_length 10..14,
@@ -267,7 +320,7 @@ mod tests {
             .prop_map(|(keys, at, value)| {
                 let mut b = GenFilter::build(keys.into_iter()).encode();
                 b[at..at + 4].copy_from_slice(&value.to_le_bytes());
-                b
+                resealed(b)
             })
     }
 
@@ -280,7 +333,12 @@ mod tests {
             return Ok(());
         };
         fuzzing::decoded();
-        prop_assert_eq!(&f.encode()[..], bytes, "re-encoded differently");
+        let encoded = f.encode();
+        if bytes[0] == FILTER_VERSION {
+            prop_assert_eq!(&encoded[..], bytes, "re-encoded differently");
+        } else {
+            prop_assert_eq!(unchecked(&encoded), bytes, "re-encoded differently");
+        }
         prop_assert!(f.memory_bytes() <= bytes.len());
         let mut probe = 0x9E37_79B9_7F4A_7C15_u128;
         for _ in 0..256 {
@@ -301,6 +359,17 @@ mod tests {
             "filter_decode",
             3000,
             fuzzing::hostile(600, valid_record()),
+            |b| check_decoded(&b),
+        );
+    }
+
+    /// The same on version-1 records, which have no checksum to stop changed bytes.
+    #[test]
+    fn fuzz_unchecked_filter_decode_of_hostile_bytes_refuses_or_answers() {
+        fuzzing::run(
+            "filter_decode_unchecked",
+            3000,
+            fuzzing::hostile(600, valid_unchecked_record()),
             |b| check_decoded(&b),
         );
     }
@@ -338,22 +407,62 @@ mod tests {
         let e = GenFilter::decode(&bytes).expect_err("an unsorted list is refused");
         assert!(e.contains("out of order"), "{e}");
         // A repeated key is out of order too (`build` dedups).
-        let mut repeated = GenFilter::Exact(vec![5, 5]).encode();
+        let repeated = GenFilter::Exact(vec![5, 5]).encode();
         assert!(GenFilter::decode(&repeated).is_err());
-        repeated.truncate(10);
-        repeated[2] = 0;
-        assert!(matches!(GenFilter::decode(&repeated), Ok(GenFilter::Exact(v)) if v.is_empty()));
+        let mut empty = unchecked(&repeated);
+        empty.truncate(10);
+        empty[2] = 0;
+        assert!(matches!(GenFilter::decode(&empty), Ok(GenFilter::Exact(v)) if v.is_empty()));
     }
 
     /// Found by the same target: bytes after an exact list were ignored, so a record cut
     /// or overwritten past its count still decoded.
     #[test]
     fn an_exact_list_with_trailing_bytes_is_refused() {
-        let mut bytes = GenFilter::build((0..10u128).map(|i| i * 7919)).encode();
+        let checked = GenFilter::build((0..10u128).map(|i| i * 7919)).encode();
+        let mut bytes = unchecked(&checked);
         assert!(GenFilter::decode(&bytes).is_ok());
         bytes.push(0);
         let e = GenFilter::decode(&bytes).expect_err("trailing bytes are refused");
         assert!(e.contains("trailing"), "{e}");
+        let mut bytes = checked;
+        bytes.push(0);
+        assert!(GenFilter::decode(&bytes).is_err());
+        assert!(GenFilter::decode(&resealed(bytes)).is_err());
+    }
+
+    /// A flipped bit in a stored filter (a disk that lost it, a stray write): in an exact
+    /// list it can move a key so that the list stays sorted and says "certainly absent"
+    /// for the key it lost; in a fuse filter it breaks the fingerprints of keys that map to
+    /// it. Either way a redelivery of such a key would run again (G2). The checksum refuses
+    /// every single-bit change of a record, so the filter is rebuilt from the table instead.
+    #[test]
+    fn every_flipped_bit_fails_the_checksum() {
+        let small: Vec<u128> = (1..=40u128).map(|i| i << 20).collect();
+        let large: Vec<u128> = (0..2000u128).map(|i| i * 7919 + 3).collect();
+        for keys in [&small, &large] {
+            let good = GenFilter::build(keys.iter().copied()).encode();
+            let mut lost_a_key = 0;
+            for bit in 0..good.len() * 8 {
+                let mut bytes = good.clone();
+                bytes[bit / 8] ^= 1 << (bit % 8);
+                let e = GenFilter::decode(&bytes).expect_err("a flipped bit is refused");
+                assert!(
+                    e.contains("checksum") || e.contains("version"),
+                    "bit {bit}: {e}"
+                );
+                // What the bit would have done without the checksum.
+                if let Ok(f) = GenFilter::decode(&unchecked(&bytes)) {
+                    if !keys.iter().all(|k| f.may_contain(*k)) {
+                        lost_a_key += 1;
+                    }
+                }
+            }
+            assert!(
+                lost_a_key > 0,
+                "no flipped bit lost a key: the test shows nothing"
+            );
+        }
     }
 
     #[test]

@@ -366,9 +366,21 @@ impl Ledger {
         config: &Config,
         clock: Arc<dyn Clock>,
     ) -> Result<(Ledger, FaultSwitch), LedgerError> {
-        let plan = Arc::new(fault::FaultPlan::new());
-        let ledger = Ledger::open_inner(data_dir, config, clock, Some(plan.clone()))?;
-        Ok((ledger, FaultSwitch(plan)))
+        let switch = FaultSwitch::new();
+        let ledger = Ledger::open_with_faults(data_dir, config, clock, &switch)?;
+        Ok((ledger, switch))
+    }
+
+    /// Opens a ledger whose storage goes through `faults`, which may already be armed, so
+    /// a fault can land while the shards open and recover. Only for tests.
+    #[doc(hidden)]
+    pub fn open_with_faults(
+        data_dir: &Path,
+        config: &Config,
+        clock: Arc<dyn Clock>,
+        faults: &FaultSwitch,
+    ) -> Result<Ledger, LedgerError> {
+        Ledger::open_inner(data_dir, config, clock, Some(faults.0.clone()))
     }
 
     fn open_inner(
@@ -617,18 +629,53 @@ impl Drop for Ledger {
 #[derive(Debug, Clone)]
 pub struct FaultSwitch(Arc<fault::FaultPlan>);
 
+impl Default for FaultSwitch {
+    fn default() -> Self {
+        FaultSwitch::new()
+    }
+}
+
 impl FaultSwitch {
+    /// A switch with nothing armed, for [`Ledger::open_with_faults`].
+    pub fn new() -> FaultSwitch {
+        FaultSwitch(Arc::new(fault::FaultPlan::new()))
+    }
+
     /// From now on, `fsyncs` more fsyncs succeed (across all shards); then storage fails,
     /// keeping what was written (as a dying disk under a live page cache would).
     pub fn fail_after_fsyncs(&self, fsyncs: u64) {
-        self.0.arm(fsyncs, false, 1);
+        self.0.arm(fsyncs, fault::FaultKind::FailDisk, 1);
     }
 
     /// From now on, `fsyncs` more fsyncs succeed; then the power is cut: every write since
     /// a file's last completed fsync is lost except a random half (drawn from `seed`),
     /// and storage answers nothing more.
     pub fn cut_power_after_fsyncs(&self, fsyncs: u64, seed: u64) {
-        self.0.arm(fsyncs, true, seed);
+        self.0.arm(fsyncs, fault::FaultKind::PowerCut, seed);
+    }
+
+    /// As [`cut_power_after_fsyncs`](Self::cut_power_after_fsyncs), and the newest
+    /// unsynced write is kept half-written: a torn write.
+    pub fn tear_a_write_after_fsyncs(&self, fsyncs: u64, seed: u64) {
+        self.0.arm(fsyncs, fault::FaultKind::TornWrite, seed);
+    }
+
+    /// From now on, `fsyncs` more fsyncs succeed; then the disk is full: every write that
+    /// needs new blocks (past what a file ever held) fails with `ENOSPC` (os error 28);
+    /// writes in place and fsyncs work.
+    pub fn fill_disk_after_fsyncs(&self, fsyncs: u64) {
+        self.0.arm(fsyncs, fault::FaultKind::DiskFull, 1);
+    }
+
+    /// From now on, `reads` more reads succeed (across all shards); then every read fails
+    /// with `EIO` (os error 5), as an unreadable sector would.
+    pub fn fail_reads_after(&self, reads: u64) {
+        self.0.fail_reads_after(reads);
+    }
+
+    /// Completed fsyncs so far, over all shard files.
+    pub fn fsyncs(&self) -> u64 {
+        self.0.fsyncs()
     }
 
     /// Unsynced writes the power cuts lost so far, over all shard files.

@@ -326,9 +326,15 @@ impl Shard {
         match stored {
             Some(Ok(f)) => Ok(f),
             other => {
-                // A lost or unreadable filter is rebuilt from the sorted table itself.
-                tracing::warn!(shard = self.ctx.index, subscriber = sub, generation = id,
-                    problem = ?other.and_then(|r| r.err()), "rebuilding generation filter");
+                // A lost, unreadable or damaged (checksum) filter is rebuilt from the
+                // sorted table itself.
+                let problem = match other {
+                    Some(Err(e)) => e,
+                    _ => "filter record missing".to_string(),
+                };
+                tracing::warn!(file = %self.ctx.path.display(), shard = self.ctx.index,
+                    subscriber = sub, generation = id, %problem,
+                    "damaged generation filter; rebuilding it from the generation's table");
                 let name = tables::claims_name(sub, id);
                 let t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
                 let mut keys = Vec::new();
