@@ -46,7 +46,17 @@ pub fn run(w: &Workload, mode: Mode) -> Result<PeerRun, String> {
         server.port
     );
     rt.block_on(async {
-        let admin = connect(&conn).await?;
+        // The port opens before recovery ends ("the database system is starting up").
+        let started = Instant::now();
+        let admin = loop {
+            match connect(&conn).await {
+                Ok(c) => break c,
+                Err(_) if started.elapsed() < std::time::Duration::from_secs(30) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         admin.batch_execute(SCHEMA).await.map_err(pg)?;
         // Settled before the base figures: the connection, the catalog, the empty table.
         let mem_base = tree_memory_bytes(server.pid());
