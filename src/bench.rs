@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 mod compare;
 mod report;
 
-pub use compare::{run_compare, CompareParams, CompareReport, SystemRow};
+pub use compare::{run_compare, CompareParams, CompareReport, Machine, SystemRow, Target};
 
 use crossbeam_channel::unbounded;
 use serde::Serialize;

@@ -115,6 +115,9 @@ impl PeerRun {
     }
 }
 
+/// How a peer row is run (deferred, so rows run one at a time, in order).
+type PeerFn<'a> = Box<dyn Fn() -> Result<PeerRun, String> + 'a>;
+
 /// One system's row of the table.
 #[derive(Debug, Clone, Serialize)]
 pub struct SystemRow {
@@ -382,13 +385,7 @@ pub fn run_compare(
     let (batched, single) = (workload(params.messages), workload(params.request_messages));
     let batch_of = format!("batch of {}", params.batch);
     let clients = params.clients.max(1);
-    let peers: Vec<(
-        &str,
-        String,
-        &str,
-        String,
-        Box<dyn Fn() -> Result<PeerRun, String> + '_>,
-    )> = vec![
+    let peers: Vec<(&str, String, &str, String, PeerFn<'_>)> = vec![
         (
             "postgres_txn",
             format!("PostgreSQL 1 msg/txn, {clients} clients"),

@@ -94,7 +94,7 @@ pub enum Command {
         command: StateCommand,
     },
     /// In-process load with a fixed seed, and a naive redb baseline in the same run.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Starts librdkafka's mock Kafka cluster on loopback, prints its bootstrap address on
     /// stdout, and serves until SIGTERM/SIGINT. For development and tests only (in memory).
     DevBroker {

@@ -186,11 +186,10 @@ fn run(command: Command) -> Result<()> {
         } => restore(&from, data_dir.filter(|_| !check), json)?,
         Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics)?,
         Command::Demo { messages, handler } => demo(messages, args::demo_handler(&handler)?)?,
-        Command::Bench(args::BenchArgs {
-            command: Some(args::BenchCommand::Compare(args)),
-            ..
-        }) => bench_compare(args)?,
-        Command::Bench(args) => {
+        Command::Bench(mut args) => {
+            if let Some(args::BenchCommand::Compare(compare)) = args.command.take() {
+                return bench_compare(compare);
+            }
             let (json, series) = (args.json, args.series);
             let params = args.params()?;
             eprintln!("{params}");
