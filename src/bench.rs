@@ -14,7 +14,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod compare;
 mod report;
+
+pub use compare::{run_compare, CompareParams, CompareReport, Machine, SystemRow, Target};
 
 use crossbeam_channel::unbounded;
 use serde::Serialize;
@@ -272,7 +275,8 @@ pub fn run(
             report.naive_batch,
             params.config.ledger.cache_mib.get() * report.shards,
             &mut progress,
-        )?;
+        )?
+        .msgs_per_sec;
         report.engine_over_naive = report.msgs_per_sec / report.naive_msgs_per_sec;
     }
     if params.keep {
@@ -575,16 +579,30 @@ fn assemble(
     }
 }
 
+/// What one naive baseline run measured.
+#[derive(Debug, Clone, Copy)]
+pub struct NaiveRun {
+    pub msgs_per_sec: f64,
+    /// Messages whose key was new (inserted), and the rest.
+    pub processed: u64,
+    pub duplicates: u64,
+    /// What the generator says the traffic must give: new and repeated ids.
+    pub expected: [u64; 2],
+    /// Per durable batch commit.
+    pub p50_batch_ms: f64,
+    pub p99_batch_ms: f64,
+}
+
 /// The baseline a careful user would write first: one redb table keyed by the 128-bit id
 /// hash, one durable commit per batch of the engine's mean batch size, get-then-insert per
 /// message, random keys. Same traffic, same hashing, same cache budget.
-fn run_naive(
+pub fn run_naive(
     path: &Path,
     spec: TrafficSpec,
     batch: u64,
     cache_mib: usize,
     progress: &mut impl FnMut(Progress),
-) -> Result<f64, BenchError> {
+) -> Result<NaiveRun, BenchError> {
     let e = |x: &dyn std::fmt::Display| BenchError::Naive(x.to_string());
     let naive = crate::ledger::NaiveBaseline::create(path, cache_mib).map_err(|x| e(&x))?;
     let mut traffic = Traffic::new(spec);
@@ -592,6 +610,9 @@ fn run_naive(
     let start = Instant::now();
     let mut last = Instant::now();
     let mut done = 0u64;
+    let mut processed = 0u64;
+    let mut expected = [0u64; 2];
+    let mut latency = Latency::default();
     let mut pending: Vec<(u128, u64)> = Vec::with_capacity(batch as usize);
     let mut more = true;
     while more {
@@ -601,12 +622,15 @@ fn run_naive(
                 more = false;
                 break;
             }
+            expected[usize::from(ev.expect != Some(Expect::New))] += 1;
             pending.push((key_hash(ev.id.as_bytes()), fingerprint(&ev.payload)));
         }
         if pending.is_empty() {
             break;
         }
-        naive.claim_batch(&pending).map_err(|x| e(&x))?;
+        let t = Instant::now();
+        processed += naive.claim_batch(&pending).map_err(|x| e(&x))?;
+        latency.record_us(t.elapsed().as_micros() as u64);
         done += pending.len() as u64;
         if last.elapsed() >= Duration::from_secs(1) {
             last = Instant::now();
@@ -619,7 +643,14 @@ fn run_naive(
             });
         }
     }
-    Ok(done as f64 / start.elapsed().as_secs_f64())
+    Ok(NaiveRun {
+        msgs_per_sec: done as f64 / start.elapsed().as_secs_f64(),
+        processed,
+        duplicates: done - processed,
+        expected,
+        p50_batch_ms: latency.quantile_ms(0.5),
+        p99_batch_ms: latency.quantile_ms(0.99),
+    })
 }
 
 #[cfg(test)]

@@ -33,6 +33,12 @@ impl Latency {
     pub fn count(&self) -> u64 {
         self.0.len()
     }
+
+    /// Adds another histogram's samples (one per client of a multi-client run).
+    pub fn merge(&mut self, other: &Latency) {
+        // Same bounds on both sides, so adding cannot fail; saturate rather than panic.
+        let _ = self.0.add(&other.0);
+    }
 }
 
 /// Resident set size of this process in bytes (Linux `/proc/self/statm`; 0 elsewhere).

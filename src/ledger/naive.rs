@@ -36,11 +36,13 @@ impl NaiveBaseline {
 
     /// Claims a batch of `(key hash, payload fingerprint)`: each key not stored yet is
     /// inserted with its fingerprint, and the batch is committed durably before this
-    /// returns.
-    pub fn claim_batch(&self, batch: &[(u128, u64)]) -> Result<(), NaiveError> {
+    /// returns. Returns how many keys were new (the rest were duplicates), so a run can be
+    /// checked against what its traffic must give.
+    pub fn claim_batch(&self, batch: &[(u128, u64)]) -> Result<u64, NaiveError> {
         let mut txn = self.db.begin_write().map_err(naive_error)?;
         txn.set_durability(Durability::Immediate)
             .map_err(naive_error)?;
+        let mut new = 0;
         {
             let mut t = txn.open_table(NAIVE).map_err(naive_error)?;
             for (key, fp) in batch {
@@ -48,10 +50,12 @@ impl NaiveBaseline {
                     let mut rec = [0u8; 32];
                     rec[..8].copy_from_slice(&fp.to_le_bytes());
                     t.insert(*key, rec).map_err(naive_error)?;
+                    new += 1;
                 }
             }
         }
-        txn.commit().map_err(naive_error)
+        txn.commit().map_err(naive_error)?;
+        Ok(new)
     }
 }
 
@@ -65,8 +69,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("naive.redb");
         let naive = NaiveBaseline::create(&path, 1).unwrap();
-        naive.claim_batch(&[(1, 10), (2, 20)]).unwrap();
-        naive.claim_batch(&[(1, 11), (3, 30)]).unwrap();
+        assert_eq!(naive.claim_batch(&[(1, 10), (2, 20)]).unwrap(), 2);
+        assert_eq!(naive.claim_batch(&[(1, 11), (3, 30)]).unwrap(), 1);
         drop(naive);
         let db = Database::open(&path).unwrap();
         let txn = db.begin_read().unwrap();

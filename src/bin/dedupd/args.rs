@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use dedupd::bench::BenchParams;
+use dedupd::bench::{BenchParams, CompareParams};
 use dedupd::config::Config;
 use dedupd::source::kafka::bench::KafkaBenchParams;
 
@@ -94,7 +94,7 @@ pub enum Command {
         command: StateCommand,
     },
     /// In-process load with a fixed seed, and a naive redb baseline in the same run.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Starts librdkafka's mock Kafka cluster on loopback, prints its bootstrap address on
     /// stdout, and serves until SIGTERM/SIGINT. For development and tests only (in memory).
     DevBroker {
@@ -245,7 +245,10 @@ pub const DEFAULT_DEMO_HANDLER: &str = "plugins/target/wasm32-wasip2/release/shi
 
 /// `dedupd bench`.
 #[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: Option<BenchCommand>,
     #[arg(long, default_value_t = 10_000_000)]
     messages: u64,
     /// Fraction of messages that redeliver an earlier message.
@@ -329,6 +332,105 @@ impl BenchArgs {
             keep: self.keep,
             partition_pointer: (self.partition_key != "none").then_some(self.partition_key),
             handler: self.handler,
+            config,
+        })
+    }
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// The same workload against dedupd (claim-only and with the shipping-label handler),
+    /// naive redb, PostgreSQL, Redis and SQLite, side by side, in one run. PostgreSQL and
+    /// Redis are started from their Debian packages on loopback (and stopped afterwards);
+    /// a system that cannot start is reported as skipped, with the reason.
+    Compare(CompareArgs),
+}
+
+/// `dedupd bench compare`.
+#[derive(Args)]
+pub struct CompareArgs {
+    /// Small sizes that finish in about a minute (for CI and a first look).
+    #[arg(long)]
+    quick: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the plots (PNG) into this directory.
+    #[arg(long, value_name = "DIR")]
+    pub plots: Option<PathBuf>,
+    /// Messages for dedupd and the batched peers [default: 10,000,000; --quick 100,000].
+    #[arg(long)]
+    messages: Option<u64>,
+    /// Messages for the one-request-per-message peers (PostgreSQL per transaction, Redis
+    /// unpipelined) [default: 100,000; --quick 5,000].
+    #[arg(long)]
+    request_messages: Option<u64>,
+    /// Messages for the naive redb baseline; 0 skips it [default: 1,000,000; --quick 20,000].
+    #[arg(long)]
+    naive_messages: Option<u64>,
+    /// Fraction of messages that redeliver an earlier message.
+    #[arg(long, default_value_t = 0.1)]
+    dup_rate: f64,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Messages per statement, pipeline or transaction of the batched peers (and the naive
+    /// baseline's commit).
+    #[arg(long, default_value_t = 1_000)]
+    batch: u64,
+    /// Connections of the one-request-per-message peers.
+    #[arg(long, default_value_t = 4)]
+    clients: u32,
+    /// dedupd's most messages in flight.
+    #[arg(long, default_value_t = 8_192)]
+    window: u64,
+    /// The shipping-label component of the handler rows.
+    #[arg(long, default_value = DEFAULT_DEMO_HANDLER)]
+    handler: PathBuf,
+    /// Directory in which the scratch data directories are created.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// TOML config for dedupd's ledger settings.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// dedupd's shards (default: number of cores).
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Messages per point of dedupd's throughput series [default: 1,000,000; --quick 20,000].
+    #[arg(long)]
+    series_step: Option<u64>,
+}
+
+impl CompareArgs {
+    pub fn params(self) -> Result<CompareParams> {
+        if !(0.0..1.0).contains(&self.dup_rate) {
+            bail!("--dup-rate must be in [0, 1)");
+        }
+        let pick = |flag: Option<u64>, full: u64, quick: u64| {
+            flag.unwrap_or(if self.quick { quick } else { full })
+        };
+        let messages = pick(self.messages, 10_000_000, 100_000);
+        let request_messages = pick(self.request_messages, 100_000, 5_000);
+        let series_step = pick(self.series_step, 1_000_000, 20_000);
+        if messages == 0 || request_messages == 0 || series_step == 0 || self.batch == 0 {
+            bail!("--messages, --request-messages, --series-step and --batch must be at least 1");
+        }
+        let mut config = load_config(self.config.as_deref())?;
+        if let Some(n) = self.shards {
+            config.ledger.shards =
+                Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
+        }
+        Ok(CompareParams {
+            messages,
+            request_messages,
+            naive_messages: pick(self.naive_messages, 1_000_000, 20_000),
+            dup_rate: self.dup_rate,
+            seed: self.seed,
+            batch: self.batch,
+            clients: self.clients,
+            window: self.window,
+            handler: self.handler,
+            dir: self.dir,
+            series_step,
             config,
         })
     }

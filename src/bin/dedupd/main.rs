@@ -186,7 +186,10 @@ fn run(command: Command) -> Result<()> {
         } => restore(&from, data_dir.filter(|_| !check), json)?,
         Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics)?,
         Command::Demo { messages, handler } => demo(messages, args::demo_handler(&handler)?)?,
-        Command::Bench(args) => {
+        Command::Bench(mut args) => {
+            if let Some(args::BenchCommand::Compare(compare)) = args.command.take() {
+                return bench_compare(compare);
+            }
             let (json, series) = (args.json, args.series);
             let params = args.params()?;
             eprintln!("{params}");
@@ -217,6 +220,36 @@ fn run(command: Command) -> Result<()> {
                 false => print!("{report}"),
             }
         }
+    }
+    Ok(())
+}
+
+/// `dedupd bench compare`.
+fn bench_compare(args: args::CompareArgs) -> Result<()> {
+    let (json, plots) = (args.json, args.plots.clone());
+    let params = args.params()?;
+    eprintln!(
+        "bench compare: {} msgs (per-request peers {}, naive {}), dup rate {}, seed {}, batch {}, {} clients",
+        params.messages,
+        params.request_messages,
+        params.naive_messages,
+        params.dup_rate,
+        params.seed,
+        params.batch,
+        params.clients
+    );
+    let report = dedupd::bench::run_compare(
+        &params,
+        plots.as_deref(),
+        |system| eprintln!("\n== {system}"),
+        |p| progress(&p),
+    );
+    match json {
+        true => println!("{}", serde_json::to_string(&report)?),
+        false => print!("{report}"),
+    }
+    if !report.verified() {
+        bail!("a system's outcomes did not match the generated traffic (rows marked NO)");
     }
     Ok(())
 }

@@ -1,0 +1,158 @@
+//! `dedupd bench compare --quick --json` with tiny sizes: every system has a row, each one
+//! either measured with figures that add up (and match the generated traffic) or skipped
+//! with a reason; dedupd's ratios follow from the rows; the plots are PNG files. Nothing
+//! here depends on how fast the machine is.
+#![allow(clippy::unwrap_used)] // helpers outside #[test]: a failed unwrap is a failed test
+
+mod common;
+
+use serde_json::Value;
+
+const SYSTEMS: &[&str] = &[
+    "dedupd_claim",
+    "dedupd_label_seq",
+    "dedupd_label_random",
+    "naive_redb",
+    "postgres_txn",
+    "postgres_batch",
+    "redis_everysec",
+    "redis_everysec_pipelined",
+    "redis_always",
+    "redis_always_pipelined",
+    "sqlite_batch",
+];
+
+#[test]
+fn quick_compare_reports_every_system_measured_and_verified_or_skipped_with_a_reason() {
+    let handler = common::component("shipping_label");
+    let tmp = tempfile::tempdir().unwrap();
+    let plots = tmp.path().join("plots");
+    let run = common::dedupd(&[
+        "bench",
+        "compare",
+        "--quick",
+        "--json",
+        "--messages",
+        "3000",
+        "--request-messages",
+        "200",
+        "--naive-messages",
+        "1000",
+        "--series-step",
+        "1000",
+        "--batch",
+        "100",
+        "--clients",
+        "2",
+        "--handler",
+        handler.to_str().unwrap(),
+        "--dir",
+        tmp.path().to_str().unwrap(),
+        "--plots",
+        plots.to_str().unwrap(),
+    ]);
+    run.assert_success();
+    let report: Value = serde_json::from_str(&run.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let keys: Vec<&str> = rows.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, SYSTEMS);
+
+    let rate = |key: &str| {
+        rows.iter().find(|r| r["key"] == key).unwrap()["msgs_per_sec"]
+            .as_f64()
+            .unwrap()
+    };
+    // dedupd itself must always be measured: it needs nothing outside this repository.
+    for key in [
+        "dedupd_claim",
+        "dedupd_label_seq",
+        "dedupd_label_random",
+        "naive_redb",
+        "sqlite_batch",
+    ] {
+        let row = rows.iter().find(|r| r["key"] == key).unwrap();
+        assert!(
+            row["skipped"].is_null(),
+            "{key} skipped: {}",
+            row["skipped"]
+        );
+    }
+    let claim = rate("dedupd_claim");
+    for r in rows {
+        let key = r["key"].as_str().unwrap();
+        assert!(!r["durability"].as_str().unwrap().is_empty(), "{key}");
+        if let Some(reason) = r["skipped"].as_str() {
+            assert!(!reason.trim().is_empty(), "{key} skipped without a reason");
+            eprintln!("{key} skipped: {reason}");
+            continue;
+        }
+        let n = |f: &str| {
+            r[f].as_u64()
+                .unwrap_or_else(|| panic!("{key}.{f}: {}", r[f]))
+        };
+        let x = |f: &str| {
+            r[f].as_f64()
+                .unwrap_or_else(|| panic!("{key}.{f}: {}", r[f]))
+        };
+        assert_eq!(n("processed") + n("duplicates"), n("messages"), "{key}");
+        assert_eq!(n("processed"), n("expected_processed"), "{key}");
+        assert_eq!(n("duplicates"), n("expected_duplicates"), "{key}");
+        assert_eq!(n("stored_keys"), n("expected_processed"), "{key}");
+        assert!(n("duplicates") > 0 && n("processed") > 0, "{key}");
+        assert_eq!(r["verified"], true, "{key}");
+        assert!(x("msgs_per_sec") > 0.0, "{key}");
+        assert!(x("p99_ms") >= x("p50_ms") && x("p50_ms") >= 0.0, "{key}");
+        assert!(x("memory_bytes_per_key") >= 0.0, "{key}");
+        assert!(x("disk_bytes_per_key") > 0.0, "{key}");
+        let ratio = x("dedupd_ratio");
+        assert!(
+            (ratio - claim / x("msgs_per_sec")).abs() <= 1e-9 * ratio.abs().max(1.0),
+            "{key}: ratio {ratio} vs {claim} / {}",
+            x("msgs_per_sec")
+        );
+    }
+    // The targets are computed from the same rows (met or not is the machine's
+    // business, not this test's).
+    let targets = report["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 4);
+    let naive = &targets[2];
+    let expected = claim / rate("naive_redb");
+    assert!((naive["ratio"].as_f64().unwrap() - expected).abs() <= 1e-9 * expected);
+    assert!(!report["series"].as_array().unwrap().is_empty());
+    assert!(report["machine"]["cores"].as_u64().unwrap() >= 1);
+
+    let files = report["plots"].as_array().unwrap();
+    assert_eq!(files.len(), 3, "{}", run.stderr);
+    for f in files {
+        let bytes = std::fs::read(f.as_str().unwrap()).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{f}");
+        // IHDR: width and height are big-endian u32s after the chunk's length and type.
+        let width = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
+        let height = u32::from_be_bytes(bytes[20..24].try_into().unwrap());
+        assert!(width >= 600 && height >= 300, "{f}: {width}x{height}");
+        assert!(
+            bytes.len() > 5_000,
+            "{f}: {} bytes, an empty picture?",
+            bytes.len()
+        );
+    }
+}
+
+#[test]
+fn bench_without_a_subcommand_still_runs_the_engine_bench() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = common::dedupd(&[
+        "bench",
+        "--messages",
+        "2000",
+        "--naive-messages",
+        "500",
+        "--json",
+        "--dir",
+        tmp.path().to_str().unwrap(),
+    ]);
+    run.assert_success();
+    let report: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(report["verified"], true);
+    assert!(report["naive_msgs_per_sec"].as_f64().unwrap() > 0.0);
+}
