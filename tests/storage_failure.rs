@@ -675,3 +675,107 @@ fn a_storage_fault_in_any_claim_phase_loses_and_doubles_nothing() {
         );
     }
 }
+
+/// Log lines of this test binary, for tests that check what an operator is told.
+fn captured_logs() -> Arc<std::sync::Mutex<Vec<u8>>> {
+    static LOGS: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = logs.clone();
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || LogSink(sink.clone()))
+            .init();
+        logs
+    })
+    .clone()
+}
+
+struct LogSink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One flipped bit in a stored generation filter — here a key of an exact list moved by
+/// one, which keeps the list sorted, so it decodes — would say "certainly absent" for the
+/// key it lost, and a redelivery of that message would be processed again (G2). The
+/// filter's checksum catches it on open: the warning names the file, the filter is
+/// rebuilt from the generation's table, and every redelivery is a duplicate.
+#[test]
+fn a_flipped_bit_in_a_stored_filter_is_reported_with_the_file_and_rebuilt() {
+    let logs = captured_logs();
+    let mut config = one_shard();
+    config.ledger.generation_max_claims = std::num::NonZeroUsize::new(16).unwrap();
+    config.ledger.merge_max_claims = std::num::NonZeroUsize::new(16).unwrap();
+    config.ledger.merge_trigger_generations = std::num::NonZeroUsize::new(1024).unwrap();
+    let ids: Vec<String> = (0..200).map(|i| format!("m-{i}")).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+    assert!(submit_all(&ledger, &ids)
+        .iter()
+        .all(|(_, o)| *o == Outcome::Processed));
+    ledger.close().unwrap();
+
+    // Move one key of the first exact list up by one, where that keeps it sorted.
+    let file = dir.path().join("shard-000.redb");
+    const FILTERS: redb::TableDefinition<(&str, u64), &[u8]> =
+        redb::TableDefinition::new("filters_v1");
+    use redb::ReadableTable;
+    let db = redb::Database::create(&file).unwrap();
+    let txn = db.begin_write().unwrap();
+    {
+        let mut table = txn.open_table(FILTERS).unwrap();
+        let (key, mut bytes) = {
+            let (k, v) = table
+                .first()
+                .unwrap()
+                .expect("a sealed generation has a filter");
+            let (sub, id) = k.value();
+            ((sub.to_string(), id), v.value().to_vec())
+        };
+        assert_eq!(
+            bytes[1], 2,
+            "the first generation's filter is an exact list"
+        );
+        let n = u64::from_le_bytes(bytes[2..10].try_into().unwrap()) as usize;
+        let at = |i: usize| 10 + i * 8;
+        let get = |b: &[u8], i: usize| u64::from_le_bytes(b[at(i)..at(i) + 8].try_into().unwrap());
+        let i = (0..n - 1)
+            .find(|&i| get(&bytes, i) + 1 < get(&bytes, i + 1))
+            .unwrap();
+        let moved = get(&bytes, i) + 1;
+        bytes[at(i)..at(i) + 8].copy_from_slice(&moved.to_le_bytes());
+        table
+            .insert((key.0.as_str(), key.1), bytes.as_slice())
+            .unwrap();
+    }
+    txn.commit().unwrap();
+    drop(db);
+
+    let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+    let again = submit_all(&ledger, &ids);
+    let processed: Vec<&String> = again
+        .iter()
+        .filter(|(_, o)| *o != Outcome::Duplicate)
+        .map(|(id, _)| id)
+        .collect();
+    assert!(processed.is_empty(), "processed again: {processed:?}");
+    ledger.close().unwrap();
+    let logs = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("damaged generation filter"))
+        .unwrap_or_else(|| panic!("no warning about the filter in:\n{logs}"));
+    assert!(
+        line.contains("shard-000.redb") && line.contains("checksum"),
+        "{line}"
+    );
+}
