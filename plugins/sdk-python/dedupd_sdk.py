@@ -24,17 +24,17 @@ the message's claim, or not at all when ``handle`` raises. :class:`Retryable` an
 (like a Rust panic): the engine retries the message, then dead-letters it. External side
 effects should carry :func:`operation_key` as their idempotency key.
 
-What the Python runtime sees of the system is deterministic per message: ``os.urandom``
-(and ``secrets``) bytes come from a stream the host derives from the subscriber and the
-message id, and :func:`export` reseeds the ``random`` module from it before each call, so
-a retry draws the same numbers (they are *not* secret: never make keys or tokens from
-them); ``time.time()`` is the message's received-at; the environment is empty, no
-directory is open and every socket use is refused. Prefer :func:`now_ms` and
-:func:`operation_key`, which say so.
+What the Python runtime sees of the system: :func:`export` reseeds the ``random`` module
+from the message (an operation key) before each call, so a retry draws the same numbers;
+``time.time()`` is the message's received-at; the environment is empty, no directory is
+open and every socket use is refused. ``os.urandom`` (and ``secrets``) read the host's
+random stream, derived from the message, but through a runtime that keeps unread bytes
+across calls: on an instance that served other messages first they differ, so do not rely
+on them for anything a retry must repeat. None of it is secret. Prefer :func:`now_ms` and
+:func:`operation_key`, which say what they are.
 """
 
 import json
-import os
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Type, Union
 
@@ -282,12 +282,14 @@ def export(handle: Callable[[Message], None]) -> Type[exports.Handler]:
     class Handler(exports.Handler):
         def handle(self, msg: _wit.Message) -> None:
             # `random`'s generator was seeded when the component was built, and an
-            # instance serves many messages: reseed it from this message's random
-            # stream (the host's, derived from the message id), so that a retry draws
-            # what the first attempt drew. Only if some module imported it.
+            # instance serves many messages: reseed it from this message, so that a
+            # retry draws what the first attempt drew. Not from `os.urandom`: the
+            # runtime below it keeps unused bytes across calls (measured: a reused
+            # instance read other bytes for the same message). Only if some module
+            # imported `random`.
             rnd = sys.modules.get("random")
             if rnd is not None:
-                rnd.seed(os.urandom(32))
+                rnd.seed(_host.operation_key("dedupd-sdk:random"))
             try:
                 handle(Message(msg))
             except Retryable as e:
