@@ -1,8 +1,10 @@
 //! `dedupd handler new`: writes a standalone handler project.
 //!
-//! The project builds outside this repository with one command (`cargo build --release
+//! A Rust project builds outside this repository with one command (`cargo build --release
 //! --target wasm32-wasip2`): it is a cargo workspace of its own holding the handler crate
-//! and a vendored copy of the guest SDK, with the WIT contract copied next to it. The SDK
+//! and a vendored copy of the guest SDK, with the WIT contract copied next to it. A Python
+//! project (`--lang python`) holds `app.py`, the vendored Python SDK module and the WIT,
+//! and builds with componentize-py (the version `plugins/build-python.sh` pins). The SDK
 //! sources, the WIT file, the guest workspace's dependency versions, release profile and
 //! lock file are embedded from `plugins/` and `wit/` at compile time, so a generated
 //! project always matches the SDK and contract of the binary that wrote it.
@@ -25,6 +27,15 @@ const RUST_README: &str = include_str!("scaffold/rust/README.md");
 const RUST_EVENTS: &str = include_str!("scaffold/rust/events.jsonl");
 const RUST_GITIGNORE: &str = include_str!("scaffold/rust/gitignore");
 
+const PY_SDK: &str = include_str!("../plugins/sdk-python/dedupd_sdk.py");
+const PY_APP: &str = include_str!("scaffold/python/app.py");
+const PY_README: &str = include_str!("scaffold/python/README.md");
+const PY_EXPECTED: &str = include_str!("scaffold/python/expected.jsonl");
+const PY_GITIGNORE: &str = include_str!("scaffold/python/gitignore");
+/// The componentize-py version the Python SDK is built and tested with (the one
+/// `plugins/build-python.sh` installs; a test keeps the two equal).
+pub const COMPONENTIZE_PY_VERSION: &str = "0.25.1";
+
 /// Where the SDK finds the WIT in this repository, and where it is in a generated project
 /// (both relative to the SDK's manifest directory).
 const SDK_WIT_PATH: &str = r#"path: "../../wit","#;
@@ -37,6 +48,8 @@ const PROJECT_WIT_COMMENT: &str = "the WIT lives in ../wit.";
 pub enum Lang {
     /// A Rust crate on the dedupd SDK.
     Rust,
+    /// A Python module on the dedupd Python SDK, built with componentize-py.
+    Python,
 }
 
 impl std::str::FromStr for Lang {
@@ -45,11 +58,9 @@ impl std::str::FromStr for Lang {
     fn from_str(s: &str) -> Result<Self, Error> {
         match s {
             "rust" => Ok(Lang::Rust),
-            "python" => Err(Error::Lang(
-                "python handlers are not available yet (issue 16 item 4); use --lang rust".into(),
-            )),
+            "python" => Ok(Lang::Python),
             other => Err(Error::Lang(format!(
-                "unknown language {other:?}; the only one available is rust"
+                "unknown language {other:?}; choose rust or python"
             ))),
         }
     }
@@ -96,6 +107,7 @@ pub struct Project {
     pub name: String,
     /// The component's file name (`NAME` with `-` as `_`, `.wasm`).
     pub wasm: String,
+    pub lang: Lang,
     /// The files written, relative to `dir`, in writing order.
     pub files: Vec<&'static str>,
 }
@@ -103,20 +115,32 @@ pub struct Project {
 impl Project {
     /// The component's path relative to the project directory after the documented build.
     pub fn wasm_path(&self) -> String {
-        format!("target/wasm32-wasip2/release/{}", self.wasm)
+        match self.lang {
+            Lang::Rust => format!("target/wasm32-wasip2/release/{}", self.wasm),
+            Lang::Python => self.wasm.clone(),
+        }
     }
 
     /// What to run next, one command a line, from the directory `new` was run in.
     pub fn next_steps(&self) -> String {
         let wasm = self.wasm_path();
-        format!(
-            "cd {dir}\n\
-             rustup target add wasm32-wasip2    # once\n\
-             cargo build --release --target wasm32-wasip2\n\
-             dedupd handler check {wasm}\n\
-             dedupd handler test {wasm} --input events.jsonl\n",
-            dir = self.dir.display()
-        )
+        let dir = self.dir.display();
+        match self.lang {
+            Lang::Rust => format!(
+                "cd {dir}\n\
+                 rustup target add wasm32-wasip2    # once\n\
+                 cargo build --release --target wasm32-wasip2\n\
+                 dedupd handler check {wasm}\n\
+                 dedupd handler test {wasm} --input events.jsonl\n"
+            ),
+            Lang::Python => format!(
+                "cd {dir}\n\
+                 python3 -m venv .venv && .venv/bin/pip install componentize-py=={COMPONENTIZE_PY_VERSION}    # once\n\
+                 .venv/bin/componentize-py -d wit -w dedupd-handler componentize app -o {wasm}\n\
+                 dedupd handler check {wasm}\n\
+                 dedupd handler test {wasm} --input events.jsonl --cpu-budget 100ms --expect expected.jsonl\n"
+            ),
+        }
     }
 }
 
@@ -229,12 +253,23 @@ const RESERVED: &[&str] = &[
 /// The files of a project named `name`, as (relative path, contents).
 pub fn files(name: &str, lang: Lang) -> Result<Vec<(&'static str, String)>, Error> {
     validate_name(name)?;
-    let Lang::Rust = lang;
     let crate_name = name.replace('-', "_");
     let fill = |t: &str| {
         t.replace("{{name}}", name)
             .replace("{{crate_name}}", &crate_name)
+            .replace("{{componentize_py}}", COMPONENTIZE_PY_VERSION)
     };
+    if lang == Lang::Python {
+        return Ok(vec![
+            ("app.py", fill(PY_APP)),
+            ("dedupd_sdk.py", PY_SDK.to_string()),
+            ("wit/handler.wit", WIT.to_string()),
+            ("events.jsonl", RUST_EVENTS.to_string()),
+            ("expected.jsonl", PY_EXPECTED.to_string()),
+            ("README.md", fill(PY_README)),
+            (".gitignore", PY_GITIGNORE.to_string()),
+        ]);
+    }
     Ok(vec![
         ("Cargo.toml", project_manifest(name)?),
         ("Cargo.lock", PLUGINS_LOCK.to_string()),
@@ -280,6 +315,7 @@ pub fn create(dir: &Path, name: &str, lang: Lang) -> Result<Project, Error> {
         dir: root,
         name: name.to_string(),
         wasm: format!("{}.wasm", name.replace('-', "_")),
+        lang,
         files: written,
     })
 }
@@ -413,14 +449,39 @@ mod tests {
     }
 
     #[test]
-    fn only_rust_is_offered() {
+    fn rust_and_python_are_offered() {
         assert_eq!("rust".parse::<Lang>().unwrap(), Lang::Rust);
-        let e = "python".parse::<Lang>().unwrap_err().to_string();
+        assert_eq!("python".parse::<Lang>().unwrap(), Lang::Python);
+        let e = "go".parse::<Lang>().unwrap_err().to_string();
+        assert!(e.contains("choose rust or python"), "{e}");
+    }
+
+    #[test]
+    fn python_project_vendors_the_sdk_and_pins_componentize_py() {
+        let files = files("demo-handler", Lang::Python).unwrap();
+        let get = |p: &str| &files.iter().find(|(f, _)| *f == p).unwrap().1;
+        assert_eq!(get("dedupd_sdk.py"), PY_SDK);
+        assert_eq!(get("wit/handler.wit"), WIT);
+        assert!(get("app.py").contains("Handler = dedupd_sdk.export(handle)"));
+        let readme = get("README.md");
+        assert!(readme.contains("componentize-py==0.25.1"), "{readme}");
+        assert!(readme.contains("-o demo_handler.wasm"), "{readme}");
+        assert!(!readme.contains("{{") && !get("app.py").contains("{{"));
+        // The build script of the repository installs the same version.
+        let script = include_str!("../plugins/build-python.sh");
         assert!(
-            e.contains("not available yet") && e.contains("issue 16"),
-            "{e}"
+            script.contains(&format!(
+                "COMPONENTIZE_PY_VERSION={COMPONENTIZE_PY_VERSION}\n"
+            )),
+            "plugins/build-python.sh pins another componentize-py"
         );
-        assert!("go".parse::<Lang>().is_err());
+        let tmp = tempfile::tempdir().unwrap();
+        let p = create(tmp.path(), "demo-handler", Lang::Python).unwrap();
+        assert_eq!(p.wasm_path(), "demo_handler.wasm");
+        assert!(p.dir.join("expected.jsonl").exists());
+        assert!(p
+            .next_steps()
+            .contains("componentize app -o demo_handler.wasm"));
     }
 
     #[test]

@@ -867,9 +867,17 @@ async fn handler_upload_is_validated_and_can_roll_back() {
         .body(Body::empty())
         .unwrap();
     assert_error(&api.send(req).await, StatusCode::BAD_REQUEST, "bad_request");
-    // A component that asks for a forbidden capability is refused by name.
-    let r = api.upload("s", "fixture_forbidden").await;
+    // A component that asks for a capability dedupd does not grant is refused by name.
+    let req = api
+        .req("PUT", "/v1/subscribers/s/handler")
+        .header("content-type", "application/wasm")
+        .body(Body::from(common::component_importing(
+            "wasi:http/outgoing-handler@0.2.0",
+        )))
+        .unwrap();
+    let r = api.send(req).await;
     assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    assert!(r.text.contains("wasi:http/outgoing-handler"), "{}", r.text);
     let r = api.call("GET", "/v1/subscribers/s/handler", None).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert!(r.body["active_version"].is_null());

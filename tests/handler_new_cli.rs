@@ -160,10 +160,123 @@ fn refuses_bad_names_and_languages_and_writes_nothing() {
     ] {
         new_handler(name, tmp.path(), &[]).assert_refused(&[why]);
     }
-    new_handler("py", tmp.path(), &["--lang", "python"])
-        .assert_refused(&["python handlers are not available yet"]);
     new_handler("go", tmp.path(), &["--lang", "go"])
-        .assert_refused(&["only one available is rust"]);
+        .assert_refused(&["unknown language \"go\"; choose rust or python"]);
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
     assert!(!tmp.path().parent().unwrap().join("escape").exists());
+}
+
+/// componentize-py as `plugins/build-python.sh` installs it (scripts/test runs it first).
+fn componentize_py() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("plugins/target/python-venv/bin/componentize-py");
+    assert!(
+        p.exists(),
+        "{} is missing: run plugins/build-python.sh (scripts/test does)",
+        p.display()
+    );
+    p
+}
+
+/// `handler new --lang python`, then the project README's build, check and test commands
+/// (with the repository's pinned componentize-py instead of a fresh virtualenv): the
+/// component passes `check`, and `test --expect expected.jsonl` agrees with the recorded
+/// output the template ships.
+#[test]
+fn generated_python_project_builds_and_passes_check_and_test() {
+    let tmp = tempfile::tempdir().unwrap();
+    let created = new_handler("demo-py", tmp.path(), &["--lang", "python"]);
+    created.assert_success();
+    let project = tmp.path().join("demo-py");
+    let build =
+        ".venv/bin/componentize-py -d wit -w dedupd-handler componentize app -o demo_py.wasm";
+    for step in [
+        "pip install componentize-py==0.25.1",
+        build,
+        "dedupd handler check demo_py.wasm",
+        "dedupd handler test demo_py.wasm --input events.jsonl --cpu-budget 100ms --expect expected.jsonl",
+    ] {
+        assert!(created.stdout.contains(step), "{}", created.stdout);
+    }
+    let readme = std::fs::read_to_string(project.join("README.md")).unwrap();
+    for step in [
+        "pip install componentize-py==0.25.1",
+        build,
+        "dedupd handler check demo_py.wasm",
+        "dedupd handler test demo_py.wasm --input events.jsonl --cpu-budget 100ms --expect expected.jsonl",
+    ] {
+        assert!(readme.contains(step), "{step} not in the README");
+    }
+    for file in [
+        "app.py",
+        "dedupd_sdk.py",
+        "wit/handler.wit",
+        "events.jsonl",
+        "expected.jsonl",
+        "README.md",
+        ".gitignore",
+    ] {
+        assert!(project.join(file).is_file(), "{file} missing");
+    }
+
+    let built = Run::of(
+        Command::new(componentize_py())
+            .args([
+                "-d",
+                "wit",
+                "-w",
+                "dedupd-handler",
+                "componentize",
+                "app",
+                "-o",
+                "demo_py.wasm",
+            ])
+            .current_dir(&project),
+    );
+    built.assert_success();
+    let wasm = project.join("demo_py.wasm");
+    let wasm = wasm.to_str().unwrap();
+    dedupd(&["handler", "check", wasm]).assert_success();
+
+    // The budget of the README, raised for a loaded CI machine: this is about outcomes.
+    let test = |extra: &[&str]| {
+        let mut args = vec![
+            "handler",
+            "test",
+            wasm,
+            "--input",
+            "events.jsonl",
+            "--cpu-budget",
+            "2s",
+        ];
+        args.extend_from_slice(extra);
+        Run::of(
+            Command::new(env!("CARGO_BIN_EXE_dedupd"))
+                .args(&args)
+                .current_dir(&project),
+        )
+    };
+    let expected = test(&["--expect", "expected.jsonl"]);
+    expected.assert_success();
+    let tested = test(&["--json"]);
+    tested.assert_success();
+    let reports = common::json_lines(tested.stdout.into_bytes());
+    let outcomes: Vec<&str> = reports
+        .iter()
+        .map(|r| r["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            "processed",
+            "duplicate",
+            "processed",
+            "processed",
+            "dead_lettered"
+        ]
+    );
+    assert_eq!(
+        reports[2]["state"],
+        json!([{"key": "count/o-1", "value": 2}])
+    );
 }

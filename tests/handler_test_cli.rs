@@ -52,6 +52,12 @@ fn write(dir: &Path, name: &str, lines: &[Value]) -> PathBuf {
     write_text(dir, name, &text)
 }
 
+fn write_bytes(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
 fn write_text(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
@@ -533,8 +539,22 @@ fn bad_input_is_refused_with_its_file_and_line() {
     .assert_refused(&["state.jsonl:2: expected {\"key\": ..., \"value\": ...}"]);
     let missing = tmp.path().join("missing.jsonl");
     handler_test("shipping_label", &missing, &[]).assert_refused(&["cannot read", "missing.jsonl"]);
-    handler_test("fixture_forbidden", &good, &[])
-        .assert_refused(&["imports `wasi:filesystem", "does not grant"]);
+    let net = write_bytes(
+        tmp.path(),
+        "net.wasm",
+        &common::component_importing("wasi:http/outgoing-handler@0.2.0"),
+    );
+    dedupd(&[
+        "handler",
+        "test",
+        net.to_str().unwrap(),
+        "--input",
+        good.to_str().unwrap(),
+    ])
+    .assert_refused(&[
+        "imports `wasi:http/outgoing-handler@0.2.0`",
+        "does not grant",
+    ]);
     dedupd(&[
         "handler",
         "test",

@@ -343,12 +343,35 @@ fn memory_count_violated_is_refused_at_load() {
 
 #[test]
 fn ungranted_capability_is_refused_at_load() {
-    let err = Component::load(&component("fixture_forbidden"), Limits::default()).unwrap_err();
-    match err {
-        HandlerError::CapabilityDenied { import, .. } => {
-            assert!(import.starts_with("wasi:filesystem/"), "{import}")
+    for name in [
+        "wasi:http/outgoing-handler@0.2.0",
+        "wasi:keyvalue/store@0.2.0-draft",
+    ] {
+        let bytes = common::component_importing(name);
+        let err = Component::from_bytes(&PathBuf::from("net.wasm"), &bytes, Limits::default())
+            .unwrap_err();
+        match &err {
+            HandlerError::CapabilityDenied { import, .. } => assert_eq!(import, name),
+            other => panic!("expected CapabilityDenied, got {other}"),
         }
-        other => panic!("expected CapabilityDenied, got {other}"),
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!(
+                "imports `{name}`, an interface dedupd does not grant"
+            )) && text.contains("no HTTP"),
+            "{text}"
+        );
+    }
+}
+
+/// A guest that reads a file links (the filesystem is granted) but finds no directory:
+/// the read fails and the handler's own error says so; nothing leaks into state.
+#[test]
+fn filesystem_has_nothing_to_open() {
+    let c = load("fixture_forbidden", roomy());
+    match call(&c, &msg("m1", "{}")) {
+        Err(Failure::Permanent(m)) => assert!(m.starts_with("filesystem denied: "), "{m}"),
+        other => panic!("expected the handler's permanent error, got {other:?}"),
     }
 }
 
@@ -654,4 +677,127 @@ fn swapping_the_handler_takes_effect_for_the_next_batch() {
     h.ledger.set_handler("labels", Some(f)).unwrap();
     h.run(&[("labels", "e2", r#"{"order_id":"o-2","type":"OrderPlaced"}"#)]);
     assert_eq!(h.state("labels").len(), 1);
+}
+
+// --- What WASI a guest gets (fixture-sandbox writes each probe's answer into state) ---
+
+fn probe(c: &Component, m: &HandlerMessage) -> std::collections::BTreeMap<String, String> {
+    let effects = call(c, m).unwrap();
+    effects
+        .state
+        .into_iter()
+        .map(|(k, v)| {
+            (
+                String::from_utf8(k).unwrap(),
+                String::from_utf8(v.unwrap()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Random bytes come from the message: a retry of it (a fresh instance, or the same one
+/// after other messages) reads the same stream; another message, or the same id of another
+/// subscriber, reads another.
+#[test]
+fn random_is_the_same_on_every_attempt_and_differs_between_messages() {
+    let c = load("fixture_sandbox", roomy());
+    let m1 = msg("m1", r#"{"probe":"random"}"#);
+    let first = probe(&c, &m1);
+    let bytes = &first["random/bytes"];
+    assert_eq!(bytes.len(), 64, "{first:?}");
+    assert_eq!(first["random/insecure"].len(), 16, "{first:?}");
+
+    // The same instance, after another message, and a second attempt.
+    let mut h = c.handler();
+    let other = h
+        .handle(&msg("m2", r#"{"probe":"random"}"#), Box::new(EmptyState))
+        .1;
+    let other = other.unwrap().state[b"random/bytes".as_slice()]
+        .clone()
+        .unwrap();
+    assert_ne!(String::from_utf8(other).unwrap(), *bytes);
+    let again = h
+        .handle(
+            &HandlerMessage {
+                attempt: 2,
+                ..m1.clone()
+            },
+            Box::new(EmptyState),
+        )
+        .1
+        .unwrap();
+    assert_eq!(probe_value(&again, "random/bytes"), *bytes);
+    assert_eq!(probe_value(&again, "random/u64"), first["random/u64"]);
+
+    // Another subscriber's message with the same id: another stream.
+    let theirs = probe(
+        &c,
+        &HandlerMessage {
+            subscriber: "t".into(),
+            ..m1.clone()
+        },
+    );
+    assert_ne!(theirs["random/bytes"], *bytes);
+
+    // A failed attempt's bytes are the retry's: the first 16 bytes of the stream.
+    let retry = msg("m3", r#"{"probe":"random","retry":true}"#);
+    let failed = match call(&c, &retry) {
+        Err(Failure::Retryable(hex)) => hex,
+        other => panic!("expected the fixture's retryable error, got {other:?}"),
+    };
+    let second = probe(
+        &c,
+        &HandlerMessage {
+            attempt: 2,
+            ..retry
+        },
+    );
+    assert_eq!(failed.len(), 32);
+    assert_eq!(second["random/bytes"][..32], failed);
+}
+
+fn probe_value(e: &dedupd::effects::Effects, key: &str) -> String {
+    String::from_utf8(e.state[key.as_bytes()].clone().unwrap()).unwrap()
+}
+
+#[test]
+fn wall_clock_is_the_message_received_at() {
+    let c = load("fixture_sandbox", roomy());
+    let m = HandlerMessage {
+        received_at_ms: 1_234_567_890_123,
+        ..msg("m1", r#"{"probe":"clock"}"#)
+    };
+    assert_eq!(probe(&c, &m)["clock/wall-ms"], "1234567890123");
+}
+
+#[test]
+fn environment_is_empty_and_no_directory_is_open() {
+    let c = load("fixture_sandbox", roomy());
+    let env = probe(&c, &msg("m1", r#"{"probe":"env"}"#));
+    assert_eq!(
+        (env["env/vars"].as_str(), env["env/args"].as_str()),
+        ("0", "0")
+    );
+    let file = probe(&c, &msg("m2", r#"{"probe":"file"}"#));
+    assert_eq!(file["file/preopens"], "0");
+    assert!(!file["file/read"].starts_with("LEAKED"), "{file:?}");
+}
+
+/// The sockets interfaces link (toolchains import them) but every use is refused.
+#[test]
+fn sockets_refuse_every_use() {
+    let c = load("fixture_sandbox", roomy());
+    for (n, (p, code)) in [
+        ("tcp", "access-denied"),
+        ("udp", "access-denied"),
+        // wasmtime-wasi answers a lookup it does not allow with this code.
+        ("lookup", "permanent-resolver-failure"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let got = probe(&c, &msg(&format!("m{n}"), &format!(r#"{{"probe":"{p}"}}"#)));
+        let answer = &got[&format!("net/{p}")];
+        assert!(answer.contains(code), "{p}: {answer}");
+    }
 }

@@ -15,6 +15,7 @@ use xxhash_rust::xxh3::xxh3_128;
 
 use super::bindings::dedupd::handler::host::{self, Entry, Level};
 use super::clock::CallClock;
+use super::determinism::CallEntropy;
 use super::output::GuestOutput;
 use super::{CallTrace, GuardCall, GuestLog, Limits};
 use crate::effects::{unique_key, Effects, EmptyState, HandlerMessage, OutboxMessage, StateReader};
@@ -55,6 +56,16 @@ impl MemoryCap {
             pending: None,
             denied: false,
         }
+    }
+
+    /// The cap of all memories together, in bytes.
+    pub fn cap_bytes(&self) -> usize {
+        self.cap
+    }
+
+    /// Bytes of all memories of the instance now.
+    pub fn total_bytes(&self) -> usize {
+        self.total
     }
 }
 
@@ -126,6 +137,8 @@ pub(crate) struct HostState {
     pub limiter: MemoryCap,
     /// The guest's monotonic clock and the running call's wait deadline (`clock.rs`).
     pub clock: Arc<CallClock>,
+    /// The call's random stream and wall clock (`determinism.rs`).
+    pub entropy: CallEntropy,
     limits: Limits,
     output: GuestOutput,
     call: Call,
@@ -146,6 +159,7 @@ impl HostState {
             table: ResourceTable::new(),
             limiter: MemoryCap::new(limits.memory_bytes),
             clock: CallClock::new(),
+            entropy: CallEntropy::default(),
             limits,
             output,
             call: Call::default(),
@@ -174,10 +188,15 @@ impl HostState {
         call.logs = 0;
         self.trace = self.recording.then(CallTrace::default);
         self.in_call = true;
+        let seed = self.seed("random", "").unwrap_or_default();
+        self.entropy.start(seed, msg.received_at_ms);
     }
 
     /// Ends a call: hands back the reader, the effects and what ran out.
     pub fn finish(&mut self) -> Finished {
+        // Whatever runs before the next call (a rebuild after a trap) reads the stream
+        // of no message, not the rest of this one's.
+        self.entropy.end();
         if std::mem::take(&mut self.in_call) {
             match self.trace.as_mut() {
                 Some(trace) => {
@@ -248,13 +267,19 @@ impl HostState {
 
     /// Deterministic per (subscriber, message id, purpose).
     fn derive(&self, purpose: &str, name: &str) -> wasmtime::Result<String> {
+        Ok(hex128(self.seed(purpose, name)?))
+    }
+
+    /// The number behind [`HostState::derive`]'s keys; also seeds the call's random
+    /// stream (`determinism.rs`).
+    fn seed(&self, purpose: &str, name: &str) -> wasmtime::Result<u128> {
         let call = self.call()?;
         let mut buf = Vec::with_capacity(call.subscriber.len() + call.id.len() + name.len() + 32);
         for part in [purpose, &call.subscriber, &call.id, name] {
             buf.extend_from_slice(&(part.len() as u64).to_le_bytes());
             buf.extend_from_slice(part.as_bytes());
         }
-        Ok(hex128(xxh3_128(&buf)))
+        Ok(xxh3_128(&buf))
     }
 }
 

@@ -6,15 +6,28 @@
 //! engine epoch every millisecond), which also ends the guest's waits on the clock
 //! (`clock.rs`: epoch interruption cannot stop a host call), and a memory cap over all of
 //! the instance's linear memories (at most [`MAX_MEMORIES`], checked at load). What one
-//! call may write through the host is bounded too (`host.rs`, [`Limits`]). Guests see no
-//! filesystem, network, environment or randomness: a component that imports such an
-//! interface is refused when it is loaded, with the import's name. Guest stdout/stderr go
-//! to the log, rate-limited.
+//! call may write through the host is bounded too (`host.rs`, [`Limits`]).
+//!
+//! What a guest sees of WASI is deterministic per message, so a retry computes what the
+//! attempt it replaces computed (G2), and nothing leaves the sandbox:
+//!
+//! - `wasi:random/*` and `wasi:clocks/wall-clock` are stand-ins (`determinism.rs`): bytes
+//!   derived from the subscriber and message id, and the message's received-at;
+//! - `wasi:filesystem/*` is linked with no preopened directory, so there is nothing to
+//!   open; the environment and arguments are empty; stdin is closed;
+//! - `wasi:sockets/*` is linked with every use denied (no TCP, no UDP, no name lookup, no
+//!   address passes the check): creating a socket answers `access-denied`.
+//!
+//! Those last two are linked rather than refused because toolchains other than Rust's
+//! (componentize-py's CPython) import them whether the handler uses them or not. Any
+//! other interface (`wasi:http`, ...) is refused when the component is loaded, with the
+//! import's name. Guest stdout/stderr go to the log, rate-limited.
 //!
 //! `wasmtime::Error` never leaves this module: traps are classified into
 //! [`Failure`] at the edge.
 
 mod clock;
+mod determinism;
 mod host;
 mod output;
 
@@ -48,7 +61,9 @@ use bindings::exports::dedupd::handler::handler as guest;
 /// How often the epoch ticks; CPU budgets are whole multiples of it.
 const EPOCH_TICK: Duration = Duration::from_millis(1);
 
-/// Interfaces a handler may import. Everything else is refused at load.
+/// Interfaces a handler may import. Everything else is refused at load. The module docs
+/// say what each grants: `wasi:random` and the wall clock are per-message stand-ins, the
+/// filesystem has nothing to open and sockets refuse every use.
 const ALLOWED_IMPORT_PREFIXES: &[&str] = &[
     "dedupd:handler/host",
     "wasi:io/",
@@ -59,6 +74,9 @@ const ALLOWED_IMPORT_PREFIXES: &[&str] = &[
     "wasi:cli/stderr",
     "wasi:cli/terminal-",
     "wasi:clocks/",
+    "wasi:random/",
+    "wasi:filesystem/",
+    "wasi:sockets/",
 ];
 
 /// Errors of loading or checking a component. Failures of a *call* are
@@ -70,7 +88,7 @@ pub enum HandlerError {
     Read { path: PathBuf, detail: String },
     #[error("{path} is not a valid WebAssembly component: {detail}")]
     Invalid { path: PathBuf, detail: String },
-    #[error("{path} imports `{import}`, a capability dedupd does not grant to handlers (no filesystem, network or randomness)")]
+    #[error("{path} imports `{import}`, an interface dedupd does not grant to handlers (they get the host interface, and WASI's cli, clocks, io, random, filesystem without directories and sockets that refuse every use; no HTTP or other interfaces)")]
     CapabilityDenied { path: PathBuf, import: String },
     #[error("{path} does not implement the dedupd handler contract (wit/handler.wit): {detail}")]
     Contract { path: PathBuf, detail: String },
@@ -291,6 +309,9 @@ impl Component {
             |s| s,
         )
         .map_err(|e| HandlerError::Instantiate(format!("linking the clock: {e:#}")))?;
+        // Random bytes and the wall clock are the same on every attempt of a message
+        // (`determinism.rs`).
+        link_deterministic(&mut linker)?;
         linker.allow_shadowing(false);
         bindings::DedupdHandler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| HandlerError::Instantiate(format!("linking host: {e:#}")))?;
@@ -401,15 +422,28 @@ impl WasmHandler {
         self.trace.take()
     }
 
+    /// Bytes of the instance's linear memories (0 before it is instantiated).
+    pub fn memory_bytes(&self) -> usize {
+        self.live
+            .as_ref()
+            .map_or(0, |(store, _)| store.data().limiter.total_bytes())
+    }
+
     fn ensure_live(&mut self) -> Result<(), HandlerError> {
         if self.live.is_some() {
             return Ok(());
         }
         let rt = runtime()?;
         let output = GuestOutput::new(self.name.clone());
+        // No preopened directory, no environment, no arguments (the builder's defaults,
+        // relied on here), and no network use at all, whatever the defaults become.
         let wasi = WasiCtx::builder()
             .stdout(output.clone())
             .stderr(output.clone())
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .socket_addr_check(|_, _| Box::pin(async { false }))
             .build();
         let state = HostState::new(wasi, self.limits, output);
         let mut store = Store::new(&rt.engine, state);
@@ -498,6 +532,19 @@ fn classify(e: &wasmtime::Error, end: &Finished, limits: &Limits) -> Failure {
         Some(t) => Failure::Trap(t.to_string()),
         None => Failure::Trap(format!("{e:#}")),
     }
+}
+
+/// Shadows wasmtime-wasi's `wasi:random/*` and `wasi:clocks/wall-clock` with the
+/// per-message stand-ins of `determinism.rs`.
+fn link_deterministic(linker: &mut Linker<HostState>) -> Result<(), HandlerError> {
+    use wasmtime_wasi::p2::bindings::{clocks, random};
+    let err = |e: wasmtime::Error| HandlerError::Instantiate(format!("linking randomness: {e:#}"));
+    random::random::add_to_linker::<_, HasSelf<_>>(linker, |s| s).map_err(err)?;
+    random::insecure::add_to_linker::<_, HasSelf<_>>(linker, |s| s).map_err(err)?;
+    random::insecure_seed::add_to_linker::<_, HasSelf<_>>(linker, |s| s).map_err(err)?;
+    clocks::wall_clock::add_to_linker::<_, HasSelf<_>>(linker, |s| s)
+        .map_err(|e| HandlerError::Instantiate(format!("linking the wall clock: {e:#}")))?;
+    Ok(())
 }
 
 /// Only for the `WasiView` bound of the WASI linker.

@@ -20,6 +20,22 @@ pub fn component(name: &str) -> PathBuf {
     p
 }
 
+/// A component that imports one empty instance named `name` and nothing else: enough for
+/// the capability check at load, which runs before the contract check.
+pub fn component_importing(name: &str) -> Vec<u8> {
+    use wasm_encoder::{
+        ComponentImportSection, ComponentTypeRef, ComponentTypeSection, InstanceType,
+    };
+    let mut types = ComponentTypeSection::new();
+    types.instance(&InstanceType::new());
+    let mut imports = ComponentImportSection::new();
+    imports.import(name, ComponentTypeRef::Instance(0));
+    let mut component = wasm_encoder::Component::new();
+    component.section(&types);
+    component.section(&imports);
+    component.finish()
+}
+
 /// Output of one JSON value per line (outcome lines, `state dump`), parsed.
 pub fn json_lines(out: Vec<u8>) -> Vec<Value> {
     String::from_utf8(out)

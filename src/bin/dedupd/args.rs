@@ -177,13 +177,14 @@ pub enum HandlerCommand {
     /// state writes, uniqueness marks, versions, emitted messages, guard answers and logs.
     /// Deterministic: `--json > expected.jsonl` makes a file for `--expect`.
     Test(HandlerTestArgs),
-    /// Create a standalone handler project DIR/NAME (its own cargo workspace with the SDK
-    /// and the WIT contract vendored, a sample handler, sample messages and a README)
-    /// that builds with `cargo build --release --target wasm32-wasip2`.
+    /// Create a standalone handler project DIR/NAME (the SDK and the WIT contract
+    /// vendored, a sample handler, sample messages and a README). A Rust project is its
+    /// own cargo workspace that builds with `cargo build --release --target
+    /// wasm32-wasip2`; a Python one builds with componentize-py (its README says how).
     New {
-        /// The crate name: ASCII letters, digits, '-' and '_', starting with a letter.
+        /// The handler's name: ASCII letters, digits, '-' and '_', starting with a letter.
         name: String,
-        /// The handler's language (only `rust` so far).
+        /// The handler's language: `rust` or `python`.
         #[arg(long, default_value = "rust")]
         lang: String,
         /// Where to create the NAME directory.
