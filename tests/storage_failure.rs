@@ -779,3 +779,101 @@ fn a_flipped_bit_in_a_stored_filter_is_reported_with_the_file_and_rebuilt() {
         "{line}"
     );
 }
+
+/// Copies a data directory (shard files and manifest) into a fresh temporary one.
+fn copy_dir(from: &std::path::Path) -> tempfile::TempDir {
+    let to = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.path().join(entry.file_name())).unwrap();
+        }
+    }
+    to
+}
+
+/// Faults while a shard opens and recovers from a power cut (redb's repair, our own open
+/// transaction: leftovers of sealing, filters, logs): a failing disk or a second power cut
+/// at every fsync of the recovery, and failing reads at read counts from the header on.
+/// Each open either fails with an error naming the shard file or succeeds; never a panic.
+/// After that a healthy open recovers, and every message acknowledged before the first
+/// power cut is a duplicate (G2).
+#[test]
+fn a_fault_while_opening_and_recovering_is_an_error_and_a_later_open_recovers() {
+    let mut config = one_shard();
+    config.ledger.generation_max_claims = std::num::NonZeroUsize::new(16).unwrap();
+    config.ledger.merge_max_claims = std::num::NonZeroUsize::new(64).unwrap();
+    config.ledger.merge_trigger_generations = std::num::NonZeroUsize::new(2).unwrap();
+    let ids: Vec<String> = (0..300).map(|i| format!("m-{i}")).collect();
+    let crashed = tempfile::tempdir().unwrap();
+    let faults = dedupd::ledger::FaultSwitch::new();
+    let ledger =
+        Ledger::open_with_faults(crashed.path(), &config, Arc::new(SystemClock), &faults).unwrap();
+    faults.cut_power_after_fsyncs(30, 0x5eed);
+    let acked: Vec<String> = submit_all(&ledger, &ids)
+        .into_iter()
+        .filter(|(_, o)| *o == Outcome::Processed)
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        ledger.poison_reason().is_some(),
+        "the power cut must land in the stream"
+    );
+    assert!(acked.len() > 50, "only {} acknowledged", acked.len());
+    let _ = ledger.close();
+
+    // How many fsyncs a healthy recovery takes.
+    let probe = copy_dir(crashed.path());
+    let counter = dedupd::ledger::FaultSwitch::new();
+    let ledger =
+        Ledger::open_with_faults(probe.path(), &config, Arc::new(SystemClock), &counter).unwrap();
+    let recovery_fsyncs = counter.fsyncs();
+    ledger.close().unwrap();
+    assert!(recovery_fsyncs >= 1);
+
+    type Arm = fn(&dedupd::ledger::FaultSwitch, u64);
+    let mut plans: Vec<(&str, u64, Arm)> = Vec::new();
+    for at in 0..=recovery_fsyncs {
+        plans.push(("failing disk", at, |f, at| f.fail_after_fsyncs(at)));
+        plans.push(("power cut", at, |f, at| {
+            f.cut_power_after_fsyncs(at, at ^ 7)
+        }));
+    }
+    for reads in [
+        0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987,
+    ] {
+        plans.push(("failing reads", reads, |f, n| f.fail_reads_after(n)));
+    }
+    let mut refused = 0;
+    for (kind, at, arm) in &plans {
+        let dir = copy_dir(crashed.path());
+        let faults = dedupd::ledger::FaultSwitch::new();
+        arm(&faults, *at);
+        match Ledger::open_with_faults(dir.path(), &config, Arc::new(SystemClock), &faults) {
+            Ok(ledger) => {
+                let _ = ledger.close();
+            }
+            Err(e) => {
+                refused += 1;
+                let e = format!("{e:#}");
+                assert!(e.contains("shard-000.redb"), "{kind} at {at}: {e}");
+            }
+        }
+        let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock))
+            .unwrap_or_else(|e| panic!("{kind} at {at}: a healthy open failed: {e}"));
+        let again = submit_all(&ledger, &acked);
+        assert!(
+            again.iter().all(|(_, o)| *o == Outcome::Duplicate),
+            "{kind} at {at}: an acknowledged message was lost"
+        );
+        ledger.close().unwrap();
+    }
+    eprintln!(
+        "{} faults while opening ({recovery_fsyncs} fsyncs in a healthy recovery): {refused} refused the open",
+        plans.len()
+    );
+    assert!(
+        refused >= plans.len() / 2,
+        "most faults must reach the open: {refused}"
+    );
+}
