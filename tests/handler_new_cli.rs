@@ -109,10 +109,7 @@ fn generated_project_builds_and_passes_check_and_test() {
     ]);
     tested.assert_success();
     let reports = common::json_lines(tested.stdout.into_bytes());
-    let outcomes: Vec<&str> = reports
-        .iter()
-        .map(|r| r["outcome"].as_str().unwrap())
-        .collect();
+    let outcomes = common::outcomes(&reports);
     assert_eq!(
         outcomes,
         [
@@ -261,10 +258,7 @@ fn generated_python_project_builds_and_passes_check_and_test() {
     let tested = test(&["--json"]);
     tested.assert_success();
     let reports = common::json_lines(tested.stdout.into_bytes());
-    let outcomes: Vec<&str> = reports
-        .iter()
-        .map(|r| r["outcome"].as_str().unwrap())
-        .collect();
+    let outcomes = common::outcomes(&reports);
     assert_eq!(
         outcomes,
         [

@@ -68,13 +68,6 @@ fn order_placed(id: &str, order: &str) -> Value {
     json!({"id": id, "payload": {"type": "OrderPlaced", "order_id": order}})
 }
 
-fn outcomes(reports: &[Value]) -> Vec<&str> {
-    reports
-        .iter()
-        .map(|r| r["outcome"].as_str().unwrap())
-        .collect()
-}
-
 /// Redeliveries, a producer retry with a fresh id, another order and a reused id with
 /// another payload: one label per order, and each message decided as the engine decides.
 #[test]
@@ -93,7 +86,7 @@ fn shipping_label_gives_one_label_per_order_for_duplicates_and_fresh_ids() {
     let run = handler_test("shipping_label", &input, &["--json"]);
     let r = run.reports();
     assert_eq!(
-        outcomes(&r),
+        common::outcomes(&r),
         [
             "processed",
             "duplicate",
@@ -318,7 +311,7 @@ fn config_settings_and_entity_scoped_state_apply() {
     )
     .reports();
     assert_eq!(
-        outcomes(&r),
+        common::outcomes(&r),
         [
             "processed",
             "processed",
@@ -392,7 +385,7 @@ fn failures_are_retried_and_dead_lettered_with_their_logs() {
     );
     let r = handler_test("fixture_errors", &input, &["--json"]).reports();
     assert_eq!(
-        outcomes(&r),
+        common::outcomes(&r),
         ["dead_lettered", "dead_lettered", "processed"]
     );
     assert_eq!(

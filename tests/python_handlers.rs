@@ -188,10 +188,7 @@ fn python_shipping_label_passes_check_and_handler_test_like_the_rust_one() {
     let mut rust = handler_test(RUST, &input);
     let mut python = handler_test(PYTHON, &input);
     assert_eq!(rust.len(), lines.len());
-    let outcomes: Vec<&str> = rust
-        .iter()
-        .map(|r| r["outcome"].as_str().unwrap())
-        .collect();
+    let outcomes = common::outcomes(&rust);
     assert_eq!(
         outcomes,
         [

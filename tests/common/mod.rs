@@ -47,9 +47,17 @@ pub fn json_lines(out: Vec<u8>) -> Vec<Value> {
 
 /// The `outcome` of each outcome line.
 pub fn outcome_names(out: Vec<u8>) -> Vec<String> {
-    json_lines(out)
+    outcomes(&json_lines(out))
+        .into_iter()
+        .map(str::to_string)
+        .collect()
+}
+
+/// The `outcome` field of each parsed line (outcome lines, `handler test --json` reports).
+pub fn outcomes(lines: &[Value]) -> Vec<&str> {
+    lines
         .iter()
-        .map(|v| v["outcome"].as_str().unwrap().to_string())
+        .map(|v| v["outcome"].as_str().unwrap())
         .collect()
 }
 
