@@ -809,12 +809,127 @@ fn retired_claims_tables_are_emptied_and_deleted_and_claims_survive_merges() {
     let claims_tables = txn
         .list_tables()
         .unwrap()
-        .filter(|h| redb::TableHandle::name(h).starts_with("claims_v1/"))
+        .filter(|h| redb::TableHandle::name(h).starts_with("claimblk_v1/"))
         .count() as u64;
     assert_eq!(
         claims_tables, generations,
         "retired claims tables left behind"
     );
+}
+
+/// A data directory of format 5 (sealed claims one row per claim, `claims_v1`) opens
+/// under format 6: its sealed generations are rewritten as claim blocks, every claim reads
+/// back with its fingerprint (a duplicate stays a duplicate, another payload is
+/// quarantined), no `claims_v1` table is left, and the manifest says 6. The format-5 table
+/// is written here as that format's code wrote it: key hash -> 32-byte little-endian
+/// record (fingerprint, processed at, expires at, handler version).
+#[test]
+fn a_format_5_directory_is_rewritten_as_claim_blocks_and_keeps_every_claim() {
+    use redb::{ReadableTable, TableDefinition, TableHandle};
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(1);
+    cfg.ledger.generation_max_claims = std::num::NonZeroUsize::new(4096).unwrap();
+    let payload = |i: u32| format!("{{\"n\":{i}}}");
+    {
+        let ledger = Ledger::open(dir.path(), &cfg, clock()).unwrap();
+        for i in 0..700 {
+            let id = format!("o-{i}");
+            assert_eq!(
+                deliver(&ledger, "orders", &id, payload(i).as_bytes()),
+                Outcome::Processed
+            );
+        }
+        ledger.maintain(true).unwrap();
+        assert_eq!(report_of(&ledger, "orders").sealed_generations, 1);
+        ledger.close().unwrap();
+    }
+    // Turn the directory into what format 5 wrote.
+    let path = dir.path().join("shard-000.redb");
+    {
+        let db = redb::Database::open(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        let blocks: Vec<String> = txn
+            .list_tables()
+            .unwrap()
+            .map(|h| h.name().to_string())
+            .filter(|n| n.starts_with("claimblk_v1/"))
+            .collect();
+        assert_eq!(blocks.len(), 1, "{blocks:?}");
+        let id = blocks[0].rsplit('/').next().unwrap().to_string();
+        txn.delete_table(TableDefinition::<u128, &[u8]>::new(&blocks[0]))
+            .unwrap();
+        let legacy = format!("claims_v1/orders/{id}");
+        {
+            let mut t = txn
+                .open_table(TableDefinition::<u128, [u8; 32]>::new(&legacy))
+                .unwrap();
+            let expires = 1_000_000u64 + 7 * 24 * 3600 * 1000;
+            for i in 0..700 {
+                let mut rec = [0u8; 32];
+                rec[0..8].copy_from_slice(&fingerprint(payload(i).as_bytes()).to_le_bytes());
+                rec[8..16].copy_from_slice(&1_000_000u64.to_le_bytes());
+                rec[16..24].copy_from_slice(&expires.to_le_bytes());
+                t.insert(key_hash(format!("o-{i}").as_bytes()), rec)
+                    .unwrap();
+            }
+        }
+        {
+            let mut meta = txn
+                .open_table(TableDefinition::<&str, u64>::new("meta_v1"))
+                .unwrap();
+            assert_eq!(meta.get("format_version").unwrap().unwrap().value(), 6);
+            meta.insert("format_version", 5).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let manifest = dir.path().join("dedupd.manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    assert!(text.contains("\"format_version\": 6"), "{text}");
+    std::fs::write(
+        &manifest,
+        text.replace("\"format_version\": 6", "\"format_version\": 5"),
+    )
+    .unwrap();
+
+    let ledger = Ledger::open(dir.path(), &cfg, clock()).unwrap();
+    for i in 0..700 {
+        let id = format!("o-{i}");
+        assert_eq!(
+            deliver(&ledger, "orders", &id, payload(i).as_bytes()),
+            Outcome::Duplicate,
+            "{id}"
+        );
+    }
+    assert!(matches!(
+        deliver(&ledger, "orders", "o-3", b"{\"other\":1}"),
+        Outcome::Quarantined { .. }
+    ));
+    assert_eq!(
+        deliver(&ledger, "orders", "o-700", b"{}"),
+        Outcome::Processed
+    );
+    ledger.close().unwrap();
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    assert!(text.contains("\"format_version\": 6"), "{text}");
+    let db = redb::ReadOnlyDatabase::open(&path).unwrap();
+    let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
+    let names: Vec<String> = txn
+        .list_tables()
+        .unwrap()
+        .map(|h| h.name().to_string())
+        .collect();
+    assert!(
+        !names.iter().any(|n| n.starts_with("claims_v1/")),
+        "{names:?}"
+    );
+    assert!(
+        names.iter().any(|n| n.starts_with("claimblk_v1/orders/")),
+        "{names:?}"
+    );
+    let meta = txn
+        .open_table(TableDefinition::<&str, u64>::new("meta_v1"))
+        .unwrap();
+    assert_eq!(meta.get("format_version").unwrap().unwrap().value(), 6);
 }
 
 /// Every file of a data directory: name -> (bytes, modification time).

@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use crossbeam_channel::{unbounded, Sender};
 
+use super::claimblock::BlockWriter;
 use super::filter::GenFilter;
 use super::record::ClaimRecord;
 use super::SubscriberId;
@@ -101,6 +102,8 @@ pub(crate) struct MergeJob {
     pub older_done: bool,
     pub newer_done: bool,
     pub keys: Vec<u128>,
+    /// Merged claims not yet written: the block being filled.
+    pub writer: BlockWriter,
     pub count: u64,
     pub max_expires_ms: u64,
     /// Set once every entry is written and the filter was requested.

@@ -27,6 +27,7 @@
 //! - `tables.rs`: every redb table; `naive.rs`: the bench's baseline; `fault.rs`: test
 //!   fault injection.
 
+mod claimblock;
 mod datadir;
 mod fault;
 pub mod filter;

@@ -17,7 +17,9 @@
 /// - 5: a state merge frees its inputs' blocks behind its cursor and records its progress
 ///   in the run list (`state/runs.rs`); an older binary would read the half-freed inputs
 ///   as whole. Format-3 and -4 shards are read as they are.
-pub const FORMAT_VERSION: u64 = 5;
+/// - 6: sealed generations store blocks of claims (`claimblk_v1`, `claimblock.rs`) instead
+///   of one row per claim (`claims_v1`); format-5 tables are rewritten as blocks on open.
+pub const FORMAT_VERSION: u64 = 6;
 
 /// Bytes of an encoded [`ClaimRecord`].
 pub const CLAIM_LEN: usize = 32;

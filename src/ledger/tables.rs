@@ -23,12 +23,20 @@ pub const GENERATIONS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::ne
 /// `(subscriber, table id)` -> encoded filter of a sealed generation.
 pub const FILTERS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("filters_v1");
 
-pub const CLAIMS_PREFIX: &str = "claims_v1/";
+/// Sealed generations of format 6 on: blocks of sorted claims (`claimblock.rs`).
+pub const CLAIMS_PREFIX: &str = "claimblk_v1/";
+/// Sealed generations up to format 5, one row per claim; rewritten as blocks on open.
+pub const LEGACY_CLAIMS_PREFIX: &str = "claims_v1/";
 pub const LOG_PREFIX: &str = "claimlog_v1/";
 
-/// Sorted claims of one sealed generation: key hash -> encoded claim.
+/// Sorted claims of one sealed generation: last key of a block -> encoded block of claims.
 pub fn claims_name(subscriber: &str, table_id: u64) -> String {
     format!("{CLAIMS_PREFIX}{subscriber}/{table_id}")
+}
+
+/// The format-5 table of a sealed generation: key hash -> encoded claim.
+pub fn legacy_claims_name(subscriber: &str, table_id: u64) -> String {
+    format!("{LEGACY_CLAIMS_PREFIX}{subscriber}/{table_id}")
 }
 
 /// Append-only log of one active generation: batch row number -> packed claims.
@@ -36,11 +44,17 @@ pub fn log_name(subscriber: &str, table_id: u64) -> String {
     format!("{LOG_PREFIX}{subscriber}/{table_id}")
 }
 
-pub type ClaimsTable<'a> = TableDefinition<'a, u128, [u8; CLAIM_LEN]>;
+pub type ClaimsTable<'a> = TableDefinition<'a, u128, &'static [u8]>;
+pub type LegacyClaimsTable<'a> = TableDefinition<'a, u128, [u8; CLAIM_LEN]>;
 pub type LogTable<'a> = TableDefinition<'a, u64, &'static [u8]>;
 
 /// The table of a sealed generation named by [`claims_name`].
 pub fn claims_def(name: &str) -> ClaimsTable<'_> {
+    TableDefinition::new(name)
+}
+
+/// The format-5 table of a sealed generation named by [`legacy_claims_name`].
+pub fn legacy_claims_def(name: &str) -> LegacyClaimsTable<'_> {
     TableDefinition::new(name)
 }
 
@@ -194,7 +208,8 @@ mod tests {
 
     #[test]
     fn names_carry_version_subscriber_and_id() {
-        assert_eq!(claims_name("billing", 17), "claims_v1/billing/17");
+        assert_eq!(claims_name("billing", 17), "claimblk_v1/billing/17");
+        assert_eq!(legacy_claims_name("billing", 17), "claims_v1/billing/17");
         assert_eq!(log_name("a.b", 3), "claimlog_v1/a.b/3");
     }
 

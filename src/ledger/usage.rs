@@ -15,7 +15,7 @@ use super::LedgerError;
 /// The tables of one kind across all shard files.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct TableGroup {
-    /// The table names up to their first `/` (`claims_v1`, `staterun_v1`, ...), or the
+    /// The table names up to their first `/` (`claimblk_v1`, `staterun_v1`, ...), or the
     /// whole name of a shard-wide table.
     pub kind: String,
     pub tables: u64,

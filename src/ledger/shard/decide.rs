@@ -338,9 +338,7 @@ impl Shard {
             let t = t
                 .open_table(claims_def(&name))
                 .map_err(|e| storage(path, e))?;
-            Ok(t.get(key)
-                .map_err(|e| storage(path, e))?
-                .map(|v| ClaimRecord::decode(&v.value())))
+            claimblock::lookup(&t, key).map_err(|e| block_error(path, &name, e))
         })
     }
 }
@@ -378,7 +376,7 @@ fn newest_record_in(
 pub(super) struct SealedTables<'t> {
     txn: &'t WriteTransaction,
     path: PathBuf,
-    open: HashMap<u64, redb::Table<'t, u128, [u8; CLAIM_LEN]>>,
+    open: HashMap<u64, redb::Table<'t, u128, &'static [u8]>>,
 }
 
 impl<'t> SealedTables<'t> {
@@ -402,10 +400,8 @@ impl<'t> SealedTables<'t> {
                 )
             }
         };
-        Ok(table
-            .get(key)
-            .map_err(|e| storage(&self.path, e))?
-            .map(|v| ClaimRecord::decode(&v.value())))
+        claimblock::lookup(table, key)
+            .map_err(|e| block_error(&self.path, &tables::claims_name(sub, id), e))
     }
 }
 

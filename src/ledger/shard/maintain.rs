@@ -134,21 +134,23 @@ impl Shard {
         let Some((name, next)) = self.retired_claims.front_mut() else {
             return Ok(false);
         };
+        // Counted in claims: a block holds about this many.
+        const CLAIMS_PER_BLOCK: usize = 128;
         let mut removed = 0usize;
         {
             let mut t = txn
                 .open_table(claims_def(name))
                 .map_err(|e| storage(&self.ctx.path, e))?;
             while *next < RETIRE_RANGES && removed < budget {
-                let lo = u128::from(*next) << 116;
+                let lo = u128::from(*next) << 119;
                 let r = if *next + 1 == RETIRE_RANGES {
                     t.retain_in(lo.., |_, _| {
-                        removed += 1;
+                        removed += CLAIMS_PER_BLOCK;
                         false
                     })
                 } else {
-                    t.retain_in(lo..lo + (1u128 << 116), |_, _| {
-                        removed += 1;
+                    t.retain_in(lo..lo + (1u128 << 119), |_, _| {
+                        removed += CLAIMS_PER_BLOCK;
                         false
                     })
                 };
@@ -260,16 +262,30 @@ impl Shard {
             return Ok(false);
         };
         let name = tables::claims_name(&st.name, s.table_id);
-        let end = (s.pos + budget).min(entries.len());
         let ts = Instant::now();
+        // Whole blocks only, so a slice leaves nothing half-written between batches: the
+        // last block of the generation is the only short one.
+        let start = s.pos;
+        let mut end = s.pos;
         {
             let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
-            for (k, r) in &entries[s.pos..end] {
-                t.insert(*k, r.encode()).map_err(|e| self.err(e))?;
+            let mut w = BlockWriter::default();
+            for (i, (k, r)) in entries.iter().enumerate().skip(s.pos) {
+                w.push(*k, r);
+                let last = i + 1 == entries.len();
+                if w.is_full() || last {
+                    if let Some((key, block)) = w.take() {
+                        t.insert(key, block.as_slice()).map_err(|e| self.err(e))?;
+                    }
+                    end = i + 1;
+                    if end - start >= budget {
+                        break;
+                    }
+                }
             }
         }
         tracing::trace!(
-            rows = end - s.pos,
+            claims = end - start,
             us = ts.elapsed().as_micros() as u64,
             done = end == entries.len(),
             "seal slice"

@@ -32,6 +32,7 @@ impl Shard {
             older_done: false,
             newer_done: false,
             keys: Vec::new(),
+            writer: BlockWriter::default(),
             count: 0,
             max_expires_ms: 0,
             waiting_for_filter: false,
@@ -137,17 +138,30 @@ impl Shard {
         }
         m.older_done = a_ex && i == a.len();
         m.newer_done = b_ex && j == b.len();
+        let finished = m.older_done && m.newer_done;
         {
+            // Full blocks are written as they fill; the last, short one once both inputs
+            // are consumed. A restart deletes an unfinished output and merges again.
             let name = tables::claims_name(&st.name, m.out_table);
             let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
             for (k, r) in &out {
-                t.insert(*k, r.encode()).map_err(|e| self.err(e))?;
+                m.writer.push(*k, r);
                 m.max_expires_ms = m.max_expires_ms.max(r.expires_at_ms);
                 m.keys.push(*k);
+                if m.writer.is_full() {
+                    if let Some((key, block)) = m.writer.take() {
+                        t.insert(key, block.as_slice()).map_err(|e| self.err(e))?;
+                    }
+                }
+            }
+            if finished {
+                if let Some((key, block)) = m.writer.take() {
+                    t.insert(key, block.as_slice()).map_err(|e| self.err(e))?;
+                }
             }
         }
         m.count += out.len() as u64;
-        if m.older_done && m.newer_done {
+        if finished {
             m.waiting_for_filter = true;
             let sent = self.ctx.builder.send(BuildJob::Filter {
                 sub: st.id,
@@ -179,18 +193,6 @@ impl Shard {
             return Ok((Vec::new(), true));
         }
         let t = txn.open_table(claims_def(name)).map_err(|e| self.err(e))?;
-        let mut out = Vec::with_capacity(limit);
-        let iter = match cursor {
-            None => t.range::<u128>(..),
-            Some(u128::MAX) => return Ok((Vec::new(), true)),
-            Some(c) => t.range::<u128>(c + 1..),
-        }
-        .map_err(|e| self.err(e))?;
-        for row in iter.take(limit) {
-            let (k, v) = row.map_err(|e| self.err(e))?;
-            out.push((k.value(), ClaimRecord::decode(&v.value())));
-        }
-        let exhausted = out.len() < limit;
-        Ok((out, exhausted))
+        claimblock::read_after(&t, cursor, limit).map_err(|e| block_error(&self.ctx.path, name, e))
     }
 }

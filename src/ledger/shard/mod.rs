@@ -41,13 +41,14 @@ use redb::{
     WriteTransaction,
 };
 
+use super::claimblock::{self, BlockError, BlockWriter};
 use super::filter::GenFilter;
 use super::generation::{
     merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob, SealedGen,
     SealingGen, SubState,
 };
 use super::placement::{self, Acquire, InFlight, Placement};
-use super::record::{ClaimRecord, GenMeta, GenState, LogRow, CLAIM_LEN, FORMAT_VERSION};
+use super::record::{ClaimRecord, GenMeta, GenState, LogRow, FORMAT_VERSION};
 use super::records::{self, PendingRecord};
 use super::state::{self, BatchView, ShardHandler, StateBuffer};
 use super::tables::{self, claims_def, log_def};
@@ -282,6 +283,18 @@ impl MessageHandler for Unavailable {
 }
 
 /// Maps any redb error to a ledger error naming the file.
+/// A sealed claims table that could not be read: a storage error, or a damaged block
+/// (reported with the table, never read as "absent").
+pub(super) fn block_error(path: &std::path::Path, table: &str, e: BlockError) -> LedgerError {
+    match e {
+        BlockError::Storage(e) => storage(path, e),
+        BlockError::Damaged(detail) => LedgerError::Corrupt {
+            path: path.to_path_buf(),
+            detail: format!("table {table}: {detail}"),
+        },
+    }
+}
+
 pub(super) fn storage(path: &std::path::Path, e: impl Into<redb::Error>) -> LedgerError {
     match e.into() {
         redb::Error::DatabaseAlreadyOpen => LedgerError::InUse {
@@ -314,10 +327,10 @@ const IDLE_SLICE: usize = 65_536;
 /// Handler state work per transaction, in slice budgets, shared by all subscribers: one for
 /// a flush and one for a merge.
 const STATE_SLICES: usize = 2;
-/// A retired claims table is emptied by this many equal ranges of the key hash (the top 12
-/// bits), as many per transaction as the slice budget allows: about 2,000 claims per range
-/// for the largest generations (8M claims).
-const RETIRE_RANGES: u32 = 4096;
+/// A retired claims table is emptied by this many equal ranges of the key hash (the top 9
+/// bits), as many per transaction as the slice budget allows: about 16,000 claims (128
+/// blocks) per range for the largest generations (8M claims).
+const RETIRE_RANGES: u32 = 512;
 /// Rows of a retired log removed per batch (each row is one earlier batch's claims).
 const RETIRE_ROWS: usize = 4;
 const EXPIRY_CHECK_MS: u64 = 1000;

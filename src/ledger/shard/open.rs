@@ -239,6 +239,10 @@ impl Shard {
             for (id, m) in gens {
                 match m.state {
                     GenState::Sealed => {
+                        let legacy = tables::legacy_claims_name(&name, id);
+                        if loaded.tables.contains(&legacy) {
+                            self.upgrade_legacy_claims(txn, &name, id)?;
+                        }
                         let filter = self.load_filter(txn, &name, id)?;
                         keep_claims.insert(tables::claims_name(&name, id));
                         st.sealed.push(SealedGen {
@@ -301,14 +305,56 @@ impl Shard {
             self.subs[idx] = Some(st);
         }
         for name in loaded.tables {
+            // Format-5 tables of sealed generations were rewritten above; any left belonged
+            // to an interrupted sealing or merging.
             let orphan = (name.starts_with(tables::CLAIMS_PREFIX) && !keep_claims.contains(&name))
-                || (name.starts_with(tables::LOG_PREFIX) && !keep_logs.contains(&name));
+                || (name.starts_with(tables::LOG_PREFIX) && !keep_logs.contains(&name))
+                || name.starts_with(tables::LEGACY_CLAIMS_PREFIX);
             if orphan {
                 tracing::info!(shard = self.ctx.index, table = %name, "removing leftover of interrupted sealing or merging");
                 txn.delete_table(claims_def(&name))
                     .map_err(|e| self.err(e))?;
             }
         }
+        Ok(())
+    }
+
+    /// Rewrites a format-5 sealed generation (one row per claim) as blocks under its new
+    /// name, in the opening transaction; the old table is deleted with the other leftovers.
+    fn upgrade_legacy_claims(
+        &self,
+        txn: &WriteTransaction,
+        sub: &str,
+        id: u64,
+    ) -> Result<(), LedgerError> {
+        let legacy = tables::legacy_claims_name(sub, id);
+        let old = txn
+            .open_table(tables::legacy_claims_def(&legacy))
+            .map_err(|e| self.err(e))?;
+        let name = tables::claims_name(sub, id);
+        let mut t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
+        let mut w = BlockWriter::default();
+        let mut count = 0u64;
+        for row in old.iter().map_err(|e| self.err(e))? {
+            let (k, v) = row.map_err(|e| self.err(e))?;
+            w.push(k.value(), &ClaimRecord::decode(&v.value()));
+            count += 1;
+            if w.is_full() {
+                if let Some((key, block)) = w.take() {
+                    t.insert(key, block.as_slice()).map_err(|e| self.err(e))?;
+                }
+            }
+        }
+        if let Some((key, block)) = w.take() {
+            t.insert(key, block.as_slice()).map_err(|e| self.err(e))?;
+        }
+        tracing::info!(
+            shard = self.ctx.index,
+            subscriber = sub,
+            generation = id,
+            claims = count,
+            "rewrote a sealed generation as claim blocks (format 6)"
+        );
         Ok(())
     }
 
@@ -337,11 +383,9 @@ impl Shard {
                     "damaged generation filter; rebuilding it from the generation's table");
                 let name = tables::claims_name(sub, id);
                 let t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
-                let mut keys = Vec::new();
-                for row in t.iter().map_err(|e| self.err(e))? {
-                    keys.push(row.map_err(|e| self.err(e))?.0.value());
-                }
-                let f = GenFilter::build(keys.into_iter());
+                let (entries, _) = claimblock::read_after(&t, None, usize::MAX)
+                    .map_err(|e| block_error(&self.ctx.path, &name, e))?;
+                let f = GenFilter::build(entries.into_iter().map(|e| e.0));
                 filters
                     .insert((sub, id), f.encode().as_slice())
                     .map_err(|e| self.err(e))?;
