@@ -481,6 +481,8 @@ fn zstd_compressed_records_are_consumed() {
     let summary = consume_to_end(&ledger, &k, &c.bootstrap, &orders);
     assert_eq!(summary.processed, 200, "{summary:?}");
     assert_eq!(summary.rejected, 0, "{summary:?}");
+    // The only member holds every partition: no warning about a shared group.
+    assert_eq!(summary.shared_group_rebalances, 0, "{summary:?}");
     let ledger = Arc::try_unwrap(ledger).ok().unwrap();
     ledger.close().unwrap();
 }
@@ -593,6 +595,13 @@ fn rebalance_moves_partitions_without_double_processing() {
     assert!(processed[1] > 0, "a partition moved to the second member");
     assert!(stats[0].revoked_partitions.load(Ordering::Relaxed) > 0);
     assert_eq!(stats[0].revoke_drain_timeouts.load(Ordering::Relaxed), 0);
+    // Two members in one group do not share claims: both are told so.
+    for (i, st) in stats.iter().enumerate() {
+        assert!(
+            st.shared_group_rebalances.load(Ordering::Relaxed) > 0,
+            "member {i} did not warn that the group is shared"
+        );
+    }
 }
 
 /// Kills a child process when dropped, so a failed test leaves no engine running.

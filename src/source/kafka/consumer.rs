@@ -69,6 +69,10 @@ pub struct SourceStats {
     pub offset_stores: AtomicU64,
     /// Partitions currently assigned to this member.
     pub assigned_partitions: AtomicU64,
+    /// Rebalances after which another member of the group held partitions of a subscribed
+    /// topic: instances do not share claims, so a partition that moves is processed again
+    /// (docs/kafka.md, "One instance per consumer group").
+    pub shared_group_rebalances: AtomicU64,
 }
 
 /// What was kept of a message that may still go to the dead-letter topic.
@@ -109,6 +113,9 @@ struct Worker {
     fatal: Option<String>,
     /// Dead letters whose produce call failed (slot, local), tried again by the poll loop.
     unsent: Vec<(u64, u64)>,
+    /// Set by a rebalance callback; the poll loop then checks whether the group has other
+    /// members (a metadata request, kept out of the callback).
+    assignment_changed: bool,
 }
 
 /// The consumer's context: rebalance callbacks and statistics.
@@ -145,8 +152,14 @@ impl ConsumerContext for WorkerContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         let mut w = self.lock();
         match rebalance {
-            Rebalance::Assign(tpl) => w.assign(tpl),
-            Rebalance::Revoke(tpl) => w.revoke(consumer, tpl),
+            Rebalance::Assign(tpl) => {
+                w.assign(tpl);
+                w.assignment_changed = true;
+            }
+            Rebalance::Revoke(tpl) => {
+                w.revoke(consumer, tpl);
+                w.assignment_changed = true;
+            }
             Rebalance::Error(e) => {
                 tracing::warn!(subscriber = %self.subscriber, "kafka rebalance error: {e}")
             }
@@ -524,6 +537,9 @@ pub fn run_subscription(
             return Err(KafkaError::Ledger(f));
         }
         poll_round(&consumer, &name);
+        if std::mem::take(&mut consumer.context().lock().assignment_changed) {
+            warn_if_group_is_shared(&consumer, subscription, kafka, &stats);
+        }
         let released = stats.released.load(Ordering::Relaxed);
         if last_log.elapsed() >= Duration::from_secs(1) && released != last_released {
             last_log = Instant::now();
@@ -547,6 +563,54 @@ pub fn run_subscription(
     );
     drop(consumer);
     Ok(latency)
+}
+
+/// After a rebalance: if this member holds only some partitions of a subscribed topic,
+/// another member of the group holds the rest. Instances do not share claims, so each
+/// partition move makes redeliveries run again: say so loudly (once per rebalance) and
+/// count it. A topic whose metadata cannot be read is skipped.
+fn warn_if_group_is_shared(
+    consumer: &BaseConsumer<WorkerContext>,
+    subscription: &SubscriptionConfig,
+    kafka: &KafkaConfig,
+    stats: &SourceStats,
+) {
+    let Ok(assignment) = consumer.assignment() else {
+        return;
+    };
+    let name = &consumer.context().subscriber;
+    for topic in &subscription.topics {
+        let held = assignment
+            .elements()
+            .iter()
+            .filter(|e| e.topic() == topic)
+            .count();
+        let total = match consumer.fetch_metadata(Some(topic), Duration::from_secs(5)) {
+            Ok(m) => m
+                .topics()
+                .iter()
+                .find(|t| t.name() == topic)
+                .map_or(0, |t| t.partitions().len()),
+            Err(e) => {
+                tracing::debug!(subscriber = %name, %topic, "no metadata to check the group's members: {e}");
+                continue;
+            }
+        };
+        if held < total {
+            stats
+                .shared_group_rebalances
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                subscriber = %name,
+                group = kafka.group_of(subscription),
+                %topic,
+                held,
+                partitions = total,
+                "other members of the consumer group hold partitions of this topic: dedupd instances do not share claims, so messages redelivered after a partition moves are processed again; run one instance per group (docs/kafka.md)"
+            );
+            return;
+        }
+    }
 }
 
 /// Creates the consumer-group member of one subscription, its worker and its dead-letter
@@ -592,6 +656,7 @@ fn start_consumer(
         latency: options.record_latency.then(Latency::default),
         fatal: None,
         unsent: Vec::new(),
+        assignment_changed: false,
     };
     let ctx = WorkerContext {
         worker: Mutex::new(worker),
