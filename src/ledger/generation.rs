@@ -101,7 +101,9 @@ pub(crate) struct MergeJob {
     pub cursor_newer: Option<u128>,
     pub older_done: bool,
     pub newer_done: bool,
-    pub keys: Vec<u128>,
+    /// The filter's 64-bit halves of the merged keys (`GenFilter::from_halves`): 8 bytes a
+    /// claim held until the filter is built, not the 16 of the whole key.
+    pub keys: Vec<u64>,
     /// Merged claims not yet written: the block being filled.
     pub writer: BlockWriter,
     pub count: u64,
@@ -219,7 +221,7 @@ pub(crate) enum BuildJob {
     Filter {
         sub: SubscriberId,
         table_id: u64,
-        keys: Vec<u128>,
+        keys: Vec<u64>,
         reply: Sender<Built>,
     },
 }
@@ -281,7 +283,7 @@ impl Builder {
                             keys,
                             reply,
                         } => {
-                            let filter = GenFilter::build(keys.into_iter());
+                            let filter = GenFilter::from_halves(keys);
                             let _ = reply.send(Built::Merged {
                                 sub,
                                 table_id,

@@ -147,7 +147,7 @@ impl Shard {
             for (k, r) in &out {
                 m.writer.push(*k, r);
                 m.max_expires_ms = m.max_expires_ms.max(r.expires_at_ms);
-                m.keys.push(*k);
+                m.keys.push(crate::ledger::filter::half(*k));
                 if m.writer.is_full() {
                     if let Some((key, block)) = m.writer.take() {
                         t.insert(key, block.as_slice()).map_err(|e| self.err(e))?;
