@@ -332,11 +332,12 @@ impl Worker {
         };
         self.stats.received.fetch_add(1, Ordering::Relaxed);
         let payload = m.payload().unwrap_or_default();
-        let headers: Vec<(String, Vec<u8>)> = m
+        // Borrowed from the record: the delivery below is the one copy of the headers.
+        let headers: Vec<(&str, &[u8])> = m
             .headers()
             .map(|hs| {
                 hs.iter()
-                    .map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec()))
+                    .map(|h| (h.key, h.value.unwrap_or_default()))
                     .collect()
             })
             .unwrap_or_default();
@@ -345,9 +346,9 @@ impl Worker {
             payload,
             headers: &headers,
         };
-        let origin = format!("kafka:{}/{}/{}", m.topic(), m.partition(), m.offset());
+        let origin = || format!("kafka:{}/{}/{}", m.topic(), m.partition(), m.offset());
         let delivery = Delivery {
-            origin: Some(origin.clone()),
+            origin: Some(origin()),
             received_at_ms: now_ms(),
             ..keying::delivery(&view, Target::Resolved(self.sub.clone()))
         };
@@ -362,7 +363,10 @@ impl Worker {
         let retained = retain.then(|| Retained {
             key: m.key().map(<[u8]>::to_vec),
             payload: payload.to_vec(),
-            headers: headers.clone(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_vec()))
+                .collect(),
             reason: String::new(),
             attempts: 0,
         });
@@ -383,7 +387,7 @@ impl Worker {
                     }
                 }
             }
-            Err(e) => self.reject(consumer, slot, local, &origin, e.to_string()),
+            Err(e) => self.reject(consumer, slot, local, &origin(), e.to_string()),
         }
         let max = self.max_in_flight;
         if let Some(p) = self.parts.get_mut(&slot) {

@@ -19,8 +19,9 @@ use crate::source::delivery::{key_delivery, Delivery, Keying, Payload, Target};
 pub struct RecordView<'a> {
     pub key: Option<&'a [u8]>,
     pub payload: &'a [u8],
-    /// Header name and raw value, in record order.
-    pub headers: &'a [(String, Vec<u8>)],
+    /// Header name and raw value, in record order (borrowed from the record: the consumer
+    /// copies them once, into the delivery).
+    pub headers: &'a [(&'a str, &'a [u8])],
 }
 
 /// A keyed record: idempotency key and entity (see [`crate::envelope::derive_entity`]).
@@ -45,7 +46,7 @@ pub fn delivery(record: &RecordView<'_>, subscriber: Target) -> Delivery {
         headers: record
             .headers
             .iter()
-            .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
+            .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v).into_owned()))
             .collect(),
         ..Delivery::new(subscriber, Payload::Bytes(record.payload.to_vec()))
     }
@@ -72,8 +73,8 @@ fn raw_header<'a>(record: &RecordView<'a>, name: &str) -> Option<&'a [u8]> {
         .headers
         .iter()
         .rev()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v.as_slice())
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| *v)
 }
 
 /// The key hash over the raw header bytes when the key came from headers (`derive_key` saw
@@ -117,11 +118,8 @@ mod tests {
         }
     }
 
-    fn headers(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
-            .collect()
+    fn headers<'a>(pairs: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a [u8])> {
+        pairs.iter().map(|(k, v)| (*k, v.as_bytes())).collect()
     }
 
     #[test]
@@ -198,9 +196,9 @@ mod tests {
         let s = settings(KeySource::Header {
             name: "message-id".into(),
         });
-        let a = vec![("message-id".to_string(), b"m-\xff\x01".to_vec())];
-        let b = vec![("message-id".to_string(), b"m-\xfe\x01".to_vec())];
-        let key = |h: &[(String, Vec<u8>)]| {
+        let a: Vec<(&str, &[u8])> = vec![("message-id", b"m-\xff\x01")];
+        let b: Vec<(&str, &[u8])> = vec![("message-id", b"m-\xfe\x01")];
+        let key = |h: &[(&str, &[u8])]| {
             let rec = RecordView {
                 key: None,
                 payload: b"{}",
@@ -220,10 +218,7 @@ mod tests {
     fn binary_cloudevents_ids_differing_only_in_invalid_utf8_are_distinct() {
         let s = settings(KeySource::Cloudevents);
         let key = |id: &[u8]| {
-            let h = vec![
-                ("ce_source".to_string(), b"/shop".to_vec()),
-                ("ce_id".to_string(), id.to_vec()),
-            ];
+            let h: Vec<(&str, &[u8])> = vec![("ce_source", b"/shop"), ("ce_id", id)];
             let rec = RecordView {
                 key: None,
                 payload: b"\x00binary data",
@@ -330,6 +325,10 @@ mod fuzz {
             3000,
             record,
             |(key, payload, headers, s)| {
+                let headers: Vec<(&str, &[u8])> = headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_slice()))
+                    .collect();
                 let view = RecordView {
                     key: key.as_deref(),
                     payload: &payload,
