@@ -1,6 +1,6 @@
-# dedupd as a container: a build stage with the Rust toolchain and the C libraries the
-# bundled librdkafka needs (OpenSSL for TLS/SASL), and a slim runtime stage that runs as an
-# unprivileged user with the data directory on a volume.
+# dedupd as a container: a build stage with the Rust release rust-toolchain.toml pins and
+# the C libraries the bundled librdkafka needs (OpenSSL for TLS/SASL), and a slim runtime
+# stage that runs as an unprivileged user with the data directory on a volume.
 #
 #   docker build -t dedupd .
 #   docker run -v dedupd-data:/var/lib/dedupd -v ./dedupd.toml:/etc/dedupd/dedupd.toml:ro \
@@ -10,7 +10,7 @@
 # only accepts with a bearer token: `token = "${DEDUPD_TOKEN}"` reads it from the
 # environment. See docs/operations.md.
 
-FROM rust:1-bookworm AS build
+FROM rust:1.95-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends \
       build-essential cmake perl pkg-config libssl-dev \
     && rm -rf /var/lib/apt/lists/*
