@@ -354,12 +354,10 @@ fn soak_panel(
     chart
         .configure_mesh()
         .x_desc("seconds")
-        .y_label_formatter(&|v| {
-            if ymax < 100.0 {
-                format!("{v:.1}")
-            } else {
-                human(*v)
-            }
+        .y_label_formatter(&|v| match ymax {
+            m if m < 100.0 => format!("{v:.1}"),
+            m if m < 10_000.0 => format!("{v:.0}"),
+            _ => human(*v),
         })
         .draw()?;
     for (name, points, colour) in curves {
