@@ -40,6 +40,8 @@ pub const GROWTH_LIMIT: f64 = 1.25;
 /// Sealed generations may step up by this many past `GROWTH_LIMIT` (each subscriber and
 /// shard holds up to the merge trigger, 4, between merges).
 const GENERATION_SLACK: u64 = 4;
+/// How far the second half's trend may rise, as a fraction of the first half's peak.
+pub const TREND_LIMIT: f64 = 0.1;
 /// How far any interval's p99 may rise over the first minute's p99.
 pub const P99_LIMIT: f64 = 2.0;
 
@@ -471,18 +473,38 @@ fn drive(
     })
 }
 
-/// Whether the second half's peak of `values` stays within `GROWTH_LIMIT` of the first
-/// half's, plus `slack` (for small counts that step by one):
-/// `(passed, first-half peak, second-half peak)`.
+/// Whether `values` stopped growing: the second half's peak within `GROWTH_LIMIT` of the
+/// first half's, and the second half's trend (a least-squares line) rising by at most
+/// `TREND_LIMIT` of the first half's peak, each plus `slack` (for small counts that step by
+/// one). The peak alone passes a slow leak from a high base in a short run (80 MiB growing
+/// 2 MiB per sample passes 1.25x over 24 samples); the trend catches it.
+/// Returns `(passed, first-half peak, second-half peak)`.
 fn bounded(values: &[u64], slack: u64) -> (bool, u64, u64) {
     let half = values.len() / 2;
     let first = values[..half].iter().copied().max().unwrap_or(0);
     let second = values[half..].iter().copied().max().unwrap_or(0);
-    (
-        second as f64 <= first as f64 * GROWTH_LIMIT + slack as f64,
-        first,
-        second,
-    )
+    let slack = slack as f64;
+    let peak_ok = second as f64 <= first as f64 * GROWTH_LIMIT + slack;
+    let trend_ok = rise(&values[half..]) <= first as f64 * TREND_LIMIT + slack;
+    (peak_ok && trend_ok, first, second)
+}
+
+/// How much a least-squares line through evenly spaced `values` rises from the first to
+/// the last (negative when it falls).
+fn rise(values: &[u64]) -> f64 {
+    let n = values.len();
+    if n < 2 {
+        return 0.0;
+    }
+    let xbar = (n - 1) as f64 / 2.0;
+    let ybar = values.iter().map(|v| *v as f64).sum::<f64>() / n as f64;
+    let (mut sxy, mut sxx) = (0.0, 0.0);
+    for (i, v) in values.iter().enumerate() {
+        let dx = i as f64 - xbar;
+        sxy += dx * (*v as f64 - ybar);
+        sxx += dx * dx;
+    }
+    sxy / sxx * (n - 1) as f64
 }
 
 /// The soak's pass/fail criteria over its samples. `first_p99_ms` is the p99 of the
@@ -510,7 +532,7 @@ pub fn judge(
         name: "memory bounded",
         passed: ok,
         detail: format!(
-            "RSS peak {:.1} MiB in the first half, {:.1} MiB in the second (limit x{GROWTH_LIMIT}); start {:.1}, end {:.1} MiB",
+            "RSS peak {:.1} MiB in the first half, {:.1} MiB in the second (limits x{GROWTH_LIMIT}, trend +{TREND_LIMIT}x); start {:.1}, end {:.1} MiB",
             mib(a),
             mib(b),
             mib(samples[0].rss_bytes),
@@ -522,7 +544,7 @@ pub fn judge(
         name: "disk bounded",
         passed: ok,
         detail: format!(
-            "allocated peak {:.1} MiB in the first half, {:.1} MiB in the second (limit x{GROWTH_LIMIT}); start {:.1}, end {:.1} MiB",
+            "allocated peak {:.1} MiB in the first half, {:.1} MiB in the second (limits x{GROWTH_LIMIT}, trend +{TREND_LIMIT}x); start {:.1}, end {:.1} MiB",
             mib(a),
             mib(b),
             mib(samples[0].disk_allocated_bytes),
@@ -686,6 +708,22 @@ mod tests {
             failed(&checks),
             ["compaction keeps up", "offered rate served"]
         );
+    }
+
+    #[test]
+    fn a_slow_leak_from_a_high_base_fails_on_its_trend() {
+        let mut s = steady(24);
+        for (i, x) in s.iter_mut().enumerate() {
+            x.rss_bytes = (80 + 2 * i as u64) << 20;
+        }
+        assert_eq!(
+            bounded(&s.iter().map(|x| x.rss_bytes).collect::<Vec<_>>(), 0).1,
+            102 << 20
+        );
+        let checks = judge(&s, 4.0, 1000.0, Duration::from_secs(60));
+        assert_eq!(failed(&checks), ["memory bounded"], "{checks:?}");
+        assert!((rise(&[1, 2, 3, 4]) - 3.0).abs() < 1e-9);
+        assert!(rise(&[5, 5, 5]).abs() < 1e-9);
     }
 
     #[test]
