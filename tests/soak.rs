@@ -52,6 +52,12 @@ fn a_short_soak_stays_bounded_while_generations_seal_merge_and_expire() {
         last.seals > 10 && last.merges > 0 && last.dropped_generations > 5,
         "{last:?}"
     );
+    // The curves are drawn whatever the verdict (a machine without a font says so).
+    let plot = tmp.path().join("soak.png");
+    match report.plot(&plot) {
+        Ok(()) => assert!(std::fs::metadata(&plot).unwrap().len() > 10_000),
+        Err(e) => assert!(e.contains("font"), "{e}"),
+    }
     for name in [
         "samples",
         "memory bounded",
@@ -61,11 +67,6 @@ fn a_short_soak_stays_bounded_while_generations_seal_merge_and_expire() {
     ] {
         let c = report.checks.iter().find(|c| c.name == name).unwrap();
         assert!(c.passed, "{name}: {}", c.detail);
-    }
-    let plot = tmp.path().join("soak.png");
-    if std::path::Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
-        report.plot(&plot).unwrap();
-        assert!(std::fs::metadata(&plot).unwrap().len() > 10_000);
     }
 }
 
