@@ -14,10 +14,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub mod adversarial;
 mod compare;
 mod report;
+pub mod soak;
 
+pub use adversarial::{run_adversarial, AdversarialParams, AdversarialReport};
 pub use compare::{run_compare, CompareParams, CompareReport, Machine, SystemRow, Target};
+pub use soak::{run_soak, SoakParams, SoakReport, SoakSample};
 
 use crossbeam_channel::unbounded;
 use serde::Serialize;

@@ -22,7 +22,7 @@ use crate::config::Config;
 use crate::source::generator::{Event, Expect, Traffic, TrafficSpec};
 use crate::telemetry::Latency;
 
-mod plot;
+pub(crate) mod plot;
 mod postgres;
 mod redis;
 mod server;

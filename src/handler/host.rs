@@ -392,7 +392,9 @@ impl host::Host for HostState {
             }
             return Ok(());
         }
-        if over {
+        // Over the per-call cap, or over the instance's lines per second (shared with
+        // printed output): dropped, and counted in the output's next notice.
+        if over || !self.output.admit_log_line() {
             return Ok(());
         }
         let call = self.call()?;

@@ -1,5 +1,8 @@
 //! Guest stdout/stderr: captured per call and written to the engine's log, rate-limited so
-//! a chatty or hostile handler cannot flood it.
+//! a chatty or hostile handler cannot flood it. The same budget (20 lines per second per
+//! instance) admits the lines of the `log` host import: capped per call alone, a handler
+//! logging 20 lines per message at 10,000 messages per second wrote 200,000 lines per
+//! second (measured with `fixture-log-flood` in `tests/adversarial.rs`).
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -11,8 +14,10 @@ use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
 
 /// Bytes kept per call; the rest is counted and dropped.
 const CALL_CAP: usize = 16 * 1024;
-/// Lines per second per instance that reach the log.
+/// Lines per second per instance that reach the log (printed and `log` lines together).
 const LINES_PER_SEC: f64 = 20.0;
+/// At most one "output dropped" notice per instance in this long.
+const NOTICE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 struct Inner {
     buf: Vec<u8>,
@@ -20,6 +25,26 @@ struct Inner {
     tokens: f64,
     refilled: Instant,
     suppressed_lines: u64,
+    last_notice: Option<Instant>,
+}
+
+impl Inner {
+    fn refill(&mut self) {
+        let now = Instant::now();
+        let elapsed = now.duration_since(self.refilled).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * LINES_PER_SEC).min(LINES_PER_SEC);
+        self.refilled = now;
+    }
+
+    /// Takes one line's token; a line without one is counted as suppressed.
+    fn admit(&mut self) -> bool {
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            return true;
+        }
+        self.suppressed_lines += 1;
+        false
+    }
 }
 
 /// Shared by the stdout and stderr of one instance.
@@ -39,6 +64,7 @@ impl GuestOutput {
                 tokens: LINES_PER_SEC,
                 refilled: Instant::now(),
                 suppressed_lines: 0,
+                last_notice: None,
             })),
         }
     }
@@ -71,30 +97,38 @@ impl GuestOutput {
         lines
     }
 
-    /// Writes what the last call printed to the log, within the rate limit.
+    /// Whether one line of the `log` host import may reach the log now: it takes a token
+    /// of the same budget as printed lines; a refused line is counted in the next notice.
+    pub fn admit_log_line(&self) -> bool {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.refill();
+        g.admit()
+    }
+
+    /// Writes what the last call printed to the log, within the rate limit, and at most
+    /// once a second a notice of what was dropped since the last one.
     pub fn flush_to_log(&self, subscriber: &str) {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if g.buf.is_empty() && g.dropped_bytes == 0 {
+        if g.buf.is_empty() && g.dropped_bytes == 0 && g.suppressed_lines == 0 {
             return;
         }
-        let now = Instant::now();
-        let elapsed = now.duration_since(g.refilled).as_secs_f64();
-        g.tokens = (g.tokens + elapsed * LINES_PER_SEC).min(LINES_PER_SEC);
-        g.refilled = now;
+        g.refill();
         let text = String::from_utf8_lossy(&std::mem::take(&mut g.buf)).into_owned();
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            if g.tokens >= 1.0 {
-                g.tokens -= 1.0;
+            if g.admit() {
                 tracing::info!(subscriber, handler = %self.name, "guest: {line}");
-            } else {
-                g.suppressed_lines += 1;
             }
         }
-        if g.dropped_bytes > 0 || (g.suppressed_lines > 0 && g.tokens >= 1.0) {
+        let now = Instant::now();
+        let due = g
+            .last_notice
+            .is_none_or(|t| now.duration_since(t) >= NOTICE_EVERY);
+        if (g.dropped_bytes > 0 || g.suppressed_lines > 0) && due {
             tracing::warn!(subscriber, handler = %self.name, dropped_bytes = g.dropped_bytes,
                 suppressed_lines = g.suppressed_lines, "guest output over its limits was dropped");
             g.dropped_bytes = 0;
             g.suppressed_lines = 0;
+            g.last_notice = Some(now);
         }
     }
 }

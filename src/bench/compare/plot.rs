@@ -1,5 +1,6 @@
 //! The comparison's PNG plots (`--plots DIR`): throughput by system, dedupd's throughput as
-//! its stored keys grow, and bytes per key. The only module that imports `plotters`.
+//! its stored keys grow, and bytes per key; and the soak's curves over time (`dedupd bench
+//! soak --plot FILE`). The only module that imports `plotters`.
 //!
 //! Text needs a font file: plotters draws glyphs with `ab_glyph` from a TrueType file read
 //! at run time, so nothing depends on the machine's font configuration. The file is
@@ -238,4 +239,153 @@ fn human(v: f64) -> String {
         a if a >= 1e3 => format!("{:.0}k", v / 1e3),
         _ => format!("{v:.0}"),
     }
+}
+
+/// One curve of a soak panel: its legend, points `(seconds, value)` and colour.
+type Curve<'a> = (&'a str, Vec<(f64, f64)>, RGBColor);
+
+/// The soak's curves over time (`dedupd bench soak --plot FILE`), one panel per figure:
+/// memory and disk, ack latency against the p99 limit, throughput and backlog, claims
+/// stored, and the generations sealed, merged and dropped.
+pub(crate) fn draw_soak(report: &crate::bench::SoakReport, path: &Path) -> Result<(), String> {
+    font()?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|x| format!("cannot create {}: {x}", dir.display()))?;
+    }
+    let s = &report.samples;
+    let curve = |f: fn(&crate::bench::SoakSample) -> f64| -> Vec<(f64, f64)> {
+        s.iter().map(|x| (x.t_s, f(x))).collect()
+    };
+    let p = &report.params;
+    let title = format!(
+        "dedupd soak: {:.0} s at {:.0} msgs/s ({:.0} % of {:.0} measured), {} shards, TTL {:.0} s — {}",
+        p.duration.as_secs_f64(),
+        report.offered_msgs_per_sec,
+        p.load * 100.0,
+        report.capacity_msgs_per_sec,
+        report.shards,
+        p.ttl.as_secs_f64(),
+        if report.passed() { "PASS" } else { "FAIL" }
+    );
+    let root = BitMapBackend::new(path, (1200, 1500)).into_drawing_area();
+    root.fill(&WHITE).map_err(e)?;
+    let root = root.titled(&title, ("sans-serif", 20)).map_err(e)?;
+    let panels = root.split_evenly((5, 1));
+    let limit = crate::bench::soak::P99_LIMIT * report.first_minute_p99_ms;
+    let drawn = [
+        soak_panel(
+            &panels[0],
+            "memory and disk (MiB)",
+            &[
+                ("RSS", curve(|x| x.rss_bytes as f64 / 1048576.0), BLUE),
+                (
+                    "disk allocated",
+                    curve(|x| x.disk_allocated_bytes as f64 / 1048576.0),
+                    RED,
+                ),
+            ],
+            None,
+        ),
+        soak_panel(
+            &panels[1],
+            "ack latency per interval (ms, from the scheduled time)",
+            &[
+                ("p50", curve(|x| x.p50_ms), GREEN),
+                ("p99", curve(|x| x.p99_ms), BLUE),
+            ],
+            Some((limit, "2 x first-minute p99")),
+        ),
+        soak_panel(
+            &panels[2],
+            "throughput (msgs/s) and backlog (msgs)",
+            &[
+                ("acked msgs/s", curve(|x| x.msgs_per_sec), BLUE),
+                ("backlog", curve(|x| x.backlog as f64), RED),
+            ],
+            None,
+        ),
+        soak_panel(
+            &panels[3],
+            "claims stored (expired, not yet dropped, included)",
+            &[("claims", curve(|x| x.claims as f64), BLUE)],
+            None,
+        ),
+        soak_panel(
+            &panels[4],
+            "generations: sealed now; seals, merges, dropped by expiry since the start",
+            &[
+                ("sealed now", curve(|x| x.sealed_generations as f64), BLUE),
+                ("seals", curve(|x| x.seals as f64), GREEN),
+                ("merges", curve(|x| x.merges as f64), MAGENTA),
+                ("dropped", curve(|x| x.dropped_generations as f64), RED),
+            ],
+            None,
+        ),
+    ];
+    for d in drawn {
+        d.map_err(e)?;
+    }
+    root.present().map_err(e)
+}
+
+fn soak_panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    curves: &[Curve<'_>],
+    hline: Option<(f64, &str)>,
+) -> DrawResult {
+    let xmax = curves
+        .iter()
+        .flat_map(|c| c.1.iter().map(|p| p.0))
+        .fold(1.0, f64::max);
+    let ymax = curves
+        .iter()
+        .flat_map(|c| c.1.iter().map(|p| p.1))
+        .chain(hline.map(|h| h.0))
+        .fold(1e-9, f64::max)
+        * 1.15;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 16))
+        .margin(8)
+        .x_label_area_size(30)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..xmax, 0f64..ymax)?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds")
+        .y_label_formatter(&|v| match ymax {
+            m if m < 100.0 => format!("{v:.1}"),
+            m if m < 10_000.0 => format!("{v:.0}"),
+            _ => human(*v),
+        })
+        .draw()?;
+    for (name, points, colour) in curves {
+        let colour = *colour;
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                colour.stroke_width(2),
+            ))?
+            .label(*name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2))
+            });
+    }
+    if let Some((y, name)) = hline {
+        chart
+            .draw_series(LineSeries::new(
+                [(0.0, y), (xmax, y)],
+                BLACK.stroke_width(1),
+            ))?
+            .label(name)
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLACK));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()?;
+    Ok(())
 }

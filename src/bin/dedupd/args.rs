@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use dedupd::bench::{BenchParams, CompareParams};
+use dedupd::bench::{AdversarialParams, BenchParams, CompareParams, SoakParams};
 use dedupd::config::Config;
 use dedupd::source::kafka::bench::KafkaBenchParams;
 
@@ -345,6 +345,169 @@ pub enum BenchCommand {
     /// Redis are started from their Debian packages on loopback (and stopped afterwards);
     /// a system that cannot start is reported as skipped, with the reason.
     Compare(CompareArgs),
+    /// A paced run at a fraction of the measured capacity with a short TTL, so sealing,
+    /// merging and expiry run throughout: samples memory, disk, latency, claims and
+    /// generations, and judges them (memory and disk bounded, p99 within 2x of the first
+    /// minute, compaction keeping up). Exits non-zero when a criterion fails.
+    Soak(SoakArgs),
+    /// Fifteen well-behaved handlers next to five hostile ones (trap, endless loop, memory
+    /// hog, log flood, sleep in a host call): the good subscribers' throughput with the
+    /// hostile ones over without, and exact outcomes, claims and counts for every subscriber.
+    Adversarial(AdversarialArgs),
+}
+
+/// `dedupd bench soak`.
+#[derive(Args)]
+pub struct SoakArgs {
+    /// Length of the paced run in minutes (fractions allowed).
+    #[arg(long, default_value_t = 30.0)]
+    minutes: f64,
+    /// Seconds of the closed-loop capacity measurement before it.
+    #[arg(long, default_value_t = 15)]
+    capacity_secs: u64,
+    /// Fraction of the measured capacity to offer.
+    #[arg(long, default_value_t = 0.7)]
+    load: f64,
+    /// Offer this many messages per second instead of measuring capacity.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Seconds between samples.
+    #[arg(long, default_value_t = 5)]
+    sample_secs: u64,
+    /// The subscribers' TTL in seconds.
+    #[arg(long, default_value_t = 20)]
+    ttl_secs: u64,
+    /// Claims per active generation before it is sealed.
+    #[arg(long, default_value_t = 65_536)]
+    generation_claims: usize,
+    #[arg(long, default_value_t = 2)]
+    subscribers: u32,
+    /// Fraction of messages that redeliver an earlier message.
+    #[arg(long, default_value_t = 0.1)]
+    dup_rate: f64,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Most messages in flight.
+    #[arg(long, default_value_t = 65_536)]
+    window: u64,
+    /// Directory in which the scratch data directories are created.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// TOML config for ledger settings (the soak sets TTL and generation sizes).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Shards (default: number of cores).
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Print one JSON object (with every sample) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw the curves into this PNG file.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+}
+
+impl SoakArgs {
+    pub fn params(self) -> Result<SoakParams> {
+        if !(self.minutes > 0.0 && self.minutes.is_finite()) {
+            bail!("--minutes must be a positive number");
+        }
+        if !(self.load > 0.0 && self.load <= 1.0) {
+            bail!("--load must be in (0, 1]");
+        }
+        if !(0.0..1.0).contains(&self.dup_rate) {
+            bail!("--dup-rate must be in [0, 1)");
+        }
+        if self.rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
+            bail!("--rate must be a positive number");
+        }
+        if self.capacity_secs == 0 || self.sample_secs == 0 || self.ttl_secs == 0 {
+            bail!("--capacity-secs, --sample-secs and --ttl-secs must be at least 1");
+        }
+        let mut config = load_config(self.config.as_deref())?;
+        if let Some(n) = self.shards {
+            config.ledger.shards =
+                Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
+        }
+        Ok(SoakParams {
+            duration: std::time::Duration::from_secs_f64(self.minutes * 60.0),
+            capacity_duration: std::time::Duration::from_secs(self.capacity_secs),
+            load: self.load,
+            rate: self.rate,
+            sample_every: std::time::Duration::from_secs(self.sample_secs),
+            ttl: std::time::Duration::from_secs(self.ttl_secs),
+            generation_claims: self.generation_claims,
+            subscribers: self.subscribers.max(1),
+            dup_rate: self.dup_rate,
+            seed: self.seed,
+            window: self.window.max(1),
+            dir: self.dir,
+            config,
+        })
+    }
+}
+
+/// `dedupd bench adversarial`.
+#[derive(Args)]
+pub struct AdversarialArgs {
+    /// Messages per well-behaved subscriber (redeliveries included), in each phase.
+    #[arg(long, default_value_t = 20_000)]
+    messages: u64,
+    /// Messages per hostile subscriber.
+    #[arg(long, default_value_t = 200)]
+    bad_messages: u64,
+    /// Well-behaved subscribers.
+    #[arg(long, default_value_t = 15)]
+    good_subscribers: u32,
+    /// Distinct orders (counters) per subscriber.
+    #[arg(long, default_value_t = 500)]
+    orders: u64,
+    /// Every this many messages of a subscriber is a redelivery (0: none).
+    #[arg(long, default_value_t = 10)]
+    redeliver_every: u64,
+    /// Messages in flight per subscriber.
+    #[arg(long, default_value_t = 512)]
+    window: u64,
+    /// Directory holding the fixture components built by plugins/build.sh.
+    #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
+    components: PathBuf,
+    /// Directory in which the scratch data directories are created.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// TOML config for ledger settings and subscriber defaults (budget, memory cap,
+    /// attempts, backoff).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Shards (default: number of cores).
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl AdversarialArgs {
+    pub fn params(self) -> Result<AdversarialParams> {
+        if self.messages == 0 || self.good_subscribers == 0 || self.orders == 0 {
+            bail!("--messages, --good-subscribers and --orders must be at least 1");
+        }
+        let mut config = load_config(self.config.as_deref())?;
+        if let Some(n) = self.shards {
+            config.ledger.shards =
+                Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
+        }
+        Ok(AdversarialParams {
+            good_subscribers: self.good_subscribers,
+            messages: self.messages,
+            bad_messages: self.bad_messages,
+            orders: self.orders,
+            redeliver_every: self.redeliver_every,
+            window: self.window.max(1),
+            components: self.components,
+            dir: self.dir,
+            config,
+        })
+    }
 }
 
 /// `dedupd bench compare`.

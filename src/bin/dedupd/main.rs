@@ -187,8 +187,11 @@ fn run(command: Command) -> Result<()> {
         Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics)?,
         Command::Demo { messages, handler } => demo(messages, args::demo_handler(&handler)?)?,
         Command::Bench(mut args) => {
-            if let Some(args::BenchCommand::Compare(compare)) = args.command.take() {
-                return bench_compare(compare);
+            match args.command.take() {
+                Some(args::BenchCommand::Compare(compare)) => return bench_compare(compare),
+                Some(args::BenchCommand::Soak(soak)) => return bench_soak(soak),
+                Some(args::BenchCommand::Adversarial(a)) => return bench_adversarial(a),
+                None => {}
             }
             let (json, series) = (args.json, args.series);
             let params = args.params()?;
@@ -220,6 +223,42 @@ fn run(command: Command) -> Result<()> {
                 false => print!("{report}"),
             }
         }
+    }
+    Ok(())
+}
+
+/// `dedupd bench soak`.
+fn bench_soak(args: args::SoakArgs) -> Result<()> {
+    let (json, plot) = (args.json, args.plot.clone());
+    let params = args.params()?;
+    let report = dedupd::bench::run_soak(&params, |line| eprintln!("{line}"))?;
+    match json {
+        true => println!("{}", serde_json::to_string(&report)?),
+        false => print!("{report}"),
+    }
+    if let Some(path) = plot {
+        match report.plot(&path) {
+            Ok(()) => eprintln!("plot: {}", path.display()),
+            Err(e) => bail!("{e}"),
+        }
+    }
+    if !report.passed() {
+        bail!("the soak failed a criterion (lines marked FAIL)");
+    }
+    Ok(())
+}
+
+/// `dedupd bench adversarial`.
+fn bench_adversarial(args: args::AdversarialArgs) -> Result<()> {
+    let json = args.json;
+    let params = args.params()?;
+    let report = dedupd::bench::run_adversarial(&params, |phase| eprintln!("== {phase}"))?;
+    match json {
+        true => println!("{}", serde_json::to_string(&report)?),
+        false => print!("{report}"),
+    }
+    if !report.verified() {
+        bail!("outcomes, claims or counts differ from the traffic (lines marked PROBLEM)");
     }
     Ok(())
 }
