@@ -37,8 +37,9 @@ impl GenFilter {
         Self::from_halves(keys.map(half).collect())
     }
 
-    /// Builds a filter from the keys' [`half`]s, in any order (sorted in place: a merge of
-    /// 8M claims hands over 64 MB, not a 128 MB list of whole keys and a copy).
+    /// Builds a filter from the keys' low 64-bit halves (`half`), in any order (sorted in
+    /// place: a merge of 8M claims hands over 64 MB, not a 128 MB list of whole keys and a
+    /// copy).
     pub fn from_halves(mut halves: Vec<u64>) -> GenFilter {
         halves.sort_unstable();
         halves.dedup();
