@@ -487,6 +487,62 @@ fn zstd_compressed_records_are_consumed() {
     ledger.close().unwrap();
 }
 
+/// Kafka metrics carry the subscriber (two subscriptions' outcomes could not be told
+/// apart before): every outcome counter and the lag gauge name it.
+#[test]
+fn kafka_metrics_name_the_subscriber() {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    let handle = HANDLE.get_or_init(|| {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .unwrap()
+    });
+    let c = cluster();
+    let orders = topic("orders-metered");
+    let (mut config, mut k) = header_keyed_config(&c.bootstrap, &orders);
+    // A subscriber name no other test uses, so its series are this test's alone.
+    config.subscribers[0].name = "kafka-metered".into();
+    k.subscriptions[0].subscriber = "kafka-metered".into();
+    config.kafka = Some(k.clone());
+    let mut recs: Vec<Rec<'_>> = (0..30)
+        .map(|i| Rec {
+            key: "o-1",
+            headers: vec![("message-id", format!("m-{}", i % 20))],
+            payload: format!(r#"{{"n":{}}}"#, i % 20),
+        })
+        .collect();
+    recs.push(Rec {
+        key: "o-1",
+        headers: vec![],
+        payload: "{}".into(),
+    });
+    produce(&c.bootstrap, &orders, &recs);
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+    let summary = consume_to_end(&ledger, &k, &c.bootstrap, &orders);
+    assert_eq!(
+        (summary.processed, summary.duplicate, summary.rejected),
+        (20, 10, 1),
+        "{summary:?}"
+    );
+    let text = handle.render();
+    let value = |outcome: &str| -> Option<f64> {
+        text.lines()
+            .find(|l| {
+                l.starts_with("dedupd_kafka_messages_total{")
+                    && l.contains("subscriber=\"kafka-metered\"")
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    assert_eq!(value("processed"), Some(20.0), "{text}");
+    assert_eq!(value("duplicate"), Some(10.0), "{text}");
+    assert_eq!(value("rejected"), Some(1.0), "{text}");
+    let ledger = Arc::try_unwrap(ledger).ok().unwrap();
+    ledger.close().unwrap();
+}
+
 #[test]
 fn rebalance_moves_partitions_without_double_processing() {
     let c = cluster();

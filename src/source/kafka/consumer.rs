@@ -139,6 +139,7 @@ impl ClientContext for WorkerContext {
                 }
                 metrics::gauge!(
                     crate::telemetry::metric::KAFKA_CONSUMER_LAG,
+                    "subscriber" => self.subscriber.to_string(),
                     "topic" => topic.clone(),
                     "partition" => partition.to_string()
                 )
@@ -450,8 +451,9 @@ impl Worker {
         {
             if counts[i] > 0 {
                 counter.fetch_add(counts[i], Ordering::Relaxed);
-                metrics::counter!(crate::telemetry::metric::KAFKA_MESSAGES_TOTAL, "outcome" => name)
-                    .increment(counts[i]);
+                metrics::counter!(crate::telemetry::metric::KAFKA_MESSAGES_TOTAL,
+                    "subscriber" => self.sub.name.to_string(), "outcome" => name)
+                .increment(counts[i]);
             }
         }
         touched.sort_unstable();

@@ -54,8 +54,9 @@ impl Worker {
         reason: String,
     ) {
         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!(crate::telemetry::metric::KAFKA_MESSAGES_TOTAL, "outcome" => "rejected")
-            .increment(1);
+        metrics::counter!(crate::telemetry::metric::KAFKA_MESSAGES_TOTAL,
+            "subscriber" => self.sub.name.to_string(), "outcome" => "rejected")
+        .increment(1);
         let Some(p) = self.parts.get_mut(&slot) else {
             return;
         };
