@@ -135,8 +135,11 @@ fn hostile_handlers_leave_their_neighbours_exact_and_the_log_bounded() {
     let flood = counted.get("bad-logs").copied().unwrap_or(0);
     let messages = 20;
     let instances = report.shards as u64;
-    let seconds = mixed.elapsed_s.ceil() as u64 + 1;
-    let bound = instances * (20 + 21 * seconds);
+    // Two seconds of slack beyond the phase: an instance's bucket is full (20 lines) when
+    // it is created, lines logged as the phase ends land after its clock stops, and one
+    // debug run on a busy machine counted 167 against a bound with one second (166).
+    let seconds = mixed.elapsed_s.ceil() as u64 + 2;
+    let bound = instances * (21 + 21 * seconds);
     eprintln!(
         "log flood: {flood} lines reached the log for {messages} messages in {:.1} s ({} asked for; the per-call cap alone lets {} through); bound {bound}",
         mixed.elapsed_s,
@@ -148,6 +151,11 @@ fn hostile_handlers_leave_their_neighbours_exact_and_the_log_bounded() {
         "the flood's capped lines reach the log: {counted:?}"
     );
     assert!(flood <= bound, "{flood} log lines > {bound}: {counted:?}");
+    // And fewer than the per-call cap alone lets through (the defect this guards).
+    assert!(
+        flood < messages * 20,
+        "{flood} log lines: no per-second budget"
+    );
     eprintln!(
         "ratio {:.3}: good throughput {:.0} msgs/s with the hostile subscribers, {:.0} without",
         report.ratio, mixed.good_msgs_per_sec, report.baseline.good_msgs_per_sec
