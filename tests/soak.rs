@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use dedupd::bench::soak::{judge, Check};
+use dedupd::bench::soak::{failed, judge};
 use dedupd::bench::{run_soak, SoakParams, SoakSample};
 use dedupd::config::Config;
 
@@ -101,21 +101,13 @@ fn series(rss: impl Fn(usize) -> u64) -> Vec<SoakSample> {
         .collect()
 }
 
-fn failing(checks: &[Check]) -> Vec<&'static str> {
-    checks
-        .iter()
-        .filter(|c| !c.passed)
-        .map(|c| c.name)
-        .collect()
-}
-
 #[test]
 fn the_verdict_fails_memory_that_keeps_growing_and_passes_a_plateau() {
     let minute = Duration::from_secs(60);
     // 2 MiB more every 5 s: a leak of 24 MiB/min.
     let leak = series(|i| (80 + 2 * i as u64) << 20);
     let checks = judge(&leak, 3.0, 10_000.0, minute);
-    assert_eq!(failing(&checks), ["memory bounded"], "{checks:?}");
+    assert_eq!(failed(&checks), ["memory bounded"], "{checks:?}");
     // A warm-up then a plateau with noise is not growth.
     let plateau = series(|i| {
         (if i < 4 {
@@ -124,5 +116,5 @@ fn the_verdict_fails_memory_that_keeps_growing_and_passes_a_plateau() {
             80 + (i as u64 % 3)
         }) << 20
     });
-    assert!(failing(&judge(&plateau, 3.0, 10_000.0, minute)).is_empty());
+    assert!(failed(&judge(&plateau, 3.0, 10_000.0, minute)).is_empty());
 }

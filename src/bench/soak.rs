@@ -478,6 +478,15 @@ fn drive(
 /// `TREND_LIMIT` of the first half's peak, each plus `slack` (for small counts that step by
 /// one). The peak alone passes a slow leak from a high base in a short run (80 MiB growing
 /// 2 MiB per sample passes 1.25x over 24 samples); the trend catches it.
+/// The names of the checks that failed.
+pub fn failed(checks: &[Check]) -> Vec<&'static str> {
+    checks
+        .iter()
+        .filter(|c| !c.passed)
+        .map(|c| c.name)
+        .collect()
+}
+
 /// Returns `(passed, first-half peak, second-half peak)`.
 fn bounded(values: &[u64], slack: u64) -> (bool, u64, u64) {
     let half = values.len() / 2;
@@ -527,30 +536,26 @@ pub fn judge(
         return checks;
     }
     let col = |f: fn(&SoakSample) -> u64| samples.iter().map(f).collect::<Vec<_>>();
-    let (ok, a, b) = bounded(&col(|s| s.rss_bytes), 0);
-    checks.push(Check {
-        name: "memory bounded",
-        passed: ok,
-        detail: format!(
-            "RSS peak {:.1} MiB in the first half, {:.1} MiB in the second (limits x{GROWTH_LIMIT}, trend +{TREND_LIMIT}x); start {:.1}, end {:.1} MiB",
-            mib(a),
-            mib(b),
-            mib(samples[0].rss_bytes),
-            mib(samples[samples.len() - 1].rss_bytes)
-        ),
-    });
-    let (ok, a, b) = bounded(&col(|s| s.disk_allocated_bytes), 0);
-    checks.push(Check {
-        name: "disk bounded",
-        passed: ok,
-        detail: format!(
-            "allocated peak {:.1} MiB in the first half, {:.1} MiB in the second (limits x{GROWTH_LIMIT}, trend +{TREND_LIMIT}x); start {:.1}, end {:.1} MiB",
-            mib(a),
-            mib(b),
-            mib(samples[0].disk_allocated_bytes),
-            mib(samples[samples.len() - 1].disk_allocated_bytes)
-        ),
-    });
+    // Memory and disk: the same bound on a byte series, described alike.
+    let bytes_bounded = |name: &'static str, what: &str, f: fn(&SoakSample) -> u64| {
+        let v = col(f);
+        let (ok, a, b) = bounded(&v, 0);
+        Check {
+            name,
+            passed: ok,
+            detail: format!(
+                "{what} peak {:.1} MiB in the first half, {:.1} MiB in the second (limits x{GROWTH_LIMIT}, trend +{TREND_LIMIT}x); start {:.1}, end {:.1} MiB",
+                mib(a),
+                mib(b),
+                mib(v[0]),
+                mib(v[v.len() - 1])
+            ),
+        }
+    };
+    checks.push(bytes_bounded("memory bounded", "RSS", |s| s.rss_bytes));
+    checks.push(bytes_bounded("disk bounded", "allocated", |s| {
+        s.disk_allocated_bytes
+    }));
     let worst = samples
         .iter()
         .max_by(|x, y| x.p99_ms.total_cmp(&y.p99_ms))
@@ -644,14 +649,6 @@ mod tests {
                 dropped_generations: i as u64,
                 ..Default::default()
             })
-            .collect()
-    }
-
-    fn failed(checks: &[Check]) -> Vec<&'static str> {
-        checks
-            .iter()
-            .filter(|c| !c.passed)
-            .map(|c| c.name)
             .collect()
     }
 

@@ -314,11 +314,7 @@ impl BenchArgs {
         if self.messages == 0 || self.series_step == 0 {
             bail!("--messages and --series-step must be at least 1");
         }
-        let mut config = load_config(self.config.as_deref())?;
-        if let Some(n) = self.shards {
-            config.ledger.shards =
-                Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
-        }
+        let config = bench_config(self.config.as_deref(), self.shards)?;
         Ok(BenchParams {
             messages: self.messages,
             dup_rate: dup,
@@ -424,11 +420,7 @@ impl SoakArgs {
         if self.capacity_secs == 0 || self.sample_secs == 0 || self.ttl_secs == 0 {
             bail!("--capacity-secs, --sample-secs and --ttl-secs must be at least 1");
         }
-        let mut config = load_config(self.config.as_deref())?;
-        if let Some(n) = self.shards {
-            config.ledger.shards =
-                Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
-        }
+        let config = bench_config(self.config.as_deref(), self.shards)?;
         Ok(SoakParams {
             duration: std::time::Duration::from_secs_f64(self.minutes * 60.0),
             capacity_duration: std::time::Duration::from_secs(self.capacity_secs),
@@ -491,11 +483,7 @@ impl AdversarialArgs {
         if self.messages == 0 || self.good_subscribers == 0 || self.orders == 0 {
             bail!("--messages, --good-subscribers and --orders must be at least 1");
         }
-        let mut config = load_config(self.config.as_deref())?;
-        if let Some(n) = self.shards {
-            config.ledger.shards =
-                Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
-        }
+        let config = bench_config(self.config.as_deref(), self.shards)?;
         Ok(AdversarialParams {
             good_subscribers: self.good_subscribers,
             messages: self.messages,
@@ -578,11 +566,7 @@ impl CompareArgs {
         if messages == 0 || request_messages == 0 || series_step == 0 || self.batch == 0 {
             bail!("--messages, --request-messages, --series-step and --batch must be at least 1");
         }
-        let mut config = load_config(self.config.as_deref())?;
-        if let Some(n) = self.shards {
-            config.ledger.shards =
-                Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
-        }
+        let config = bench_config(self.config.as_deref(), self.shards)?;
         Ok(CompareParams {
             messages,
             request_messages,
@@ -667,6 +651,16 @@ pub fn load_config(path: Option<&std::path::Path>) -> Result<Config> {
         Some(p) => Ok(Config::load(p)?),
         None => Ok(Config::default()),
     }
+}
+
+/// A bench's config: the file (or the defaults) with `--shards` over its shard count.
+fn bench_config(path: Option<&std::path::Path>, shards: Option<usize>) -> Result<Config> {
+    let mut config = load_config(path)?;
+    if let Some(n) = shards {
+        config.ledger.shards =
+            Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
+    }
+    Ok(config)
 }
 
 /// The data directory: the flag, else the config's `data_dir`.
