@@ -407,6 +407,55 @@ fn trapped_instance_is_rebuilt_for_the_next_message() {
     }
 }
 
+/// Counts the guest's lines (printed output) that reach the engine's log.
+#[derive(Clone, Default)]
+struct GuestLines(Arc<std::sync::atomic::AtomicU64>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for GuestLines {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(bool);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                if f.name() == "message" && format!("{v:?}").starts_with("guest: ") {
+                    self.0 = true;
+                }
+            }
+        }
+        let mut m = Message(false);
+        event.record(&mut m);
+        if m.0 {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn a_handler_that_prints_then_traps_gets_one_output_budget_across_rebuilds() {
+    use tracing_subscriber::layer::SubscriberExt;
+    // fixture-trap's panic prints its message on stderr, then traps: every call builds a
+    // new instance. The budget is 20 lines per second per handler; a fresh budget per
+    // instance let every one of the 60 calls' lines through.
+    let lines = GuestLines::default();
+    let subscriber = tracing_subscriber::registry().with(lines.clone());
+    let c = load("fixture_trap", Limits::default());
+    let mut h = c.handler();
+    let start = Instant::now();
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..60 {
+            let (_, r) = h.handle(&msg(&format!("m{i}"), "{}"), Box::new(EmptyState));
+            assert!(matches!(r, Err(Failure::Trap(_))), "{r:?}");
+        }
+    });
+    let logged = lines.0.load(std::sync::atomic::Ordering::Relaxed);
+    let bound = 20 + (20.0 * start.elapsed().as_secs_f64()).ceil() as u64;
+    assert!(logged > 0, "the first panics' lines reach the log");
+    assert!(
+        logged <= bound,
+        "{logged} guest lines in {:?}: more than one budget (bound {bound})",
+        start.elapsed()
+    );
+}
+
 #[test]
 fn operation_keys_and_emitted_ids_are_the_same_on_every_attempt() {
     let c = load("payment_capture", roomy());

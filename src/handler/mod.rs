@@ -353,7 +353,7 @@ impl Component {
     pub fn handler(&self) -> WasmHandler {
         WasmHandler {
             pre: self.pre.clone(),
-            name: self.path.display().to_string(),
+            output: GuestOutput::new(self.path.display().to_string()),
             limits: self.limits,
             live: None,
             recording: false,
@@ -400,8 +400,11 @@ pub fn load_factory(path: &Path, limits: Limits) -> Result<Arc<dyn HandlerFactor
 /// Handler calls of one shard thread.
 pub struct WasmHandler {
     pre: bindings::DedupdHandlerPre<HostState>,
-    name: String,
     limits: Limits,
+    /// Printed output and `log` lines of every instance this handler builds: one rate
+    /// budget across rebuilds, so a handler that prints and then traps does not get a
+    /// fresh burst with each new instance.
+    output: GuestOutput,
     live: Option<(Store<HostState>, bindings::DedupdHandler)>,
     input: guest::Message,
     recording: bool,
@@ -434,7 +437,7 @@ impl WasmHandler {
             return Ok(());
         }
         let rt = runtime()?;
-        let output = GuestOutput::new(self.name.clone());
+        let output = self.output.clone();
         // No preopened directory, no environment, no arguments (the builder's defaults,
         // relied on here), and no network use at all, whatever the defaults become.
         let wasi = WasiCtx::builder()
