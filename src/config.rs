@@ -320,6 +320,15 @@ pub struct SubscriberSettings {
     /// committed offset.
     #[serde(with = "humantime_serde")]
     pub max_backoff: Duration,
+    /// Handler calls in a row stopped by the sandbox (trap, CPU budget, memory cap) on one
+    /// shard that open the subscriber's circuit breaker there: for
+    /// `handler_breaker_cooldown` its messages use up attempts without a call and wait, so
+    /// a broken handler does not spend its shard's time that other subscribers need (a
+    /// message whose attempts are used up is dead-lettered). 0: never opens.
+    pub handler_breaker_failures: u32,
+    /// How long an open breaker refuses calls; then one call decides (closes or reopens).
+    #[serde(with = "humantime_serde")]
+    pub handler_breaker_cooldown: Duration,
     /// What of a JSON payload the fingerprint covers (G4).
     #[serde(default)]
     pub fingerprint: FingerprintSpec,
@@ -354,6 +363,8 @@ impl Default for SubscriberSettings {
             max_attempts: 3,
             retry_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_secs(60),
+            handler_breaker_failures: 10,
+            handler_breaker_cooldown: Duration::from_secs(5),
             fingerprint: FingerprintSpec::default(),
         }
     }
@@ -408,6 +419,14 @@ pub struct SubscriberConfig {
     )]
     pub max_backoff: Option<Duration>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler_breaker_failures: Option<u32>,
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub handler_breaker_cooldown: Option<Duration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint: Option<FingerprintSpec>,
 }
 
@@ -439,6 +458,12 @@ impl SubscriberConfig {
             max_attempts: self.max_attempts.unwrap_or(defaults.max_attempts),
             retry_backoff: self.retry_backoff.unwrap_or(defaults.retry_backoff),
             max_backoff: self.max_backoff.unwrap_or(defaults.max_backoff),
+            handler_breaker_failures: self
+                .handler_breaker_failures
+                .unwrap_or(defaults.handler_breaker_failures),
+            handler_breaker_cooldown: self
+                .handler_breaker_cooldown
+                .unwrap_or(defaults.handler_breaker_cooldown),
             fingerprint: self
                 .fingerprint
                 .clone()
@@ -613,6 +638,20 @@ fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigEr
         return Err(invalid(
             format!("{field}.max_backoff"),
             "must be at least retry_backoff (raise max_backoff or lower retry_backoff)",
+        ));
+    }
+    if s.handler_breaker_failures > 1_000_000 {
+        return Err(invalid(
+            format!("{field}.handler_breaker_failures"),
+            "must be at most 1000000 (0 turns the breaker off)",
+        ));
+    }
+    if s.handler_breaker_cooldown < Duration::from_millis(1)
+        || s.handler_breaker_cooldown > Duration::from_secs(3600)
+    {
+        return Err(invalid(
+            format!("{field}.handler_breaker_cooldown"),
+            "must be between 1ms and 1h",
         ));
     }
     for (i, pointer) in s.fingerprint.ignore.iter().enumerate() {

@@ -133,6 +133,16 @@ pub enum Failure {
     /// The guest trapped (panic, unreachable, out-of-bounds access...).
     #[error("handler trapped: {0}")]
     Trap(String),
+    /// Not called: the subscriber's circuit breaker on this shard is open, since its
+    /// handler failed `failures` calls in a row in the sandbox (trap, CPU budget, memory
+    /// cap). The attempt is used up without a call and the message waits until the
+    /// breaker lets a call through again, in `retry_in_ms`.
+    #[error("handler not called: circuit open after {failures} failed calls in a row (the last: {last}); next call in {retry_in_ms} ms")]
+    CircuitOpen {
+        failures: u32,
+        last: String,
+        retry_in_ms: u64,
+    },
 }
 
 impl Failure {
@@ -150,6 +160,7 @@ impl Failure {
             Failure::Timeout { .. } => "timeout",
             Failure::MemoryLimit { .. } => "memory",
             Failure::Trap(_) => "trap",
+            Failure::CircuitOpen { .. } => "circuit_open",
         }
     }
 }

@@ -541,6 +541,9 @@ fn test_config(opts: &Options) -> Result<(Config, String), HarnessError> {
         if s.name == name {
             s.retry_backoff = Some(Duration::ZERO);
             s.max_backoff = Some(Duration::ZERO);
+            // Every message is tried on its own: a run of failing test messages must not
+            // turn the rest into "circuit open" dead letters.
+            s.handler_breaker_failures = Some(0);
             if let Some(budget) = opts.cpu_budget {
                 s.handler_cpu_budget = Some(budget);
             }

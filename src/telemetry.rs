@@ -74,6 +74,12 @@ pub mod metric {
     /// Counter: failed handler attempts; label `kind` (retryable, permanent, timeout,
     /// memory, trap).
     pub const HANDLER_FAILURES_TOTAL: &str = "dedupd_handler_failures_total";
+    /// Counter: messages dead-lettered without a handler call while the subscriber's
+    /// circuit breaker was open on their shard.
+    pub const HANDLER_CALLS_SKIPPED_TOTAL: &str = "dedupd_handler_calls_skipped_total";
+    /// Counter: times a shard's circuit breaker of the subscriber opened
+    /// (`handler_breaker_failures` sandbox failures in a row).
+    pub const HANDLER_CIRCUITS_OPENED_TOTAL: &str = "dedupd_handler_circuits_opened_total";
     /// Counter: probes of sealed-generation filters.
     pub const FILTER_PROBES_TOTAL: &str = "dedupd_filter_probes_total";
     /// Counter: filter probes that answered "maybe" without a stored match.
@@ -164,6 +170,8 @@ pub mod metric {
         (SLIDING_REFRESHES_TOTAL, "Duplicates that extended a claim's sliding TTL."),
         (RECORDS_DROPPED_TOTAL, "Stored records the ledger removed on its own; labels kind (quarantine, dead_letter) and reason (retention, cap)."),
         (HANDLER_FAILURES_TOTAL, "Failed handler attempts; label kind (retryable, permanent, timeout, memory, trap)."),
+        (HANDLER_CALLS_SKIPPED_TOTAL, "Messages dead-lettered without a handler call while the subscriber's circuit breaker was open on their shard."),
+        (HANDLER_CIRCUITS_OPENED_TOTAL, "Times a shard's circuit breaker of the subscriber opened (handler_breaker_failures sandbox failures in a row)."),
         (FILTER_PROBES_TOTAL, "Probes of sealed-generation filters."),
         (FILTER_FALSE_POSITIVES_TOTAL, "Filter probes that answered 'maybe' without a stored match."),
         (FILTER_FALSE_POSITIVE_RATIO, "False positives per filter probe so far."),
@@ -206,6 +214,8 @@ pub mod metric {
         SLIDING_REFRESHES_TOTAL,
         RECORDS_DROPPED_TOTAL,
         HANDLER_FAILURES_TOTAL,
+        HANDLER_CALLS_SKIPPED_TOTAL,
+        HANDLER_CIRCUITS_OPENED_TOTAL,
         FILTER_PROBES_TOTAL,
         FILTER_FALSE_POSITIVES_TOTAL,
         FILTER_FALSE_POSITIVE_RATIO,

@@ -591,6 +591,168 @@ fn trap_after_write_rolls_back_and_is_dead_lettered_while_neighbours_commit() {
 }
 
 #[test]
+fn a_handler_failing_in_its_sandbox_opens_its_breaker_and_a_new_handler_closes_it() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(&[("trap", "fixture_trap", 1), ("labels", "shipping_label", 3)]);
+    for s in &mut c.subscribers {
+        s.handler_breaker_failures = Some(3);
+        s.handler_breaker_cooldown = Some(Duration::from_secs(60));
+    }
+    let clock = Arc::new(dedupd::clock::ManualClock::new(1_700_000_000_000));
+    let ledger = Ledger::open(dir.path(), &c, clock.clone()).unwrap();
+    for (name, comp) in [("trap", "fixture_trap"), ("labels", "shipping_label")] {
+        let f = dedupd::handler::load_factory(&component(comp), roomy()).unwrap();
+        ledger.set_handler(name, Some(f)).unwrap();
+    }
+    let h = Harness { ledger, _dir: dir };
+    let reason = |o: &Outcome| match o {
+        Outcome::DeadLettered { reason, .. } => reason.clone(),
+        other => panic!("expected a dead letter, got {other:?}"),
+    };
+    let batch = |ids: std::ops::Range<u32>| -> Vec<(String, String, String)> {
+        ids.flat_map(|i| {
+            [
+                (
+                    "trap".to_string(),
+                    format!("t{i}"),
+                    r#"{"order_id":"o-9"}"#.to_string(),
+                ),
+                (
+                    "labels".to_string(),
+                    format!("e{i}"),
+                    format!(r#"{{"order_id":"o-{i}","type":"OrderPlaced"}}"#),
+                ),
+            ]
+        })
+        .collect()
+    };
+    let run = |msgs: &[(String, String, String)]| {
+        let refs: Vec<(&str, &str, &str)> = msgs
+            .iter()
+            .map(|(a, b, c)| (a.as_str(), b.as_str(), c.as_str()))
+            .collect();
+        h.run(&refs)
+    };
+    let out = run(&batch(0..8));
+    // Three trapped calls, then five messages whose only attempt is used up without a
+    // call: dead-lettered, the last failure in their reason; the neighbour processes every
+    // message.
+    for (i, o) in out.iter().enumerate() {
+        if i % 2 == 1 {
+            assert_eq!(*o, Outcome::Processed, "labels message {i}");
+            continue;
+        }
+        let r = reason(o);
+        if i < 6 {
+            assert!(r.contains("trapped") && r.contains("attempt 1 of 1"), "{r}");
+        } else {
+            assert!(
+                r.contains("circuit open after 3 failed calls in a row"),
+                "{r}"
+            );
+            assert!(r.contains("trapped"), "the last failure is named: {r}");
+            assert!(r.contains("attempt 1 of 1"), "{r}");
+        }
+    }
+    let counters = &h.ledger.subscriber("trap").unwrap().counters;
+    assert_eq!(counters.handler_calls_skipped.load(Relaxed), 5);
+    assert_eq!(counters.handler_circuits_opened.load(Relaxed), 1);
+    assert_eq!(counters.dead_lettered.load(Relaxed), 8);
+    let traps = counters.handler_failures_by_kind();
+    assert_eq!(traps.iter().find(|(k, _)| *k == "trap").unwrap().1, 3);
+    let labels = &h.ledger.subscriber("labels").unwrap().counters;
+    assert_eq!(labels.handler_circuits_opened.load(Relaxed), 0);
+    assert!(h.state("trap").is_empty());
+
+    // After the cool-down one call decides: it traps, so the breaker opens again at once.
+    clock.advance_ms(60_000);
+    let out = run(&batch(8..10));
+    assert!(reason(&out[0]).contains("attempt 1 of 1"), "{out:?}");
+    assert!(reason(&out[2]).contains("circuit open"), "{out:?}");
+    assert_eq!(counters.handler_circuits_opened.load(Relaxed), 2);
+
+    // A new handler starts with a closed breaker.
+    let f = dedupd::handler::load_factory(&component("noop"), roomy()).unwrap();
+    h.ledger.set_handler("trap", Some(f)).unwrap();
+    let out = run(&batch(10..12));
+    assert_eq!(out[0], Outcome::Processed, "{out:?}");
+    assert_eq!(out[2], Outcome::Processed, "{out:?}");
+}
+
+#[test]
+fn a_message_that_meets_an_open_breaker_waits_for_the_cooldown_instead_of_being_dead_lettered() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(&[("trap", "fixture_trap", 3)]);
+    c.subscribers[0].handler_breaker_failures = Some(3);
+    c.subscribers[0].handler_breaker_cooldown = Some(Duration::from_millis(300));
+    let ledger = Ledger::open(dir.path(), &c, Arc::new(SystemClock)).unwrap();
+    let f = dedupd::handler::load_factory(&component("fixture_trap"), roomy()).unwrap();
+    ledger.set_handler("trap", Some(f)).unwrap();
+    let h = Harness { ledger, _dir: dir };
+    let started = Instant::now();
+    let out = h.run(&[
+        ("trap", "t0", r#"{"order_id":"o-1"}"#),
+        ("trap", "t1", r#"{"order_id":"o-2"}"#),
+        ("trap", "t2", r#"{"order_id":"o-3"}"#),
+    ]);
+    // Three first attempts trap and open the breaker; the second attempts wait out the
+    // cool-down without a call; then one call (a trap) opens it again, and the other two
+    // have used up their attempts.
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
+    let reasons: Vec<String> = out
+        .iter()
+        .map(|o| match o {
+            Outcome::DeadLettered {
+                reason,
+                attempts: 3,
+            } => reason.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let called = reasons
+        .iter()
+        .filter(|r| r.starts_with("handler trapped"))
+        .count();
+    let waited = reasons
+        .iter()
+        .filter(|r| r.contains("circuit open after ") && r.contains("trapped"))
+        .count();
+    assert_eq!((called, waited), (1, 2), "{reasons:?}");
+    let counters = &h.ledger.subscriber("trap").unwrap().counters;
+    assert_eq!(counters.handler_circuits_opened.load(Relaxed), 2);
+    // t0's second attempt, and t1's and t2's second and third.
+    assert_eq!(counters.handler_calls_skipped.load(Relaxed), 5);
+
+    // A message that meets the open breaker waits; the fixed handler (a new one starts
+    // closed) processes it then: delayed, not dead-lettered.
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let s = h.ledger.subscriber("trap").unwrap();
+    let payload = br#"{"order_id":"o-4"}"#;
+    let job = Job::new(
+        9,
+        s.id,
+        key_hash(b"u0"),
+        fingerprint(payload),
+        "u0",
+        payload,
+        tx,
+    );
+    h.ledger.submit(0, vec![job]).unwrap();
+    let f = dedupd::handler::load_factory(&component("noop"), roomy()).unwrap();
+    h.ledger.set_handler("trap", Some(f)).unwrap();
+    let done: Vec<Done> = rx.iter().flatten().collect();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].outcome, Outcome::Processed, "{:?}", done[0].outcome);
+    assert!(counters.handler_calls_skipped.load(Relaxed) >= 6);
+}
+
+#[test]
 fn sleeping_handler_is_dead_lettered_as_timeout_in_its_budget_while_neighbours_commit() {
     let h = Harness::new(&[("sleepy", "noop", 3), ("labels", "shipping_label", 3)]);
     // The sleeper under the default 10 ms budget; it sleeps 5 s per attempt if not stopped.

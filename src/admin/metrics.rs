@@ -101,6 +101,10 @@ fn sample_counters(name: &str, c: &SubscriberCounters) {
         counter!(metric::HANDLER_FAILURES_TOTAL, "subscriber" => name.clone(), "kind" => kind)
             .absolute(n);
     }
+    counter!(metric::HANDLER_CALLS_SKIPPED_TOTAL, "subscriber" => name.clone())
+        .absolute(c.handler_calls_skipped.load(Relaxed));
+    counter!(metric::HANDLER_CIRCUITS_OPENED_TOTAL, "subscriber" => name.clone())
+        .absolute(c.handler_circuits_opened.load(Relaxed));
     let probes = c.filter_probes.load(Relaxed);
     let fps = c.filter_false_positives.load(Relaxed);
     counter!(metric::FILTER_PROBES_TOTAL, "subscriber" => name.clone()).absolute(probes);

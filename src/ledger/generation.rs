@@ -135,6 +135,11 @@ pub(crate) struct SubState {
     pub max_attempts: u32,
     pub retry_backoff: std::time::Duration,
     pub max_backoff: std::time::Duration,
+    /// `handler_breaker_failures` and `_cooldown` in ms (see `shard/breaker.rs`).
+    pub breaker_threshold: u32,
+    pub breaker_cooldown_ms: u64,
+    /// The handler's circuit breaker on this shard; a new handler starts closed.
+    pub breaker: super::shard::breaker::Breaker,
     /// The subscriber's settings epoch these values were taken from.
     pub settings_epoch: u64,
     /// The handler instance of this shard, if the subscriber has one.

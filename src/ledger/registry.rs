@@ -30,6 +30,10 @@ pub struct SubscriberCounters {
     pub retries: AtomicU64,
     /// Failed handler attempts by kind, in the order of [`HANDLER_FAILURE_KINDS`].
     pub handler_failures: [AtomicU64; 5],
+    /// Messages dead-lettered without a handler call while its circuit breaker was open.
+    pub handler_calls_skipped: AtomicU64,
+    /// Times a shard's circuit breaker of this subscriber opened.
+    pub handler_circuits_opened: AtomicU64,
     /// Stored quarantine records removed by retention or the cap (not by operators).
     pub quarantine_records_dropped: RecordsDropped,
     /// Stored dead-letter records removed by retention or the cap (not by operators).

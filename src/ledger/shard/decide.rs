@@ -3,6 +3,7 @@
 //! committed in one durable transaction (I1). Kept apart from maintenance so the path
 //! every message takes reads top to bottom.
 
+use super::breaker::Transition;
 use super::open::{apply_settings, new_sub_state};
 use super::*;
 use crate::ledger::SubscriberCounters;
@@ -61,6 +62,7 @@ impl Shard {
             if same {
                 continue;
             }
+            st.breaker = Default::default();
             st.handler = want.map(|factory| {
                 let instance = factory.instantiate().unwrap_or_else(|e| {
                     tracing::error!(shard = self.ctx.index, subscriber = %st.name, error = %e,
@@ -183,7 +185,14 @@ impl Shard {
                 })
             }
             _ => {
-                let handled = self.call_handler(idx, job)?;
+                let handled = match self.breaker_refuses(idx, now, tally) {
+                    Some(refused) => Err(refused),
+                    None => {
+                        let handled = self.call_handler(idx, job)?;
+                        self.breaker_record(idx, &handled, now, tally);
+                        handled
+                    }
+                };
                 self.settle_handled(idx, job, handled, now, tally)?
             }
         };
@@ -245,6 +254,47 @@ impl Shard {
             }
         }
         Ok(handled)
+    }
+
+    /// The failure a message gets without a call while its subscriber's circuit breaker is
+    /// open on this shard (`breaker.rs`).
+    fn breaker_refuses(&mut self, idx: usize, now: u64, tally: &mut Tally) -> Option<Failure> {
+        let st = self.subs[idx].as_ref()?;
+        st.handler.as_ref()?;
+        let refused = st.breaker.refuses(now, st.breaker_threshold)?;
+        tally.of(idx).calls_skipped += 1;
+        Some(refused)
+    }
+
+    /// Takes a call's result into the subscriber's breaker on this shard, and says when it
+    /// opens or closes.
+    fn breaker_record(
+        &mut self,
+        idx: usize,
+        handled: &Result<u64, Failure>,
+        now: u64,
+        tally: &mut Tally,
+    ) {
+        let shard = self.ctx.index;
+        let Some(st) = self.subs[idx].as_mut() else {
+            return;
+        };
+        let (threshold, cooldown_ms) = (st.breaker_threshold, st.breaker_cooldown_ms);
+        let result = handled.as_ref().map(|_| ());
+        match st.breaker.record(result, now, threshold, cooldown_ms) {
+            Transition::Opened => {
+                tally.of(idx).circuits_opened += 1;
+                let last = handled.as_ref().err().map(ToString::to_string);
+                tracing::warn!(shard, subscriber = %st.name, failures = st.breaker.failures(),
+                    cooldown_ms, last = last.as_deref().unwrap_or_default(),
+                    "handler circuit opened: its messages are dead-lettered without a call until the cool-down ends");
+            }
+            Transition::Closed => {
+                tracing::info!(shard, subscriber = %st.name,
+                    "handler circuit closed: a call completed after the cool-down");
+            }
+            Transition::None => {}
+        }
     }
 
     /// What a handler's result decides: a claim (it commits only with the handler's
@@ -417,6 +467,8 @@ pub(super) struct BatchCounts {
     sliding_refreshes: u64,
     dead_lettered: u64,
     retries: u64,
+    calls_skipped: u64,
+    circuits_opened: u64,
 }
 
 impl BatchCounts {
@@ -433,6 +485,10 @@ impl BatchCounts {
         k.dead_lettered
             .fetch_add(self.dead_lettered, Ordering::Relaxed);
         k.retries.fetch_add(self.retries, Ordering::Relaxed);
+        k.handler_calls_skipped
+            .fetch_add(self.calls_skipped, Ordering::Relaxed);
+        k.handler_circuits_opened
+            .fetch_add(self.circuits_opened, Ordering::Relaxed);
     }
 }
 

@@ -21,6 +21,7 @@
 //! - `merge.rs`: merging two sealed generations slice by slice;
 //! - `control.rs`: requests answered between batches (lookups, records, outbox, backup).
 
+pub(super) mod breaker;
 mod control;
 mod decide;
 mod maintain;
@@ -506,11 +507,18 @@ impl Shard {
                 Decision::Probe => probes.push(job),
                 Decision::Wait => self.retry_after(job, WAIT_FOR_KEY),
                 Decision::Retry(failure) => {
-                    let delay = self.subs[job.subscriber.0 as usize]
-                        .as_ref()
-                        .map_or(Duration::from_millis(50), |s| {
-                            decide::retry_delay(s.retry_backoff, s.max_backoff, job.attempt)
-                        });
+                    let delay = match &failure {
+                        // Back when the breaker lets a call through again (a millisecond
+                        // late rather than early: the breaker reads the ledger's clock).
+                        Failure::CircuitOpen { retry_in_ms, .. } => {
+                            Duration::from_millis(retry_in_ms.saturating_add(1))
+                        }
+                        _ => self.subs[job.subscriber.0 as usize]
+                            .as_ref()
+                            .map_or(Duration::from_millis(50), |s| {
+                                decide::retry_delay(s.retry_backoff, s.max_backoff, job.attempt)
+                            }),
+                    };
                     tracing::debug!(shard = self.ctx.index, id = %job.id, attempt = job.attempt,
                         error = %failure, "handler failed; retrying after {delay:?}");
                     job.attempt += 1;

@@ -447,6 +447,9 @@ pub(super) fn new_sub_state(
         max_attempts: 1,
         retry_backoff: Duration::ZERO,
         max_backoff: Duration::ZERO,
+        breaker_threshold: 0,
+        breaker_cooldown_ms: 0,
+        breaker: Default::default(),
         settings_epoch: 0,
         handler: None,
         view: None,
@@ -483,4 +486,6 @@ pub(super) fn apply_settings(st: &mut SubState, spec: &crate::ledger::Subscriber
     st.max_attempts = settings.max_attempts.max(1);
     st.retry_backoff = settings.retry_backoff;
     st.max_backoff = settings.max_backoff;
+    st.breaker_threshold = settings.handler_breaker_failures;
+    st.breaker_cooldown_ms = settings.handler_breaker_cooldown.as_millis() as u64;
 }
