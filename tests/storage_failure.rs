@@ -877,3 +877,112 @@ fn a_fault_while_opening_and_recovering_is_an_error_and_a_later_open_recovers() 
         "most faults must reach the open: {refused}"
     );
 }
+
+/// G2 under failing reads while the engine runs (not only while it opens): a shard whose
+/// sealed claims are read from disk (a 1 MiB cache, no read-through on open) loses its
+/// disk's reads at several points of a redelivery stream. A claim that cannot be read is
+/// never "absent": no redelivered message is processed again; the read error stops the
+/// ledger, nothing is acknowledged after it, and a reopen on a healthy disk finds every
+/// claim.
+#[test]
+fn failing_reads_while_running_never_make_a_claimed_message_new() {
+    let mut config = one_shard();
+    config.ledger.cache_mib = std::num::NonZeroUsize::new(1).unwrap();
+    config.ledger.verify_on_open = false;
+    config.ledger.generation_max_claims = std::num::NonZeroUsize::new(1024).unwrap();
+    let ids: Vec<String> = (0..40_000).map(|i| format!("m-{i}")).collect();
+    let filled = tempfile::tempdir().unwrap();
+    {
+        let ledger = Ledger::open(filled.path(), &config, Arc::new(SystemClock)).unwrap();
+        let sub = ledger.subscriber("orders").unwrap();
+        for chunk in ids.chunks(2_000) {
+            let (tx, rx) = unbounded::<Vec<Done>>();
+            let jobs = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, id)| {
+                    Job::new(
+                        i as u64,
+                        sub.id,
+                        key_hash(id.as_bytes()),
+                        1,
+                        id,
+                        b"{}",
+                        tx.clone(),
+                    )
+                })
+                .collect();
+            ledger.submit(0, jobs).unwrap();
+            drop(tx);
+            let done: Vec<Done> = rx.iter().flatten().collect();
+            assert!(done.iter().all(|d| d.outcome == Outcome::Processed));
+        }
+        let m = &ledger.metrics()[0];
+        assert!(m.seals >= 10, "sealed generations on disk: {m:?}");
+        ledger.close().unwrap();
+    }
+    // Redeliveries spread over the whole history, so most lookups read sealed blocks.
+    let redelivered: Vec<String> = (0..400)
+        .map(|i| ids[(i * 7_919) % ids.len()].clone())
+        .collect();
+    let mut stopped = 0;
+    let budgets: Vec<u64> = (0..160).step_by(3).chain([300]).collect();
+    for &reads in &budgets {
+        let dir = copy_dir(filled.path());
+        let faults = dedupd::ledger::FaultSwitch::new();
+        let ledger =
+            Ledger::open_with_faults(dir.path(), &config, Arc::new(SystemClock), &faults).unwrap();
+        faults.fail_reads_after(reads);
+        let out = submit_all(&ledger, &redelivered);
+        for (id, o) in &out {
+            assert!(
+                matches!(o, Outcome::Duplicate | Outcome::Failed { .. }),
+                "reads failing after {reads}: {id} was answered {o:?}"
+            );
+        }
+        if let Some(at) = out
+            .iter()
+            .position(|(_, o)| matches!(o, Outcome::Failed { .. }))
+        {
+            assert!(
+                out[at..]
+                    .iter()
+                    .all(|(_, o)| matches!(o, Outcome::Failed { .. })),
+                "reads failing after {reads}: acknowledged after the failure"
+            );
+            assert!(
+                ledger.poison_reason().is_some(),
+                "a failed read stops the ledger"
+            );
+        }
+        if let Some(reason) = ledger.poison_reason() {
+            eprintln!(
+                "reads failing after {reads}: {} answered, then: {reason}",
+                out.iter().filter(|(_, o)| *o == Outcome::Duplicate).count()
+            );
+            stopped += 1;
+            assert!(
+                reason.contains("shard-000.redb"),
+                "the file is named: {reason}"
+            );
+        }
+        let _ = ledger.close();
+        let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+        let again = submit_all(&ledger, &redelivered);
+        assert!(
+            again.iter().all(|(_, o)| *o == Outcome::Duplicate),
+            "reads failing after {reads}: a claim was lost"
+        );
+        ledger.close().unwrap();
+    }
+    eprintln!(
+        "{stopped} of {} read budgets stopped the ledger while running",
+        budgets.len()
+    );
+    // The reads reached the disk: a budget of a few reads cannot carry 400 lookups
+    // spread over 40,000 claims with a 1 MiB cache.
+    assert!(
+        stopped >= budgets.len() - 1,
+        "only {stopped} stopped the ledger"
+    );
+}
