@@ -2,9 +2,8 @@
 //! 30-minute run are the long forms, in `scripts/reliability`): a capacity measurement,
 //! then a paced run at 70 % of it with a 4 s TTL and small generations, so claims are
 //! sealed, merged and dropped by expiry many times over. Asserts the samples are sane and
-//! the bounds hold (memory, claims and generations; the offered rate served); the p99
-//! criterion (a debug build on a shared machine) and the disk criterion (an open defect,
-//! see below) are printed, not asserted. The
+//! the bounds hold (memory, disk, claims and generations; the offered rate served); the
+//! p99 criterion (a debug build on a shared machine) is printed, not asserted. The
 //! verdict's own failures are shown on synthetic series.
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
@@ -62,26 +61,15 @@ fn a_short_soak_stays_bounded_while_generations_seal_merge_and_expire() {
     for name in [
         "samples",
         "memory bounded",
+        // Failed before retiring kept up with merges (25 -> 460 MiB of files in 40 s
+        // while the claims stayed flat: hundreds of retired tables queued).
+        "disk bounded",
         "compaction keeps up",
         "offered rate served",
     ] {
         let c = report.checks.iter().find(|c| c.name == name).unwrap();
         assert!(c.passed, "{name}: {}", c.detail);
     }
-    // Open defect (docs/reliability.md, "Soak"): at this rate the files grow while the
-    // claims stay flat (redb's free pages are not reused soon enough), so the disk
-    // criterion fails today. It is judged and printed here, not asserted, so the bounds
-    // that do hold keep guarding; `dedupd bench soak` still exits 1 on it.
-    let disk = report
-        .checks
-        .iter()
-        .find(|c| c.name == "disk bounded")
-        .unwrap();
-    eprintln!(
-        "disk bounded: {} ({}; open, not asserted)",
-        if disk.passed { "passed" } else { "FAILED" },
-        disk.detail
-    );
 }
 
 fn series(rss: impl Fn(usize) -> u64) -> Vec<SoakSample> {

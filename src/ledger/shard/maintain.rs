@@ -120,7 +120,7 @@ impl Shard {
                 RETIRE_ROWS
             },
         )?;
-        did |= self.trim_retired_claims(txn, budget)?;
+        did |= self.trim_retired_claims(txn, budget.saturating_mul(RETIRE_FACTOR))?;
         Ok(did)
     }
 
@@ -131,12 +131,31 @@ impl Shard {
         txn: &WriteTransaction,
         budget: usize,
     ) -> Result<bool, LedgerError> {
-        let Some((name, next)) = self.retired_claims.front_mut() else {
-            return Ok(false);
-        };
         // Counted in claims: a block holds about this many.
         const CLAIMS_PER_BLOCK: usize = 128;
         let mut removed = 0usize;
+        let mut did = false;
+        // A table that fits in what is left of the budget is deleted whole (deleting reads
+        // each of its pages once), and the next one is taken: one table per transaction
+        // fell behind when generations are small and many (a soak with 2,048-claim
+        // generations queued 600 tables in 40 s and its files grew by 7 MB/s).
+        while let Some(front) = self.retired_claims.front() {
+            let cost = (front.claims as usize).max(CLAIMS_PER_BLOCK);
+            if front.next != 0 || cost > budget - removed {
+                break;
+            }
+            txn.delete_table(claims_def(&front.name))
+                .map_err(|e| self.err(e))?;
+            removed += cost;
+            self.retired_claims.pop_front();
+            did = true;
+        }
+        if removed >= budget {
+            return Ok(did);
+        }
+        let Some(RetiredClaims { name, next, .. }) = self.retired_claims.front_mut() else {
+            return Ok(did);
+        };
         {
             let mut t = txn
                 .open_table(claims_def(name))
@@ -378,10 +397,10 @@ impl Shard {
             let g = &st.sealed[i];
             let in_merge = busy.is_some_and(|(a, b)| g.table_id == a || g.table_id == b);
             if g.max_expires_ms <= now && !in_merge {
-                let id = g.table_id;
-                tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims = g.count,
+                let (id, claims) = (g.table_id, g.count);
+                tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims,
                     "expired generation dropped");
-                self.delete_generation(txn, &st.name, id)?;
+                self.delete_generation(txn, &st.name, id, claims)?;
                 st.sealed.remove(i);
                 self.ctx
                     .metrics
@@ -519,10 +538,14 @@ impl Shard {
         txn: &WriteTransaction,
         sub: &str,
         id: u64,
+        claims: u64,
     ) -> Result<(), LedgerError> {
         // The table itself is emptied by later slices (`trim_retired_claims`).
-        self.retired_claims
-            .push_back((tables::claims_name(sub, id), 0));
+        self.retired_claims.push_back(RetiredClaims {
+            name: tables::claims_name(sub, id),
+            claims,
+            next: 0,
+        });
         let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
         filters.remove((sub, id)).map_err(|e| self.err(e))?;
         let mut gens = txn

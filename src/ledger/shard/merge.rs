@@ -80,11 +80,12 @@ impl Shard {
         };
         let order = st.sealed[ni].order;
         let created = st.sealed[oi].created_at_ms;
+        let (older_claims, newer_claims) = (st.sealed[oi].count, st.sealed[ni].count);
         let count = m.count;
         let max_expires = m.max_expires_ms;
         let started = std::time::Instant::now();
-        self.delete_generation(txn, &st.name, older)?;
-        self.delete_generation(txn, &st.name, newer)?;
+        self.delete_generation(txn, &st.name, older, older_claims)?;
+        self.delete_generation(txn, &st.name, newer, newer_claims)?;
         let deleted = started.elapsed();
         st.sealed
             .retain(|g| g.table_id != older && g.table_id != newer);
