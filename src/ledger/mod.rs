@@ -214,6 +214,9 @@ pub struct Job {
     /// The newest record the other shards hold for this key, once they were asked
     /// (`placement.rs`). While `Some`, this shard holds the key in the in-flight set.
     pub(crate) probed: Option<Option<ClaimRecord>>,
+    /// When the job was built: its outcome's latency (handler retries included) is
+    /// counted from here ([`SubscriberCounters::ack_latency_us`]).
+    pub(crate) created: std::time::Instant,
 }
 
 impl Job {
@@ -245,6 +248,7 @@ impl Job {
             placement: Placement::ByKey,
             entity: None,
             probed: None,
+            created: std::time::Instant::now(),
         }
     }
 }

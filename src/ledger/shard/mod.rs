@@ -519,8 +519,33 @@ impl Shard {
             }
         }
         self.ctx.inflight.release(decided_elsewhere, self.ctx.index);
+        self.count_acks(&done);
         send_outcomes(done);
         self.send_probes(probes);
+    }
+
+    /// Adds the decided jobs' latencies to their subscribers' counters, one atomic add
+    /// per subscriber and batch.
+    fn count_acks(&self, done: &[(Job, Outcome)]) {
+        let mut per_sub: Vec<(SubscriberId, u64, u64)> = Vec::new();
+        for (job, _) in done {
+            let us = job.created.elapsed().as_micros() as u64;
+            match per_sub.iter_mut().find(|(s, _, _)| *s == job.subscriber) {
+                Some((_, n, sum)) => {
+                    *n += 1;
+                    *sum += us;
+                }
+                None => per_sub.push((job.subscriber, 1, us)),
+            }
+        }
+        for (sub, n, sum) in per_sub {
+            if let Some(spec) = self.ctx.registry.get(sub) {
+                spec.counters.acked.fetch_add(n, Ordering::Relaxed);
+                spec.counters
+                    .ack_latency_us
+                    .fetch_add(sum, Ordering::Relaxed);
+            }
+        }
     }
 
     fn retry_after(&mut self, job: Job, delay: Duration) {
