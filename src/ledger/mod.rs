@@ -403,6 +403,7 @@ impl Ledger {
         let builder = generation::Builder::spawn();
         let peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>> = Default::default();
         let inflight = Arc::new(placement::InFlight::default());
+        let engine_commits = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut peer_txs = Vec::with_capacity(shard_count);
         let mut starting = Vec::with_capacity(shard_count);
         for index in 0..shard_count {
@@ -420,6 +421,7 @@ impl Ledger {
                 peers: peers.clone(),
                 inflight: inflight.clone(),
                 writes: Default::default(),
+                engine_commits: engine_commits.clone(),
             };
             let (shard, peer_tx) = StartingShard::spawn(data_dir, ctx)?;
             peer_txs.push(peer_tx);

@@ -158,9 +158,11 @@ pub(crate) enum Control {
     BackupBegin {
         reply: Sender<Result<PathBuf, LedgerError>>,
     },
-    /// Stops recording and brings the copy at `dest` (if any) up to this commit boundary.
+    /// Stops recording and, once every shard's writer met at `meeting`, brings the copy at
+    /// `dest` (if any) up to this commit boundary.
     BackupFinish {
         dest: Option<PathBuf>,
+        meeting: Arc<crate::ledger::tracked::Rendezvous>,
         reply: Sender<Result<crate::ledger::ShardCopy, LedgerError>>,
     },
 }
@@ -183,6 +185,8 @@ pub(crate) struct ShardContext {
     pub inflight: Arc<InFlight>,
     /// The ranges of the file written while an online backup copies it (`tracked.rs`).
     pub writes: Arc<crate::ledger::tracked::WriteLog>,
+    /// Durable commits of all shards (shared): what an online backup's copies are cut at.
+    pub engine_commits: Arc<std::sync::atomic::AtomicU64>,
 }
 
 pub(crate) struct Shard {
