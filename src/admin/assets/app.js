@@ -7,7 +7,8 @@
 const POLL_MS = 2000;
 const HISTORY = 150; // samples kept per subscriber: 5 minutes at one every 2 s
 const TOKEN_KEY = "dedupd-token";
-const SVG = "http://www.w3.org/2000/svg";
+// Sizes of the `<template id="spark">` in index.html (its <svg> is parsed into the SVG
+// namespace there, so this script needs no namespace URL).
 const SPARK_W = 160;
 const SPARK_H = 28;
 
@@ -110,14 +111,9 @@ function series(samples) {
 
 // An inline SVG line of `values`, scaled to its own maximum; `data-points` says how many.
 function sparkline(values, label) {
-  const svg = document.createElementNS(SVG, "svg");
-  svg.setAttribute("class", "spark");
-  svg.setAttribute("width", SPARK_W);
-  svg.setAttribute("height", SPARK_H);
-  svg.setAttribute("viewBox", "0 0 " + SPARK_W + " " + SPARK_H);
-  svg.setAttribute("role", "img");
+  const svg = document.getElementById("spark").content.firstElementChild.cloneNode(true);
   svg.setAttribute("aria-label", label);
-  const path = document.createElementNS(SVG, "path");
+  const path = svg.querySelector("path");
   const max = Math.max(...values, 0);
   const step = values.length > 1 ? SPARK_W / (HISTORY - 1) : 0;
   const x0 = SPARK_W - step * (values.length - 1);
@@ -125,7 +121,6 @@ function sparkline(values, label) {
   const d = values.map((v, i) => (i === 0 ? "M" : "L") + (x0 + i * step).toFixed(1) + "," + y(v));
   path.setAttribute("d", d.join(" "));
   path.setAttribute("data-points", String(values.length));
-  svg.appendChild(path);
   return svg;
 }
 
