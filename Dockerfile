@@ -1,5 +1,6 @@
 # dedupd as a container: a build stage with the Rust release rust-toolchain.toml pins and
-# the C libraries the bundled librdkafka needs (OpenSSL for TLS/SASL), and a slim runtime
+# the C libraries the bundled librdkafka needs (OpenSSL for TLS/SASL, Cyrus SASL for
+# Kerberos/GSSAPI), and a slim runtime
 # stage that runs as an unprivileged user with the data directory on a volume.
 #
 #   docker build -t dedupd .
@@ -12,14 +13,17 @@
 
 FROM rust:1.95-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends \
-      build-essential cmake perl pkg-config libssl-dev \
+      build-essential cmake perl pkg-config libssl-dev libsasl2-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked && strip target/release/dedupd
 
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates curl libssl3 \
+# libsasl2-2 is linked; the GSSAPI module and krb5-user (kinit, which librdkafka runs to
+# refresh tickets: sasl.kerberos.kinit.cmd) are for Kerberos (sasl.mechanisms = GSSAPI).
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      ca-certificates curl libssl3 libsasl2-2 libsasl2-modules-gssapi-mit krb5-user \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --home-dir /var/lib/dedupd --shell /usr/sbin/nologin dedupd \
     && mkdir -p /var/lib/dedupd /etc/dedupd && chown dedupd:dedupd /var/lib/dedupd

@@ -41,7 +41,7 @@ pub struct BackupManifest {
     pub dedupd_version: String,
     /// Milliseconds since the Unix epoch.
     pub created_at_ms: u64,
-    /// `true`: taken from a running engine (each shard at its own commit boundary).
+    /// `true`: taken from a running engine (all shards at one common commit boundary).
     pub online: bool,
     /// The data directory's format and shard count (from its manifest).
     pub data_format_version: u64,
@@ -146,9 +146,9 @@ pub fn backup_offline(data_dir: &Path, to: &Path) -> Result<BackupReport, Backup
     finish(to, files, false, Vec::new())
 }
 
-/// Backs up a running engine's data directory into `to` (absent or empty): each shard is
-/// copied by its writer between two commits ([`Ledger::backup`]), then the handlers and
-/// the audit log as they are at that moment.
+/// Backs up a running engine's data directory into `to` (absent or empty): every shard is
+/// cut while all writers are paused at one common batch boundary ([`Ledger::backup`]),
+/// then the handlers and the audit log as they are at that moment.
 pub fn backup_online(ledger: &Ledger, to: &Path) -> Result<BackupReport, BackupError> {
     prepare_empty(to, "a backup")?;
     let copies = ledger.backup(to)?;

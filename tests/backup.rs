@@ -650,3 +650,97 @@ fn online_backup_under_load_restores_and_replays_with_no_duplicate_effect() {
     }
     assert_eq!(counts(&second, &config), counts(&data, &config));
 }
+
+/// Submits one message to the ledger and waits for its durable outcome.
+fn submit_one(ledger: &dedupd::ledger::Ledger, sub: &str, id: &str) -> String {
+    use dedupd::envelope::{fingerprint, key_hash};
+    let s = ledger.subscriber(sub).unwrap();
+    let (ack, rx) = crossbeam_channel::unbounded();
+    let key = key_hash(id.as_bytes());
+    let job = dedupd::ledger::Job::new(0, s.id, key, fingerprint(b"{}"), id, b"{}", ack);
+    ledger.submit(ledger.route(key), vec![job]).unwrap();
+    rx.recv().unwrap()[0].outcome.name().to_string()
+}
+
+#[test]
+fn online_backup_cuts_every_shard_at_one_engine_wide_commit() {
+    use dedupd::ledger::Ledger;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dedupd::config::Config::parse("[ledger]\nshards = 2\n").unwrap();
+    let ledger = Arc::new(
+        Ledger::open(
+            &dir.path().join("data"),
+            &config,
+            Arc::new(dedupd::clock::SystemClock),
+        )
+        .unwrap(),
+    );
+    // One writer per shard, each committing one message after another: the shards commit
+    // all the time, independently of each other.
+    let running = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let committed = Arc::new(AtomicUsize::new(0));
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let writers: Vec<_> = (0..2)
+        .map(|shard| {
+            let (ledger, running, committed, acked) = (
+                ledger.clone(),
+                running.clone(),
+                committed.clone(),
+                acked.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while running.load(Ordering::Relaxed) {
+                    n += 1;
+                    let id = format!("w{shard}-{n}");
+                    if ledger.route(dedupd::envelope::key_hash(id.as_bytes())) != shard {
+                        continue;
+                    }
+                    assert_eq!(submit_one(&ledger, "cut", &id), "processed");
+                    acked.lock().unwrap().push(id);
+                    committed.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    let mut pauses = Vec::new();
+    let mut acked_before_last = Vec::new();
+    for i in 0..8 {
+        let before = committed.load(Ordering::Relaxed);
+        while committed.load(Ordering::Relaxed) < before + 20 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        acked_before_last = acked.lock().unwrap().clone();
+        let report =
+            dedupd::backup::backup_online(&ledger, &dir.path().join(format!("b{i}"))).unwrap();
+        let cuts: Vec<u64> = report
+            .shard_copies
+            .iter()
+            .map(|c| c.engine_commits)
+            .collect();
+        assert_eq!(report.shard_copies.len(), 2);
+        assert!(
+            cuts.iter().all(|c| *c == cuts[0]),
+            "backup {i}: the shards' copies end at different engine-wide commits {cuts:?} \
+             (copied at different instants): {:?}",
+            report.shard_copies
+        );
+        pauses.push(report.longest_writer_pause_ms());
+    }
+    running.store(false, Ordering::Relaxed);
+    for w in writers {
+        w.join().unwrap();
+    }
+    eprintln!(
+        "longest writer pause per backup (ms): {pauses:?}; {} messages committed",
+        committed.load(Ordering::Relaxed)
+    );
+    // The last backup restores and holds everything acknowledged before it began.
+    drop(ledger);
+    let restored = dir.path().join("restored");
+    dedupd::backup::restore(&dir.path().join("b7"), &restored).unwrap();
+    let ledger = Ledger::open(&restored, &config, Arc::new(dedupd::clock::SystemClock)).unwrap();
+    for id in &acked_before_last {
+        assert_eq!(submit_one(&ledger, "cut", id), "duplicate", "{id}");
+    }
+}

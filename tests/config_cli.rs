@@ -264,6 +264,34 @@ fn tls_and_sasl_ssl_clients_are_accepted_and_a_missing_ca_is_refused() {
     fails_naming(&tls_config(&missing, "SSL", ""), "ssl.ca.location");
 }
 
+/// librdkafka is built with Cyrus SASL (`gssapi`): a Kerberos client is created (before,
+/// "No provider for SASL mechanism GSSAPI: recompile librdkafka with libsasl2"), and the
+/// check runs no `kinit` to do so.
+#[test]
+fn sasl_plaintext_gssapi_client_is_accepted_without_running_kinit() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "[[subscriber]]\nname = \"orders\"\nkey = { source = \"header\", name = \"id\" }\n\
+                [kafka]\nbrokers = \"127.0.0.1:9\"\n\
+                options = { \"security.protocol\" = \"SASL_PLAINTEXT\", \"sasl.mechanisms\" = \"GSSAPI\", \
+                \"sasl.kerberos.service.name\" = \"kafka\", \"sasl.kerberos.principal\" = \"dedupd@EXAMPLE.COM\", \
+                \"sasl.kerberos.keytab\" = \"/etc/security/keytabs/dedupd.keytab\" }\n\
+                [[kafka.subscription]]\nsubscriber = \"orders\"\ntopics = [\"orders\"]\n";
+    let c = check(dir.path(), text);
+    assert_eq!(
+        c.code,
+        Some(0),
+        "stdout: {}\nstderr: {}",
+        c.stdout,
+        c.stderr
+    );
+    assert!(c.stdout.contains("options accepted"), "{}", c.stdout);
+    assert!(
+        !c.stderr.contains("kinit") && !c.stderr.contains("SASLREFRESH"),
+        "the check ran kinit: {}",
+        c.stderr
+    );
+}
+
 #[test]
 fn unknown_librdkafka_option_fails_naming_it() {
     let text = "[[subscriber]]\nname = \"orders\"\nkey = { source = \"header\", name = \"id\" }\n\

@@ -214,6 +214,9 @@ pub struct Job {
     /// The newest record the other shards hold for this key, once they were asked
     /// (`placement.rs`). While `Some`, this shard holds the key in the in-flight set.
     pub(crate) probed: Option<Option<ClaimRecord>>,
+    /// When the job was built: its outcome's latency (handler retries included) is
+    /// counted from here ([`SubscriberCounters::ack_latency_us`]).
+    pub(crate) created: std::time::Instant,
 }
 
 impl Job {
@@ -245,6 +248,7 @@ impl Job {
             placement: Placement::ByKey,
             entity: None,
             probed: None,
+            created: std::time::Instant::now(),
         }
     }
 }
@@ -399,6 +403,7 @@ impl Ledger {
         let builder = generation::Builder::spawn();
         let peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>> = Default::default();
         let inflight = Arc::new(placement::InFlight::default());
+        let engine_commits = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut peer_txs = Vec::with_capacity(shard_count);
         let mut starting = Vec::with_capacity(shard_count);
         for index in 0..shard_count {
@@ -416,6 +421,7 @@ impl Ledger {
                 peers: peers.clone(),
                 inflight: inflight.clone(),
                 writes: Default::default(),
+                engine_commits: engine_commits.clone(),
             };
             let (shard, peer_tx) = StartingShard::spawn(data_dir, ctx)?;
             peer_txs.push(peer_tx);

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
@@ -14,10 +15,15 @@ use super::datadir::MANIFEST;
 use super::offline::close_copied_shard;
 use super::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
+use super::tracked::Rendezvous;
 use super::{AckSender, Ledger, LedgerError, Placement};
 use crate::config::SubscriberSettings;
 use crate::envelope::{key_hash, IdempotencyKey};
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
+
+/// How long an online backup waits for every shard's writer to reach a batch boundary
+/// (the longest batch, a slow handler's included, must fit) before it gives up.
+const BACKUP_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One shard file copied for a backup, and how long its writer was paused for the copy.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -28,8 +34,16 @@ pub struct ShardCopy {
     /// Bytes written to the shard while it was copied, copied again with its writer
     /// paused.
     pub recopied_bytes: u64,
-    /// How long the shard's writer paused for the backup (microseconds).
+    /// How long the shard's writer paused for the backup (microseconds): waiting for the
+    /// other writers to reach a batch boundary, then copying its ranges again.
     pub writer_paused_us: u64,
+    /// The part of `writer_paused_us` spent waiting for the other writers.
+    #[serde(default)]
+    pub waited_for_shards_us: u64,
+    /// Durable commits of the whole engine (all shards) when this copy was cut: the same
+    /// in every shard's copy of one backup, which is what makes it one instant.
+    #[serde(default)]
+    pub engine_commits: u64,
 }
 
 /// The two kinds of records kept aside for operators.
@@ -456,13 +470,12 @@ impl Ledger {
     }
 
     /// Copies every shard file and the manifest into `dir`, which must be absent or
-    /// empty; each shard's copy is the file at one of its commit boundaries. The writers go
-    /// on while their files are copied; each then pauses between two batches only to copy
-    /// again the ranges written meanwhile (`tracked.rs`). Afterwards, off the writer
-    /// threads, each copy is closed the way redb closes a file ([`close_copied_shard`]) and
-    /// fsync'd, so the copy opens as a data directory of its own, read-only too. Shards
-    /// reach their boundaries at different moments (see `docs/operations.md`, "Backup and
-    /// restore"). The directory entries are not fsync'd here: the caller adds files and
+    /// empty; all copies are the files at one instant of the engine. The writers go on
+    /// while their files are copied; each then pauses at its next batch boundary until
+    /// every writer is paused, copies again the ranges written meanwhile (`tracked.rs`)
+    /// and goes on. Afterwards, off the writer threads, each copy is closed the way redb
+    /// closes a file ([`close_copied_shard`]) and fsync'd, so the copy opens as a data
+    /// directory of its own, read-only too. The directory entries are not fsync'd here: the caller adds files and
     /// syncs them. One backup runs at a time; a second waits.
     pub fn backup(&self, dir: &Path) -> Result<Vec<ShardCopy>, LedgerError> {
         self.backup_after_copy(dir, || {})
@@ -493,7 +506,12 @@ impl Ledger {
         let sources = match self.ask_all(|reply| Control::BackupBegin { reply }) {
             Ok(s) => s,
             Err(e) => {
-                let _ = self.ask_all(|reply| Control::BackupFinish { dest: None, reply });
+                let meeting = Arc::new(Rendezvous::new(self.shards.len(), Duration::ZERO));
+                let _ = self.ask_all(|reply| Control::BackupFinish {
+                    dest: None,
+                    meeting: meeting.clone(),
+                    reply,
+                });
                 return Err(e);
             }
         };
@@ -509,8 +527,15 @@ impl Ledger {
             after_copy();
         }
         let dest = copied.is_ok().then(|| dir.to_path_buf());
+        // Every writer pauses at its next batch boundary until all are paused, then each
+        // brings its copy up to that one instant (`tracked.rs`).
+        let meeting = Arc::new(Rendezvous::new(
+            self.shards.len(),
+            BACKUP_RENDEZVOUS_TIMEOUT,
+        ));
         let finished = self.ask_all(|reply| Control::BackupFinish {
             dest: dest.clone(),
+            meeting: meeting.clone(),
             reply,
         });
         copied?;

@@ -28,6 +28,11 @@ pub struct SubscriberCounters {
     pub dead_lettered: AtomicU64,
     /// Handler attempts that failed and were scheduled again.
     pub retries: AtomicU64,
+    /// Outcomes sent to their sources after a durable commit, and the sum of their
+    /// latencies in microseconds (job built to outcome sent, handler retries included):
+    /// the mean ack latency of an interval is the ratio of the two differences.
+    pub acked: AtomicU64,
+    pub ack_latency_us: AtomicU64,
     /// Failed handler attempts by kind, in the order of [`HANDLER_FAILURE_KINDS`].
     pub handler_failures: [AtomicU64; 5],
     /// Messages dead-lettered without a handler call while its circuit breaker was open.

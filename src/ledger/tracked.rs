@@ -8,10 +8,18 @@
 //! Outside a backup the cost is one atomic load per write. Every change to the file goes
 //! through `write` or `set_len` (redb has no other way to change it), and only the shard's
 //! writer thread writes, so the ranges are complete once that thread takes them.
+//!
+//! All shards take that last step at one instant of the whole engine: each writer, at its
+//! next batch boundary, waits at a [`Rendezvous`] until every writer is at one, and only
+//! then copies its ranges again and goes on. While the rendezvous is open no shard commits,
+//! so every shard's copy ends at the same engine-wide commit
+//! ([`crate::ledger::ShardCopy::engine_commits`]). The price is that a writer also waits for
+//! the slowest shard to finish its current batch.
 
 use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use redb::{BackendError, StorageBackend};
 
@@ -56,6 +64,72 @@ impl WriteLog {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push((start, end));
+        }
+    }
+}
+
+/// Where every shard's writer waits until all of them are between two batches: the point
+/// in time an online backup copies. All or none: if one writer does not arrive within the
+/// timeout (a shard stuck in a long batch, or stopped), every writer goes on without
+/// copying and the backup fails.
+#[derive(Debug)]
+pub(crate) struct Rendezvous {
+    shards: usize,
+    timeout: Duration,
+    state: Mutex<Meeting>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Meeting {
+    arrived: usize,
+    open: bool,
+    abandoned: bool,
+}
+
+impl Rendezvous {
+    pub fn new(shards: usize, timeout: Duration) -> Rendezvous {
+        Rendezvous {
+            shards,
+            timeout,
+            state: Mutex::new(Meeting::default()),
+            changed: Condvar::new(),
+        }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Called by a writer between two of its batches: blocks until every writer has
+    /// called it (`true`: they are all paused now) or the timeout passed (`false`: copy
+    /// nothing).
+    pub fn meet(&self) -> bool {
+        let deadline = Instant::now() + self.timeout;
+        let mut m = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        m.arrived += 1;
+        if m.arrived >= self.shards && !m.abandoned {
+            m.open = true;
+            self.changed.notify_all();
+        }
+        loop {
+            if m.open {
+                return true;
+            }
+            if m.abandoned {
+                return false;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                m.abandoned = true;
+                self.changed.notify_all();
+                return false;
+            }
+            m = self
+                .changed
+                .wait_timeout(m, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
@@ -178,6 +252,41 @@ mod tests {
         assert_eq!(log.stop(), vec![(0, 12), (40, 60), (100, 101)]);
         assert!(!log.recording());
         assert!(log.stop().is_empty());
+    }
+
+    #[test]
+    fn rendezvous_opens_only_when_every_writer_arrived() {
+        let r = std::sync::Arc::new(Rendezvous::new(3, Duration::from_secs(30)));
+        let arrived = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let waiting: Vec<_> = (0..2)
+            .map(|_| {
+                let (r, arrived) = (r.clone(), arrived.clone());
+                std::thread::spawn(move || {
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    r.meet()
+                })
+            })
+            .collect();
+        while arrived.load(Ordering::SeqCst) < 2 {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(waiting.iter().all(|t| !t.is_finished()), "opened early");
+        assert!(r.meet());
+        assert!(waiting.into_iter().all(|t| t.join().unwrap()));
+    }
+
+    #[test]
+    fn rendezvous_without_every_writer_gives_up_for_all() {
+        let r = std::sync::Arc::new(Rendezvous::new(3, Duration::from_millis(50)));
+        let other = {
+            let r = r.clone();
+            std::thread::spawn(move || r.meet())
+        };
+        assert!(!r.meet());
+        assert!(!other.join().unwrap());
+        // A writer that arrives after the others gave up does not copy either.
+        assert!(!r.meet());
     }
 
     #[test]

@@ -25,6 +25,11 @@ pub struct Stats {
     pub dead_lettered: u64,
     pub retries: u64,
     pub sliding_refreshes: u64,
+    /// Outcomes sent after a durable commit, and the sum of their latencies (message
+    /// taken in to outcome sent) in microseconds; the dashboard plots the mean of each
+    /// interval.
+    pub acked: u64,
+    pub ack_latency_us_total: u64,
     pub claims_stored: u64,
     pub active_claims: u64,
     pub generations: u64,
@@ -58,6 +63,8 @@ fn stats_of(sub: &Subscriber, report: &LedgerReport) -> Stats {
         dead_lettered: c.dead_lettered.load(Relaxed),
         retries: c.retries.load(Relaxed),
         sliding_refreshes: c.sliding_refreshes.load(Relaxed),
+        acked: c.acked.load(Relaxed),
+        ack_latency_us_total: c.ack_latency_us.load(Relaxed),
         claims_stored: row.claims,
         active_claims: row.active_claims,
         generations: row.sealed_generations + u64::from(row.active_claims > 0),

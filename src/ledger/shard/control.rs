@@ -80,8 +80,12 @@ impl Shard {
                 };
                 let _ = reply.send(r);
             }
-            Control::BackupFinish { dest, reply } => {
-                let _ = reply.send(self.finish_backup(dest.as_deref()));
+            Control::BackupFinish {
+                dest,
+                meeting,
+                reply,
+            } => {
+                let _ = reply.send(self.finish_backup(dest.as_deref(), &meeting));
             }
         }
     }
@@ -100,6 +104,7 @@ impl Shard {
             let out = work(self, &txn)?;
             self.write_counters(&txn)?;
             txn.commit().map_err(|e| self.err(e))?;
+            self.count_commit();
             Ok(out)
         })();
         if let Err(e) = &result {
@@ -293,16 +298,29 @@ impl Shard {
     /// [`Control::BackupBegin`], up to this commit boundary: copies again the ranges written
     /// meanwhile and sets the length (`tracked.rs`). Every commit is durable and only this
     /// thread writes the file, so the copy is then the state after the last commit. The
-    /// writer is paused for this step only. Without `dest` it only stops recording. The
-    /// copy still carries redb's "open" mark; see [`crate::ledger::close_copied_shard`].
+    /// writer first waits at `meeting` until every shard's writer is at a boundary, so all
+    /// copies are cut at one engine-wide instant; it is paused for the wait and this copy
+    /// only. Without `dest` it only stops recording. The copy still carries redb's "open"
+    /// mark; see [`crate::ledger::close_copied_shard`].
     fn finish_backup(
         &self,
         dest: Option<&std::path::Path>,
+        meeting: &crate::ledger::tracked::Rendezvous,
     ) -> Result<crate::ledger::ShardCopy, LedgerError> {
         let started = std::time::Instant::now();
         let ranges = self.ctx.writes.stop();
+        // A failed shard still meets the others, so they do not wait for it in vain.
+        let met = dest.is_some() && meeting.meet();
+        let waited = started.elapsed();
+        let engine_commits = self.ctx.engine_commits.load(Ordering::Relaxed);
         if let Some(e) = &self.failed {
             return Err(e.clone());
+        }
+        if dest.is_some() && !met {
+            return Err(LedgerError::DataDir {
+                path: dest.map(|d| d.to_path_buf()).unwrap_or_default(),
+                detail: format!("the backup gave up: not every shard's writer reached a batch boundary within {:?} (a long batch or a stopped shard); try again", meeting.timeout()),
+            });
         }
         let name = self
             .ctx
@@ -316,6 +334,8 @@ impl Shard {
                 bytes: 0,
                 recopied_bytes: 0,
                 writer_paused_us: 0,
+                waited_for_shards_us: 0,
+                engine_commits,
             });
         };
         let target = dest.join(&name);
@@ -329,12 +349,15 @@ impl Shard {
         let paused = started.elapsed();
         let bytes = std::fs::metadata(&target).map(|m| m.len()).unwrap_or(0);
         tracing::info!(shard = self.ctx.index, bytes, recopied, paused_ms = paused.as_secs_f64() * 1e3,
-            "shard copied for a backup; its writer paused only for the ranges written during the copy");
+            waited_ms = waited.as_secs_f64() * 1e3, engine_commits,
+            "shard copied for a backup at one instant of all shards; its writer paused only for the other writers and the ranges written during the copy");
         Ok(crate::ledger::ShardCopy {
             file: name,
             bytes,
             recopied_bytes: recopied,
             writer_paused_us: paused.as_micros() as u64,
+            waited_for_shards_us: waited.as_micros() as u64,
+            engine_commits,
         })
     }
 

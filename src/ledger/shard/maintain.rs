@@ -52,8 +52,8 @@ impl Shard {
             txn.commit().map_err(|e| self.err(e))?;
             metrics::histogram!(crate::telemetry::metric::COMMIT_DURATION_SECONDS, "shard" => self.ctx.index.to_string())
                 .record(started.elapsed().as_secs_f64());
+            self.count_commit();
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
-            m.commits += 1;
             m.max_batch_us_maintenance = m
                 .max_batch_us_maintenance
                 .max(started.elapsed().as_micros() as u64);

@@ -159,9 +159,11 @@ pub(crate) enum Control {
     BackupBegin {
         reply: Sender<Result<PathBuf, LedgerError>>,
     },
-    /// Stops recording and brings the copy at `dest` (if any) up to this commit boundary.
+    /// Stops recording and, once every shard's writer met at `meeting`, brings the copy at
+    /// `dest` (if any) up to this commit boundary.
     BackupFinish {
         dest: Option<PathBuf>,
+        meeting: Arc<crate::ledger::tracked::Rendezvous>,
         reply: Sender<Result<crate::ledger::ShardCopy, LedgerError>>,
     },
 }
@@ -184,6 +186,8 @@ pub(crate) struct ShardContext {
     pub inflight: Arc<InFlight>,
     /// The ranges of the file written while an online backup copies it (`tracked.rs`).
     pub writes: Arc<crate::ledger::tracked::WriteLog>,
+    /// Durable commits of all shards (shared): what an online backup's copies are cut at.
+    pub engine_commits: Arc<std::sync::atomic::AtomicU64>,
 }
 
 pub(crate) struct Shard {
@@ -543,8 +547,33 @@ impl Shard {
             }
         }
         self.ctx.inflight.release(decided_elsewhere, self.ctx.index);
+        self.count_acks(&done);
         send_outcomes(done);
         self.send_probes(probes);
+    }
+
+    /// Adds the decided jobs' latencies to their subscribers' counters, one atomic add
+    /// per subscriber and batch.
+    fn count_acks(&self, done: &[(Job, Outcome)]) {
+        let mut per_sub: Vec<(SubscriberId, u64, u64)> = Vec::new();
+        for (job, _) in done {
+            let us = job.created.elapsed().as_micros() as u64;
+            match per_sub.iter_mut().find(|(s, _, _)| *s == job.subscriber) {
+                Some((_, n, sum)) => {
+                    *n += 1;
+                    *sum += us;
+                }
+                None => per_sub.push((job.subscriber, 1, us)),
+            }
+        }
+        for (sub, n, sum) in per_sub {
+            if let Some(spec) = self.ctx.registry.get(sub) {
+                spec.counters.acked.fetch_add(n, Ordering::Relaxed);
+                spec.counters
+                    .ack_latency_us
+                    .fetch_add(sum, Ordering::Relaxed);
+            }
+        }
     }
 
     fn retry_after(&mut self, job: Job, delay: Duration) {

@@ -23,12 +23,20 @@ impl Shard {
         let took = started.elapsed();
         metrics::histogram!(crate::telemetry::metric::COMMIT_DURATION_SECONDS, "shard" => self.ctx.index.to_string())
             .record(took.as_secs_f64());
+        self.count_commit();
+        Ok(took)
+    }
+
+    /// Counts a durable commit of this shard, and of the engine (`tracked.rs`).
+    pub(super) fn count_commit(&self) {
+        self.ctx
+            .engine_commits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.ctx
             .metrics
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .commits += 1;
-        Ok(took)
     }
 
     /// Writes what a batch decided: placements, claims (log rows), settled and new

@@ -37,9 +37,20 @@ pub fn check_clients(kafka: &KafkaConfig) -> Result<(), KafkaError> {
 /// `config` without its brokers. librdkafka's background threads connect to the
 /// bootstrap servers as soon as the clients dedupd uses (a group consumer, an idempotent
 /// producer) are created, before any poll, so a client that must not connect is given
-/// none (a malformed brokers list is not refused at creation anyway).
+/// none (a malformed brokers list is not refused at creation anyway). With Kerberos
+/// (`GSSAPI`) librdkafka also runs `sasl.kerberos.kinit.cmd` when the client is created;
+/// unless the config sets its refresh interval, the check turns the refresh off so that
+/// checking a config obtains no ticket (a missing keytab or `kinit` is not detected).
 fn unconnected(mut config: ClientConfig) -> ClientConfig {
     config.remove("bootstrap.servers");
+    let gssapi = ["sasl.mechanisms", "sasl.mechanism"]
+        .iter()
+        .filter_map(|k| config.get(k))
+        .any(|m| m.trim().eq_ignore_ascii_case("GSSAPI"));
+    const RELOGIN: &str = "sasl.kerberos.min.time.before.relogin";
+    if gssapi && config.get(RELOGIN).is_none() {
+        config.set(RELOGIN, "0");
+    }
     config
 }
 
