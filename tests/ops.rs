@@ -716,7 +716,14 @@ fn claim_indexes_grow_with_their_claims() {
         "quiet: {} bytes",
         index("quiet")
     );
-    assert!(index("busy") >= 16 << 20, "busy: {} bytes", index("busy"));
+    // 40,000 claims: at least their 16-byte keys. (Whether the index is the presized one
+    // or one grown in place depends on when the builder delivers a spare: 2.8 MiB in one
+    // busy run, over 16 MiB in others; a bound on the presized size was flaky.)
+    assert!(
+        index("busy") >= 40_000 * 16,
+        "busy: {} bytes",
+        index("busy")
+    );
     ledger.close().unwrap();
 }
 
