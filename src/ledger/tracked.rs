@@ -83,7 +83,8 @@ pub(crate) struct Rendezvous {
 #[derive(Debug, Default)]
 struct Meeting {
     arrived: usize,
-    open: bool,
+    /// The engine-wide commit count when the last writer arrived (set when it opens).
+    cut: Option<u64>,
     abandoned: bool,
 }
 
@@ -102,28 +103,30 @@ impl Rendezvous {
     }
 
     /// Called by a writer between two of its batches: blocks until every writer has
-    /// called it (`true`: they are all paused now) or the timeout passed (`false`: copy
-    /// nothing).
-    pub fn meet(&self) -> bool {
+    /// called it (`Some`: they were all paused at that moment, and `commits` read then) or
+    /// the timeout passed (`None`: copy nothing). The count is read by the last writer to
+    /// arrive, while every writer is paused: a writer that reads it after waking up may
+    /// already see another shard's next commit.
+    pub fn meet(&self, commits: &std::sync::atomic::AtomicU64) -> Option<u64> {
         let deadline = Instant::now() + self.timeout;
         let mut m = self.state.lock().unwrap_or_else(|p| p.into_inner());
         m.arrived += 1;
         if m.arrived >= self.shards && !m.abandoned {
-            m.open = true;
+            m.cut = Some(commits.load(Ordering::SeqCst));
             self.changed.notify_all();
         }
         loop {
-            if m.open {
-                return true;
+            if let Some(cut) = m.cut {
+                return Some(cut);
             }
             if m.abandoned {
-                return false;
+                return None;
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 m.abandoned = true;
                 self.changed.notify_all();
-                return false;
+                return None;
             }
             m = self
                 .changed
@@ -257,13 +260,14 @@ mod tests {
     #[test]
     fn rendezvous_opens_only_when_every_writer_arrived() {
         let r = std::sync::Arc::new(Rendezvous::new(3, Duration::from_secs(30)));
+        let commits = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(7));
         let arrived = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let waiting: Vec<_> = (0..2)
             .map(|_| {
-                let (r, arrived) = (r.clone(), arrived.clone());
+                let (r, arrived, commits) = (r.clone(), arrived.clone(), commits.clone());
                 std::thread::spawn(move || {
                     arrived.fetch_add(1, Ordering::SeqCst);
-                    r.meet()
+                    r.meet(&commits)
                 })
             })
             .collect();
@@ -272,21 +276,26 @@ mod tests {
         }
         std::thread::sleep(Duration::from_millis(20));
         assert!(waiting.iter().all(|t| !t.is_finished()), "opened early");
-        assert!(r.meet());
-        assert!(waiting.into_iter().all(|t| t.join().unwrap()));
+        commits.store(9, Ordering::SeqCst);
+        assert_eq!(r.meet(&commits), Some(9));
+        // A commit after the meeting opened (the last writer went on) does not change the
+        // cut the others report, however late they wake up.
+        commits.store(10, Ordering::SeqCst);
+        assert!(waiting.into_iter().all(|t| t.join().unwrap() == Some(9)));
     }
 
     #[test]
     fn rendezvous_without_every_writer_gives_up_for_all() {
         let r = std::sync::Arc::new(Rendezvous::new(3, Duration::from_millis(50)));
+        let commits = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let other = {
-            let r = r.clone();
-            std::thread::spawn(move || r.meet())
+            let (r, commits) = (r.clone(), commits.clone());
+            std::thread::spawn(move || r.meet(&commits))
         };
-        assert!(!r.meet());
-        assert!(!other.join().unwrap());
+        assert_eq!(r.meet(&commits), None);
+        assert_eq!(other.join().unwrap(), None);
         // A writer that arrives after the others gave up does not copy either.
-        assert!(!r.meet());
+        assert_eq!(r.meet(&commits), None);
     }
 
     #[test]

@@ -310,9 +310,10 @@ impl Shard {
         let started = std::time::Instant::now();
         let ranges = self.ctx.writes.stop();
         // A failed shard still meets the others, so they do not wait for it in vain.
-        let met = dest.is_some() && meeting.meet();
+        let cut = dest.and_then(|_| meeting.meet(&self.ctx.engine_commits));
+        let met = cut.is_some();
         let waited = started.elapsed();
-        let engine_commits = self.ctx.engine_commits.load(Ordering::Relaxed);
+        let engine_commits = cut.unwrap_or_else(|| self.ctx.engine_commits.load(Ordering::Relaxed));
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
