@@ -35,6 +35,17 @@ fn check(dir: &Path, text: &str) -> Checked {
     }
 }
 
+/// Asserts the check passed, showing its output otherwise.
+fn assert_passed(c: &Checked) {
+    assert_eq!(
+        c.code,
+        Some(0),
+        "stdout: {}\nstderr: {}",
+        c.stdout,
+        c.stderr
+    );
+}
+
 /// Runs the check and asserts it failed with `needle` in its message.
 fn fails_naming(text: &str, needle: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
@@ -225,13 +236,7 @@ fn tls_and_sasl_ssl_clients_are_accepted_and_a_missing_ca_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let ca = make_ca(dir.path());
     let c = check(dir.path(), &tls_config(&ca, "SSL", ""));
-    assert_eq!(
-        c.code,
-        Some(0),
-        "stdout: {}\nstderr: {}",
-        c.stdout,
-        c.stderr
-    );
+    assert_passed(&c);
 
     let scram = ", \"sasl.mechanisms\" = \"SCRAM-SHA-256\", \"sasl.username\" = \"svc\", \
                  \"sasl.password\" = \"${DEDUPD_TEST_SASL_PASSWORD}\"";
@@ -277,13 +282,7 @@ fn sasl_plaintext_gssapi_client_is_accepted_without_running_kinit() {
                 \"sasl.kerberos.keytab\" = \"/etc/security/keytabs/dedupd.keytab\" }\n\
                 [[kafka.subscription]]\nsubscriber = \"orders\"\ntopics = [\"orders\"]\n";
     let c = check(dir.path(), text);
-    assert_eq!(
-        c.code,
-        Some(0),
-        "stdout: {}\nstderr: {}",
-        c.stdout,
-        c.stderr
-    );
+    assert_passed(&c);
     assert!(c.stdout.contains("options accepted"), "{}", c.stdout);
     assert!(
         !c.stderr.contains("kinit") && !c.stderr.contains("SASLREFRESH"),

@@ -394,6 +394,20 @@ impl HandlerFactory for Counter {
     }
 }
 
+/// Opens `dir` on a healthy disk and redelivers `ids`: whether every one is a duplicate.
+fn all_duplicates_after_reopen(
+    dir: &std::path::Path,
+    config: &Config,
+    ids: &[String],
+    what: &str,
+) -> bool {
+    let ledger = Ledger::open(dir, config, Arc::new(SystemClock))
+        .unwrap_or_else(|e| panic!("{what}: a healthy open failed: {e}"));
+    let again = submit_all(&ledger, ids);
+    ledger.close().unwrap();
+    again.iter().all(|(_, o)| *o == Outcome::Duplicate)
+}
+
 /// Submits `ids` in chunks of 8, waiting for each chunk; returns the outcomes in order,
 /// stopping at the first chunk the poisoned ledger refuses (a failed maintenance
 /// transaction between batches poisons it without failing a message).
@@ -859,14 +873,10 @@ fn a_fault_while_opening_and_recovering_is_an_error_and_a_later_open_recovers() 
                 assert!(e.contains("shard-000.redb"), "{kind} at {at}: {e}");
             }
         }
-        let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock))
-            .unwrap_or_else(|e| panic!("{kind} at {at}: a healthy open failed: {e}"));
-        let again = submit_all(&ledger, &acked);
         assert!(
-            again.iter().all(|(_, o)| *o == Outcome::Duplicate),
+            all_duplicates_after_reopen(dir.path(), &config, &acked, &format!("{kind} at {at}")),
             "{kind} at {at}: an acknowledged message was lost"
         );
-        ledger.close().unwrap();
     }
     eprintln!(
         "{} faults while opening ({recovery_fsyncs} fsyncs in a healthy recovery): {refused} refused the open",
@@ -967,13 +977,15 @@ fn failing_reads_while_running_never_make_a_claimed_message_new() {
             );
         }
         let _ = ledger.close();
-        let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
-        let again = submit_all(&ledger, &redelivered);
         assert!(
-            again.iter().all(|(_, o)| *o == Outcome::Duplicate),
+            all_duplicates_after_reopen(
+                dir.path(),
+                &config,
+                &redelivered,
+                &format!("reads failing after {reads}")
+            ),
             "reads failing after {reads}: a claim was lost"
         );
-        ledger.close().unwrap();
     }
     eprintln!(
         "{stopped} of {} read budgets stopped the ledger while running",

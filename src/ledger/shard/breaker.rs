@@ -45,10 +45,10 @@ fn counts(f: &Failure) -> bool {
 
 impl Breaker {
     /// `Some(failure)` while the breaker is open: the message is not given to the handler.
-    pub fn refuses(&self, now_ms: u64, threshold: u32) -> Option<Failure> {
+    pub fn refuses(&self, now_ms: u64) -> Option<Failure> {
         match (self.open_until_ms, &self.last) {
             (Some(until), Some(last)) if now_ms < until => Some(Failure::CircuitOpen {
-                failures: self.failures.max(threshold),
+                failures: self.failures,
                 last: last.to_string(),
                 retry_in_ms: until - now_ms,
             }),
@@ -104,10 +104,10 @@ mod tests {
         let mut b = Breaker::default();
         for i in 0..4 {
             assert_eq!(b.record(Err(&trap()), i, 5, 1_000), Transition::None);
-            assert!(b.refuses(i, 5).is_none());
+            assert!(b.refuses(i).is_none());
         }
         assert_eq!(b.record(Err(&trap()), 4, 5, 1_000), Transition::Opened);
-        let refused = b.refuses(5, 5).unwrap();
+        let refused = b.refuses(5).unwrap();
         assert_eq!(refused.kind(), "circuit_open");
         let text = refused.to_string();
         assert!(
@@ -115,8 +115,8 @@ mod tests {
             "{text}"
         );
         // Refused for the whole cool-down, from the moment it opened.
-        assert!(b.refuses(1_003, 5).is_some());
-        assert!(b.refuses(1_004, 5).is_none());
+        assert!(b.refuses(1_003).is_some());
+        assert!(b.refuses(1_004).is_none());
     }
 
     #[test]
@@ -134,7 +134,7 @@ mod tests {
         }
         assert_eq!(b.record(Ok(()), 0, 5, 1_000), Transition::None);
         assert_eq!(b.failures(), 0);
-        assert!(b.refuses(0, 5).is_none());
+        assert!(b.refuses(0).is_none());
     }
 
     #[test]
@@ -144,15 +144,15 @@ mod tests {
         for _ in 0..3 {
             b.record(Err(&timeout), 0, 3, 100);
         }
-        assert!(b.refuses(99, 3).is_some());
+        assert!(b.refuses(99).is_some());
         // Half-open: the next call runs; one failure opens it again at once.
-        assert!(b.refuses(100, 3).is_none());
+        assert!(b.refuses(100).is_none());
         assert_eq!(b.record(Err(&timeout), 100, 3, 100), Transition::Opened);
-        assert!(b.refuses(150, 3).is_some());
-        assert!(b.refuses(200, 3).is_none());
+        assert!(b.refuses(150).is_some());
+        assert!(b.refuses(200).is_none());
         // A completed call closes it.
         assert_eq!(b.record(Ok(()), 200, 3, 100), Transition::Closed);
-        assert!(b.refuses(201, 3).is_none());
+        assert!(b.refuses(201).is_none());
         assert_eq!(b.record(Err(&timeout), 201, 3, 100), Transition::None);
     }
 
@@ -161,7 +161,7 @@ mod tests {
         let mut b = Breaker::default();
         for i in 0..1_000 {
             assert_eq!(b.record(Err(&trap()), i, 0, 100), Transition::None);
-            assert!(b.refuses(i, 0).is_none());
+            assert!(b.refuses(i).is_none());
         }
     }
 }

@@ -261,7 +261,7 @@ impl Shard {
     fn breaker_refuses(&mut self, idx: usize, now: u64, tally: &mut Tally) -> Option<Failure> {
         let st = self.subs[idx].as_ref()?;
         st.handler.as_ref()?;
-        let refused = st.breaker.refuses(now, st.breaker_threshold)?;
+        let refused = st.breaker.refuses(now)?;
         tally.of(idx).calls_skipped += 1;
         Some(refused)
     }

@@ -556,8 +556,9 @@ impl Shard {
     /// per subscriber and batch.
     fn count_acks(&self, done: &[(Job, Outcome)]) {
         let mut per_sub: Vec<(SubscriberId, u64, u64)> = Vec::new();
+        let now = Instant::now();
         for (job, _) in done {
-            let us = job.created.elapsed().as_micros() as u64;
+            let us = now.saturating_duration_since(job.created).as_micros() as u64;
             match per_sub.iter_mut().find(|(s, _, _)| *s == job.subscriber) {
                 Some((_, n, sum)) => {
                     *n += 1;
