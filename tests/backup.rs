@@ -651,22 +651,111 @@ fn online_backup_under_load_restores_and_replays_with_no_duplicate_effect() {
     assert_eq!(counts(&second, &config), counts(&data, &config));
 }
 
-/// Submits one message to the ledger and waits for its durable outcome.
+/// Submits one message to the ledger and waits for its durable outcome (`failed` when the
+/// ledger has stopped and refuses it).
 fn submit_one(ledger: &dedupd::ledger::Ledger, sub: &str, id: &str) -> String {
     use dedupd::envelope::{fingerprint, key_hash};
     let s = ledger.subscriber(sub).unwrap();
     let (ack, rx) = crossbeam_channel::unbounded();
     let key = key_hash(id.as_bytes());
     let job = dedupd::ledger::Job::new(0, s.id, key, fingerprint(b"{}"), id, b"{}", ack);
-    ledger.submit(ledger.route(key), vec![job]).unwrap();
-    rx.recv().unwrap()[0].outcome.name().to_string()
+    if ledger.submit(ledger.route(key), vec![job]).is_err() {
+        return "failed".into();
+    }
+    rx.recv()
+        .map_or_else(|_| "failed".into(), |o| o[0].outcome.name().to_string())
+}
+
+/// One writer per shard, each committing one message after another (the shards commit
+/// all the time, independently of each other), until stopped or until the ledger answers
+/// anything but `processed`. Records what was acknowledged as processed.
+struct Writers {
+    running: Arc<std::sync::atomic::AtomicBool>,
+    committed: Arc<AtomicUsize>,
+    acked: Arc<Mutex<Vec<String>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Writers {
+    fn start(ledger: &Arc<dedupd::ledger::Ledger>, sub: &'static str) -> Writers {
+        let running = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let committed = Arc::new(AtomicUsize::new(0));
+        let acked = Arc::new(Mutex::new(Vec::new()));
+        let threads = (0..ledger.shard_count())
+            .map(|shard| {
+                let (ledger, running, committed, acked) = (
+                    ledger.clone(),
+                    running.clone(),
+                    committed.clone(),
+                    acked.clone(),
+                );
+                std::thread::spawn(move || {
+                    let mut n = 0u64;
+                    while running.load(Ordering::Relaxed) {
+                        n += 1;
+                        let id = format!("w{shard}-{n}");
+                        if ledger.route(dedupd::envelope::key_hash(id.as_bytes())) != shard {
+                            continue;
+                        }
+                        if submit_one(&ledger, sub, &id) != "processed" {
+                            return;
+                        }
+                        acked.lock().unwrap().push(id);
+                        committed.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        Writers {
+            running,
+            committed,
+            acked,
+            threads,
+        }
+    }
+
+    fn committed(&self) -> usize {
+        self.committed.load(Ordering::Relaxed)
+    }
+
+    /// Waits until `more` further messages are acknowledged (at most 60 s).
+    fn wait_for(&self, more: usize) {
+        let target = self.committed() + more;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.committed() < target {
+            assert!(
+                Instant::now() < deadline,
+                "the writers stopped acknowledging at {} messages",
+                self.committed()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn acked(&self) -> Vec<String> {
+        self.acked.lock().unwrap().clone()
+    }
+
+    /// Stops the writers; returns every id acknowledged as processed.
+    fn stop(self) -> Vec<String> {
+        self.running.store(false, Ordering::Relaxed);
+        for t in self.threads {
+            t.join().unwrap();
+        }
+        let acked = self.acked.lock().unwrap();
+        acked.clone()
+    }
+}
+
+fn two_shards() -> dedupd::config::Config {
+    dedupd::config::Config::parse("[ledger]\nshards = 2\n").unwrap()
 }
 
 #[test]
 fn online_backup_cuts_every_shard_at_one_engine_wide_commit() {
     use dedupd::ledger::Ledger;
     let dir = tempfile::tempdir().unwrap();
-    let config = dedupd::config::Config::parse("[ledger]\nshards = 2\n").unwrap();
+    let config = two_shards();
     let ledger = Arc::new(
         Ledger::open(
             &dir.path().join("data"),
@@ -675,42 +764,12 @@ fn online_backup_cuts_every_shard_at_one_engine_wide_commit() {
         )
         .unwrap(),
     );
-    // One writer per shard, each committing one message after another: the shards commit
-    // all the time, independently of each other.
-    let running = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let committed = Arc::new(AtomicUsize::new(0));
-    let acked = Arc::new(Mutex::new(Vec::new()));
-    let writers: Vec<_> = (0..2)
-        .map(|shard| {
-            let (ledger, running, committed, acked) = (
-                ledger.clone(),
-                running.clone(),
-                committed.clone(),
-                acked.clone(),
-            );
-            std::thread::spawn(move || {
-                let mut n = 0u64;
-                while running.load(Ordering::Relaxed) {
-                    n += 1;
-                    let id = format!("w{shard}-{n}");
-                    if ledger.route(dedupd::envelope::key_hash(id.as_bytes())) != shard {
-                        continue;
-                    }
-                    assert_eq!(submit_one(&ledger, "cut", &id), "processed");
-                    acked.lock().unwrap().push(id);
-                    committed.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        })
-        .collect();
+    let writers = Writers::start(&ledger, "cut");
     let mut pauses = Vec::new();
     let mut acked_before_last = Vec::new();
     for i in 0..8 {
-        let before = committed.load(Ordering::Relaxed);
-        while committed.load(Ordering::Relaxed) < before + 20 {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        acked_before_last = acked.lock().unwrap().clone();
+        writers.wait_for(20);
+        acked_before_last = writers.acked();
         let report =
             dedupd::backup::backup_online(&ledger, &dir.path().join(format!("b{i}"))).unwrap();
         let cuts: Vec<u64> = report
@@ -727,14 +786,8 @@ fn online_backup_cuts_every_shard_at_one_engine_wide_commit() {
         );
         pauses.push(report.longest_writer_pause_ms());
     }
-    running.store(false, Ordering::Relaxed);
-    for w in writers {
-        w.join().unwrap();
-    }
-    eprintln!(
-        "longest writer pause per backup (ms): {pauses:?}; {} messages committed",
-        committed.load(Ordering::Relaxed)
-    );
+    let committed = writers.stop().len();
+    eprintln!("longest writer pause per backup (ms): {pauses:?}; {committed} messages committed");
     // The last backup restores and holds everything acknowledged before it began.
     drop(ledger);
     let restored = dir.path().join("restored");
@@ -742,5 +795,101 @@ fn online_backup_cuts_every_shard_at_one_engine_wide_commit() {
     let ledger = Ledger::open(&restored, &config, Arc::new(dedupd::clock::SystemClock)).unwrap();
     for id in &acked_before_last {
         assert_eq!(submit_one(&ledger, "cut", id), "duplicate", "{id}");
+    }
+}
+
+/// The backup's target fails while the writers bring their copies up to date (the first
+/// shard's copy is replaced by a directory, so it cannot be written): the backup fails
+/// naming the shard file, leaves nothing a restore would take, and the engine goes on
+/// acknowledging; the next backup succeeds and restores everything acknowledged before it.
+#[test]
+fn a_backup_whose_target_fails_is_refused_and_the_engine_goes_on() {
+    use dedupd::ledger::Ledger;
+    let dir = tempfile::tempdir().unwrap();
+    let config = two_shards();
+    let clock = Arc::new(dedupd::clock::SystemClock);
+    let ledger = Arc::new(Ledger::open(&dir.path().join("data"), &config, clock.clone()).unwrap());
+    let writers = Writers::start(&ledger, "bk");
+    writers.wait_for(20);
+    let broken = dir.path().join("broken");
+    let err = ledger
+        .backup_after_copy(&broken, || {
+            let copy = broken.join("shard-000.redb");
+            std::fs::remove_file(&copy).unwrap();
+            std::fs::create_dir(&copy).unwrap();
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("backup of") && err.contains("shard-000.redb"),
+        "the error names the shard whose copy failed: {err}"
+    );
+    assert!(
+        ledger.poison_reason().is_none(),
+        "a failed backup stops nothing"
+    );
+    writers.wait_for(50);
+    assert!(
+        dedupd::backup::verify(&broken).is_err(),
+        "the failed backup has no backup.json"
+    );
+    assert!(dedupd::backup::restore(&broken, &dir.path().join("from-broken")).is_err());
+    let acked_before = writers.acked();
+    dedupd::backup::backup_online(&ledger, &dir.path().join("good")).unwrap();
+    writers.stop();
+    drop(ledger);
+    let restored = dir.path().join("restored");
+    dedupd::backup::restore(&dir.path().join("good"), &restored).unwrap();
+    let ledger = Ledger::open(&restored, &config, clock).unwrap();
+    for id in &acked_before {
+        assert_eq!(submit_one(&ledger, "bk", id), "duplicate", "{id}");
+    }
+}
+
+/// The engine's own disk fails (or loses power) while a backup copies it: the backup fails
+/// with the storage error and writes no `backup.json`, nothing is acknowledged after the
+/// failure, and the data directory reopened on a healthy disk holds every acknowledged
+/// message.
+#[test]
+fn a_storage_fault_during_a_backup_fails_it_and_loses_nothing() {
+    use dedupd::ledger::{FaultSwitch, Ledger};
+    let faults: [(&str, fn(&FaultSwitch)); 2] = [
+        ("failing disk", |f| f.fail_after_fsyncs(0)),
+        ("power cut", |f| f.cut_power_after_fsyncs(0, 7)),
+    ];
+    for (what, arm) in faults {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let config = two_shards();
+        let clock = Arc::new(dedupd::clock::SystemClock);
+        let (ledger, fault) =
+            Ledger::open_with_fault_switch(&data, &config, clock.clone()).unwrap();
+        let ledger = Arc::new(ledger);
+        let writers = Writers::start(&ledger, "bk");
+        writers.wait_for(20);
+        let target = dir.path().join("backup");
+        let result = ledger.backup_after_copy(&target, || {
+            // Fails the next fsync of either shard, and waits until a commit met it, so
+            // the fault lands between the copy and the cut.
+            arm(&fault);
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while ledger.poison_reason().is_none() {
+                assert!(Instant::now() < deadline, "{what}: no commit met the fault");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let err = result.expect_err(what).to_string();
+        assert!(err.contains("injected"), "{what}: {err}");
+        let acked = writers.stop();
+        assert!(acked.len() >= 20, "{what}");
+        assert!(
+            dedupd::backup::verify(&target).is_err(),
+            "{what}: a failed backup has no backup.json"
+        );
+        drop(ledger);
+        let ledger = Ledger::open(&data, &config, clock).unwrap();
+        for id in &acked {
+            assert_eq!(submit_one(&ledger, "bk", id), "duplicate", "{what}: {id}");
+        }
     }
 }
