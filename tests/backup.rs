@@ -853,7 +853,8 @@ fn a_backup_whose_target_fails_is_refused_and_the_engine_goes_on() {
 #[test]
 fn a_storage_fault_during_a_backup_fails_it_and_loses_nothing() {
     use dedupd::ledger::{FaultSwitch, Ledger};
-    let faults: [(&str, fn(&FaultSwitch)); 2] = [
+    type Arm = fn(&FaultSwitch);
+    let faults: [(&str, Arm); 2] = [
         ("failing disk", |f| f.fail_after_fsyncs(0)),
         ("power cut", |f| f.cut_power_after_fsyncs(0, 7)),
     ];

@@ -287,7 +287,7 @@ impl Shard {
                 let last = handled.as_ref().err().map(ToString::to_string);
                 tracing::warn!(shard, subscriber = %st.name, failures = st.breaker.failures(),
                     cooldown_ms, last = last.as_deref().unwrap_or_default(),
-                    "handler circuit opened: its messages are dead-lettered without a call until the cool-down ends");
+                    "handler circuit opened: its messages use up attempts without a call and wait for the cool-down (dead-lettered once their attempts are used up)");
             }
             Transition::Closed => {
                 tracing::info!(shard, subscriber = %st.name,
