@@ -278,6 +278,7 @@ pub fn run(
             },
             report.naive_batch,
             params.config.ledger.cache_mib.get() * report.shards,
+            0,
             &mut progress,
         )?
         .msgs_per_sec;
@@ -595,6 +596,8 @@ pub struct NaiveRun {
     /// Per durable batch commit.
     pub p50_batch_ms: f64,
     pub p99_batch_ms: f64,
+    /// Keys in the table at the end, counted (preloaded ones included).
+    pub stored_keys: u64,
 }
 
 /// The baseline a careful user would write first: one redb table keyed by the 128-bit id
@@ -605,10 +608,14 @@ pub fn run_naive(
     spec: TrafficSpec,
     batch: u64,
     cache_mib: usize,
+    stored: u64,
     progress: &mut impl FnMut(Progress),
 ) -> Result<NaiveRun, BenchError> {
     let e = |x: &dyn std::fmt::Display| BenchError::Naive(x.to_string());
     let naive = crate::ledger::NaiveBaseline::create(path, cache_mib).map_err(|x| e(&x))?;
+    if stored > 0 {
+        naive.preload(stored, spec.seed).map_err(|x| e(&x))?;
+    }
     let mut traffic = Traffic::new(spec);
     let mut ev = Event::default();
     let start = Instant::now();
@@ -654,6 +661,7 @@ pub fn run_naive(
         expected,
         p50_batch_ms: latency.quantile_ms(0.5),
         p99_batch_ms: latency.quantile_ms(0.99),
+        stored_keys: naive.stored_keys().map_err(|x| e(&x))?,
     })
 }
 

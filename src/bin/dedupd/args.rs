@@ -520,6 +520,11 @@ pub struct CompareArgs {
     /// Messages for the naive redb baseline; 0 skips it [default: 1,000,000; --quick 20,000].
     #[arg(long)]
     naive_messages: Option<u64>,
+    /// Keys the naive baseline's table holds before its measured messages, so it is
+    /// measured at the size the targets name (loaded without fsync, not timed)
+    /// [default: 9,000,000, i.e. 10M keys by the end; --quick 0].
+    #[arg(long)]
+    naive_stored: Option<u64>,
     /// Fraction of messages that redeliver an earlier message.
     #[arg(long, default_value_t = 0.1)]
     dup_rate: f64,
@@ -571,6 +576,7 @@ impl CompareArgs {
             messages,
             request_messages,
             naive_messages: pick(self.naive_messages, 1_000_000, 20_000),
+            naive_stored: pick(self.naive_stored, 9_000_000, 0),
             dup_rate: self.dup_rate,
             seed: self.seed,
             batch: self.batch,
