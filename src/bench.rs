@@ -135,6 +135,12 @@ pub struct SeriesPoint {
     pub messages: u64,
     /// Messages per second within the step.
     pub msgs_per_sec: f64,
+    /// Released as processed so far (new claims written; with a TTL some have expired).
+    pub processed: u64,
+    /// The process's resident memory when the step ended, and the data directory's
+    /// allocated blocks then (as `du` counts), so growth per key is visible in one run.
+    pub rss_bytes: u64,
+    pub disk_allocated_bytes: u64,
 }
 
 /// Progress of a running benchmark, for the live line.
@@ -249,6 +255,7 @@ pub fn run(
         ack_rx,
         std::thread::current(),
         params.series_step.max(1),
+        data_dir.clone(),
     )?;
     let driven = drive(&ledger, &subs, spec, &live, ack_tx, &mut progress)?;
     let elapsed = live.start.elapsed();
@@ -338,6 +345,7 @@ fn spawn_acker(
     ack_rx: crossbeam_channel::Receiver<Vec<Done>>,
     generator: std::thread::Thread,
     series_step: u64,
+    data_dir: std::path::PathBuf,
 ) -> Result<std::thread::JoinHandle<AckerResult>, BenchError> {
     std::thread::Builder::new()
         .name("bench-acker".into())
@@ -380,6 +388,9 @@ fn spawn_acker(
                     r.series.push(SeriesPoint {
                         messages: released,
                         msgs_per_sec: (released - step_start.0) as f64 / secs,
+                        processed: r.counts[0],
+                        rss_bytes: rss_bytes(),
+                        disk_allocated_bytes: crate::ledger::dir_allocated_bytes(&data_dir),
                     });
                     step_start = (released, at);
                 }
@@ -746,6 +757,14 @@ mod tests {
             .series
             .iter()
             .all(|p| p.msgs_per_sec.is_finite() && p.msgs_per_sec > 0.0));
+        // Memory and disk are read at each point; processed grows with released messages.
+        assert!(r.series.windows(2).all(|w| w[0].processed < w[1].processed));
+        assert!(r
+            .series
+            .iter()
+            .all(|p| p.processed <= p.messages && p.rss_bytes > 0 && p.disk_allocated_bytes > 0));
+        let last = r.series.last().unwrap();
+        assert!(last.processed <= r.processed && last.processed * 10 >= last.messages * 8);
         assert!(r.rss_bytes_per_key >= 0.0 && r.rss_base_bytes > 0);
         assert_eq!(r.stored_keys, r.processed);
         assert!(r.disk_bytes_per_key > 0.0);

@@ -203,9 +203,15 @@ fn run(command: Command) -> Result<()> {
                 false => print!("{report}"),
             }
             for p in report.series.iter().filter(|_| series && !json) {
+                let per = |bytes: u64| bytes as f64 / p.processed.max(1) as f64;
                 println!(
-                    "series   {:>12} msgs  {:>10.0} msgs/s",
-                    p.messages, p.msgs_per_sec
+                    "series   {:>12} msgs  {:>10.0} msgs/s  {:>12} processed  resident {:>7.1} MiB  disk {:>8.1} MiB ({:>5.1} B/processed)",
+                    p.messages,
+                    p.msgs_per_sec,
+                    p.processed,
+                    p.rss_bytes as f64 / (1 << 20) as f64,
+                    p.disk_allocated_bytes as f64 / (1 << 20) as f64,
+                    per(p.disk_allocated_bytes)
                 );
             }
             if !report.verified {
