@@ -74,6 +74,20 @@ fn submit(ledger: &Ledger, sub: &str, ids: &[String], want: &Outcome) {
     assert_eq!(n, ids.len(), "every message has an outcome");
 }
 
+/// Times `iters` batches of `BATCH` ids never sent before (taken from `next`), each
+/// processed; building the ids is not timed.
+fn new_batches(ledger: &Ledger, sub: &str, next: &AtomicU64, iters: u64) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        let first = next.fetch_add(BATCH as u64, Ordering::Relaxed);
+        let ids: Vec<String> = (first..first + BATCH as u64).map(id).collect();
+        let t = Instant::now();
+        submit(ledger, sub, &ids, &Outcome::Processed);
+        total += t.elapsed();
+    }
+    total
+}
+
 /// Stores `count` claims from `first` on, in batches.
 fn fill(ledger: &Ledger, sub: &str, first: u64, count: u64) {
     let ids: Vec<String> = (first..first + count).map(id).collect();
@@ -94,17 +108,7 @@ fn claims(c: &mut Criterion) {
     g.throughput(Throughput::Elements(BATCH as u64));
     g.sample_size(20);
     g.bench_function("decide_commit_new_1000", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let first = next.fetch_add(BATCH as u64, Ordering::Relaxed);
-                let ids: Vec<String> = (first..first + BATCH as u64).map(id).collect();
-                let t = Instant::now();
-                submit(&ledger, "bench", &ids, &Outcome::Processed);
-                total += t.elapsed();
-            }
-            total
-        })
+        b.iter_custom(|iters| new_batches(&ledger, "bench", &next, iters))
     });
     g.bench_function("decide_redelivered_sealed_1000", |b| {
         b.iter_custom(|iters| {
@@ -228,17 +232,7 @@ fn state(c: &mut Criterion) {
             .set_handler("state", Some(handler(false, reads)))
             .expect("handler");
         g.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let first = next.fetch_add(BATCH as u64, Ordering::Relaxed);
-                    let ids: Vec<String> = (first..first + BATCH as u64).map(id).collect();
-                    let t = Instant::now();
-                    submit(&ledger, "state", &ids, &Outcome::Processed);
-                    total += t.elapsed();
-                }
-                total
-            })
+            b.iter_custom(|iters| new_batches(&ledger, "state", &next, iters))
         });
     }
     g.finish();
