@@ -30,6 +30,7 @@ mod clock;
 mod determinism;
 mod host;
 mod output;
+mod streams;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -312,6 +313,12 @@ impl Component {
         // Random bytes and the wall clock are the same on every attempt of a message
         // (`determinism.rs`).
         link_deterministic(&mut linker)?;
+        // Stream calls without a Tokio runtime in between (`streams.rs`).
+        wasmtime_wasi::p2::bindings::sync::io::streams::add_to_linker::<_, streams::HasStreams>(
+            &mut linker,
+            |s| streams::Streams(&mut s.table),
+        )
+        .map_err(|e| HandlerError::Instantiate(format!("linking streams: {e:#}")))?;
         linker.allow_shadowing(false);
         bindings::DedupdHandler::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| HandlerError::Instantiate(format!("linking host: {e:#}")))?;
