@@ -363,7 +363,7 @@ impl Default for SubscriberSettings {
             max_attempts: 3,
             retry_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_secs(60),
-            handler_breaker_failures: 10,
+            handler_breaker_failures: 5,
             handler_breaker_cooldown: Duration::from_secs(5),
             fingerprint: FingerprintSpec::default(),
         }

@@ -77,6 +77,9 @@ pub mod metric {
     /// Counter: messages dead-lettered without a handler call while the subscriber's
     /// circuit breaker was open on their shard.
     pub const HANDLER_CALLS_SKIPPED_TOTAL: &str = "dedupd_handler_calls_skipped_total";
+    /// Counter: handler calls set aside while the subscriber used more than its fair
+    /// share of a busy shard's time (called later; one message may count several times).
+    pub const HANDLER_CALLS_DEFERRED_TOTAL: &str = "dedupd_handler_calls_deferred_total";
     /// Counter: times a shard's circuit breaker of the subscriber opened
     /// (`handler_breaker_failures` sandbox failures in a row).
     pub const HANDLER_CIRCUITS_OPENED_TOTAL: &str = "dedupd_handler_circuits_opened_total";
@@ -171,6 +174,7 @@ pub mod metric {
         (RECORDS_DROPPED_TOTAL, "Stored records the ledger removed on its own; labels kind (quarantine, dead_letter) and reason (retention, cap)."),
         (HANDLER_FAILURES_TOTAL, "Failed handler attempts; label kind (retryable, permanent, timeout, memory, trap)."),
         (HANDLER_CALLS_SKIPPED_TOTAL, "Messages dead-lettered without a handler call while the subscriber's circuit breaker was open on their shard."),
+        (HANDLER_CALLS_DEFERRED_TOTAL, "Handler calls set aside while the subscriber used more than its fair share of a shard's time with other subscribers waiting (called later; a message may count several times)."),
         (HANDLER_CIRCUITS_OPENED_TOTAL, "Times a shard's circuit breaker of the subscriber opened (handler_breaker_failures sandbox failures in a row)."),
         (FILTER_PROBES_TOTAL, "Probes of sealed-generation filters."),
         (FILTER_FALSE_POSITIVES_TOTAL, "Filter probes that answered 'maybe' without a stored match."),
@@ -215,6 +219,7 @@ pub mod metric {
         RECORDS_DROPPED_TOTAL,
         HANDLER_FAILURES_TOTAL,
         HANDLER_CALLS_SKIPPED_TOTAL,
+        HANDLER_CALLS_DEFERRED_TOTAL,
         HANDLER_CIRCUITS_OPENED_TOTAL,
         FILTER_PROBES_TOTAL,
         FILTER_FALSE_POSITIVES_TOTAL,

@@ -116,9 +116,12 @@ fn hostile_handlers_leave_their_neighbours_exact_and_the_log_bounded() {
             // Each message is tried three times, until the breaker of its shard opens:
             // then dead-lettered without a call, the last failure in the reason.
             let reason = t.first_reason.as_deref().unwrap_or_default();
+            let breaker = format!(
+                "circuit open after {} failed calls in a row",
+                Config::default().defaults.handler_breaker_failures
+            );
             assert!(
-                reason.contains("attempt 3 of 3")
-                    || reason.contains("circuit open after 10 failed calls in a row"),
+                reason.contains("attempt 3 of 3") || reason.contains(&breaker),
                 "{}: {reason}",
                 t.subscriber
             );

@@ -103,6 +103,8 @@ fn sample_counters(name: &str, c: &SubscriberCounters) {
     }
     counter!(metric::HANDLER_CALLS_SKIPPED_TOTAL, "subscriber" => name.clone())
         .absolute(c.handler_calls_skipped.load(Relaxed));
+    counter!(metric::HANDLER_CALLS_DEFERRED_TOTAL, "subscriber" => name.clone())
+        .absolute(c.handler_calls_deferred.load(Relaxed));
     counter!(metric::HANDLER_CIRCUITS_OPENED_TOTAL, "subscriber" => name.clone())
         .absolute(c.handler_circuits_opened.load(Relaxed));
     let probes = c.filter_probes.load(Relaxed);

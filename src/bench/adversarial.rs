@@ -151,6 +151,8 @@ pub struct Tally {
     pub unexpected_reasons: u64,
     /// Seconds from the phase's start to the subscriber's last outcome.
     pub last_outcome_s: f64,
+    /// Handler calls set aside while it used more than its share of a shard's time.
+    pub calls_deferred: u64,
 }
 
 /// One phase: the good subscribers alone, or with the hostile ones.
@@ -389,6 +391,11 @@ fn run_phase(
             .iter()
             .find(|s| s.subscriber == lane.name);
         let state = ledger.state_entries(&lane.name)?;
+        let calls_deferred = ledger
+            .subscriber(&lane.name)?
+            .counters
+            .handler_calls_deferred
+            .load(std::sync::atomic::Ordering::Relaxed);
         check_state(params, lane, &state, &mut phase.problems);
         let tally = Tally {
             subscriber: lane.name.clone(),
@@ -404,6 +411,7 @@ fn run_phase(
             first_reason: c.first_reason,
             unexpected_reasons: c.unexpected_reasons,
             last_outcome_s: c.last_outcome.as_secs_f64(),
+            calls_deferred,
         };
         check_outcomes(&tally, lane.behaviour, &mut phase.problems);
         if lane.behaviour == Behaviour::Good {
@@ -579,13 +587,14 @@ impl std::fmt::Display for AdversarialReport {
         {
             writeln!(
                 f,
-                "  {:<11} sent {:>6}  processed {:>6}  duplicate {:>5}  dead-lettered {:>6}  claims {:>6}  last outcome {:>6.2} s  {}",
+                "  {:<11} sent {:>6}  processed {:>6}  duplicate {:>5}  dead-lettered {:>6}  claims {:>6}  deferred {:>5}  last outcome {:>6.2} s  {}",
                 t.subscriber,
                 t.sent,
                 t.processed,
                 t.duplicates,
                 t.dead_lettered,
                 t.claims,
+                t.calls_deferred,
                 t.last_outcome_s,
                 t.first_reason.as_deref().unwrap_or("")
             )?;

@@ -37,6 +37,9 @@ pub struct SubscriberCounters {
     pub handler_failures: [AtomicU64; 5],
     /// Messages dead-lettered without a handler call while its circuit breaker was open.
     pub handler_calls_skipped: AtomicU64,
+    /// Handler calls set aside while the subscriber used more than its share of a busy
+    /// shard's time (each is called later; a message may be set aside several times).
+    pub handler_calls_deferred: AtomicU64,
     /// Times a shard's circuit breaker of this subscriber opened.
     pub handler_circuits_opened: AtomicU64,
     /// Stored quarantine records removed by retention or the cap (not by operators).

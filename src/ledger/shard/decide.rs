@@ -184,6 +184,10 @@ impl Shard {
                     stored_fingerprint: r.fingerprint,
                 })
             }
+            _ if self.shares.holds_back(idx, Instant::now()) => {
+                tally.of(idx).calls_deferred += 1;
+                Decision::Defer
+            }
             _ => {
                 let handled = match self.breaker_refuses(idx, now, tally) {
                     Some(refused) => Err(refused),
@@ -235,8 +239,12 @@ impl Shard {
         msg.attempt = job.attempt;
         msg.received_at_ms = job.received_at_ms;
         view.set_scope(job.entity.as_deref());
+        let called = Instant::now();
         let (mut view, result) = h.instance.handle(msg, view);
         let version = h.factory.version();
+        let returned = Instant::now();
+        self.shares
+            .record_call(idx, returned.saturating_duration_since(called), returned);
         let handled = result.map(|effects| {
             view.absorb(effects);
             version
@@ -468,6 +476,7 @@ pub(super) struct BatchCounts {
     dead_lettered: u64,
     retries: u64,
     calls_skipped: u64,
+    calls_deferred: u64,
     circuits_opened: u64,
 }
 
@@ -487,6 +496,8 @@ impl BatchCounts {
         k.retries.fetch_add(self.retries, Ordering::Relaxed);
         k.handler_calls_skipped
             .fetch_add(self.calls_skipped, Ordering::Relaxed);
+        k.handler_calls_deferred
+            .fetch_add(self.calls_deferred, Ordering::Relaxed);
         k.handler_circuits_opened
             .fetch_add(self.circuits_opened, Ordering::Relaxed);
     }

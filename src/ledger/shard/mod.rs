@@ -28,6 +28,7 @@ mod maintain;
 mod merge;
 mod open;
 mod probe;
+mod share;
 mod write;
 
 use std::collections::HashMap;
@@ -218,6 +219,8 @@ pub(crate) struct Shard {
     /// Messages whose handler failed and that wait for their next attempt.
     retries: std::collections::BinaryHeap<Retry>,
     retry_order: u64,
+    /// Handler time per subscriber and messages set aside while over their share.
+    shares: share::Shares,
     dead_rows: Vec<PendingRecord>,
     /// Records that replayed jobs of this batch settled, removed with its commit.
     settled: Vec<(RecordKind, SubscriberId, u64)>,
@@ -268,6 +271,9 @@ enum Decision {
     Probe,
     /// Another job (here or on another shard) is deciding this key: try again shortly.
     Wait,
+    /// Its subscriber used more than its share of this busy shard: set aside, without a
+    /// call, until it is under its share again (`share.rs`).
+    Defer,
 }
 
 /// How soon a job that waits for another decision of its key is tried again.
@@ -383,10 +389,13 @@ impl Shard {
             // Peers first: a probe waiting behind a batch of ours holds the asking shard's
             // messages for a whole batch and fsync (I6).
             self.serve_peers(&peer_rx);
-            let wait = match self.retries.peek() {
+            let mut wait = match self.retries.peek() {
                 Some(r) => r.due.saturating_duration_since(Instant::now()).min(tick),
                 None => tick,
             };
+            if self.shares.has_deferred() {
+                wait = wait.min(share::RECHECK);
+            }
             let msg = crossbeam_channel::select! {
                 recv(rx) -> m => match m {
                     Ok(m) => Some(m),
@@ -400,7 +409,7 @@ impl Shard {
                 },
                 default(wait) => {
                     self.take_due_retries();
-                    if self.batch.is_empty() {
+                    if self.batch.is_empty() && !self.shares.has_deferred() {
                         self.idle();
                     } else {
                         self.process_batch();
@@ -469,6 +478,13 @@ impl Shard {
     fn process_batch(&mut self) {
         let started = Instant::now();
         let mut jobs = std::mem::take(&mut self.batch);
+        self.shares.begin_batch(&mut jobs, started);
+        if jobs.is_empty() {
+            // Only set-aside messages, all still over their share.
+            self.batch = jobs;
+            self.idle();
+            return;
+        }
         let now = self.ctx.clock.now_ms();
         for job in jobs.iter_mut().filter(|j| j.received_at_ms == 0) {
             job.received_at_ms = now;
@@ -526,6 +542,7 @@ impl Shard {
                 Decision::Done(outcome) => done.push((job, outcome)),
                 Decision::Probe => probes.push(job),
                 Decision::Wait => self.retry_after(job, WAIT_FOR_KEY),
+                Decision::Defer => self.shares.defer(job),
                 Decision::Retry(failure) => {
                     let delay = match &failure {
                         // Back when the breaker lets a call through again (a millisecond
@@ -592,7 +609,12 @@ impl Shard {
         let reason = e.to_string();
         self.ctx.inflight.release_all(self.ctx.index);
         let waiting: Vec<Job> = self.probing.drain().flat_map(|(_, g)| g.jobs).collect();
-        let retrying: Vec<Job> = self.retries.drain().map(|r| r.job).collect();
+        let retrying: Vec<Job> = self
+            .retries
+            .drain()
+            .map(|r| r.job)
+            .chain(self.shares.take_deferred())
+            .collect();
         let failed = |j| {
             (
                 j,

@@ -60,6 +60,7 @@ impl Shard {
             retired_claims: Default::default(),
             retries: Default::default(),
             retry_order: 0,
+            shares: share::Shares::new(),
             dead_rows: Vec::new(),
             settled: Vec::new(),
             next_outbox_seq: 1,
