@@ -104,6 +104,7 @@ impl Shard {
             self.subs[idx] = Some(st);
             did |= r?;
         }
+        let t_subs = Instant::now();
         did |= records::sweep(
             txn,
             &mut self.subs,
@@ -120,7 +121,17 @@ impl Shard {
                 RETIRE_ROWS
             },
         )?;
+        let t_log = Instant::now();
         did |= self.trim_retired_claims(txn, budget.saturating_mul(RETIRE_FACTOR))?;
+        let t_end = Instant::now();
+        if t_end - t_subs > Duration::from_millis(15) {
+            tracing::debug!(
+                shard = self.ctx.index,
+                records_and_retired_logs_ms = (t_log - t_subs).as_millis() as u64,
+                retired_claims_ms = (t_end - t_log).as_millis() as u64,
+                "slow maintenance outside subscribers"
+            );
+        }
         Ok(did)
     }
 
@@ -199,6 +210,7 @@ impl Shard {
         expiry_due: bool,
         cfg: &LedgerConfig,
     ) -> Result<bool, LedgerError> {
+        let t0 = std::time::Instant::now();
         let mut did = st
             .state_buf
             .maintain(
@@ -218,13 +230,25 @@ impl Shard {
         {
             did |= self.seal_active(st, txn, now)?;
         }
+        let t1 = std::time::Instant::now();
         did |= self.seal_slice(st, txn, budget)?;
+        let t2 = std::time::Instant::now();
         if expiry_due {
             did |= self.drop_expired(st, txn, now)?;
         }
+        let t3 = std::time::Instant::now();
         did |= self.start_merge(st, cfg);
         if st.merging.is_some() {
             did |= self.merge_step(st, txn, now, budget)?;
+        }
+        let t4 = std::time::Instant::now();
+        if t4 - t0 > Duration::from_millis(15) {
+            tracing::debug!(shard = self.ctx.index, subscriber = %st.name,
+                state_and_seal_start_ms = (t1 - t0).as_millis() as u64,
+                seal_ms = (t2 - t1).as_millis() as u64,
+                expiry_ms = (t3 - t2).as_millis() as u64,
+                merge_ms = (t4 - t3).as_millis() as u64,
+                "slow maintenance of a subscriber");
         }
         Ok(did)
     }
