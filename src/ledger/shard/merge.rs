@@ -126,10 +126,12 @@ impl Shard {
             return Ok(false);
         };
         let half = (budget / 2).max(1);
+        let t0 = std::time::Instant::now();
         let older = tables::claims_name(&st.name, m.older);
         let (a, a_ex) = self.read_after(txn, &older, m.cursor_older, m.older_done, half)?;
         let newer = tables::claims_name(&st.name, m.newer);
         let (b, b_ex) = self.read_after(txn, &newer, m.cursor_newer, m.newer_done, half)?;
+        let t1 = std::time::Instant::now();
         let (out, i, j) = merge_slice(&a, a_ex, &b, b_ex, now);
         if i > 0 {
             m.cursor_older = Some(a[i - 1].0);
@@ -160,6 +162,16 @@ impl Shard {
                     t.insert(key, block.as_slice()).map_err(|e| self.err(e))?;
                 }
             }
+        }
+        let t2 = std::time::Instant::now();
+        if t2 - t0 > std::time::Duration::from_millis(15) {
+            tracing::debug!(
+                shard = self.ctx.index,
+                read_ms = (t1 - t0).as_millis() as u64,
+                write_ms = (t2 - t1).as_millis() as u64,
+                claims = out.len(),
+                "slow merge slice"
+            );
         }
         m.count += out.len() as u64;
         if finished {
