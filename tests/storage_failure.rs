@@ -927,8 +927,11 @@ fn failing_reads_while_running_never_make_a_claimed_message_new() {
             let done: Vec<Done> = rx.iter().flatten().collect();
             assert!(done.iter().all(|d| d.outcome == Outcome::Processed));
         }
+        // Several generations sealed on disk (how many by now depends on the builder
+        // thread's pace: 9 in a loaded full-suite run, 10-11 alone); the last assertion
+        // checks that the lookups did read the disk.
         let m = &ledger.metrics()[0];
-        assert!(m.seals >= 10, "sealed generations on disk: {m:?}");
+        assert!(m.seals >= 8, "sealed generations on disk: {m:?}");
         ledger.close().unwrap();
     }
     // Redeliveries spread over the whole history, so most lookups read sealed blocks.
