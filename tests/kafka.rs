@@ -359,6 +359,23 @@ handler = "{}"
         assert!(header(m, "operation-key").is_some());
     }
     assert!(ledger.outbox_pending(10).unwrap().is_empty());
+    // The ledger's dead letters name where each message came from: the handler's two
+    // (an `Origin` formatted when the record is written) and the unkeyed one.
+    let records = ledger
+        .records(RecordKind::DeadLetter, "orders", None, 10)
+        .unwrap();
+    assert_eq!(records.len(), 3, "{records:?}");
+    for r in &records {
+        let origin = r.body["origin"].as_str().unwrap_or_default();
+        let rest = origin
+            .strip_prefix(&format!("kafka:{orders}/"))
+            .unwrap_or_default();
+        let parts: Vec<&str> = rest.split('/').collect();
+        assert!(
+            parts.len() == 2 && parts.iter().all(|p| p.parse::<i64>().is_ok()),
+            "origin {origin:?}"
+        );
+    }
     let ledger = Arc::try_unwrap(ledger).ok().unwrap();
     ledger.close().unwrap();
 }

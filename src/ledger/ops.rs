@@ -16,7 +16,7 @@ use super::offline::close_copied_shard;
 use super::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
 use super::tracked::Rendezvous;
-use super::{AckSender, Ledger, LedgerError, Placement};
+use super::{AckSender, Ledger, LedgerError, Origin, Placement};
 use crate::config::SubscriberSettings;
 use crate::envelope::{key_hash, IdempotencyKey};
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
@@ -137,7 +137,7 @@ fn redelivery(
         origin: body
             .get("origin")
             .and_then(|k| k.as_str())
-            .map(String::from),
+            .map(Origin::from),
         ..Delivery::new(Target::Resolved(sub.clone()), Payload::Bytes(payload))
     };
     let given = IdempotencyKey {

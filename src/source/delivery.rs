@@ -20,7 +20,7 @@ use crate::envelope::{
     canonical_payload, derive_entity, derive_key, payload_fingerprint, Envelope, IdempotencyKey,
     KeyError,
 };
-use crate::ledger::{AckSender, Job, Ledger, LedgerError, Subscriber};
+use crate::ledger::{AckSender, Job, Ledger, LedgerError, Origin, Subscriber};
 
 /// Which subscriber a delivery is for.
 #[derive(Debug, Clone)]
@@ -72,7 +72,7 @@ pub struct Delivery {
     pub lowercase_header_names: bool,
     pub payload: Payload,
     /// Where the message came from (e.g. `kafka:orders/3/1234`), kept in records.
-    pub origin: Option<String>,
+    pub origin: Option<Origin>,
     /// When the source received it, ms since the epoch (0: when the shard first decides).
     pub received_at_ms: u64,
 }
@@ -366,7 +366,10 @@ mod tests {
             vec![("h".to_string(), "1".to_string()), ("h".into(), "2".into())]
         );
         assert_eq!(r.job.partition_key.as_deref(), Some("o-1"));
-        assert_eq!(r.job.origin.as_deref(), Some("kafka:t/0/7"));
+        assert_eq!(
+            r.job.origin.as_ref().map(ToString::to_string).as_deref(),
+            Some("kafka:t/0/7")
+        );
         assert_eq!(r.job.received_at_ms, 42);
     }
 
