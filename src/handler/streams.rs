@@ -11,7 +11,6 @@
 
 use std::future::Future;
 use std::pin::pin;
-use std::task::{Context, Poll, Waker};
 
 use wasmtime::component::{HasData, Resource, ResourceTable};
 use wasmtime_wasi::p2::bindings::io::streams::{
@@ -22,7 +21,7 @@ use wasmtime_wasi::p2::bindings::sync::io::streams::{
     self, Host, HostInputStream, HostOutputStream, InputStream, OutputStream,
 };
 use wasmtime_wasi::p2::{StreamError, StreamResult};
-use wasmtime_wasi::runtime::in_tokio;
+use wasmtime_wasi::runtime::{in_tokio, poll_noop};
 
 /// The handler's resource table, seen as `wasi:io/streams`.
 pub(crate) struct Streams<'a>(pub &'a mut ResourceTable);
@@ -38,9 +37,9 @@ impl HasData for HasStreams {
 /// in a Tokio runtime as wasmtime-wasi does.
 fn ready_or_block<F: Future>(f: F) -> F::Output {
     let mut f = pin!(f);
-    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(out) => out,
-        Poll::Pending => in_tokio(f),
+    match poll_noop(f.as_mut()) {
+        Some(out) => out,
+        None => in_tokio(f),
     }
 }
 

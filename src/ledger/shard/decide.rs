@@ -184,7 +184,7 @@ impl Shard {
                     stored_fingerprint: r.fingerprint,
                 })
             }
-            _ if self.shares.holds_back(idx, Instant::now()) => {
+            _ if self.shares.holds_back(idx, Instant::now) => {
                 tally.of(idx).calls_deferred += 1;
                 Decision::Defer
             }

@@ -210,7 +210,10 @@ impl Shard {
         expiry_due: bool,
         cfg: &LedgerConfig,
     ) -> Result<bool, LedgerError> {
-        let t0 = std::time::Instant::now();
+        // Step times for the "slow maintenance" debug line, taken only when it can print.
+        let timed = tracing::enabled!(tracing::Level::DEBUG);
+        let stamp = || timed.then(Instant::now);
+        let t0 = stamp();
         let mut did = st
             .state_buf
             .maintain(
@@ -230,25 +233,26 @@ impl Shard {
         {
             did |= self.seal_active(st, txn, now)?;
         }
-        let t1 = std::time::Instant::now();
+        let t1 = stamp();
         did |= self.seal_slice(st, txn, budget)?;
-        let t2 = std::time::Instant::now();
+        let t2 = stamp();
         if expiry_due {
             did |= self.drop_expired(st, txn, now)?;
         }
-        let t3 = std::time::Instant::now();
+        let t3 = stamp();
         did |= self.start_merge(st, cfg);
         if st.merging.is_some() {
             did |= self.merge_step(st, txn, now, budget)?;
         }
-        let t4 = std::time::Instant::now();
-        if t4 - t0 > Duration::from_millis(15) {
-            tracing::debug!(shard = self.ctx.index, subscriber = %st.name,
-                state_and_seal_start_ms = (t1 - t0).as_millis() as u64,
-                seal_ms = (t2 - t1).as_millis() as u64,
-                expiry_ms = (t3 - t2).as_millis() as u64,
-                merge_ms = (t4 - t3).as_millis() as u64,
-                "slow maintenance of a subscriber");
+        if let (Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) = (t0, t1, t2, t3, stamp()) {
+            if t4 - t0 > Duration::from_millis(15) {
+                tracing::debug!(shard = self.ctx.index, subscriber = %st.name,
+                    state_and_seal_start_ms = (t1 - t0).as_millis() as u64,
+                    seal_ms = (t2 - t1).as_millis() as u64,
+                    expiry_ms = (t3 - t2).as_millis() as u64,
+                    merge_ms = (t4 - t3).as_millis() as u64,
+                    "slow maintenance of a subscriber");
+            }
         }
         Ok(did)
     }

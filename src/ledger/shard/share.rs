@@ -133,22 +133,15 @@ impl Shares {
         }
         let waiting = self.deferred.len();
         let jobs: Vec<Job> = self.deferred.drain(..).chain(batch.drain(..)).collect();
-        // Calls given back per subscriber when it is alone: about a slice of its time.
-        let mut slice: Vec<(usize, f64)> = Vec::new();
+        // With one subscriber in the batch, the calls given back: about a slice of its time.
+        let mut slice_left = SLICE.as_micros() as f64;
         for (i, job) in jobs.into_iter().enumerate() {
             let idx = job.subscriber.0 as usize;
             let held = match self.meter(idx) {
                 Some(m) if m.blocked => true,
                 Some(m) if i < waiting && self.active == 1 => {
-                    let left = match slice.iter_mut().find(|(s, _)| *s == idx) {
-                        Some((_, left)) => left,
-                        None => {
-                            slice.push((idx, SLICE.as_micros() as f64));
-                            &mut slice.last_mut().expect("just pushed").1
-                        }
-                    };
-                    let over = *left <= 0.0;
-                    *left -= m.mean_us.max(1.0);
+                    let over = slice_left <= 0.0;
+                    slice_left -= m.mean_us.max(1.0);
                     over
                 }
                 Some(_) if i < waiting => self.is_over(idx, now),
@@ -179,8 +172,13 @@ impl Shares {
 
     /// Whether the subscriber's next handler call in this batch is to be set aside: it is
     /// over its share, or one of its messages already was.
-    pub fn holds_back(&mut self, idx: usize, now: Instant) -> bool {
-        let held = self.meter(idx).is_some_and(|m| m.blocked) || self.is_over(idx, now);
+    /// The clock is read only when it can matter (a subscriber whose handler ran, next to
+    /// others): this is asked for every new message.
+    pub fn holds_back(&mut self, idx: usize, now: impl FnOnce() -> Instant) -> bool {
+        let Some(m) = self.meter(idx) else {
+            return false;
+        };
+        let held = m.blocked || (self.active >= 2 && self.is_over(idx, now()));
         if held {
             self.block(idx);
         }
@@ -230,7 +228,7 @@ mod tests {
         let mut called = Vec::new();
         for j in batch {
             let idx = j.subscriber.0 as usize;
-            if s.holds_back(idx, *now) {
+            if s.holds_back(idx, || *now) {
                 s.defer(j);
                 continue;
             }
