@@ -1072,3 +1072,178 @@ fn sockets_refuse_every_use() {
         assert!(answer.contains(code), "{p}: {answer}");
     }
 }
+
+/// Records what a subscriber's shards publish, or refuses it.
+#[derive(Debug, Default)]
+struct Recorder {
+    changes: std::sync::Mutex<Vec<dedupd::ledger::changelog::Change>>,
+    refuse: std::sync::atomic::AtomicBool,
+}
+
+impl dedupd::ledger::changelog::ChangelogSink for Recorder {
+    fn publish(&self, changes: &[dedupd::ledger::changelog::Change]) -> Result<(), String> {
+        if self.refuse.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err("the topic is unreachable".into());
+        }
+        self.changes.lock().unwrap().extend_from_slice(changes);
+        Ok(())
+    }
+}
+
+impl Harness {
+    /// Submits jobs placed as a source places them (state scoped per `order_id`), in order.
+    fn place_and_run(&self, jobs: Vec<(Job, Option<String>)>) {
+        let sub = self.ledger.subscriber("count").unwrap();
+        for (mut job, entity) in jobs {
+            let shard = self.ledger.place(&sub, &mut job, entity);
+            self.ledger.submit(shard, vec![job]).unwrap();
+        }
+    }
+}
+
+/// Counter events for `count`: (id, order, payload).
+fn counter_events(n: usize) -> Vec<(String, String, String)> {
+    (0..n)
+        .map(|i| {
+            let order = format!("o-{}", i % 30);
+            let payload = format!(r#"{{"order_id":"{order}","n":{i}}}"#);
+            (format!("e-{i}"), order, payload)
+        })
+        .collect()
+}
+
+fn counter_jobs(
+    h: &Harness,
+    events: &[(String, String, String)],
+    tx: &crossbeam_channel::Sender<Vec<Done>>,
+) -> Vec<(Job, Option<String>)> {
+    let sub = h.ledger.subscriber("count").unwrap();
+    events
+        .iter()
+        .enumerate()
+        .map(|(i, (id, order, payload))| {
+            let job = Job::new(
+                i as u64,
+                sub.id,
+                key_hash(id.as_bytes()),
+                fingerprint(payload.as_bytes()),
+                id,
+                payload.as_bytes(),
+                tx.clone(),
+            );
+            (job, Some(order.clone()))
+        })
+        .collect()
+}
+
+fn outcomes(rx: crossbeam_channel::Receiver<Vec<Done>>, n: usize) -> Vec<Outcome> {
+    let mut done: Vec<Done> = Vec::with_capacity(n);
+    while done.len() < n {
+        done.extend(rx.recv_timeout(Duration::from_secs(60)).unwrap());
+    }
+    done.sort_by_key(|d| d.seq);
+    done.into_iter().map(|d| d.outcome).collect()
+}
+
+/// Issue 17: a subscriber with a changelog publishes one change per processed message (a
+/// duplicate publishes nothing) before its batch commits; replaying the changes on
+/// another ledger — first a prefix, then all of them over it, as a member that owned a
+/// partition before and gets it back — gives the same claims and the same per-order
+/// state, and the original messages are duplicates there with no handler call. A change
+/// whose claim has expired restores its state but not its claim.
+#[test]
+fn published_changes_restore_the_same_claims_and_state_on_another_ledger() {
+    let a = Harness::new(&[("count", "fixture_counter", 1)]);
+    let rec = Arc::new(Recorder::default());
+    a.ledger.set_changelog("count", Some(rec.clone())).unwrap();
+    let events = counter_events(300);
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let mut jobs = counter_jobs(&a, &events, &tx);
+    jobs.extend(counter_jobs(&a, &events[..50], &tx)); // redeliveries
+    for (i, (job, _)) in jobs.iter_mut().enumerate() {
+        job.seq = i as u64;
+    }
+    a.place_and_run(jobs);
+    let out = outcomes(rx, 350);
+    assert!(
+        out[..300].iter().all(|o| *o == Outcome::Processed),
+        "{out:?}"
+    );
+    assert!(out[300..].iter().all(|o| *o == Outcome::Duplicate));
+    let mut changes = rec.changes.lock().unwrap().clone();
+    assert_eq!(changes.len(), 300, "one change per processed message");
+    assert!(changes
+        .iter()
+        .all(|c| c.entity.as_deref().is_some_and(|e| e.starts_with("o-"))));
+    let want = a.state("count");
+    assert_eq!(want.len(), 30);
+    assert!(want.iter().all(|(_, v)| v == "10"), "{want:?}");
+
+    // One change's claim has expired: its state still counts, its claim is gone.
+    changes[299].expires_at_ms = 1;
+    let b = Harness::new(&[("count", "fixture_counter", 1)]);
+    let sub = b.ledger.subscriber("count").unwrap();
+    let replay = |changes: &[dedupd::ledger::changelog::Change]| {
+        let (tx, rx) = unbounded::<Vec<Done>>();
+        let jobs = changes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                (
+                    Job::restore(i as u64, sub.id, c.clone(), tx.clone()),
+                    c.entity.clone(),
+                )
+            })
+            .collect();
+        b.place_and_run(jobs);
+        assert!(outcomes(rx, changes.len())
+            .iter()
+            .all(|o| *o == Outcome::Processed));
+    };
+    replay(&changes[..120]);
+    replay(&changes);
+    assert_eq!(b.state("count"), want, "the same state per order");
+    for (i, (id, _, _)) in events.iter().enumerate() {
+        let found = b.ledger.lookup("count", key_hash(id.as_bytes())).unwrap();
+        if i == 299 {
+            assert!(found.is_none(), "an expired claim is not restored");
+        } else {
+            let theirs = a.ledger.lookup("count", key_hash(id.as_bytes())).unwrap();
+            assert_eq!(found, theirs, "{id}");
+        }
+    }
+    // The original messages are duplicates on the restored ledger: no call, no change.
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    b.place_and_run(counter_jobs(&b, &events[..299], &tx));
+    assert!(outcomes(rx, 299).iter().all(|o| *o == Outcome::Duplicate));
+    assert_eq!(b.state("count"), want);
+}
+
+/// A changelog that does not take a batch stops the ledger before the batch commits:
+/// the message fails, and after a restart it holds no claim and no state (G7).
+#[test]
+fn a_changelog_that_refuses_a_batch_stops_the_ledger_before_it_commits() {
+    let h = Harness::new(&[("count", "fixture_counter", 1)]);
+    let rec = Arc::new(Recorder::default());
+    rec.refuse.store(true, std::sync::atomic::Ordering::Relaxed);
+    h.ledger.set_changelog("count", Some(rec)).unwrap();
+    let events = counter_events(1);
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    h.place_and_run(counter_jobs(&h, &events, &tx));
+    match &outcomes(rx, 1)[0] {
+        Outcome::Failed { reason } => {
+            assert!(reason.contains("the topic is unreachable"), "{reason}")
+        }
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    assert!(h.ledger.poison_reason().is_some());
+    let Harness { ledger, _dir: dir } = h;
+    let _ = ledger.close();
+    let config = config(&[("count", "fixture_counter", 1)]);
+    let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+    assert!(ledger
+        .lookup("count", key_hash(events[0].0.as_bytes()))
+        .unwrap()
+        .is_none());
+    assert!(ledger.state_entries("count").unwrap().is_empty());
+}

@@ -240,11 +240,13 @@ handler = "{}"
             subscriber: "orders".into(),
             topics: vec![orders.clone()],
             group: Some(format!("g-{orders}")),
+            changelog: false,
         },
         SubscriptionConfig {
             subscriber: "payments".into(),
             topics: vec![payments.clone()],
             group: Some(format!("g-{payments}")),
+            changelog: false,
         },
     ];
     config.kafka = Some(k.clone());
@@ -396,6 +398,7 @@ key = { source = "header", name = "message-id" }
         subscriber: "orders".into(),
         topics: vec![topic.to_string()],
         group: Some(format!("g-{topic}")),
+        changelog: false,
     }];
     config.kafka = Some(k.clone());
     config.validate().unwrap();
@@ -574,6 +577,7 @@ fn rebalance_moves_partitions_without_double_processing() {
         subscriber: "s".into(),
         topics: vec![t.clone()],
         group: Some(group.clone()),
+        changelog: false,
     };
     const N: usize = 6000;
     let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
@@ -1081,4 +1085,240 @@ topics = ["{t}"]
         })
         .collect();
     assert!(wrong.is_empty(), "counts doubled or lost: {wrong:?}");
+}
+
+/// [`wait_until`], showing a child's log if the wait times out.
+fn wait_showing(what: &str, timeout: Duration, log: &Path, f: impl FnMut() -> bool) {
+    let shown = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        wait_until(what, timeout, f)
+    }));
+    if let Err(e) = shown {
+        eprintln!(
+            "--- {} ---\n{}",
+            log.display(),
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::panic::resume_unwind(e);
+    }
+}
+
+/// The `run` summary a child printed on stdout after SIGTERM.
+fn stop_and_summary(mut child: KillOnDrop, log: &Path) -> serde_json::Value {
+    let mut stdout = child.0.stdout.take().unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut printed = Vec::new();
+    std::io::Read::read_to_end(&mut stdout, &mut printed).unwrap();
+    let exit = child.0.wait().unwrap();
+    assert!(
+        exit.success(),
+        "graceful stop exits 0, got {exit:?}: {}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+    serde_json::from_slice(printed.trim_ascii()).unwrap()
+}
+
+/// Issue 17: with `changelog = true`, claims and handler state follow their partitions.
+/// Instance A (the non-idempotent `fixture-counter` handler, offsets never committed)
+/// processes part of the stream and is killed with kill -9: every message is delivered
+/// again to the next owners. Instances B and C, with empty data directories, join the
+/// group, restore their partitions from A's changelog and answer `duplicate` for exactly
+/// what A committed; then C stops and B takes its partitions back, restoring them again
+/// over what it held before. At the end B alone holds one claim per distinct event and
+/// every order's count is exactly 2 — no effect applied twice across three instances.
+#[test]
+fn claims_and_state_follow_their_partitions_through_a_changelog() {
+    let c = cluster();
+    let t = topic("changelog");
+    let group = format!("g-{t}");
+    const EVENTS: usize = 12_000;
+    let mut recs: Vec<Rec<'_>> = Vec::new();
+    for n in 0..EVENTS {
+        let rec = |n: usize| Rec {
+            key: ["a", "b", "c", "d", "e", "f"][(n / 2) % 6],
+            headers: vec![("message-id", format!("e-{n}"))],
+            payload: format!(
+                r#"{{"type":"OrderPlaced","order_id":"o-{}","n":{n}}}"#,
+                n / 2
+            ),
+        };
+        recs.push(rec(n));
+        if n % 10 == 9 {
+            recs.push(rec(n - 7)); // a redelivery of an earlier record
+        }
+    }
+    let (first, second) = recs.split_at(recs.len() / 2);
+    produce(&c.bootstrap, &t, first);
+    let changelog = format!("{t}-orders-changelog");
+    if let Some(mock) = &c._mock {
+        // The mock cluster has no CreateTopics; a real one gets it from dedupd.
+        mock.create_topic(&changelog, 4).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let write_cfg = |name: &str, commit_interval: &str| {
+        let cfg = dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"
+[[subscriber]]
+name = "orders"
+key = {{ source = "header", name = "message-id" }}
+partition_key = {{ source = "json_pointer", pointer = "/order_id" }}
+handler = {:?}
+handler_cpu_budget = "2s"
+
+[kafka]
+brokers = "{}"
+group = "{group}"
+session_timeout = "3s"
+commit_interval = "{commit_interval}"
+
+[kafka.changelog]
+prefix = "{t}"
+replication_factor = 1
+
+[[kafka.subscription]]
+subscriber = "orders"
+topics = ["{t}"]
+changelog = true
+"#,
+                component("fixture_counter").display().to_string(),
+                c.bootstrap
+            ),
+        )
+        .unwrap();
+        cfg
+    };
+    let bin = env!("CARGO_BIN_EXE_dedupd");
+    let start = |name: &str, commit_interval: &str| {
+        let cfg = write_cfg(name, commit_interval);
+        let log = dir.path().join(format!("{name}.log"));
+        let child = KillOnDrop(
+            Command::new(bin)
+                .args(["run", "--config"])
+                .arg(&cfg)
+                .arg("--data-dir")
+                .arg(dir.path().join(name))
+                .env("NO_COLOR", "1")
+                .env("RUST_LOG", "dedupd=info")
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        (child, log)
+    };
+    let log_has = |log: &Path, what: &str| {
+        std::fs::read_to_string(log).map_or(0, |l| l.matches(what).count())
+    };
+
+    // A: offsets never committed (1h); killed once it released a few thousand messages.
+    let (a, a_log) = start("a", "1h");
+    wait_showing("A to process", Duration::from_secs(90), &a_log, || {
+        std::fs::read_to_string(&a_log).is_ok_and(|l| {
+            l.lines()
+                .filter_map(|l| l.split("released=").nth(1))
+                .any(|v| {
+                    v.split_whitespace()
+                        .next()
+                        .and_then(|n| n.parse::<u64>().ok())
+                        .is_some_and(|n| n >= 2000)
+                })
+        })
+    });
+    drop(a); // SIGKILL
+    assert!(
+        committed_and_end(&c.bootstrap, &group, &t)
+            .iter()
+            .all(|(c, _)| *c < 0),
+        "A committed no offsets"
+    );
+    let cfg_a = write_cfg("a", "1h");
+    let config = Config::load(&cfg_a).unwrap();
+    let claims_of = |data: &Path| -> u64 {
+        let ledger = Ledger::open(data, &config, Arc::new(SystemClock)).unwrap();
+        let claims = ledger
+            .report()
+            .unwrap()
+            .subscribers
+            .iter()
+            .map(|s| s.claims)
+            .sum();
+        ledger.close().unwrap();
+        claims
+    };
+    let by_a = claims_of(&dir.path().join("a"));
+    assert!(by_a >= 2000, "A committed {by_a} claims");
+
+    // B and C: empty data directories; everything is delivered again.
+    produce(&c.bootstrap, &t, second);
+    let (b, b_log) = start("b", "100ms");
+    let (cc, c_log) = start("c", "100ms");
+    wait_until("offsets at the log end", Duration::from_secs(180), || {
+        at_log_end(&c.bootstrap, &group, &t)
+    });
+    let restored = "partitions restored from the changelog";
+    assert!(log_has(&b_log, restored) + log_has(&c_log, restored) > 0);
+    let restores_before = log_has(&b_log, restored);
+    let summary_c = stop_and_summary(cc, &c_log);
+    // C's partitions come back to B, restored again over what B held of them before.
+    wait_until("B to take C's partitions", Duration::from_secs(60), || {
+        log_has(&b_log, restored) > restores_before
+    });
+    wait_until("offsets at the log end", Duration::from_secs(60), || {
+        at_log_end(&c.bootstrap, &group, &t)
+    });
+    let summary_b = stop_and_summary(b, &b_log);
+    let processed = |s: &serde_json::Value| s["kafka"]["processed"].as_u64().unwrap();
+    let (by_b, by_c) = (processed(&summary_b), processed(&summary_c));
+    // Every processing publishes one change before it commits: one record per distinct
+    // event in the changelog means no event was processed twice by the three instances
+    // (A's changes published but not yet committed when it died count there too).
+    let published: i64 = committed_and_end(&c.bootstrap, &group, &changelog)
+        .iter()
+        .map(|(_, end)| end)
+        .sum();
+    assert_eq!(
+        published, EVENTS as i64,
+        "changes published: A committed {by_a}, B processed {by_b}, C {by_c}"
+    );
+    let keys: std::collections::HashSet<Vec<u8>> = read_all(&c.bootstrap, &changelog, EVENTS)
+        .iter()
+        .map(|m| m.key().unwrap().to_vec())
+        .collect();
+    assert_eq!(keys.len(), EVENTS, "one change per distinct event");
+    assert!(
+        by_a + by_b + by_c <= EVENTS as u64 && by_b + by_c < EVENTS as u64,
+        "B and C answered duplicate for what A did: A {by_a}, B {summary_b}, C {summary_c}"
+    );
+
+    // B alone now holds every partition: exactly the claims and state they had.
+    let ledger = Ledger::open(&dir.path().join("b"), &config, Arc::new(SystemClock)).unwrap();
+    let counts = ledger.state_entries("orders").unwrap();
+    let claims: u64 = ledger
+        .report()
+        .unwrap()
+        .subscribers
+        .iter()
+        .map(|s| s.claims)
+        .sum();
+    ledger.close().unwrap();
+    assert_eq!(claims, EVENTS as u64, "one claim per distinct event");
+    assert_eq!(counts.len(), EVENTS / 2, "orders lost");
+    let wrong: Vec<_> = counts
+        .iter()
+        .filter(|(_, v)| v.as_slice() != b"2")
+        .take(5)
+        .map(|(k, v)| {
+            (
+                String::from_utf8_lossy(k).into_owned(),
+                String::from_utf8_lossy(v).into_owned(),
+            )
+        })
+        .collect();
+    assert!(wrong.is_empty(), "counts other than 2: {wrong:?}");
 }

@@ -155,6 +155,10 @@ pub(crate) struct SubState {
     pub disk_mask: u8,
     /// Bits of claims written in the current batch, recorded with its commit.
     pub mask_pending: u8,
+    /// Where this batch's changes are published before it commits (`changelog.rs`).
+    pub changelog: Option<std::sync::Arc<dyn super::changelog::ChangelogSink>>,
+    /// This batch's processed messages, for `changelog`.
+    pub changes: Vec<super::changelog::Change>,
 }
 
 /// Where a lookup found the newest record of a key.

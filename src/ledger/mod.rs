@@ -27,6 +27,7 @@
 //! - `tables.rs`: every redb table; `naive.rs`: the bench's baseline; `fault.rs`: test
 //!   fault injection.
 
+pub mod changelog;
 mod claimblock;
 mod datadir;
 mod fault;
@@ -118,6 +119,8 @@ pub enum LedgerError {
     TooManySubscribers { name: String, limit: usize },
     #[error("the ledger is stopped after an earlier failure: {0}")]
     Poisoned(String),
+    #[error("the changelog of subscriber {subscriber:?} did not take a batch: {detail}. Nothing of the batch was committed or acknowledged and the ledger stopped; restart dedupd once the changelog topic is reachable (the next owner of the partitions restores what was published)")]
+    Changelog { subscriber: String, detail: String },
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -252,6 +255,8 @@ pub struct Job {
     pub placement: Placement,
     /// The partition key's text under [`Placement::Entity`]: handler state is scoped to it.
     pub entity: Option<Box<str>>,
+    /// A change replayed from a changelog ([`Job::restore`]): stored with no handler call.
+    pub(crate) restore: Option<Box<changelog::Change>>,
     /// The newest record the other shards hold for this key, once they were asked
     /// (`placement.rs`). While `Some`, this shard holds the key in the in-flight set.
     pub(crate) probed: Option<Option<ClaimRecord>>,
@@ -288,6 +293,7 @@ impl Job {
             replace: false,
             placement: Placement::ByKey,
             entity: None,
+            restore: None,
             probed: None,
             created: std::time::Instant::now(),
         }
@@ -542,6 +548,19 @@ impl Ledger {
         let mut slot = sub.handler.write().unwrap_or_else(|p| p.into_inner());
         sub.has_handler.store(handler.is_some(), Ordering::Release);
         *slot = handler;
+        Ok(())
+    }
+
+    /// Installs (or removes) the sink a subscriber's shards publish their processed
+    /// messages' claims and state to before each commit (`changelog.rs`); shards pick it
+    /// up between batches.
+    pub fn set_changelog(
+        &self,
+        subscriber: &str,
+        sink: Option<Arc<dyn changelog::ChangelogSink>>,
+    ) -> Result<(), LedgerError> {
+        let sub = self.registry.resolve(subscriber, true)?;
+        *sub.changelog.write().unwrap_or_else(|p| p.into_inner()) = sink;
         Ok(())
     }
 

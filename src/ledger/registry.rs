@@ -90,6 +90,8 @@ pub struct Subscriber {
     /// Placements its claims were written under, on disk and in this run (see
     /// `placement.rs`): decides whether shards probe each other for its claims.
     pub(super) placements: AtomicU8,
+    /// Where its shards publish changes before committing (`changelog.rs`).
+    pub(super) changelog: super::changelog::SinkSlot,
 }
 
 impl Subscriber {
@@ -118,6 +120,14 @@ impl Subscriber {
     /// written under an entity placement (mixing scopes is refused at start).
     pub fn state_per_entity(&self) -> bool {
         self.placements.load(Ordering::Acquire) & placement::ENTITY != 0
+    }
+
+    /// The changelog sink in force, if any.
+    pub(crate) fn changelog(&self) -> Option<Arc<dyn super::changelog::ChangelogSink>> {
+        self.changelog
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The handler in force, if any.
@@ -211,6 +221,7 @@ impl Registry {
             has_handler: AtomicBool::new(handler.is_some()),
             handler: RwLock::new(handler),
             placements: AtomicU8::new(0),
+            changelog: RwLock::new(None),
         });
         inner.by_id.push(sub.clone());
         inner.by_name.insert(name.to_string(), sub.clone());

@@ -616,6 +616,10 @@ pub struct KafkaBenchArgs {
     /// Use this cluster instead of the built-in mock broker.
     #[arg(long)]
     brokers: Option<String>,
+    /// Publish a changelog (`changelog = true`) and then time restoring it into an empty
+    /// data directory.
+    #[arg(long)]
+    changelog: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -647,6 +651,7 @@ impl KafkaBenchArgs {
             shards: self.shards,
             dir: self.dir,
             brokers: self.brokers,
+            changelog: self.changelog,
         })
     }
 }

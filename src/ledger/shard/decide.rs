@@ -6,6 +6,7 @@
 use super::breaker::Transition;
 use super::open::{apply_settings, new_sub_state};
 use super::*;
+use crate::ledger::changelog::Change;
 use crate::ledger::SubscriberCounters;
 
 impl Shard {
@@ -52,6 +53,7 @@ impl Shard {
                     spec.placements.load(Ordering::Acquire) | st.disk_mask,
                     self.ctx.count,
                 );
+                st.changelog = spec.changelog();
             }
             let current = st.handler.as_ref().map(|h| &h.factory);
             let same = match (current, &want) {
@@ -93,6 +95,9 @@ impl Shard {
                 decisions.push(self.decide(job, now, &mut sealed, &mut tally)?);
             }
         }
+        // Published before the commit: the local ledger never holds a processed message
+        // its changelog lacks (`changelog.rs`).
+        self.publish_changes()?;
         let t1 = Instant::now();
         if tally.wrote {
             self.write_batch(&txn, now)?;
@@ -139,6 +144,9 @@ impl Shard {
         tally: &mut Tally,
     ) -> Result<Decision, LedgerError> {
         let idx = self.sub_index(job.subscriber)?;
+        if let Some(change) = &job.restore {
+            return self.restore(idx, job, change, now, tally);
+        }
         let st = self.subs[idx]
             .as_mut()
             .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
@@ -245,7 +253,11 @@ impl Shard {
         let returned = Instant::now();
         self.shares
             .record_call(idx, returned.saturating_duration_since(called), returned);
+        let keep = st.changelog.is_some();
         let handled = result.map(|effects| {
+            if keep {
+                self.last_effects = Some(effects.clone());
+            }
             view.absorb(effects);
             version
         });
@@ -328,6 +340,12 @@ impl Shard {
                     handler_version,
                 };
                 self.claim(idx, job, claim, now);
+                let effects = self.last_effects.take();
+                if let Some(st) = self.subs[idx].as_mut() {
+                    if st.changelog.is_some() {
+                        st.changes.push(Change::new(job, claim, effects));
+                    }
+                }
                 tally.of(idx).processed += 1;
                 tally.wrote = true;
                 Decision::Done(Outcome::Processed)
@@ -349,6 +367,59 @@ impl Shard {
                 })
             }
         })
+    }
+
+    /// Replays a change from a changelog: its claim (unless it has expired) and its state
+    /// effects, with no handler call and nothing published again.
+    fn restore(
+        &mut self,
+        idx: usize,
+        job: &Job,
+        change: &Change,
+        now: u64,
+        tally: &mut Tally,
+    ) -> Result<Decision, LedgerError> {
+        let claim = change.claim();
+        if claim.is_live(now) {
+            self.claim(idx, job, claim, now);
+        }
+        if change.has_effects() {
+            let st = self.subs[idx]
+                .as_mut()
+                .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
+            let mut view = match st.view.take() {
+                Some(v) => v,
+                None => Box::new(
+                    BatchView::open(&self.db, &st.name, &st.state_buf)
+                        .map_err(|e| storage(&self.ctx.path, e))?,
+                ),
+            };
+            view.set_scope(change.entity.as_deref());
+            view.absorb(change.effects());
+            st.view = Some(view);
+        }
+        tally.wrote = true;
+        Ok(Decision::Done(Outcome::Processed))
+    }
+
+    /// Hands each subscriber's changes of this batch to its changelog and waits until they
+    /// are durable there; a refusal stops the shard before anything of the batch commits.
+    fn publish_changes(&mut self) -> Result<(), LedgerError> {
+        for st in self.subs.iter_mut().flatten() {
+            if st.changes.is_empty() {
+                continue;
+            }
+            let changes = std::mem::take(&mut st.changes);
+            let Some(sink) = &st.changelog else {
+                continue;
+            };
+            sink.publish(&changes)
+                .map_err(|detail| LedgerError::Changelog {
+                    subscriber: st.name.to_string(),
+                    detail,
+                })?;
+        }
+        Ok(())
     }
 
     /// Records a claim of `job` in memory and in the batch's log row, with the placement

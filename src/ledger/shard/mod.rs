@@ -230,6 +230,9 @@ pub(crate) struct Shard {
     next_dead_seq: u64,
     /// Scratch message handed to handlers, reused between calls.
     handler_msg: HandlerMessage,
+    /// The last successful call's effects, kept for its change when its subscriber
+    /// publishes a changelog.
+    last_effects: Option<crate::effects::Effects>,
     /// Probes sent to the other shards and the jobs waiting for their answers.
     probing: HashMap<u64, ProbeGroup>,
     next_group: u64,

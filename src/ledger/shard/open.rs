@@ -67,6 +67,7 @@ impl Shard {
             outbox_warned: 0,
             next_dead_seq: 1,
             handler_msg: HandlerMessage::default(),
+            last_effects: None,
             probing: HashMap::new(),
             next_group: 0,
             next_state_turn: 0,
@@ -458,6 +459,8 @@ pub(super) fn new_sub_state(
         probe: false,
         disk_mask: placement_mask(db, &spec.name)?,
         mask_pending: 0,
+        changelog: None,
+        changes: Vec::new(),
     };
     let kept = records::load(db, &spec.name)?;
     st.records = kept.records;

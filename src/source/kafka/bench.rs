@@ -54,6 +54,9 @@ pub struct KafkaBenchParams {
     pub dir: PathBuf,
     /// An existing cluster instead of the built-in mock broker.
     pub brokers: Option<String>,
+    /// Subscriptions publish a changelog (`changelog = true`); a restore phase then
+    /// replays it into an empty data directory.
+    pub changelog: bool,
 }
 
 /// Progress of a phase.
@@ -86,6 +89,13 @@ pub struct KafkaBenchReport {
     pub live_p50_ms: f64,
     pub live_p99_ms: f64,
     pub live_max_ms: f64,
+    /// With `--changelog`: partition 0 restored alone into an empty data directory (a
+    /// member taking it over), then the others; every restored claim is checked.
+    pub takeover_changes: u64,
+    pub takeover_s: f64,
+    pub restore_changes: u64,
+    pub restore_s: f64,
+    pub restore_changes_per_sec: f64,
 }
 
 /// Most messages the producer may be ahead of the consumer: in the engine phase, of the
@@ -100,8 +110,8 @@ impl std::fmt::Display for KafkaBenchParams {
             Some(h) => h.display().to_string(),
             None => "none".into(),
         };
-        write!(f, "kafka-bench: {} messages, dup rate {}, seed {}, {} partitions, handler {handler}, then {} paced messages for end-to-end latency",
-            self.messages, self.dup_rate, self.seed, self.partitions, self.live_messages)
+        write!(f, "kafka-bench: {} messages, dup rate {}, seed {}, {} partitions, handler {handler}, changelog {}, then {} paced messages for end-to-end latency",
+            self.messages, self.dup_rate, self.seed, self.partitions, if self.changelog { "on" } else { "off" }, self.live_messages)
     }
 }
 
@@ -138,6 +148,10 @@ impl std::fmt::Display for KafkaBenchReport {
         writeln!(f, "lead      p99 {:.1} ms from produce timestamp to offset stored (producer up to {} messages ahead)", r.backlog_p99_ms, WINDOW)?;
         if r.params.live_messages > 0 {
             writeln!(f, "live      {:.0} msgs/s paced: produce timestamp -> offset stored p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms", r.live_rate, r.live_p50_ms, r.live_p99_ms, r.live_max_ms)?;
+        }
+        if r.params.changelog {
+            writeln!(f, "takeover  partition 0 restored from the changelog into an empty data directory: {} changes in {:.2} s", r.takeover_changes, r.takeover_s)?;
+            writeln!(f, "restore   {:>12.0} changes/s  all partitions, {} changes in {:.2} s, every claim checked", r.restore_changes_per_sec, r.restore_changes, r.restore_s)?;
         }
         Ok(())
     }
@@ -307,6 +321,7 @@ fn engine(
     phase: &'static str,
     spec: TrafficSpec,
     rate: Option<f64>,
+    changelog: bool,
     progress: &mut dyn FnMut(BenchProgress),
 ) -> Result<(f64, Arc<SourceStats>, crate::telemetry::Latency), KafkaError> {
     let stats = Arc::new(SourceStats::default());
@@ -315,6 +330,7 @@ fn engine(
         subscriber: subscriber.into(),
         topics: vec![topic.into()],
         group: Some(format!("dedupd-bench-{subscriber}")),
+        changelog,
     };
     std::thread::scope(|scope| {
         let worker = {
@@ -399,6 +415,64 @@ fn engine(
     })
 }
 
+#[derive(Debug, Default)]
+struct RestorePhase {
+    takeover_changes: u64,
+    takeover_s: f64,
+    changes: u64,
+    secs: f64,
+}
+
+/// Replays the engine phase's changelog into an empty data directory: partition 0 alone
+/// (a member taking it over), then the others; then checks that the restored ledger holds
+/// one claim per processed message, each equal to the engine's.
+fn restore_phase(
+    engine: &Ledger,
+    config: &Config,
+    kafka: &KafkaConfig,
+    dir: &std::path::Path,
+    topic: &str,
+    partitions: i32,
+    processed: u64,
+) -> Result<RestorePhase, KafkaError> {
+    let fresh = tempfile::Builder::new()
+        .prefix("dedupd-kafka-bench-restore-")
+        .tempdir_in(dir)
+        .map_err(|e| client(format!("cannot create a data directory: {e}")))?;
+    let ledger = Ledger::open(fresh.path(), config, Arc::new(SystemClock))
+        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    let sub = ledger
+        .subscriber("bench")
+        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    let first = super::changelog::restore(&ledger, &sub, kafka, topic, &[0])?;
+    let rest: Vec<i32> = (1..partitions).collect();
+    let others = super::changelog::restore(&ledger, &sub, kafka, topic, &rest)?;
+    let changes = first.changes + others.changes;
+    let claims_of = |l: &Ledger| -> Result<u64, KafkaError> {
+        let r = l.report().map_err(|e| KafkaError::Ledger(e.to_string()))?;
+        Ok(r.subscribers
+            .iter()
+            .filter(|s| s.subscriber == "bench")
+            .map(|s| s.claims)
+            .sum())
+    };
+    let (restored, original) = (claims_of(&ledger)?, claims_of(engine)?);
+    if changes != processed || restored != original {
+        return Err(client(format!(
+            "restore check failed: {changes} changes for {processed} processed messages, {restored} claims restored of {original}"
+        )));
+    }
+    ledger
+        .close()
+        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    Ok(RestorePhase {
+        takeover_changes: first.changes,
+        takeover_s: first.elapsed.as_secs_f64(),
+        changes,
+        secs: (first.elapsed + others.elapsed).as_secs_f64(),
+    })
+}
+
 /// Runs the whole benchmark.
 pub fn run(
     params: &KafkaBenchParams,
@@ -417,9 +491,17 @@ pub fn run(
     let base_topic = format!("dedupd-bench-base-{run_id}");
     let topic = format!("dedupd-bench-{run_id}");
     let live_topic = format!("dedupd-bench-live-{run_id}");
+    let changelog_prefix = format!("dedupd-bench-{run_id}");
     if let Some(d) = &broker {
         for t in [&base_topic, &topic, &live_topic] {
             d.create_topic(t, params.partitions)?;
+        }
+        if params.changelog {
+            // The mock cluster has no CreateTopics; on a real one dedupd creates them.
+            for sub in ["bench", "bench-live"] {
+                let t = super::changelog::topic_name(&changelog_prefix, sub);
+                d.create_topic(&t, params.partitions)?;
+            }
         }
     }
     let spec = TrafficSpec {
@@ -461,6 +543,7 @@ pub fn run(
     kafka
         .options
         .insert("fetch.wait.max.ms".into(), FETCH_WAIT_MS.into());
+    kafka.changelog.prefix = changelog_prefix.clone();
     let (engine_s, stats, backlog) = engine(
         &ledger,
         &kafka,
@@ -470,6 +553,7 @@ pub fn run(
         "engine",
         spec,
         None,
+        params.changelog,
         progress,
     )?;
     let engine_rate = params.messages as f64 / engine_s.max(1e-9);
@@ -491,10 +575,25 @@ pub fn run(
             "live",
             live_spec,
             Some(live_rate),
+            params.changelog,
             progress,
         )?;
         live = lat;
     }
+    let processed = stats.processed.load(Ordering::Relaxed);
+    let restore = if params.changelog {
+        restore_phase(
+            &ledger,
+            &config,
+            &kafka,
+            &params.dir,
+            &super::changelog::topic_name(&changelog_prefix, "bench"),
+            params.partitions,
+            processed,
+        )?
+    } else {
+        RestorePhase::default()
+    };
     let baseline_rate = params.messages as f64 / baseline_s.max(1e-9);
     let report = KafkaBenchReport {
         params: params.clone(),
@@ -503,7 +602,7 @@ pub fn run(
         engine_msgs_per_sec: engine_rate,
         engine_s,
         ratio: engine_rate / baseline_rate.max(1e-9),
-        processed: stats.processed.load(Ordering::Relaxed),
+        processed,
         duplicate: stats.duplicate.load(Ordering::Relaxed),
         quarantined: stats.quarantined.load(Ordering::Relaxed),
         dead_lettered: stats.dead_lettered.load(Ordering::Relaxed),
@@ -512,6 +611,11 @@ pub fn run(
         live_p50_ms: live.quantile_ms(0.5),
         live_p99_ms: live.quantile_ms(0.99),
         live_max_ms: live.max_ms(),
+        takeover_changes: restore.takeover_changes,
+        takeover_s: restore.takeover_s,
+        restore_changes: restore.changes,
+        restore_s: restore.secs,
+        restore_changes_per_sec: restore.changes as f64 / restore.secs.max(1e-9),
     };
     match Arc::try_unwrap(ledger) {
         Ok(l) => l.close().map_err(|e| KafkaError::Ledger(e.to_string()))?,

@@ -82,6 +82,7 @@ mod tests {
             subscriber: "orders".into(),
             topics: vec!["orders".into()],
             group: None,
+            changelog: false,
         });
         k
     }

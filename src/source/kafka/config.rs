@@ -84,6 +84,9 @@ pub struct KafkaConfig {
     /// The outbox relay.
     #[serde(default)]
     pub outbox: OutboxRelayConfig,
+    /// Where subscriptions with `changelog = true` publish (see [`ChangelogConfig`]).
+    #[serde(default)]
+    pub changelog: ChangelogConfig,
     /// Topics -> subscriber; one consumer group member per subscription.
     #[serde(rename = "subscription", default)]
     pub subscriptions: Vec<SubscriptionConfig>,
@@ -100,6 +103,12 @@ pub struct SubscriptionConfig {
     /// Consumer group (default: `kafka.group`).
     #[serde(default)]
     pub group: Option<String>,
+    /// Publish every processed message's claim and handler state to a compacted changelog
+    /// topic and restore assigned partitions from it, so claims and state follow their
+    /// partitions between the instances of one consumer group (docs/kafka.md, "Several
+    /// instances: the changelog"). One topic per subscription.
+    #[serde(default)]
+    pub changelog: bool,
 }
 
 /// Relays handler outbox rows to Kafka after commit.
@@ -121,6 +130,33 @@ impl Default for OutboxRelayConfig {
             enabled: true,
             poll_interval: Duration::from_millis(100),
             batch: NonZeroUsize::new(1000).unwrap_or(NonZeroUsize::MIN),
+        }
+    }
+}
+
+/// `[kafka.changelog]`: the topics of subscriptions with `changelog = true`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ChangelogConfig {
+    /// Topics are named `<prefix>-<subscriber>-changelog`.
+    pub prefix: String,
+    /// Replication factor of a changelog topic dedupd creates (-1: the broker's default).
+    pub replication_factor: i32,
+    /// How long a batch waits for the changelog's acknowledgements before the ledger stops.
+    #[serde(with = "humantime_serde")]
+    pub publish_timeout: Duration,
+    /// How long restoring newly assigned partitions may take before the subscription stops.
+    #[serde(with = "humantime_serde")]
+    pub restore_timeout: Duration,
+}
+
+impl Default for ChangelogConfig {
+    fn default() -> Self {
+        ChangelogConfig {
+            prefix: "dedupd".into(),
+            replication_factor: -1,
+            publish_timeout: Duration::from_secs(30),
+            restore_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -155,6 +191,7 @@ impl KafkaConfig {
             drain_timeout: default_drain_timeout(),
             options: BTreeMap::new(),
             outbox: OutboxRelayConfig::default(),
+            changelog: ChangelogConfig::default(),
             subscriptions: Vec::new(),
         }
     }
@@ -203,6 +240,31 @@ impl KafkaConfig {
         if self.drain_timeout < Duration::from_millis(100) {
             return Err(invalid("kafka.drain_timeout", "must be at least 100ms"));
         }
+        if self.subscriptions.iter().any(|s| s.changelog) {
+            let c = &self.changelog;
+            validate_topic(
+                "kafka.changelog.prefix",
+                &format!("{}-x-changelog", c.prefix),
+            )?;
+            if c.replication_factor == 0 || c.replication_factor < -1 {
+                return Err(invalid(
+                    "kafka.changelog.replication_factor",
+                    "must be -1 (the broker's default) or at least 1",
+                ));
+            }
+            if c.publish_timeout < Duration::from_secs(1) {
+                return Err(invalid(
+                    "kafka.changelog.publish_timeout",
+                    "must be at least 1s",
+                ));
+            }
+            if c.restore_timeout < Duration::from_secs(1) {
+                return Err(invalid(
+                    "kafka.changelog.restore_timeout",
+                    "must be at least 1s",
+                ));
+            }
+        }
         if self.outbox.poll_interval > Duration::from_secs(60) {
             return Err(invalid("kafka.outbox.poll_interval", "must be at most 60s"));
         }
@@ -213,6 +275,12 @@ impl KafkaConfig {
             }
             for t in &s.topics {
                 validate_topic(&format!("{field}.topics"), t)?;
+            }
+            if s.changelog && s.topics.len() != 1 {
+                return Err(invalid(
+                    format!("{field}.changelog"),
+                    "needs exactly one topic in `topics`: partition p of the changelog holds the changes of the topic's partition p (use one subscription per topic)",
+                ));
             }
             if s.group.as_deref() == Some("") {
                 return Err(invalid(format!("{field}.group"), "must not be empty"));

@@ -75,8 +75,10 @@ pub struct SourceStats {
     pub assigned_partitions: AtomicU64,
     /// Rebalances after which another member of the group held partitions of a subscribed
     /// topic: instances do not share claims, so a partition that moves is processed again
-    /// (docs/kafka.md, "One instance per consumer group").
+    /// (docs/kafka.md, "One instance per consumer group"). Not counted with a changelog.
     pub shared_group_rebalances: AtomicU64,
+    /// Changes replayed from the changelog into the ledger on assignment (`changelog = true`).
+    pub restored_changes: AtomicU64,
 }
 
 /// What was kept of a message that may still go to the dead-letter topic.
@@ -122,6 +124,14 @@ struct Worker {
     /// Set by a rebalance callback; the poll loop then checks whether the group has other
     /// members (a metadata request, kept out of the callback).
     assignment_changed: bool,
+    /// The changelog assigned partitions are restored from (`changelog = true`).
+    changelog: Option<Changelog>,
+}
+
+/// What a worker needs to restore newly assigned partitions.
+struct Changelog {
+    kafka: KafkaConfig,
+    topic: String,
 }
 
 /// The consumer's context: rebalance callbacks and statistics.
@@ -206,6 +216,9 @@ impl Worker {
     }
 
     fn assign(&mut self, tpl: &TopicPartitionList) {
+        if !self.restore(tpl) {
+            return;
+        }
         for e in tpl.elements() {
             let tp: (Arc<str>, i32) = (Arc::from(e.topic()), e.partition());
             if self.slot_of(&tp.0, tp.1).is_some() {
@@ -227,6 +240,45 @@ impl Worker {
             self.stats
                 .assigned_partitions
                 .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Restores newly assigned partitions from the changelog before any of their messages
+    /// is taken: a partition becomes this member's only once its claims and state are
+    /// here. On failure the partitions are not taken and the subscription stops.
+    fn restore(&mut self, tpl: &TopicPartitionList) -> bool {
+        let Some(c) = &self.changelog else {
+            return true;
+        };
+        let partitions: Vec<i32> = tpl
+            .elements()
+            .iter()
+            .filter(|e| self.slot_of(e.topic(), e.partition()).is_none())
+            .map(|e| e.partition())
+            .collect();
+        if partitions.is_empty() || self.fatal.is_some() {
+            return self.fatal.is_none();
+        }
+        match super::changelog::restore(&self.ledger, &self.sub, &c.kafka, &c.topic, &partitions) {
+            Ok(r) => {
+                self.stats
+                    .restored_changes
+                    .fetch_add(r.changes, Ordering::Relaxed);
+                metrics::counter!(crate::telemetry::metric::KAFKA_CHANGELOG_RESTORED_TOTAL,
+                    "subscriber" => self.sub.name.to_string())
+                .increment(r.changes);
+                let rate = r.changes as f64 / r.elapsed.as_secs_f64().max(1e-6);
+                tracing::info!(subscriber = %self.sub.name, topic = %c.topic, ?partitions,
+                    changes = r.changes, elapsed_ms = r.elapsed.as_millis() as u64,
+                    changes_per_sec = rate as u64, "partitions restored from the changelog");
+                true
+            }
+            Err(e) => {
+                tracing::error!(subscriber = %self.sub.name, topic = %c.topic, ?partitions, error = %e,
+                    "restoring assigned partitions from the changelog failed; the subscription stops");
+                self.fatal = Some(format!("changelog restore: {e}"));
+                false
+            }
         }
     }
 
@@ -558,7 +610,9 @@ pub fn run_subscription(
             return Err(KafkaError::Ledger(f));
         }
         poll_round(&consumer, &name);
-        if std::mem::take(&mut consumer.context().lock().assignment_changed) {
+        if std::mem::take(&mut consumer.context().lock().assignment_changed)
+            && !subscription.changelog
+        {
             warn_if_group_is_shared(&consumer, subscription, kafka, &stats);
         }
         let released = stats.released.load(Ordering::Relaxed);
@@ -678,6 +732,7 @@ fn start_consumer(
         fatal: None,
         unsent: Vec::new(),
         assignment_changed: false,
+        changelog: None,
     };
     let ctx = WorkerContext {
         worker: Mutex::new(worker),
@@ -686,12 +741,59 @@ fn start_consumer(
     let consumer: BaseConsumer<WorkerContext> = consumer_config(kafka, subscription)
         .create_with_context(ctx)
         .map_err(|e| KafkaError::Client(e.to_string()))?;
+    if subscription.changelog {
+        let changelog = start_changelog(&consumer, &ledger, kafka, subscription)?;
+        consumer.context().lock().changelog = Some(changelog);
+    }
     let topics: Vec<&str> = subscription.topics.iter().map(String::as_str).collect();
     consumer
         .subscribe(&topics)
         .map_err(|e| KafkaError::Client(e.to_string()))?;
     tracing::info!(subscriber = %sub.name, group = kafka.group_of(subscription), ?topics, "kafka consumer started");
     Ok(consumer)
+}
+
+/// Creates the changelog topic if needed and installs its producer as the subscriber's
+/// changelog sink: from here on every batch of the subscriber publishes before it commits.
+fn start_changelog(
+    consumer: &BaseConsumer<WorkerContext>,
+    ledger: &Ledger,
+    kafka: &KafkaConfig,
+    subscription: &SubscriptionConfig,
+) -> Result<Changelog, KafkaError> {
+    let input = subscription.topics.first().ok_or_else(|| {
+        KafkaError::Config("a subscription with a changelog needs one topic".into())
+    })?;
+    let partitions = super::changelog::partition_count(consumer, input)?.ok_or_else(|| {
+        KafkaError::Config(format!(
+            "topic {input} does not exist (yet): a changelog is created with the input topic's partition count, so create {input} first"
+        ))
+    })?;
+    let topic = super::changelog::topic_name(&kafka.changelog.prefix, &subscription.subscriber);
+    let existing = match super::changelog::partition_count(consumer, &topic)? {
+        Some(n) => Some(n),
+        None => {
+            super::changelog::create_topic(kafka, &topic, partitions)?;
+            super::changelog::partition_count(consumer, &topic)?
+        }
+    };
+    if let Some(n) = existing {
+        if n < partitions {
+            return Err(KafkaError::Config(format!(
+                "changelog topic {topic} has {n} partitions but {input} has {partitions}: partition p of the changelog holds the changes of partition p of the input, so it needs at least as many"
+            )));
+        }
+    }
+    let sink = super::changelog::ChangelogProducer::new(kafka, topic.clone())?;
+    ledger
+        .set_changelog(&subscription.subscriber, Some(Arc::new(sink)))
+        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    tracing::info!(subscriber = %subscription.subscriber, %topic, partitions,
+        "changelog on: claims and handler state are published before each commit and restored on assignment");
+    Ok(Changelog {
+        kafka: kafka.clone(),
+        topic,
+    })
 }
 
 /// One round of the consumer loop: take up to a burst of records, submit them, release

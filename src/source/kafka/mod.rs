@@ -15,6 +15,7 @@
 
 pub mod bench;
 mod broker;
+pub mod changelog;
 mod check;
 mod config;
 mod consumer;
@@ -29,7 +30,9 @@ use rdkafka::config::ClientConfig;
 
 pub use broker::DevBroker;
 pub use check::check_clients;
-pub use config::{KafkaConfig, OutboxRelayConfig, StartPosition, SubscriptionConfig};
+pub use config::{
+    ChangelogConfig, KafkaConfig, OutboxRelayConfig, StartPosition, SubscriptionConfig,
+};
 pub use consumer::{run_subscription, RunOptions, SourceStats};
 pub use keying::{key_record, Keyed, RecordView};
 pub use offsets::{OffsetTracker, Released};

@@ -1,0 +1,469 @@
+//! The changelog of a Kafka subscription (`changelog = true`): claims and handler state
+//! that follow their input partitions between the instances of one consumer group.
+//!
+//! - **Publish.** Before a shard commits a batch, every message it processed is produced
+//!   (idempotent producer, `acks=all`) to partition p of `<prefix>-<subscriber>-changelog`,
+//!   p being the message's input partition, and the shard waits for the acknowledgements
+//!   (`ledger/changelog.rs`). A member's ledger is therefore never ahead of the changelog,
+//!   and an offset (stored after the local commit, G1) never passes a message whose claim
+//!   and state are not in the changelog.
+//! - **Record.** Key: the claim key and the time it was processed (24 bytes, big-endian;
+//!   [`record_key`]). Value: a format byte, then the [`Change`] (claim, entity, state
+//!   written, marks, versions) in bincode's standard encoding. One record per processed
+//!   message, so a record is all of one message's effects or none of them. No two
+//!   processings share a key, so compaction removes nothing yet: the topic keeps every
+//!   change (snapshots keyed by state key, which would let it shrink, are not built).
+//! - **Restore.** When partitions are assigned, before any of their messages is fetched
+//!   (the rebalance callback), their changelog partitions are read from the beginning to
+//!   the end offset found at the start, and every change is replayed into the ledger
+//!   ([`crate::ledger::Job::restore`]) on the shard the message itself would use. Changes
+//!   replay in offset order and carry absolute values, so replaying a changelog over a
+//!   ledger that already holds a prefix of it (this member owned the partition before)
+//!   ends in exactly the changelog's claims and state.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::unbounded;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError as RdError;
+use rdkafka::message::Message;
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::topic_partition_list::TopicPartitionList;
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::ClientContext;
+
+use super::{KafkaConfig, KafkaError};
+use crate::ledger::changelog::{Change, ChangelogSink};
+use crate::ledger::{Done, Job, Ledger, Origin, Outcome, Subscriber};
+
+/// The first byte of every record value: the encoding of what follows.
+const FORMAT: u8 = 1;
+/// Restore jobs per submission to one shard.
+const CHUNK: usize = 1024;
+/// Restore jobs waiting for their outcome before reading more of the changelog.
+const MAX_IN_FLIGHT: usize = 32 * 1024;
+
+/// The changelog topic of a subscriber.
+pub fn topic_name(prefix: &str, subscriber: &str) -> String {
+    format!("{prefix}-{subscriber}-changelog")
+}
+
+fn bincode_config() -> bincode::config::Configuration {
+    bincode::config::standard()
+}
+
+/// A change's record key: the claim key and when it was processed (both big-endian). A
+/// message processed again after its claim expired is a new record, so compaction never
+/// drops the state an earlier processing wrote.
+pub fn record_key(change: &Change) -> [u8; 24] {
+    let mut k = [0u8; 24];
+    k[..16].copy_from_slice(&change.key.to_be_bytes());
+    k[16..].copy_from_slice(&change.processed_at_ms.to_be_bytes());
+    k
+}
+
+/// A change as a record value.
+pub fn encode(change: &Change) -> Result<Vec<u8>, String> {
+    let mut out = vec![FORMAT];
+    let body = bincode::serde::encode_to_vec(change, bincode_config())
+        .map_err(|e| format!("cannot encode a change: {e}"))?;
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// A record value as a change; an error names what is wrong with it.
+pub fn decode(value: &[u8]) -> Result<Change, String> {
+    match value.split_first() {
+        Some((&FORMAT, body)) => {
+            let (change, used): (Change, usize) =
+                bincode::serde::decode_from_slice(body, bincode_config())
+                    .map_err(|e| format!("undecodable change: {e}"))?;
+            if used != body.len() {
+                return Err(format!("{} bytes after the change", body.len() - used));
+            }
+            Ok(change)
+        }
+        Some((other, _)) => Err(format!(
+            "change format {other} (this build reads format {FORMAT}): upgrade dedupd"
+        )),
+        None => Err("an empty record".into()),
+    }
+}
+
+/// Acknowledgements still awaited by one `publish` call, and its first error.
+#[derive(Default)]
+struct Pending {
+    state: Mutex<(usize, Option<String>)>,
+    done: Condvar,
+}
+
+impl Pending {
+    fn settle(&self, n: usize, error: Option<String>) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.0 = s.0.saturating_sub(n);
+        if let Some(e) = error {
+            s.1.get_or_insert(e);
+        }
+        if s.0 == 0 {
+            self.done.notify_all();
+        }
+    }
+}
+
+struct PublishContext;
+
+impl ClientContext for PublishContext {}
+
+impl ProducerContext for PublishContext {
+    type DeliveryOpaque = Arc<Pending>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, pending: Arc<Pending>) {
+        pending.settle(1, result.as_ref().err().map(|(e, _)| e.to_string()));
+    }
+}
+
+/// Publishes a subscriber's changes to its changelog topic ([`ChangelogSink`]).
+pub struct ChangelogProducer {
+    producer: ThreadedProducer<PublishContext>,
+    topic: String,
+    /// How long a batch waits for its acknowledgements before the shard stops.
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for ChangelogProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChangelogProducer")
+            .field("topic", &self.topic)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChangelogProducer {
+    pub fn new(kafka: &KafkaConfig, topic: String) -> Result<ChangelogProducer, KafkaError> {
+        let timeout = kafka.changelog.publish_timeout;
+        let mut config = super::producer_config(kafka);
+        // A shard waits for these acknowledgements: send at once rather than linger.
+        config
+            .set("linger.ms", "0")
+            .set("message.timeout.ms", timeout.as_millis().max(1).to_string());
+        let producer = config
+            .create_with_context(PublishContext)
+            .map_err(|e| KafkaError::Client(format!("changelog producer: {e}")))?;
+        Ok(ChangelogProducer {
+            producer,
+            topic,
+            timeout,
+        })
+    }
+}
+
+impl ChangelogSink for ChangelogProducer {
+    fn publish(&self, changes: &[Change]) -> Result<(), String> {
+        let pending = Arc::new(Pending::default());
+        pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = changes.len();
+        for (i, change) in changes.iter().enumerate() {
+            let Some(Origin::Kafka { partition, .. }) = &change.origin else {
+                pending.settle(changes.len() - i, None);
+                return Err(format!(
+                    "message {:?} did not come from Kafka: a changelog takes only Kafka messages",
+                    change.id
+                ));
+            };
+            let key = record_key(change);
+            let value = encode(change)?;
+            let mut record = BaseRecord::with_opaque_to(&self.topic, pending.clone())
+                .partition(*partition)
+                .key(&key[..])
+                .payload(&value);
+            let deadline = Instant::now() + self.timeout;
+            loop {
+                match self.producer.send(record) {
+                    Ok(()) => break,
+                    Err((RdError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                        if Instant::now() < deadline =>
+                    {
+                        record = back;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err((e, _)) => {
+                        pending.settle(changes.len() - i, None);
+                        return Err(format!("producing to {}: {e}", self.topic));
+                    }
+                }
+            }
+        }
+        // Deliveries fail on their own once `message.timeout.ms` passes; the margin covers
+        // the report's way back.
+        let deadline = Instant::now() + self.timeout + Duration::from_secs(5);
+        let mut s = pending.state.lock().unwrap_or_else(|p| p.into_inner());
+        while s.0 > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "{} of {} changes not acknowledged by {} within {:?}",
+                    s.0,
+                    changes.len(),
+                    self.topic,
+                    self.timeout
+                ));
+            }
+            s = pending
+                .done
+                .wait_timeout(s, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+        match s.1.take() {
+            Some(e) => Err(format!("{} refused a change: {e}", self.topic)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ChangelogProducer {
+    fn drop(&mut self) {
+        let _ = self.producer.flush(Duration::from_secs(5));
+    }
+}
+
+/// The partition count of `topic` (`None`: the cluster does not know it).
+pub fn partition_count<C: rdkafka::consumer::ConsumerContext, K: Consumer<C>>(
+    consumer: &K,
+    topic: &str,
+) -> Result<Option<usize>, KafkaError> {
+    let meta = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(|e| KafkaError::Client(format!("metadata of {topic}: {e}")))?;
+    Ok(meta
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().len())
+        .filter(|n| *n > 0))
+}
+
+/// Creates the changelog topic: compacted, `partitions` partitions. One that exists
+/// already is left as it is.
+pub fn create_topic(kafka: &KafkaConfig, topic: &str, partitions: usize) -> Result<(), KafkaError> {
+    let admin: AdminClient<DefaultClientContext> = super::client_config(kafka)
+        .create()
+        .map_err(|e| KafkaError::Client(format!("admin client: {e}")))?;
+    let new = NewTopic::new(
+        topic,
+        partitions as i32,
+        TopicReplication::Fixed(kafka.changelog.replication_factor),
+    )
+    .set("cleanup.policy", "compact");
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(Duration::from_secs(10)))
+        .request_timeout(Some(Duration::from_secs(15)));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| KafkaError::Client(format!("admin runtime: {e}")))?;
+    let how = format!(
+        "create it with {partitions} partitions and cleanup.policy=compact, or let dedupd create it (CreateTopics, the cluster's ACLs permitting)"
+    );
+    let created = runtime
+        .block_on(admin.create_topics([&new], &opts))
+        .map_err(|e| {
+            KafkaError::Client(format!(
+                "changelog topic {topic} is missing and creating it failed: {e}; {how}"
+            ))
+        })?;
+    for result in created {
+        match result {
+            Ok(_) => {
+                tracing::info!(%topic, partitions, "changelog topic created (cleanup.policy=compact)")
+            }
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((_, code)) => {
+                return Err(KafkaError::Client(format!(
+                    "changelog topic {topic} is missing and creating it failed: {code}; {how}"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What one restore did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Restored {
+    /// Changelog records read and replayed.
+    pub changes: u64,
+    pub elapsed: Duration,
+}
+
+/// Replays the given partitions of the changelog into the ledger, from their first record
+/// to the end offset read at the start, and waits until every change is durable.
+pub fn restore(
+    ledger: &Ledger,
+    sub: &Arc<Subscriber>,
+    kafka: &KafkaConfig,
+    topic: &str,
+    partitions: &[i32],
+) -> Result<Restored, KafkaError> {
+    let started = Instant::now();
+    let client = |e: RdError| KafkaError::Client(format!("restoring from {topic}: {e}"));
+    let consumer: BaseConsumer = super::client_config(kafka)
+        .set("group.id", format!("{}-restore", topic))
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .map_err(client)?;
+    let mut tpl = TopicPartitionList::new();
+    let mut ends = Vec::new();
+    for &p in partitions {
+        let (low, high) = consumer
+            .fetch_watermarks(topic, p, Duration::from_secs(30))
+            .map_err(client)?;
+        if low > 0 {
+            tracing::warn!(subscriber = %sub.name, %topic, partition = p, first_offset = low,
+                "the changelog partition does not start at offset 0: changes before it were deleted (a retention setting, or a broker that keeps only recent data) and the claims and state they held are not restored; a changelog topic needs cleanup.policy=compact and no retention.ms");
+        }
+        if high > low {
+            tpl.add_partition_offset(topic, p, rdkafka::Offset::Offset(low))
+                .map_err(client)?;
+            ends.push((p, high));
+        }
+    }
+    let mut restored = Restored::default();
+    if ends.is_empty() {
+        return Ok(restored);
+    }
+    consumer.assign(&tpl).map_err(client)?;
+    let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
+    let mut staged: Vec<Vec<Job>> = (0..ledger.shard_count()).map(|_| Vec::new()).collect();
+    let (mut submitted, mut settled) = (0u64, 0u64);
+    let settle = |dones: Vec<Done>, settled: &mut u64| -> Result<(), KafkaError> {
+        for d in dones {
+            if let Outcome::Failed { reason } = d.outcome {
+                return Err(KafkaError::Ledger(reason));
+            }
+            *settled += 1;
+        }
+        Ok(())
+    };
+    let mut last_log = Instant::now();
+    let deadline = Instant::now() + kafka.changelog.restore_timeout;
+    while !ends.is_empty() {
+        if Instant::now() > deadline {
+            return Err(KafkaError::Client(format!(
+                "restoring from {topic} took longer than kafka.changelog.restore_timeout ({:?}); {} changes replayed",
+                kafka.changelog.restore_timeout, restored.changes
+            )));
+        }
+        let Some(m) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let m = m.map_err(client)?;
+        let (p, offset) = (m.partition(), m.offset());
+        let change = decode(m.payload().unwrap_or_default()).map_err(|e| {
+            KafkaError::Client(format!("{topic} partition {p} offset {offset}: {e}"))
+        })?;
+        let entity = change.entity.clone();
+        let mut job = Job::restore(submitted, sub.id, change, ack_tx.clone());
+        let shard = ledger.place(sub, &mut job, entity);
+        staged[shard].push(job);
+        submitted += 1;
+        restored.changes += 1;
+        if staged[shard].len() >= CHUNK {
+            ledger
+                .submit(shard, std::mem::take(&mut staged[shard]))
+                .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+        }
+        if let Some(i) = ends.iter().position(|(q, _)| *q == p) {
+            if offset + 1 >= ends[i].1 {
+                ends.swap_remove(i);
+            }
+        }
+        while let Ok(d) = ack_rx.try_recv() {
+            settle(d, &mut settled)?;
+        }
+        if submitted - settled > MAX_IN_FLIGHT as u64 {
+            flush(ledger, &mut staged)?;
+            while submitted - settled > (MAX_IN_FLIGHT / 2) as u64 {
+                let d = ack_rx
+                    .recv_timeout(Duration::from_secs(60))
+                    .map_err(|_| KafkaError::Ledger("restore outcomes stopped arriving".into()))?;
+                settle(d, &mut settled)?;
+            }
+        }
+        if last_log.elapsed() >= Duration::from_secs(5) {
+            last_log = Instant::now();
+            tracing::info!(subscriber = %sub.name, %topic, changes = restored.changes, "restoring from the changelog");
+        }
+    }
+    flush(ledger, &mut staged)?;
+    while settled < submitted {
+        let d = ack_rx
+            .recv_timeout(Duration::from_secs(60))
+            .map_err(|_| KafkaError::Ledger("restore outcomes stopped arriving".into()))?;
+        settle(d, &mut settled)?;
+    }
+    restored.elapsed = started.elapsed();
+    Ok(restored)
+}
+
+fn flush(ledger: &Ledger, staged: &mut [Vec<Job>]) -> Result<(), KafkaError> {
+    for (shard, jobs) in staged.iter_mut().enumerate() {
+        if !jobs.is_empty() {
+            ledger
+                .submit(shard, std::mem::take(jobs))
+                .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+
+    fn change() -> Change {
+        let mut c = Change {
+            key: 0x0123_4567_89ab_cdef_0011_2233_4455_6677,
+            id: "m-1".into(),
+            fingerprint: 9,
+            processed_at_ms: 1_700_000_000_000,
+            expires_at_ms: 1_700_086_400_000,
+            handler_version: 3,
+            entity: Some("order-7".into()),
+            state: Default::default(),
+            uniques: Default::default(),
+            versions: Default::default(),
+            origin: None,
+        };
+        c.state.insert(b"count".to_vec(), Some(b"2".to_vec()));
+        c.state.insert(b"old".to_vec(), None);
+        c.uniques.insert(b"label\0order-7".to_vec());
+        c.versions.insert("v".into(), 11);
+        c
+    }
+
+    #[test]
+    fn a_change_survives_its_record_encoding() {
+        let c = change();
+        assert_eq!(decode(&encode(&c).unwrap()).unwrap(), c);
+    }
+
+    #[test]
+    fn damaged_or_foreign_records_are_refused_with_the_reason() {
+        let bytes = encode(&change()).unwrap();
+        assert!(decode(&bytes[..bytes.len() - 3]).is_err());
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(decode(&longer).unwrap_err().contains("after the change"));
+        let mut newer = bytes;
+        newer[0] = 2;
+        assert!(decode(&newer).unwrap_err().contains("upgrade dedupd"));
+        assert!(decode(&[]).is_err());
+    }
+}
