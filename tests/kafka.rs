@@ -1273,6 +1273,7 @@ changelog = true
         at_log_end(&c.bootstrap, &group, &t)
     });
     let summary_b = stop_and_summary(b, &b_log);
+    assert!(summary_b["kafka"]["restored_changes"].as_u64().unwrap() > 0);
     let processed = |s: &serde_json::Value| s["kafka"]["processed"].as_u64().unwrap();
     let (by_b, by_c) = (processed(&summary_b), processed(&summary_c));
     // Every processing publishes one change before it commits: one record per distinct
@@ -1296,6 +1297,59 @@ changelog = true
         "B and C answered duplicate for what A did: A {by_a}, B {summary_b}, C {summary_c}"
     );
 
+    // B again on its own data directory: its checkpoints cover the whole changelog (moved
+    // when it stopped), so it restores nothing and processes nothing.
+    let (b, b_log) = start("b", "100ms");
+    wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
+        log_has(&b_log, restored) > 0
+    });
+    let again = stop_and_summary(b, &b_log);
+    assert_eq!(again["kafka"]["restored_changes"], 0, "{again}");
+    assert_eq!(again["kafka"]["processed"], 0, "{again}");
+
+    // B processes 600 more events and is killed with kill -9 after committing their
+    // offsets: its checkpoints stayed where its restore left them, so the restart reads
+    // exactly the 600 changes published since (its own), not the whole changelog.
+    const MORE: usize = 600;
+    let more: Vec<Rec<'_>> = (EVENTS..EVENTS + MORE)
+        .map(|n| Rec {
+            key: ["a", "b", "c", "d", "e", "f"][(n / 2) % 6],
+            headers: vec![("message-id", format!("e-{n}"))],
+            payload: format!(
+                r#"{{"type":"OrderPlaced","order_id":"o-{}","n":{n}}}"#,
+                n / 2
+            ),
+        })
+        .collect();
+    let (b, b_log) = start("b", "100ms");
+    wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
+        log_has(&b_log, restored) > 0
+    });
+    produce(&c.bootstrap, &t, &more);
+    wait_showing(
+        "offsets at the log end",
+        Duration::from_secs(60),
+        &b_log,
+        || at_log_end(&c.bootstrap, &group, &t),
+    );
+    drop(b); // SIGKILL
+    let (b, b_log) = start("b", "100ms");
+    wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
+        log_has(&b_log, restored) > 0
+    });
+    let tail = stop_and_summary(b, &b_log);
+    assert_eq!(
+        tail["kafka"]["restored_changes"], MORE as u64,
+        "only the tail after the checkpoint is read: {tail}"
+    );
+    assert_eq!(tail["kafka"]["processed"], 0, "{tail}");
+    const ALL: usize = EVENTS + MORE;
+    let published: i64 = committed_and_end(&c.bootstrap, &group, &changelog)
+        .iter()
+        .map(|(_, end)| end)
+        .sum();
+    assert_eq!(published, ALL as i64, "one change per distinct event");
+
     // B alone now holds every partition: exactly the claims and state they had.
     let ledger = Ledger::open(&dir.path().join("b"), &config, Arc::new(SystemClock)).unwrap();
     let counts = ledger.state_entries("orders").unwrap();
@@ -1307,8 +1361,8 @@ changelog = true
         .map(|s| s.claims)
         .sum();
     ledger.close().unwrap();
-    assert_eq!(claims, EVENTS as u64, "one claim per distinct event");
-    assert_eq!(counts.len(), EVENTS / 2, "orders lost");
+    assert_eq!(claims, ALL as u64, "one claim per distinct event");
+    assert_eq!(counts.len(), ALL / 2, "orders lost");
     let wrong: Vec<_> = counts
         .iter()
         .filter(|(_, v)| v.as_slice() != b"2")

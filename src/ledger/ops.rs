@@ -433,6 +433,28 @@ impl Ledger {
         Ok(out)
     }
 
+    /// The changelog checkpoint stored under `key` (`<changelog topic>/<partition>`): an
+    /// offset before which every change of that partition is in this data directory.
+    pub fn changelog_checkpoint(&self, key: &str) -> Result<Option<u64>, LedgerError> {
+        self.ask(0, |reply| Control::Checkpoint {
+            key: key.to_string(),
+            set: None,
+            reply,
+        })
+    }
+
+    /// Stores a changelog checkpoint, durably. Call it only once every change before
+    /// `offset` is durable here: a checkpoint may lag (a restore then replays more, which
+    /// is harmless) but never lead.
+    pub fn set_changelog_checkpoint(&self, key: &str, offset: u64) -> Result<(), LedgerError> {
+        self.ask(0, |reply| Control::Checkpoint {
+            key: key.to_string(),
+            set: Some(offset),
+            reply,
+        })
+        .map(|_| ())
+    }
+
     /// Outbox rows pending in all shards.
     pub fn outbox_len(&self) -> Result<u64, LedgerError> {
         Ok(self

@@ -98,6 +98,10 @@ pub fn index_table(kind: RecordKind) -> IndexTable {
 
 /// Outbox rows: seq -> JSON, relayed after commit (see the Kafka source).
 pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox_v1");
+/// Changelog checkpoints, on shard 0: `<changelog topic>/<partition>` -> an offset before
+/// which every change of the partition is in this data directory (`ledger/changelog.rs`).
+pub const CHANGELOG_CHECKPOINTS: TableDefinition<&str, u64> =
+    TableDefinition::new("changelog_checkpoints_v1");
 
 // ---- Handler state (`state/`) ------------------------------------------------------------
 
@@ -227,6 +231,7 @@ mod tests {
             QUARANTINE_INDEX.name(),
             DEAD_LETTER_INDEX.name(),
             OUTBOX.name(),
+            CHANGELOG_CHECKPOINTS.name(),
         ];
         assert_eq!(
             fixed,
@@ -240,6 +245,7 @@ mod tests {
                 "quarantine_index_v1",
                 "dead_letter_index_v1",
                 "outbox_v1",
+                "changelog_checkpoints_v1",
             ]
         );
         assert_eq!(state_name("s"), "state_v2/s");

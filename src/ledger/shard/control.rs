@@ -70,6 +70,9 @@ impl Shard {
             Control::OutboxLen { reply } => {
                 let _ = reply.send(self.outbox_len());
             }
+            Control::Checkpoint { key, set, reply } => {
+                let _ = reply.send(self.checkpoint(&key, set));
+            }
             Control::BackupBegin { reply } => {
                 let r = match &self.failed {
                     Some(e) => Err(e.clone()),
@@ -280,6 +283,31 @@ impl Shard {
             Err(redb::TableError::TableDoesNotExist(_)) => Ok(0),
             Err(e) => Err(self.err(e)),
         }
+    }
+
+    fn checkpoint(&mut self, key: &str, set: Option<u64>) -> Result<Option<u64>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let before = {
+            let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+            match txn.open_table(tables::CHANGELOG_CHECKPOINTS) {
+                Ok(t) => t.get(key).map_err(|e| self.err(e))?.map(|v| v.value()),
+                Err(redb::TableError::TableDoesNotExist(_)) => None,
+                Err(e) => return Err(self.err(e)),
+            }
+        };
+        if let Some(offset) = set {
+            self.small_commit(|shard, txn| {
+                let mut t = txn
+                    .open_table(tables::CHANGELOG_CHECKPOINTS)
+                    .map_err(|e| storage(&shard.ctx.path, e))?;
+                t.insert(key, offset)
+                    .map_err(|e| storage(&shard.ctx.path, e))?;
+                Ok(())
+            })?;
+        }
+        Ok(before)
     }
 
     fn outbox_ack(&mut self, seqs: Vec<u64>) -> Result<(), LedgerError> {

@@ -156,6 +156,12 @@ pub(crate) enum Control {
     OutboxLen {
         reply: Sender<Result<u64, LedgerError>>,
     },
+    /// Reads (`set: None`) or writes a changelog checkpoint; answers the value before.
+    Checkpoint {
+        key: String,
+        set: Option<u64>,
+        reply: Sender<Result<Option<u64>, LedgerError>>,
+    },
     /// Starts recording the file's writes; answers the file's path, to copy.
     BackupBegin {
         reply: Sender<Result<PathBuf, LedgerError>>,

@@ -243,6 +243,27 @@ impl Worker {
         }
     }
 
+    /// Moves the changelog checkpoints of these partitions (all when `None`) to the
+    /// changelog's end: call only after their in-flight work drained, so every change
+    /// before the end is durable here. A failure is logged: the next restore reads more.
+    fn checkpoint(&self, consumer: &BaseConsumer<WorkerContext>, slots: &[u64]) {
+        let Some(c) = &self.changelog else {
+            return;
+        };
+        if self.fatal.is_some() {
+            return;
+        }
+        let partitions: Vec<i32> = slots
+            .iter()
+            .filter_map(|s| self.parts.get(s).map(|p| p.partition))
+            .collect();
+        if let Err(e) = super::changelog::checkpoint(consumer, &self.ledger, &c.topic, &partitions)
+        {
+            tracing::warn!(subscriber = %self.sub.name, topic = %c.topic, error = %e,
+                "changelog checkpoint not moved; the next restore of these partitions reads more of the changelog");
+        }
+    }
+
     /// Restores newly assigned partitions from the changelog before any of their messages
     /// is taken: a partition becomes this member's only once its claims and state are
     /// here. On failure the partitions are not taken and the subscription stops.
@@ -269,7 +290,8 @@ impl Worker {
                 .increment(r.changes);
                 let rate = r.changes as f64 / r.elapsed.as_secs_f64().max(1e-6);
                 tracing::info!(subscriber = %self.sub.name, topic = %c.topic, ?partitions,
-                    changes = r.changes, elapsed_ms = r.elapsed.as_millis() as u64,
+                    changes = r.changes, covered_by_checkpoint = r.skipped,
+                    elapsed_ms = r.elapsed.as_millis() as u64,
                     changes_per_sec = rate as u64, "partitions restored from the changelog");
                 true
             }
@@ -296,6 +318,8 @@ impl Worker {
                     .revoke_drain_timeouts
                     .fetch_add(1, Ordering::Relaxed);
                 tracing::error!(subscriber = %self.sub.name, "in-flight work of revoked partitions did not finish within kafka.drain_timeout; their unfinished messages will be delivered again to the new owner");
+            } else {
+                self.checkpoint(consumer, &slots);
             }
             if self.fatal.is_none() && !commit(consumer, &self.sub.name, "commit before revoke") {
                 self.stats
@@ -851,6 +875,9 @@ fn drain_and_commit(
     }
     if !drained {
         tracing::error!(subscriber = %name, "in-flight messages did not finish within kafka.drain_timeout; they will be delivered again");
+    } else {
+        let slots: Vec<u64> = w.parts.keys().copied().collect();
+        w.checkpoint(consumer, &slots);
     }
     commit(consumer, name, "final offset commit");
     Ok(w.latency.take())

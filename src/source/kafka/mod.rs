@@ -92,6 +92,8 @@ pub struct KafkaSummary {
     /// Rebalances after which other members of the group held partitions (see
     /// [`SourceStats::shared_group_rebalances`]).
     pub shared_group_rebalances: u64,
+    /// Changes replayed from changelogs on assignment (`changelog = true`).
+    pub restored_changes: u64,
     pub outbox_relayed: u64,
 }
 
@@ -108,6 +110,7 @@ impl KafkaSummary {
         self.revoked_partitions += get(&s.revoked_partitions);
         self.revoke_commit_failures += get(&s.revoke_commit_failures);
         self.shared_group_rebalances += get(&s.shared_group_rebalances);
+        self.restored_changes += get(&s.restored_changes);
     }
 }
 
