@@ -1078,15 +1078,32 @@ fn sockets_refuse_every_use() {
 struct Recorder {
     changes: std::sync::Mutex<Vec<dedupd::ledger::changelog::Change>>,
     refuse: std::sync::atomic::AtomicBool,
+    /// Takes the changes but never acknowledges them.
+    refuse_ack: std::sync::atomic::AtomicBool,
+}
+
+/// Acknowledgements that never came.
+struct Unacknowledged;
+
+impl dedupd::ledger::changelog::Published for Unacknowledged {
+    fn wait(self: Box<Self>) -> Result<(), String> {
+        Err("2 of 2 changes not acknowledged".into())
+    }
 }
 
 impl dedupd::ledger::changelog::ChangelogSink for Recorder {
-    fn publish(&self, changes: &[dedupd::ledger::changelog::Change]) -> Result<(), String> {
+    fn publish(
+        &self,
+        changes: &[dedupd::ledger::changelog::Change],
+    ) -> Result<Box<dyn dedupd::ledger::changelog::Published>, String> {
         if self.refuse.load(std::sync::atomic::Ordering::Relaxed) {
             return Err("the topic is unreachable".into());
         }
+        if self.refuse_ack.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(Box::new(Unacknowledged));
+        }
         self.changes.lock().unwrap().extend_from_slice(changes);
-        Ok(())
+        Ok(Box::new(dedupd::ledger::changelog::AlreadyPublished))
     }
 }
 
@@ -1219,21 +1236,26 @@ fn published_changes_restore_the_same_claims_and_state_on_another_ledger() {
     assert_eq!(b.state("count"), want);
 }
 
-/// A changelog that does not take a batch stops the ledger before the batch commits:
-/// the message fails, and after a restart it holds no claim and no state (G7).
+/// A changelog that does not take a batch, or never acknowledges it, stops the ledger
+/// before the batch commits: the message fails, and after a restart it holds no claim and
+/// no state (G7).
 #[test]
 fn a_changelog_that_refuses_a_batch_stops_the_ledger_before_it_commits() {
+    refused_changelog(false, "the topic is unreachable");
+    refused_changelog(true, "not acknowledged");
+}
+
+fn refused_changelog(at_ack: bool, reason_has: &str) {
     let h = Harness::new(&[("count", "fixture_counter", 1)]);
     let rec = Arc::new(Recorder::default());
-    rec.refuse.store(true, std::sync::atomic::Ordering::Relaxed);
+    let flag = if at_ack { &rec.refuse_ack } else { &rec.refuse };
+    flag.store(true, std::sync::atomic::Ordering::Relaxed);
     h.ledger.set_changelog("count", Some(rec)).unwrap();
     let events = counter_events(1);
     let (tx, rx) = unbounded::<Vec<Done>>();
     h.place_and_run(counter_jobs(&h, &events, &tx));
     match &outcomes(rx, 1)[0] {
-        Outcome::Failed { reason } => {
-            assert!(reason.contains("the topic is unreachable"), "{reason}")
-        }
+        Outcome::Failed { reason } => assert!(reason.contains(reason_has), "{reason}"),
         other => panic!("expected a failure, got {other:?}"),
     }
     assert!(h.ledger.poison_reason().is_some());

@@ -89,9 +89,26 @@ impl Change {
 
 /// Where a subscriber's shards publish their changes before committing.
 pub trait ChangelogSink: Send + Sync + std::fmt::Debug {
-    /// Returns once every change is durable in the changelog, in order per source
-    /// partition, or why it is not (the shard then stops without committing the batch).
-    fn publish(&self, changes: &[Change]) -> Result<(), String>;
+    /// Starts publishing the changes, in order per source partition. The shard writes the
+    /// batch into its transaction meanwhile and commits only after [`Published::wait`]
+    /// said every change is durable in the changelog; an error from either stops the
+    /// shard without committing the batch.
+    fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, String>;
+}
+
+/// Changes on their way into a changelog.
+pub trait Published: Send {
+    /// Returns once every change is durable in the changelog, or why it is not.
+    fn wait(self: Box<Self>) -> Result<(), String>;
+}
+
+/// Changes that were durable when `publish` returned.
+pub struct AlreadyPublished;
+
+impl Published for AlreadyPublished {
+    fn wait(self: Box<Self>) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A slot for a subscriber's sink, read by its shards between batches.

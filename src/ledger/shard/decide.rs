@@ -6,7 +6,7 @@
 use super::breaker::Transition;
 use super::open::{apply_settings, new_sub_state};
 use super::*;
-use crate::ledger::changelog::Change;
+use crate::ledger::changelog::{Change, Published};
 use crate::ledger::SubscriberCounters;
 
 impl Shard {
@@ -96,8 +96,9 @@ impl Shard {
             }
         }
         // Published before the commit: the local ledger never holds a processed message
-        // its changelog lacks (`changelog.rs`).
-        self.publish_changes()?;
+        // its changelog lacks (`changelog.rs`). The acknowledgements are awaited after the
+        // batch is written into the transaction and maintenance ran, just before commit.
+        let published = self.publish_changes()?;
         let t1 = Instant::now();
         if tally.wrote {
             self.write_batch(&txn, now)?;
@@ -108,6 +109,10 @@ impl Shard {
         }
         let t2 = Instant::now();
         let maintenance = self.maintenance(&txn, now, slice_budget(jobs.len()), false)?;
+        for (subscriber, p) in published {
+            p.wait()
+                .map_err(|detail| LedgerError::Changelog { subscriber, detail })?;
+        }
         let t3 = Instant::now();
         self.request_spare_map();
         if tally.wrote || maintenance {
@@ -402,9 +407,12 @@ impl Shard {
         Ok(Decision::Done(Outcome::Processed))
     }
 
-    /// Hands each subscriber's changes of this batch to its changelog and waits until they
-    /// are durable there; a refusal stops the shard before anything of the batch commits.
-    fn publish_changes(&mut self) -> Result<(), LedgerError> {
+    /// Hands each subscriber's changes of this batch to its changelog; the caller waits
+    /// for them before it commits. A refusal stops the shard before anything of the batch
+    /// commits.
+    #[allow(clippy::type_complexity)]
+    fn publish_changes(&mut self) -> Result<Vec<(String, Box<dyn Published>)>, LedgerError> {
+        let mut out = Vec::new();
         for st in self.subs.iter_mut().flatten() {
             if st.changes.is_empty() {
                 continue;
@@ -413,13 +421,13 @@ impl Shard {
             let Some(sink) = &st.changelog else {
                 continue;
             };
-            sink.publish(&changes)
-                .map_err(|detail| LedgerError::Changelog {
-                    subscriber: st.name.to_string(),
-                    detail,
-                })?;
+            let subscriber = st.name.to_string();
+            match sink.publish(&changes) {
+                Ok(p) => out.push((subscriber, p)),
+                Err(detail) => return Err(LedgerError::Changelog { subscriber, detail }),
+            }
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Records a claim of `job` in memory and in the batch's log row, with the placement

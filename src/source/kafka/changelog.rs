@@ -36,7 +36,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
 
 use super::{KafkaConfig, KafkaError};
-use crate::ledger::changelog::{Change, ChangelogSink};
+use crate::ledger::changelog::{Change, ChangelogSink, Published};
 use crate::ledger::{Done, Job, Ledger, Origin, Outcome, Subscriber};
 
 /// The first byte of every record value: the encoding of what follows.
@@ -161,7 +161,7 @@ impl ChangelogProducer {
 }
 
 impl ChangelogSink for ChangelogProducer {
-    fn publish(&self, changes: &[Change]) -> Result<(), String> {
+    fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, String> {
         let pending = Arc::new(Pending::default());
         pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = changes.len();
         for (i, change) in changes.iter().enumerate() {
@@ -195,22 +195,40 @@ impl ChangelogSink for ChangelogProducer {
                 }
             }
         }
-        // Deliveries fail on their own once `message.timeout.ms` passes; the margin covers
-        // the report's way back.
-        let deadline = Instant::now() + self.timeout + Duration::from_secs(5);
-        let mut s = pending.state.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(Box::new(Acks {
+            pending,
+            count: changes.len(),
+            topic: self.topic.clone(),
+            // Deliveries fail on their own once `message.timeout.ms` passes; the margin
+            // covers the report's way back.
+            deadline: Instant::now() + self.timeout + Duration::from_secs(5),
+            timeout: self.timeout,
+        }))
+    }
+}
+
+/// The acknowledgements one `publish` waits for.
+struct Acks {
+    pending: Arc<Pending>,
+    count: usize,
+    topic: String,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl Published for Acks {
+    fn wait(self: Box<Self>) -> Result<(), String> {
+        let mut s = self.pending.state.lock().unwrap_or_else(|p| p.into_inner());
         while s.0 > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = self.deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(format!(
                     "{} of {} changes not acknowledged by {} within {:?}",
-                    s.0,
-                    changes.len(),
-                    self.topic,
-                    self.timeout
+                    s.0, self.count, self.topic, self.timeout
                 ));
             }
-            s = pending
+            s = self
+                .pending
                 .done
                 .wait_timeout(s, left)
                 .map(|(g, _)| g)
