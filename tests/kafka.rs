@@ -1121,6 +1121,174 @@ fn stop_and_summary(mut child: KillOnDrop, log: &Path) -> serde_json::Value {
     serde_json::from_slice(printed.trim_ascii()).unwrap()
 }
 
+/// `fixture-counter` events `n` of `range`: two per order (`o-<n/2>`), six record keys;
+/// with `redeliver`, every tenth is followed by a redelivery of an earlier one.
+fn counter_records(range: std::ops::Range<usize>, redeliver: bool) -> Vec<Rec<'static>> {
+    let rec = |n: usize| Rec {
+        key: ["a", "b", "c", "d", "e", "f"][(n / 2) % 6],
+        headers: vec![("message-id", format!("e-{n}"))],
+        payload: format!(
+            r#"{{"type":"OrderPlaced","order_id":"o-{}","n":{n}}}"#,
+            n / 2
+        ),
+    };
+    let mut recs = Vec::new();
+    for n in range {
+        recs.push(rec(n));
+        if redeliver && n % 10 == 9 {
+            recs.push(rec(n - 7)); // a redelivery of an earlier record
+        }
+    }
+    recs
+}
+
+/// `dedupd run` instances of one consumer group on one topic, with `changelog = true` and
+/// the non-idempotent `fixture-counter` handler, each in a data directory of its own.
+struct Members {
+    dir: tempfile::TempDir,
+    bootstrap: String,
+    topic: String,
+    group: String,
+    changelog: String,
+}
+
+/// How often a line occurs in a log.
+fn log_has(log: &Path, what: &str) -> usize {
+    std::fs::read_to_string(log).map_or(0, |l| l.matches(what).count())
+}
+
+/// Whether a `kafka progress` line of the log says at least `n` messages were released.
+fn released_at_least(log: &Path, n: u64) -> bool {
+    std::fs::read_to_string(log).is_ok_and(|l| {
+        l.lines()
+            .filter_map(|l| l.split("released=").nth(1))
+            .any(|v| {
+                v.split_whitespace()
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .is_some_and(|v| v >= n)
+            })
+    })
+}
+
+const RESTORED: &str = "partitions restored from the changelog";
+
+impl Members {
+    fn new(c: &Cluster, topic: &str) -> Members {
+        let changelog = format!("{topic}-orders-changelog");
+        if let Some(mock) = &c._mock {
+            // The mock cluster has no CreateTopics; a real one gets it from dedupd.
+            mock.create_topic(&changelog, 4).unwrap();
+        }
+        Members {
+            dir: tempfile::tempdir().unwrap(),
+            bootstrap: c.bootstrap.clone(),
+            topic: topic.to_string(),
+            group: format!("g-{topic}"),
+            changelog,
+        }
+    }
+
+    /// The config of member `name`.
+    fn config(&self, name: &str, commit_interval: &str) -> PathBuf {
+        let cfg = self.dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"
+[[subscriber]]
+name = "orders"
+key = {{ source = "header", name = "message-id" }}
+partition_key = {{ source = "json_pointer", pointer = "/order_id" }}
+handler = {:?}
+handler_cpu_budget = "2s"
+
+[kafka]
+brokers = "{}"
+group = "{}"
+session_timeout = "3s"
+commit_interval = "{commit_interval}"
+
+[kafka.changelog]
+prefix = "{}"
+replication_factor = 1
+
+[[kafka.subscription]]
+subscriber = "orders"
+topics = ["{}"]
+changelog = true
+"#,
+                component("fixture_counter").display().to_string(),
+                self.bootstrap,
+                self.group,
+                self.topic,
+                self.topic
+            ),
+        )
+        .unwrap();
+        cfg
+    }
+
+    /// Starts member `name` on its data directory; its log is `<name>.log` (truncated).
+    fn start(&self, name: &str, commit_interval: &str) -> (KillOnDrop, PathBuf) {
+        let cfg = self.config(name, commit_interval);
+        let log = self.dir.path().join(format!("{name}.log"));
+        let child = KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_dedupd"))
+                .args(["run", "--config"])
+                .arg(&cfg)
+                .arg("--data-dir")
+                .arg(self.dir.path().join(name))
+                .env("NO_COLOR", "1")
+                .env("RUST_LOG", "dedupd=info")
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        (child, log)
+    }
+
+    /// Changes in the changelog (the mock broker compacts nothing).
+    fn published(&self) -> i64 {
+        committed_and_end(&self.bootstrap, &self.group, &self.changelog)
+            .iter()
+            .map(|(_, end)| end)
+            .sum()
+    }
+
+    /// Claims and counts of member `name`'s data directory (stopped); asserts every order
+    /// of `events` distinct events counts exactly 2 and one claim per event.
+    fn assert_exact(&self, name: &str, events: usize) {
+        let config = Config::load(&self.config(name, "1s")).unwrap();
+        let ledger =
+            Ledger::open(&self.dir.path().join(name), &config, Arc::new(SystemClock)).unwrap();
+        let counts = ledger.state_entries("orders").unwrap();
+        let claims: u64 = ledger
+            .report()
+            .unwrap()
+            .subscribers
+            .iter()
+            .map(|s| s.claims)
+            .sum();
+        ledger.close().unwrap();
+        assert_eq!(claims, events as u64, "one claim per distinct event");
+        assert_eq!(counts.len(), events / 2, "orders lost");
+        let wrong: Vec<_> = counts
+            .iter()
+            .filter(|(_, v)| v.as_slice() != b"2")
+            .take(5)
+            .map(|(k, v)| {
+                (
+                    String::from_utf8_lossy(k).into_owned(),
+                    String::from_utf8_lossy(v).into_owned(),
+                )
+            })
+            .collect();
+        assert!(wrong.is_empty(), "counts other than 2: {wrong:?}");
+    }
+}
+
 /// Issue 17: with `changelog = true`, claims and handler state follow their partitions.
 /// Instance A (the non-idempotent `fixture-counter` handler, offsets never committed)
 /// processes part of the stream and is killed with kill -9: every message is delivered
@@ -1136,101 +1304,16 @@ fn stop_and_summary(mut child: KillOnDrop, log: &Path) -> serde_json::Value {
 fn claims_and_state_follow_their_partitions_through_a_changelog() {
     let c = cluster();
     let t = topic("changelog");
-    let group = format!("g-{t}");
+    let g = Members::new(&c, &t);
+    let group = g.group.clone();
     const EVENTS: usize = 12_000;
-    let mut recs: Vec<Rec<'_>> = Vec::new();
-    for n in 0..EVENTS {
-        let rec = |n: usize| Rec {
-            key: ["a", "b", "c", "d", "e", "f"][(n / 2) % 6],
-            headers: vec![("message-id", format!("e-{n}"))],
-            payload: format!(
-                r#"{{"type":"OrderPlaced","order_id":"o-{}","n":{n}}}"#,
-                n / 2
-            ),
-        };
-        recs.push(rec(n));
-        if n % 10 == 9 {
-            recs.push(rec(n - 7)); // a redelivery of an earlier record
-        }
-    }
+    let recs = counter_records(0..EVENTS, true);
     let (first, second) = recs.split_at(recs.len() / 2);
     produce(&c.bootstrap, &t, first);
-    let changelog = format!("{t}-orders-changelog");
-    if let Some(mock) = &c._mock {
-        // The mock cluster has no CreateTopics; a real one gets it from dedupd.
-        mock.create_topic(&changelog, 4).unwrap();
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let write_cfg = |name: &str, commit_interval: &str| {
-        let cfg = dir.path().join(format!("{name}.toml"));
-        std::fs::write(
-            &cfg,
-            format!(
-                r#"
-[[subscriber]]
-name = "orders"
-key = {{ source = "header", name = "message-id" }}
-partition_key = {{ source = "json_pointer", pointer = "/order_id" }}
-handler = {:?}
-handler_cpu_budget = "2s"
-
-[kafka]
-brokers = "{}"
-group = "{group}"
-session_timeout = "3s"
-commit_interval = "{commit_interval}"
-
-[kafka.changelog]
-prefix = "{t}"
-replication_factor = 1
-
-[[kafka.subscription]]
-subscriber = "orders"
-topics = ["{t}"]
-changelog = true
-"#,
-                component("fixture_counter").display().to_string(),
-                c.bootstrap
-            ),
-        )
-        .unwrap();
-        cfg
-    };
-    let bin = env!("CARGO_BIN_EXE_dedupd");
-    let start = |name: &str, commit_interval: &str| {
-        let cfg = write_cfg(name, commit_interval);
-        let log = dir.path().join(format!("{name}.log"));
-        let child = KillOnDrop(
-            Command::new(bin)
-                .args(["run", "--config"])
-                .arg(&cfg)
-                .arg("--data-dir")
-                .arg(dir.path().join(name))
-                .env("NO_COLOR", "1")
-                .env("RUST_LOG", "dedupd=info")
-                .stdout(Stdio::piped())
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap(),
-        );
-        (child, log)
-    };
-    let log_has = |log: &Path, what: &str| {
-        std::fs::read_to_string(log).map_or(0, |l| l.matches(what).count())
-    };
-
-    let released_at_least = |log: &Path, n: u64| {
-        std::fs::read_to_string(log).is_ok_and(|l| {
-            l.lines()
-                .filter_map(|l| l.split("released=").nth(1))
-                .any(|v| {
-                    v.split_whitespace()
-                        .next()
-                        .and_then(|v| v.parse::<u64>().ok())
-                        .is_some_and(|v| v >= n)
-                })
-        })
-    };
+    let changelog = g.changelog.clone();
+    let dir = &g.dir;
+    let write_cfg = |name: &str, commit_interval: &str| g.config(name, commit_interval);
+    let start = |name: &str, commit_interval: &str| g.start(name, commit_interval);
 
     // A: offsets never committed (1h); killed once it released a few thousand messages.
     let (a, a_log) = start("a", "1h");
@@ -1264,7 +1347,7 @@ changelog = true
     // B and C: empty data directories; everything is delivered again, and the rest of the
     // stream arrives while they run. C is killed with kill -9 mid-stream (offsets
     // committed every 100 ms, so it dies with work in flight) and D, empty too, joins.
-    let restored = "partitions restored from the changelog";
+    let restored = RESTORED;
     let (b, b_log) = start("b", "100ms");
     let (cc, c_log) = start("c", "100ms");
     let (head, tail) = second.split_at(second.len() / 2);
@@ -1332,16 +1415,7 @@ changelog = true
     // offsets: its checkpoints stayed where its restore left them, so the restart reads
     // exactly the 600 changes published since (its own), not the whole changelog.
     const MORE: usize = 600;
-    let more: Vec<Rec<'_>> = (EVENTS..EVENTS + MORE)
-        .map(|n| Rec {
-            key: ["a", "b", "c", "d", "e", "f"][(n / 2) % 6],
-            headers: vec![("message-id", format!("e-{n}"))],
-            payload: format!(
-                r#"{{"type":"OrderPlaced","order_id":"o-{}","n":{n}}}"#,
-                n / 2
-            ),
-        })
-        .collect();
+    let more = counter_records(EVENTS..EVENTS + MORE, false);
     let (b, b_log) = start("b", "100ms");
     wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
         log_has(&b_log, restored) > 0
@@ -1365,35 +1439,104 @@ changelog = true
     );
     assert_eq!(tail["kafka"]["processed"], 0, "{tail}");
     const ALL: usize = EVENTS + MORE;
-    let published: i64 = committed_and_end(&c.bootstrap, &group, &changelog)
-        .iter()
-        .map(|(_, end)| end)
-        .sum();
-    assert_eq!(published, ALL as i64, "one change per distinct event");
+    assert_eq!(g.published(), ALL as i64, "one change per distinct event");
 
     // B alone now holds every partition: exactly the claims and state they had.
-    let ledger = Ledger::open(&dir.path().join("b"), &config, Arc::new(SystemClock)).unwrap();
-    let counts = ledger.state_entries("orders").unwrap();
-    let claims: u64 = ledger
-        .report()
-        .unwrap()
-        .subscribers
-        .iter()
-        .map(|s| s.claims)
-        .sum();
-    ledger.close().unwrap();
-    assert_eq!(claims, ALL as u64, "one claim per distinct event");
-    assert_eq!(counts.len(), ALL / 2, "orders lost");
-    let wrong: Vec<_> = counts
-        .iter()
-        .filter(|(_, v)| v.as_slice() != b"2")
-        .take(5)
-        .map(|(k, v)| {
-            (
-                String::from_utf8_lossy(k).into_owned(),
-                String::from_utf8_lossy(v).into_owned(),
-            )
-        })
-        .collect();
-    assert!(wrong.is_empty(), "counts other than 2: {wrong:?}");
+    g.assert_exact("b", ALL);
+}
+
+/// Issue 14, kills aimed at rebalances: two live members of one group with
+/// `changelog = true` and the non-idempotent `fixture-counter` handler, offsets committed
+/// every 100 ms. Each of ten seeded rounds starts the member that is down, waits until the
+/// member that runs revokes partitions for it (the group is rebalancing: the runner drains
+/// and commits, the joiner restores what moves to it), and 0-250 ms later kills one of the
+/// two with kill -9 — the joiner in even rounds (mid-restore or just after), the runner in
+/// odd ones (mid-revoke, or with the partitions it kept in flight). At the end one member
+/// holds every partition: one claim per distinct event, every order's count exactly 2, and
+/// exactly one change per distinct event in the changelog (no event processed twice by the
+/// two members, none lost).
+#[test]
+fn counts_are_exact_after_kills_aimed_at_rebalances_between_two_members() {
+    let c = cluster();
+    let t = topic("rebalance-kills");
+    let g = Members::new(&c, &t);
+    const EVENTS: usize = 24_000;
+    const ROUNDS: usize = 10;
+    let recs = counter_records(0..EVENTS, true);
+    let parts: Vec<&[Rec<'_>]> = recs.chunks(recs.len().div_ceil(ROUNDS + 1)).collect();
+    assert_eq!(parts.len(), ROUNDS + 1);
+    let names = ["x", "y"];
+    produce(&c.bootstrap, &t, parts[0]);
+    // x runs; y is down.
+    let (x, x_log) = g.start("x", "100ms");
+    wait_showing("x to restore", Duration::from_secs(60), &x_log, || {
+        log_has(&x_log, RESTORED) > 0
+    });
+    let mut running: (usize, KillOnDrop, PathBuf) = (0, x, x_log);
+    let mut kills = Vec::new();
+    for round in 0..ROUNDS {
+        produce(&c.bootstrap, &t, parts[round + 1]);
+        let (up, _, ref up_log) = running;
+        // The group settles first: the runner holds every partition (after a kill, once
+        // the dead member's session timed out), so the joiner's arrival moves some.
+        wait_showing(
+            "the runner to hold every partition",
+            Duration::from_secs(60),
+            up_log,
+            || {
+                log_has(up_log, "kafka partition assigned")
+                    - log_has(up_log, "kafka partition revoked")
+                    == 4
+            },
+        );
+        let revoked = log_has(up_log, "kafka partition revoked");
+        let down = 1 - up;
+        let (joiner, joiner_log) = g.start(names[down], "100ms");
+        wait_showing(
+            "the running member to revoke partitions for the joiner",
+            Duration::from_secs(60),
+            up_log,
+            || log_has(up_log, "kafka partition revoked") > revoked,
+        );
+        let r = mix_u64((round as u64) ^ common::seed(0x4eba1));
+        std::thread::sleep(Duration::from_millis(r % 250));
+        if round % 2 == 0 {
+            drop(joiner); // SIGKILL the joiner: it may be restoring
+            kills.push(format!("{} joining", names[down]));
+        } else {
+            let (_, old, _) = std::mem::replace(&mut running, (down, joiner, joiner_log));
+            drop(old); // SIGKILL the runner: it may be revoking
+            kills.push(format!("{} running", names[up]));
+        }
+    }
+    // The member that is down comes back; both run to the log end; then the one that ran
+    // last stops and the other takes every partition.
+    let (up, last, last_log) = running;
+    let down = 1 - up;
+    let (other, other_log) = g.start(names[down], "100ms");
+    wait_showing(
+        "the group at the log end",
+        Duration::from_secs(180),
+        &other_log,
+        || at_log_end(&c.bootstrap, &g.group, &t),
+    );
+    let restores = log_has(&other_log, RESTORED);
+    let _ = stop_and_summary(last, &last_log);
+    wait_showing(
+        "the other member to take every partition",
+        Duration::from_secs(60),
+        &other_log,
+        || log_has(&other_log, RESTORED) > restores,
+    );
+    wait_until("the log end", Duration::from_secs(60), || {
+        at_log_end(&c.bootstrap, &g.group, &t)
+    });
+    let _ = stop_and_summary(other, &other_log);
+    eprintln!("rebalance kills: {} ({})", kills.len(), kills.join(", "));
+    assert_eq!(
+        g.published(),
+        EVENTS as i64,
+        "one change per distinct event"
+    );
+    g.assert_exact(names[down], EVENTS);
 }
