@@ -1173,6 +1173,35 @@ fn released_at_least(log: &Path, n: u64) -> bool {
 
 const RESTORED: &str = "partitions restored from the changelog";
 
+/// Where a member's log says it moved each partition's checkpoint last (the debug lines
+/// `changelog checkpoints moved ... moved=[(0, 3071), (2, 2990)]`).
+fn checkpoints_moved(log: &Path) -> HashMap<i32, i64> {
+    let mut out = HashMap::new();
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    for line in text
+        .lines()
+        .filter(|l| l.contains("changelog checkpoints moved"))
+    {
+        let Some(list) = line
+            .split("moved=[")
+            .nth(1)
+            .and_then(|r| r.split(']').next())
+        else {
+            continue;
+        };
+        for pair in list.split("), (") {
+            let pair = pair.trim_matches(|c| c == '(' || c == ')');
+            let mut it = pair.split(", ");
+            if let (Some(p), Some(o)) = (it.next(), it.next()) {
+                if let (Ok(p), Ok(o)) = (p.parse::<i32>(), o.parse::<i64>()) {
+                    out.insert(p, o);
+                }
+            }
+        }
+    }
+    out
+}
+
 impl Members {
     fn new(c: &Cluster, topic: &str) -> Members {
         let changelog = format!("{topic}-orders-changelog");
@@ -1189,8 +1218,12 @@ impl Members {
         }
     }
 
-    /// The config of member `name`.
+    /// The config of member `name`, changelog checkpoints moved every 10 s while it runs.
     fn config(&self, name: &str, commit_interval: &str) -> PathBuf {
+        self.config_with(name, commit_interval, "10s")
+    }
+
+    fn config_with(&self, name: &str, commit_interval: &str, checkpoints: &str) -> PathBuf {
         let cfg = self.dir.path().join(format!("{name}.toml"));
         std::fs::write(
             &cfg,
@@ -1212,6 +1245,7 @@ commit_interval = "{commit_interval}"
 [kafka.changelog]
 prefix = "{}"
 replication_factor = 1
+checkpoint_interval = "{checkpoints}"
 
 [[kafka.subscription]]
 subscriber = "orders"
@@ -1231,7 +1265,16 @@ changelog = true
 
     /// Starts member `name` on its data directory; its log is `<name>.log` (truncated).
     fn start(&self, name: &str, commit_interval: &str) -> (KillOnDrop, PathBuf) {
-        let cfg = self.config(name, commit_interval);
+        self.start_with(name, commit_interval, "10s")
+    }
+
+    fn start_with(
+        &self,
+        name: &str,
+        commit_interval: &str,
+        checkpoints: &str,
+    ) -> (KillOnDrop, PathBuf) {
+        let cfg = self.config_with(name, commit_interval, checkpoints);
         let log = self.dir.path().join(format!("{name}.log"));
         let child = KillOnDrop(
             Command::new(env!("CARGO_BIN_EXE_dedupd"))
@@ -1240,7 +1283,10 @@ changelog = true
                 .arg("--data-dir")
                 .arg(self.dir.path().join(name))
                 .env("NO_COLOR", "1")
-                .env("RUST_LOG", "dedupd=info")
+                .env(
+                    "RUST_LOG",
+                    "dedupd=info,dedupd::source::kafka::consumer=debug",
+                )
                 .stdout(Stdio::piped())
                 .stderr(std::fs::File::create(&log).unwrap())
                 .spawn()
@@ -1412,11 +1458,12 @@ fn claims_and_state_follow_their_partitions_through_a_changelog() {
     assert_eq!(again["kafka"]["processed"], 0, "{again}");
 
     // B processes 600 more events and is killed with kill -9 after committing their
-    // offsets: its checkpoints stayed where its restore left them, so the restart reads
-    // exactly the 600 changes published since (its own), not the whole changelog.
+    // offsets, its checkpoints not moved while it ran (1h): they stayed where its restore
+    // left them, so the restart reads exactly the 600 changes published since (its own),
+    // not the whole changelog.
     const MORE: usize = 600;
     let more = counter_records(EVENTS..EVENTS + MORE, false);
-    let (b, b_log) = start("b", "100ms");
+    let (b, b_log) = g.start_with("b", "100ms", "1h");
     wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
         log_has(&b_log, restored) > 0
     });
@@ -1438,7 +1485,46 @@ fn claims_and_state_follow_their_partitions_through_a_changelog() {
         "only the tail after the checkpoint is read: {tail}"
     );
     assert_eq!(tail["kafka"]["processed"], 0, "{tail}");
-    const ALL: usize = EVENTS + MORE;
+
+    // Once more with checkpoints moved every 200 ms while B runs: after 400 more events
+    // and two moves past the log end, a kill -9 loses nothing of the checkpoint's work and
+    // the restart reads no change at all.
+    const LAST: usize = 400;
+    let last = counter_records(EVENTS + MORE..EVENTS + MORE + LAST, false);
+    let (b, b_log) = g.start_with("b", "100ms", "200ms");
+    wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
+        log_has(&b_log, restored) > 0
+    });
+    produce(&c.bootstrap, &t, &last);
+    wait_showing(
+        "offsets at the log end",
+        Duration::from_secs(60),
+        &b_log,
+        || at_log_end(&c.bootstrap, &group, &t),
+    );
+    wait_showing(
+        "checkpoints moved to the changelog's end",
+        Duration::from_secs(30),
+        &b_log,
+        || {
+            let moved = checkpoints_moved(&b_log);
+            committed_and_end(&c.bootstrap, &group, &changelog)
+                .iter()
+                .enumerate()
+                .all(|(p, (_, end))| moved.get(&(p as i32)) == Some(end))
+        },
+    );
+    drop(b); // SIGKILL
+    let (b, b_log) = start("b", "100ms");
+    wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
+        log_has(&b_log, restored) > 0
+    });
+    let none = stop_and_summary(b, &b_log);
+    assert_eq!(
+        none["kafka"]["restored_changes"], 0,
+        "the checkpoints moved while B ran cover every change: {none}"
+    );
+    const ALL: usize = EVENTS + MORE + LAST;
     assert_eq!(g.published(), ALL as i64, "one change per distinct event");
 
     // B alone now holds every partition: exactly the claims and state they had.

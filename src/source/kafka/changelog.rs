@@ -113,7 +113,12 @@ impl Pending {
     }
 }
 
-struct PublishContext;
+/// The highest offset acknowledged per changelog partition, as delivery reports said.
+pub type Acked = Arc<Mutex<std::collections::HashMap<i32, i64>>>;
+
+struct PublishContext {
+    acked: Acked,
+}
 
 impl ClientContext for PublishContext {}
 
@@ -121,6 +126,11 @@ impl ProducerContext for PublishContext {
     type DeliveryOpaque = Arc<Pending>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, pending: Arc<Pending>) {
+        if let Ok(m) = result {
+            let mut acked = self.acked.lock().unwrap_or_else(|p| p.into_inner());
+            let top = acked.entry(m.partition()).or_insert(-1);
+            *top = (*top).max(m.offset());
+        }
         pending.settle(1, result.as_ref().err().map(|(e, _)| e.to_string()));
     }
 }
@@ -142,6 +152,11 @@ impl std::fmt::Debug for ChangelogProducer {
 }
 
 impl ChangelogProducer {
+    /// The highest acknowledged offset per partition (for checkpoints).
+    pub fn acked(&self) -> Acked {
+        self.producer.context().acked.clone()
+    }
+
     pub fn new(kafka: &KafkaConfig, topic: String) -> Result<ChangelogProducer, KafkaError> {
         let timeout = kafka.changelog.publish_timeout;
         let mut config = super::producer_config(kafka);
@@ -150,7 +165,9 @@ impl ChangelogProducer {
             .set("linger.ms", "0")
             .set("message.timeout.ms", timeout.as_millis().max(1).to_string());
         let producer = config
-            .create_with_context(PublishContext)
+            .create_with_context(PublishContext {
+                acked: Acked::default(),
+            })
             .map_err(|e| KafkaError::Client(format!("changelog producer: {e}")))?;
         Ok(ChangelogProducer {
             producer,
@@ -309,8 +326,10 @@ pub fn create_topic(kafka: &KafkaConfig, topic: &str, partitions: usize) -> Resu
 }
 
 /// What one restore did.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Restored {
+    /// Each partition's end offset when the restore began: its checkpoint now.
+    pub ends: Vec<(i32, i64)>,
     /// Changelog records read and replayed.
     pub changes: u64,
     /// Records not read because this data directory's checkpoint covers them.
@@ -434,12 +453,13 @@ pub fn restore(
     }
     consumer.unassign().map_err(client)?;
     replay.finish()?;
-    for (p, high) in ends {
+    for &(p, high) in &ends {
         ledger
             .set_changelog_checkpoint(&checkpoint_key(topic, p), high.max(0) as u64)
             .map_err(ledger_err)?;
     }
     Ok(Restored {
+        ends,
         changes: replay.submitted,
         skipped,
         elapsed: started.elapsed(),

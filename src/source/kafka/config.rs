@@ -148,6 +148,10 @@ pub struct ChangelogConfig {
     /// How long restoring newly assigned partitions may take before the subscription stops.
     #[serde(with = "humantime_serde")]
     pub restore_timeout: Duration,
+    /// How often the checkpoints of owned partitions move (a restart after a crash
+    /// replays the changelog from the last one).
+    #[serde(with = "humantime_serde")]
+    pub checkpoint_interval: Duration,
 }
 
 impl Default for ChangelogConfig {
@@ -157,6 +161,7 @@ impl Default for ChangelogConfig {
             replication_factor: -1,
             publish_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(600),
+            checkpoint_interval: Duration::from_secs(10),
         }
     }
 }
@@ -262,6 +267,12 @@ impl KafkaConfig {
                 return Err(invalid(
                     "kafka.changelog.restore_timeout",
                     "must be at least 1s",
+                ));
+            }
+            if c.checkpoint_interval < Duration::from_millis(100) {
+                return Err(invalid(
+                    "kafka.changelog.checkpoint_interval",
+                    "must be at least 100ms",
                 ));
             }
         }

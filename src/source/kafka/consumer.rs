@@ -128,10 +128,19 @@ struct Worker {
     changelog: Option<Changelog>,
 }
 
-/// What a worker needs to restore newly assigned partitions.
+/// What a worker needs to restore newly assigned partitions and move their checkpoints.
 struct Changelog {
     kafka: KafkaConfig,
     topic: String,
+    /// The highest changelog offset acknowledged per partition.
+    acked: super::changelog::Acked,
+    /// Checkpoints waiting for their messages: (slot, local number, changelog offset) —
+    /// once every message of the slot below the local number is released, every change
+    /// before the offset is committed here.
+    pending: Vec<(u64, u64, i64)>,
+    /// Where each partition's checkpoint is (as far as this member moved it).
+    moved_to: HashMap<i32, i64>,
+    last: Instant,
 }
 
 /// The consumer's context: rebalance callbacks and statistics.
@@ -264,6 +273,57 @@ impl Worker {
         }
     }
 
+    /// Moves changelog checkpoints while partitions are owned, so a restart after a crash
+    /// reads only what came after the last one. Every `checkpoint_interval` it notes, per
+    /// partition, the highest acknowledged changelog offset and the next message's local
+    /// number (in that order: a change acknowledged before the note belongs to a message
+    /// received before it); once every message below that number is released (its outcome
+    /// durable), every change up to the offset is committed here and the checkpoint moves.
+    fn checkpoint_owned(&mut self) {
+        if self.fatal.is_some() {
+            return;
+        }
+        let Some(c) = &mut self.changelog else {
+            return;
+        };
+        if c.last.elapsed() >= c.kafka.changelog.checkpoint_interval {
+            c.last = Instant::now();
+            let acked = c.acked.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            for (slot, p) in &self.parts {
+                let Some(&top) = acked.get(&p.partition) else {
+                    continue;
+                };
+                let at = c.moved_to.get(&p.partition).copied().unwrap_or(-1);
+                if top + 1 > at && !c.pending.iter().any(|(s, _, o)| s == slot && *o > top) {
+                    c.pending.push((*slot, p.tracker.next_local(), top + 1));
+                }
+            }
+        }
+        let parts = &self.parts;
+        let (ledger, topic, sub) = (&self.ledger, &c.topic, &self.sub.name);
+        let mut moved = Vec::new();
+        c.pending.retain(|&(slot, mark, offset)| {
+            let Some(p) = parts.get(&slot) else {
+                return false; // revoked: its revoke moved the checkpoint if it drained
+            };
+            if p.tracker.released() < mark {
+                return true;
+            }
+            let key = super::changelog::checkpoint_key(topic, p.partition);
+            match ledger.set_changelog_checkpoint(&key, offset as u64) {
+                Ok(()) => {
+                    c.moved_to.insert(p.partition, offset);
+                    moved.push((p.partition, offset));
+                }
+                Err(e) => tracing::warn!(subscriber = %sub, %topic, error = %e, "changelog checkpoint not moved"),
+            }
+            false
+        });
+        if !moved.is_empty() {
+            tracing::debug!(subscriber = %sub, %topic, ?moved, "changelog checkpoints moved");
+        }
+    }
+
     /// Restores newly assigned partitions from the changelog before any of their messages
     /// is taken: a partition becomes this member's only once its claims and state are
     /// here. On failure the partitions are not taken and the subscription stops.
@@ -280,8 +340,14 @@ impl Worker {
         if partitions.is_empty() || self.fatal.is_some() {
             return self.fatal.is_none();
         }
-        match super::changelog::restore(&self.ledger, &self.sub, &c.kafka, &c.topic, &partitions) {
+        let topic = c.topic.clone();
+        let restored =
+            super::changelog::restore(&self.ledger, &self.sub, &c.kafka, &topic, &partitions);
+        match restored {
             Ok(r) => {
+                if let Some(c) = &mut self.changelog {
+                    c.moved_to.extend(r.ends.iter().copied());
+                }
                 self.stats
                     .restored_changes
                     .fetch_add(r.changes, Ordering::Relaxed);
@@ -289,14 +355,14 @@ impl Worker {
                     "subscriber" => self.sub.name.to_string())
                 .increment(r.changes);
                 let rate = r.changes as f64 / r.elapsed.as_secs_f64().max(1e-6);
-                tracing::info!(subscriber = %self.sub.name, topic = %c.topic, ?partitions,
+                tracing::info!(subscriber = %self.sub.name, %topic, ?partitions,
                     changes = r.changes, covered_by_checkpoint = r.skipped,
                     elapsed_ms = r.elapsed.as_millis() as u64,
                     changes_per_sec = rate as u64, "partitions restored from the changelog");
                 true
             }
             Err(e) => {
-                tracing::error!(subscriber = %self.sub.name, topic = %c.topic, ?partitions, error = %e,
+                tracing::error!(subscriber = %self.sub.name, %topic, ?partitions, error = %e,
                     "restoring assigned partitions from the changelog failed; the subscription stops");
                 self.fatal = Some(format!("changelog restore: {e}"));
                 false
@@ -634,6 +700,7 @@ pub fn run_subscription(
             return Err(KafkaError::Ledger(f));
         }
         poll_round(&consumer, &name);
+        consumer.context().lock().checkpoint_owned();
         if std::mem::take(&mut consumer.context().lock().assignment_changed)
             && !subscription.changelog
         {
@@ -809,6 +876,7 @@ fn start_changelog(
         }
     }
     let sink = super::changelog::ChangelogProducer::new(kafka, topic.clone())?;
+    let acked = sink.acked();
     ledger
         .set_changelog(&subscription.subscriber, Some(Arc::new(sink)))
         .map_err(|e| KafkaError::Ledger(e.to_string()))?;
@@ -817,6 +885,10 @@ fn start_changelog(
     Ok(Changelog {
         kafka: kafka.clone(),
         topic,
+        acked,
+        pending: Vec::new(),
+        moved_to: HashMap::new(),
+        last: Instant::now(),
     })
 }
 

@@ -63,6 +63,16 @@ impl<R> OffsetTracker<R> {
         local
     }
 
+    /// The local number the next message will get.
+    pub fn next_local(&self) -> u64 {
+        self.next_local
+    }
+
+    /// Messages released so far: every local number below it has a durable outcome.
+    pub fn released(&self) -> u64 {
+        self.base
+    }
+
     /// Takes what was retained of a message still in flight.
     pub fn take_retained(&mut self, local: u64) -> Option<R> {
         let at = local.checked_sub(self.base)? as usize;
