@@ -662,7 +662,8 @@ fn rebalance_moves_partitions_without_double_processing() {
     // happens exactly when the coordinator refuses the commit made before the revoked
     // partitions move (a rebalance in progress; the mock cluster does it in about one run
     // in five on a busy machine): the new owner starts from the last committed offset and
-    // the instances share no claims (docs/kafka.md, "One instance per consumer group";
+    // the instances share no claims (docs/kafka.md, "Without a changelog: one instance per
+    // consumer group";
     // issue 17). The member counts and logs that; without it, nothing is doubled.
     let refused: u64 = stats
         .iter()

@@ -75,7 +75,8 @@ pub struct SourceStats {
     pub assigned_partitions: AtomicU64,
     /// Rebalances after which another member of the group held partitions of a subscribed
     /// topic: instances do not share claims, so a partition that moves is processed again
-    /// (docs/kafka.md, "One instance per consumer group"). Not counted with a changelog.
+    /// (docs/kafka.md, "Without a changelog: one instance per consumer group"). Not
+    /// counted with a changelog.
     pub shared_group_rebalances: AtomicU64,
     /// Changes replayed from the changelog into the ledger on assignment (`changelog = true`).
     pub restored_changes: AtomicU64,
@@ -391,7 +392,11 @@ impl Worker {
                 self.stats
                     .revoke_commit_failures
                     .fetch_add(1, Ordering::Relaxed);
-                tracing::error!(subscriber = %self.sub.name, "the offsets of revoked partitions were not committed before they moved: their new owner processes again what this member processed since its last commit (instances do not share claims; docs/kafka.md, \"One instance per consumer group\")");
+                if self.changelog.is_some() {
+                    tracing::warn!(subscriber = %self.sub.name, "the offsets of revoked partitions were not committed before they moved: their new owner restores this member's claims from the changelog and answers duplicate for what it processed since its last commit");
+                } else {
+                    tracing::error!(subscriber = %self.sub.name, "the offsets of revoked partitions were not committed before they moved: their new owner processes again what this member processed since its last commit (instances do not share claims; docs/kafka.md, \"Without a changelog: one instance per consumer group\")");
+                }
             }
         } else {
             tracing::warn!(subscriber = %self.sub.name, "kafka assignment lost; in-flight offsets are not stored");
