@@ -209,6 +209,25 @@ impl std::fmt::Display for Origin {
     }
 }
 
+impl Origin {
+    /// The Kafka partition the message came from: a Kafka origin, or a stored one read
+    /// back as text (`kafka:<topic>/<partition>/<offset>`, a replayed record's).
+    pub fn kafka_partition(&self) -> Option<i32> {
+        match self {
+            Origin::Kafka { partition, .. } => Some(*partition),
+            Origin::Text(t) => {
+                let rest = t.strip_prefix("kafka:")?;
+                let mut parts = rest.rsplitn(3, '/');
+                let (_offset, partition, topic) = (parts.next()?, parts.next()?, parts.next()?);
+                if topic.is_empty() {
+                    return None;
+                }
+                partition.parse().ok().filter(|p: &i32| *p >= 0)
+            }
+        }
+    }
+}
+
 impl From<&str> for Origin {
     fn from(t: &str) -> Self {
         Origin::Text(t.into())
@@ -777,5 +796,27 @@ mod origin_tests {
             Origin::from(String::from("kafka:t/0/7")).to_string(),
             "kafka:t/0/7"
         );
+    }
+
+    #[test]
+    fn the_kafka_partition_is_read_from_live_and_stored_origins() {
+        let k = Origin::Kafka {
+            topic: "orders".into(),
+            partition: 3,
+            offset: 1234,
+        };
+        assert_eq!(k.kafka_partition(), Some(3));
+        for (text, want) in [
+            ("kafka:orders/3/1234", Some(3)),
+            ("kafka:a/b.c/0/7", Some(0)), // topic names may hold neither '/' nor ':', but be safe
+            ("kafka:orders/x/1", None),
+            ("kafka:orders/-1/1", None),
+            ("kafka:/3/1", None),
+            ("kafka:3/1", None),
+            ("http", None),
+            ("", None),
+        ] {
+            assert_eq!(Origin::from(text).kafka_partition(), want, "{text}");
+        }
     }
 }

@@ -122,6 +122,14 @@ impl Subscriber {
         self.placements.load(Ordering::Acquire) & placement::ENTITY != 0
     }
 
+    /// Whether its processed messages are published to a changelog.
+    pub fn has_changelog(&self) -> bool {
+        self.changelog
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
     /// The changelog sink in force, if any.
     pub(crate) fn changelog(&self) -> Option<Arc<dyn super::changelog::ChangelogSink>> {
         self.changelog

@@ -278,6 +278,19 @@ pub fn envelope(
         Target::Resolved(s) => s.clone(),
         Target::Name(name) => ledger.subscriber(name).map_err(EnvelopeError::Subscriber)?,
     };
+    // A change from another source would belong to no partition (`ledger/changelog.rs`).
+    if sub.has_changelog()
+        && delivery
+            .origin
+            .as_ref()
+            .and_then(Origin::kafka_partition)
+            .is_none()
+    {
+        return Err(EnvelopeError::Subscriber(LedgerError::Invalid(format!(
+            "subscriber {:?} takes its messages from Kafka with a changelog (changelog = true): a message from another source would change claims and state that no partition owns; produce it to the subscription's topic",
+            sub.name
+        ))));
+    }
     let settings = sub.settings();
     let mut delivery = delivery;
     let (mut env, bytes) = open(&mut delivery, &settings);
@@ -339,6 +352,49 @@ mod tests {
             crate::envelope::fingerprint(br#"{"a":1.50,"b":1}"#)
         );
         assert_eq!((&*r.job.id, r.job.key), ("e-1", key_hash(b"e-1")));
+    }
+
+    /// A sink that is never reached: these tests only route.
+    #[derive(Debug)]
+    struct Unused;
+
+    impl crate::ledger::changelog::ChangelogSink for Unused {
+        fn publish(
+            &self,
+            _: &[crate::ledger::changelog::Change],
+        ) -> Result<Box<dyn crate::ledger::changelog::Published>, String> {
+            Err("not reached".into())
+        }
+    }
+
+    #[test]
+    fn a_subscriber_with_a_changelog_takes_only_kafka_messages() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = ledger(dir.path());
+        ledger
+            .set_changelog("default", Some(Arc::new(Unused)))
+            .unwrap();
+        let delivery = |origin: Option<Origin>| Delivery {
+            id: Some("e-1".into()),
+            origin,
+            ..Delivery::new(
+                Target::Name("default".into()),
+                Payload::Json(serde_json::json!({"a": 1})),
+            )
+        };
+        for refused in [None, Some(Origin::from("http"))] {
+            let e = route(&ledger, delivery(refused), Keying::Derive).unwrap_err();
+            assert!(e.to_string().contains("changelog = true"), "{e}");
+        }
+        let live = Origin::Kafka {
+            topic: "t".into(),
+            partition: 1,
+            offset: 9,
+        };
+        // A Kafka message, and a stored one replayed (its origin read back as text).
+        for taken in [live, Origin::from("kafka:t/1/9")] {
+            assert!(route(&ledger, delivery(Some(taken)), Keying::Derive).is_ok());
+        }
     }
 
     #[test]

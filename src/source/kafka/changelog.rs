@@ -182,7 +182,7 @@ impl ChangelogSink for ChangelogProducer {
         let pending = Arc::new(Pending::default());
         pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = changes.len();
         for (i, change) in changes.iter().enumerate() {
-            let Some(Origin::Kafka { partition, .. }) = &change.origin else {
+            let Some(partition) = change.origin.as_ref().and_then(Origin::kafka_partition) else {
                 pending.settle(changes.len() - i, None);
                 return Err(format!(
                     "message {:?} did not come from Kafka: a changelog takes only Kafka messages",
@@ -192,7 +192,7 @@ impl ChangelogSink for ChangelogProducer {
             let key = record_key(change);
             let value = encode(change)?;
             let mut record = BaseRecord::with_opaque_to(&self.topic, pending.clone())
-                .partition(*partition)
+                .partition(partition)
                 .key(&key[..])
                 .payload(&value);
             let deadline = Instant::now() + self.timeout;
