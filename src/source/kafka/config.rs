@@ -146,6 +146,8 @@ pub struct ChangelogConfig {
     #[serde(with = "humantime_serde")]
     pub publish_timeout: Duration,
     /// How long restoring newly assigned partitions may take before the subscription stops.
+    /// The restore runs inside the consumer's poll (the rebalance callback), so it must
+    /// end within `max.poll.interval.ms` or the member leaves the group.
     #[serde(with = "humantime_serde")]
     pub restore_timeout: Duration,
     /// How often the checkpoints of owned partitions move (a restart after a crash
@@ -160,7 +162,7 @@ impl Default for ChangelogConfig {
             prefix: "dedupd".into(),
             replication_factor: -1,
             publish_timeout: Duration::from_secs(30),
-            restore_timeout: Duration::from_secs(600),
+            restore_timeout: Duration::from_secs(240),
             checkpoint_interval: Duration::from_secs(10),
         }
     }
@@ -267,6 +269,19 @@ impl KafkaConfig {
                 return Err(invalid(
                     "kafka.changelog.restore_timeout",
                     "must be at least 1s",
+                ));
+            }
+            let max_poll_ms = self
+                .options
+                .get("max.poll.interval.ms")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(300_000);
+            if c.restore_timeout.as_millis() as u64 >= max_poll_ms {
+                return Err(invalid(
+                    "kafka.changelog.restore_timeout",
+                    format!(
+                        "must be shorter than max.poll.interval.ms ({max_poll_ms} ms): a restore runs inside the consumer's poll, and a member that does not poll for that long leaves the group; raise kafka.options.\"max.poll.interval.ms\" for longer restores"
+                    ),
                 ));
             }
             if c.checkpoint_interval < Duration::from_millis(100) {
@@ -410,5 +425,29 @@ brokers = "127.0.0.1:9092"
     fn unknown_kafka_field_is_refused() {
         let err = parse(&format!("{BASE}brokerz = 1\n")).unwrap_err();
         assert!(err.to_string().contains("brokerz"), "{err}");
+    }
+
+    const CHANGELOG_SUB: &str =
+        "\n[[kafka.subscription]]\nsubscriber = \"billing\"\ntopics = [\"orders\"]\nchangelog = true\n";
+
+    #[test]
+    fn a_changelog_takes_one_topic_and_a_restore_shorter_than_the_poll_interval() {
+        let ok = parse(&format!("{BASE}{CHANGELOG_SUB}")).expect("defaults are consistent");
+        let k = ok.kafka.expect("kafka section");
+        assert!(k.subscriptions[0].changelog);
+        assert_eq!(k.changelog.prefix, "dedupd");
+        let two = CHANGELOG_SUB.replace("[\"orders\"]", "[\"orders\", \"refunds\"]");
+        let err = parse(&format!("{BASE}{two}")).unwrap_err().to_string();
+        assert!(err.contains("exactly one topic"), "{err}");
+        let long = format!("{BASE}\n[kafka.changelog]\nrestore_timeout = \"6m\"\n{CHANGELOG_SUB}");
+        let err = parse(&long).unwrap_err().to_string();
+        assert!(err.contains("max.poll.interval.ms"), "{err}");
+        let raised = format!(
+            "{BASE}options = {{ \"max.poll.interval.ms\" = \"900000\" }}\n[kafka.changelog]\nrestore_timeout = \"6m\"\n{CHANGELOG_SUB}"
+        );
+        parse(&raised).expect("a longer poll interval allows a longer restore");
+        let zero_rf = format!("{BASE}\n[kafka.changelog]\nreplication_factor = 0\n{CHANGELOG_SUB}");
+        let err = parse(&zero_rf).unwrap_err().to_string();
+        assert!(err.contains("replication_factor"), "{err}");
     }
 }
