@@ -579,7 +579,9 @@ impl Ledger {
         sink: Option<Arc<dyn changelog::ChangelogSink>>,
     ) -> Result<(), LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
-        *sub.changelog.write().unwrap_or_else(|p| p.into_inner()) = sink;
+        let mut slot = sub.changelog.write().unwrap_or_else(|p| p.into_inner());
+        sub.has_changelog.store(sink.is_some(), Ordering::Release);
+        *slot = sink;
         Ok(())
     }
 

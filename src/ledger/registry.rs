@@ -92,6 +92,8 @@ pub struct Subscriber {
     pub(super) placements: AtomicU8,
     /// Where its shards publish changes before committing (`changelog.rs`).
     pub(super) changelog: super::changelog::SinkSlot,
+    /// Whether `changelog` holds one (read per message by sources, like `has_handler`).
+    pub(super) has_changelog: AtomicBool,
 }
 
 impl Subscriber {
@@ -124,10 +126,7 @@ impl Subscriber {
 
     /// Whether its processed messages are published to a changelog.
     pub fn has_changelog(&self) -> bool {
-        self.changelog
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
+        self.has_changelog.load(Ordering::Acquire)
     }
 
     /// The changelog sink in force, if any.
@@ -230,6 +229,7 @@ impl Registry {
             handler: RwLock::new(handler),
             placements: AtomicU8::new(0),
             changelog: RwLock::new(None),
+            has_changelog: AtomicBool::new(false),
         });
         inner.by_id.push(sub.clone());
         inner.by_name.insert(name.to_string(), sub.clone());
