@@ -116,6 +116,10 @@ pub struct BenchReport {
     pub merges: u64,
     pub filter_probes: u64,
     pub filter_false_positive_rate: f64,
+    /// New keys of entity-placed subscribers asked of the other shard (a round trip), and
+    /// those every other shard's published presence ruled out (`ledger/presence.rs`).
+    pub probed_keys: u64,
+    pub unprobed_keys: u64,
     /// Handler state entries at the end (labels, with `shipping-label`).
     pub state_entries: u64,
     pub dead_lettered: u64,
@@ -585,6 +589,8 @@ fn assemble(
         merges: m.iter().map(|m| m.merges).sum(),
         filter_probes: probes,
         filter_false_positive_rate: measured.filter_false_positives as f64 / probes.max(1) as f64,
+        probed_keys: m.iter().map(|m| m.probed_keys).sum(),
+        unprobed_keys: m.iter().map(|m| m.unprobed_keys).sum(),
         state_entries: measured.state_entries,
         dead_lettered: counts[3],
         naive_messages: 0,

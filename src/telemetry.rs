@@ -119,6 +119,12 @@ pub mod metric {
     pub const GENERATIONS_MERGED_TOTAL: &str = "dedupd_generations_merged_total";
     /// Counter: sealed generations dropped once every claim in them expired.
     pub const GENERATIONS_DROPPED_TOTAL: &str = "dedupd_generations_dropped_total";
+    /// Counter: keys without a live claim on their shard asked of the other shards (a probe
+    /// round trip), for subscribers whose claims may be on several shards.
+    pub const PROBED_KEYS_TOTAL: &str = "dedupd_probed_keys_total";
+    /// Counter: such keys decided without a probe: every other shard's published claims
+    /// ruled them out.
+    pub const UNPROBED_KEYS_TOTAL: &str = "dedupd_unprobed_keys_total";
     /// Gauge, seconds: the longest durable commit so far.
     pub const COMMIT_DURATION_MAX_SECONDS: &str = "dedupd_commit_duration_max_seconds";
     /// Gauge, seconds: the longest batch so far (decide, maintenance and commit).
@@ -195,6 +201,8 @@ pub mod metric {
         (GENERATIONS_SEALED_TOTAL, "Claim generations sealed."),
         (GENERATIONS_MERGED_TOTAL, "Sealed generations merged into one."),
         (GENERATIONS_DROPPED_TOTAL, "Sealed generations dropped once every claim in them expired."),
+        (PROBED_KEYS_TOTAL, "Keys without a claim on their shard asked of the other shards (a probe round trip)."),
+        (UNPROBED_KEYS_TOTAL, "Keys without a claim on their shard that every other shard's published claims ruled out (no probe)."),
         (COMMIT_DURATION_MAX_SECONDS, "The longest durable commit so far."),
         (BATCH_DURATION_MAX_SECONDS, "The longest batch so far (decide, maintenance and commit)."),
         (COMMIT_DURATION_SECONDS, "Each durable commit (the fsync part of a batch or of maintenance)."),
@@ -241,6 +249,8 @@ pub mod metric {
         GENERATIONS_SEALED_TOTAL,
         GENERATIONS_MERGED_TOTAL,
         GENERATIONS_DROPPED_TOTAL,
+        PROBED_KEYS_TOTAL,
+        UNPROBED_KEYS_TOTAL,
         COMMIT_DURATION_MAX_SECONDS,
         BATCH_DURATION_MAX_SECONDS,
         COMMIT_DURATION_SECONDS,

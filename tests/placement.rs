@@ -309,6 +309,95 @@ fn concurrent_deliveries_with_two_entities_are_decided_once() {
     ledger.close().unwrap();
 }
 
+/// Keys asked of the other shard (a probe round trip) and keys decided without one, summed
+/// over shards.
+fn probe_counts(ledger: &Ledger) -> (u64, u64) {
+    let m = ledger.metrics();
+    (
+        m.iter().map(|s| s.probed_keys).sum(),
+        m.iter().map(|s| s.unprobed_keys).sum(),
+    )
+}
+
+#[test]
+fn new_ids_skip_the_probe_and_moved_redeliveries_are_still_found() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut config = two_shard_config(Some("/order_id"));
+    // Small generations: the run seals and merges, so the other shard's published claims
+    // move from in-memory generations to sealed filters while it goes on.
+    config.ledger.generation_max_claims = std::num::NonZeroUsize::new(200).unwrap();
+    config.ledger.merge_trigger_generations = std::num::NonZeroUsize::new(2).unwrap();
+    let ledger = open_with_counter(tmp.path(), &config);
+    let entities: Vec<[String; 2]> = (0..20)
+        .map(|i| {
+            [
+                entity_on(0, &format!("a{i}")),
+                entity_on(1, &format!("b{i}")),
+            ]
+        })
+        .collect();
+    let ids = 4000;
+    let line = |i: usize, side: usize| {
+        json!({"subscriber": "orders", "id": format!("m-{i}"),
+            "payload": {"order_id": entities[i % entities.len()][side]}})
+    };
+    // The first batch of each shard probes: the other shard may not have published yet.
+    let warm = 400;
+    let first: Vec<Value> = (0..warm).map(|i| line(i, i % 2)).collect();
+    assert_eq!(run_lines(&ledger, &config, &first), vec!["processed"; warm]);
+    let (probed_warm, unprobed_warm) = probe_counts(&ledger);
+    assert_eq!(probed_warm + unprobed_warm, warm as u64);
+    // In two halves, with the generations sealed and merged in between (and while the
+    // run goes on): the other shard's claims move from Bloom filters to sealed filters.
+    let mid = (warm + ids) / 2;
+    for range in [warm..mid, mid..ids] {
+        let next: Vec<Value> = range.clone().map(|i| line(i, i % 2)).collect();
+        assert_eq!(
+            run_lines(&ledger, &config, &next),
+            vec!["processed"; range.len()]
+        );
+        ledger.maintain(range.start == warm).unwrap();
+    }
+    let (probed, unprobed) = probe_counts(&ledger);
+    let (new_probed, new_unprobed) = (probed - probed_warm, unprobed - unprobed_warm);
+    assert_eq!(
+        new_probed + new_unprobed,
+        (ids - warm) as u64,
+        "every new id was checked on the other shard"
+    );
+    // Once both shards published, only a "maybe" of a Bloom filter (0.2 % each) probes.
+    assert!(
+        new_unprobed >= (ids - warm) as u64 * 97 / 100,
+        "only {new_unprobed} of {} new ids skipped the probe ({new_probed} probed)",
+        ids - warm
+    );
+    let seals: u64 = ledger.metrics().iter().map(|m| m.seals).sum();
+    let merges: u64 = ledger.metrics().iter().map(|m| m.merges).sum();
+    assert!(
+        seals > 0 && merges > 0,
+        "the run sealed ({seals}) and merged ({merges}) generations"
+    );
+    ledger.maintain(true).unwrap();
+    // Every id again, its entity now on the other shard: the published claims say
+    // "maybe", the probe finds the claim, and the changed payload is quarantined.
+    let moved: Vec<Value> = (0..ids).map(|i| line(i, 1 - i % 2)).collect();
+    let out = run_lines(&ledger, &config, &moved);
+    assert_eq!(out, vec!["quarantined"; ids]);
+    let (probed_after, _) = probe_counts(&ledger);
+    assert!(
+        probed_after - probed >= ids as u64,
+        "every moved id was asked for"
+    );
+    let total: u64 = ledger
+        .state_entries("orders")
+        .unwrap()
+        .iter()
+        .map(|(_, v)| std::str::from_utf8(v).unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(total, ids as u64, "each id counted once");
+    ledger.close().unwrap();
+}
+
 #[test]
 fn handler_added_later_still_finds_claims_made_by_key() {
     let tmp = tempfile::tempdir().unwrap();

@@ -143,6 +143,8 @@ fn sample_shard(i: usize, m: &ShardMetrics) {
     counter!(metric::GENERATIONS_MERGED_TOTAL, "shard" => shard.clone()).absolute(m.merges);
     counter!(metric::GENERATIONS_DROPPED_TOTAL, "shard" => shard.clone())
         .absolute(m.dropped_generations);
+    counter!(metric::PROBED_KEYS_TOTAL, "shard" => shard.clone()).absolute(m.probed_keys);
+    counter!(metric::UNPROBED_KEYS_TOTAL, "shard" => shard.clone()).absolute(m.unprobed_keys);
     gauge!(metric::COMMIT_DURATION_MAX_SECONDS, "shard" => shard.clone())
         .set(m.max_commit_us as f64 / 1e6);
     gauge!(metric::BATCH_DURATION_MAX_SECONDS, "shard" => shard)

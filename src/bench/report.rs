@@ -58,6 +58,13 @@ impl fmt::Display for BenchReport {
             r.processed, r.duplicates, r.quarantined, r.verified
         )?;
         writeln!(f, "batches  longest {:.1} ms plain, {:.1} ms with sealing/merging ({} seals, {} merges); longest commit {:.1} ms", r.max_batch_ms_plain, r.max_batch_ms_with_maintenance, r.seals, r.merges, r.max_commit_ms)?;
+        if r.probed_keys + r.unprobed_keys > 0 {
+            writeln!(
+                f,
+                "probes   {} new keys asked of the other shards, {} ruled out by their published claims",
+                r.probed_keys, r.unprobed_keys
+            )?;
+        }
         writeln!(
             f,
             "memory   {:.2} B/key RSS beyond the empty engine's {:.1} MiB (max RSS {:.1} MiB); engine's own count: {:.2} B/key in indexes, {:.2} B/key in filters; {} keys",

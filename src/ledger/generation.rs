@@ -88,7 +88,8 @@ pub(crate) struct SealedGen {
     pub count: u64,
     pub max_expires_ms: u64,
     pub created_at_ms: u64,
-    pub filter: GenFilter,
+    /// Shared with this shard's published presence (`presence.rs`).
+    pub filter: Arc<GenFilter>,
 }
 
 /// Merging two adjacent sealed generations into a fresh table, a slice per batch.
@@ -159,6 +160,9 @@ pub(crate) struct SubState {
     pub changelog: Option<std::sync::Arc<dyn super::changelog::ChangelogSink>>,
     /// This batch's processed messages, for `changelog`.
     pub changes: Vec<super::changelog::Change>,
+    /// What this shard publishes of the subscriber's records for the other shards, while
+    /// they probe for its claims (`presence.rs`).
+    pub presence: Option<super::presence::PresenceWriter>,
 }
 
 /// Where a lookup found the newest record of a key.
@@ -200,6 +204,15 @@ impl SubState {
             .map(|g| g.filter.memory_bytes() as u64)
             .sum::<u64>()
             + self.state_buf.filter_bytes()
+            + self
+                .presence
+                .as_ref()
+                .map_or(0, |p| p.memory_bytes() as u64)
+    }
+
+    /// The sealed generations' filters, for the published presence.
+    pub fn sealed_filters(sealed: &[SealedGen]) -> impl Iterator<Item = Arc<GenFilter>> + '_ {
+        sealed.iter().map(|g| g.filter.clone())
     }
 
     pub fn index_bytes(&self) -> u64 {

@@ -39,6 +39,7 @@ mod ops;
 mod outbox;
 mod placement;
 mod poison;
+mod presence;
 pub mod record;
 mod records;
 mod registry;
@@ -469,6 +470,7 @@ impl Ledger {
         let builder = generation::Builder::spawn();
         let peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>> = Default::default();
         let inflight = Arc::new(placement::InFlight::default());
+        let presences = Arc::new(presence::Presences::new(shard_count));
         let engine_commits = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut peer_txs = Vec::with_capacity(shard_count);
         let mut starting = Vec::with_capacity(shard_count);
@@ -486,6 +488,7 @@ impl Ledger {
                 fault: fault.clone(),
                 peers: peers.clone(),
                 inflight: inflight.clone(),
+                presences: presences.clone(),
                 writes: Default::default(),
                 engine_commits: engine_commits.clone(),
             };

@@ -110,6 +110,10 @@ pub struct ShardMetrics {
     pub seals: u64,
     pub merges: u64,
     pub dropped_generations: u64,
+    /// Keys asked of the other shards (a probe round trip, `placement.rs`), and keys that
+    /// needed none because every other shard's presence ruled them out (`presence.rs`).
+    pub probed_keys: u64,
+    pub unprobed_keys: u64,
 }
 
 impl Ledger {

@@ -7,6 +7,7 @@ use super::breaker::Transition;
 use super::open::{apply_settings, new_sub_state};
 use super::*;
 use crate::ledger::changelog::{Change, Published};
+use crate::ledger::presence::PresenceWriter;
 use crate::ledger::SubscriberCounters;
 
 impl Shard {
@@ -53,6 +54,9 @@ impl Shard {
                     spec.placements.load(Ordering::Acquire) | st.disk_mask,
                     self.ctx.count,
                 );
+                if st.probe && st.presence.is_none() {
+                    st.presence = Some(start_presence(st, &self.ctx));
+                }
                 st.changelog = spec.changelog();
             }
             let current = st.handler.as_ref().map(|h| &h.factory);
@@ -162,14 +166,28 @@ impl Shard {
         let existing = match (&job.probed, here) {
             (_, Some(r)) if r.is_live(now) => Some(r),
             (Some(elsewhere), here) => ClaimRecord::newer(here, *elsewhere),
-            (None, _) if st.probe => {
-                let inflight = &self.ctx.inflight;
-                return Ok(
-                    match inflight.acquire(job.subscriber, job.key, self.ctx.index) {
-                        Acquire::Taken => Decision::Probe,
-                        Acquire::Busy => Decision::Wait,
-                    },
-                );
+            (None, here) if st.probe => {
+                match self
+                    .ctx
+                    .inflight
+                    .acquire(job.subscriber, job.key, self.ctx.index)
+                {
+                    Acquire::Busy => return Ok(Decision::Wait),
+                    // Every other shard's presence says it holds no record of the key:
+                    // decided here without the round trip (`presence.rs`); the key is
+                    // given back once this batch committed.
+                    Acquire::Taken
+                        if self.ctx.presences.others_lack(
+                            self.ctx.index,
+                            job.subscriber,
+                            job.key,
+                        ) =>
+                    {
+                        self.held_unprobed.push((job.subscriber, job.key));
+                        here
+                    }
+                    Acquire::Taken => return Ok(Decision::Probe),
+                }
             }
             (None, here) => here,
         };
@@ -480,6 +498,25 @@ impl Shard {
     }
 }
 
+/// Starts publishing what this shard holds of a subscriber whose claims the other shards
+/// probe for (`presence.rs`): once set, every record written is in it.
+pub(super) fn start_presence(st: &SubState, ctx: &ShardContext) -> PresenceWriter {
+    let active = st.active.as_ref().map(|a| a.map.keys().copied());
+    let sealing = st.sealing.as_ref().map(|s| s.map.keys().copied());
+    PresenceWriter::start(
+        &ctx.presences,
+        ctx.index,
+        st.id,
+        active.into_iter().flatten().collect::<Vec<_>>().into_iter(),
+        sealing
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .into_iter(),
+        SubState::sealed_filters(&st.sealed),
+    )
+}
+
 /// The newest record of `key` for one subscriber on this shard, live, expired or
 /// tombstone (I2): the in-memory generations (active, then sealing), then the sealed ones
 /// newest first, each behind its filter. `read(subscriber, generation)` reads the key
@@ -677,6 +714,11 @@ pub(super) fn insert_claim(
     make_room(&mut active.map, presize, spare);
     active.map.insert(key, claim);
     LogRow::push(&mut st.pending_log, key, &claim);
+    // Before the batch commits and gives the key back to the in-flight set.
+    if let Some(p) = st.presence.as_mut() {
+        let sealed = &st.sealed;
+        p.insert(key, || SubState::sealed_filters(sealed));
+    }
 }
 
 /// Before an insert into a full index: growing a large table in place rehashes it during a

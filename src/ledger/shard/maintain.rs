@@ -268,6 +268,10 @@ impl Shard {
         let Some(a) = st.active.take() else {
             return Ok(false);
         };
+        // Its Bloom filters move with it; the next active generation starts new ones.
+        if let Some(p) = st.presence.as_mut() {
+            p.seal_active(SubState::sealed_filters(&st.sealed));
+        }
         let mut gens = txn
             .open_table(tables::GENERATIONS)
             .map_err(|e| self.err(e))?;
@@ -377,9 +381,12 @@ impl Shard {
                 count,
                 max_expires_ms: max_expires,
                 created_at_ms: created,
-                filter,
+                filter: Arc::new(filter),
             },
         )?;
+        if let Some(p) = st.presence.as_mut() {
+            p.sealed(SubState::sealed_filters(&st.sealed));
+        }
         let mut gens = txn
             .open_table(tables::GENERATIONS)
             .map_err(|e| self.err(e))?;
@@ -430,6 +437,9 @@ impl Shard {
                     "expired generation dropped");
                 self.delete_generation(txn, &st.name, id, claims)?;
                 st.sealed.remove(i);
+                if let Some(p) = &st.presence {
+                    p.publish(SubState::sealed_filters(&st.sealed));
+                }
                 self.ctx
                     .metrics
                     .lock()

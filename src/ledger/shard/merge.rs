@@ -98,10 +98,13 @@ impl Shard {
                 count,
                 max_expires_ms: max_expires,
                 created_at_ms: created,
-                filter,
+                filter: Arc::new(filter),
             },
         )?;
         st.merging = None;
+        if let Some(p) = &st.presence {
+            p.publish(SubState::sealed_filters(&st.sealed));
+        }
         tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims = count, delete_ms = deleted.as_millis() as u64,
             finish_ms = started.elapsed().as_millis() as u64, "generations merged");
         self.ctx

@@ -191,6 +191,8 @@ pub(crate) struct ShardContext {
     pub peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>>,
     /// Keys being decided with a probe, shared by all shards.
     pub inflight: Arc<InFlight>,
+    /// What each shard holds of probing subscribers' claims (`presence.rs`).
+    pub presences: Arc<crate::ledger::presence::Presences>,
     /// The ranges of the file written while an online backup copies it (`tracked.rs`).
     pub writes: Arc<crate::ledger::tracked::WriteLog>,
     /// Durable commits of all shards (shared): what an online backup's copies are cut at.
@@ -242,6 +244,11 @@ pub(crate) struct Shard {
     /// Probes sent to the other shards and the jobs waiting for their answers.
     probing: HashMap<u64, ProbeGroup>,
     next_group: u64,
+    /// Keys of this batch decided without a probe while held in the in-flight set
+    /// (`presence.rs`), given back after its commit.
+    held_unprobed: Vec<(SubscriberId, u128)>,
+    /// Keys sent in probes since the shard started.
+    probing_keys: u64,
     /// The subscriber handler state maintenance starts with in the next transaction, so a
     /// transaction's shared state budget reaches every subscriber in turn.
     next_state_turn: usize,
@@ -516,16 +523,26 @@ impl Shard {
         };
         let elapsed = started.elapsed().as_micros() as u64;
         let count = jobs.len() as u64;
+        // Committed (or failed, and the shard stops): the keys decided without a probe
+        // go back to the in-flight set.
+        let unprobed = self.held_unprobed.len() as u64;
+        self.ctx
+            .inflight
+            .release(self.held_unprobed.drain(..), self.ctx.index);
+        let probed = self.probing_keys;
         match decisions {
             Ok(decisions) => self.follow_decisions(&mut jobs, decisions),
             Err(e) => self.fail_all(&mut jobs, &e),
         }
+        let probed = self.probing_keys - probed;
         metrics::histogram!(crate::telemetry::metric::BATCH_DURATION_SECONDS, "shard" => self.ctx.index.to_string())
             .record(elapsed as f64 / 1e6);
         {
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
             m.batches += 1;
             m.messages += count;
+            m.probed_keys += probed;
+            m.unprobed_keys += unprobed;
             if maintenance {
                 m.max_batch_us_maintenance = m.max_batch_us_maintenance.max(elapsed);
             } else {

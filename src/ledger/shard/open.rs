@@ -69,6 +69,8 @@ impl Shard {
             handler_msg: HandlerMessage::default(),
             last_effects: None,
             probing: HashMap::new(),
+            held_unprobed: Vec::new(),
+            probing_keys: 0,
             next_group: 0,
             next_state_turn: 0,
             ctx,
@@ -253,7 +255,7 @@ impl Shard {
                             count: m.count,
                             max_expires_ms: m.max_expires_ms,
                             created_at_ms: m.created_at_ms,
-                            filter,
+                            filter: Arc::new(filter),
                         });
                     }
                     GenState::Active | GenState::Sealing => {
@@ -461,6 +463,7 @@ pub(super) fn new_sub_state(
         mask_pending: 0,
         changelog: None,
         changes: Vec::new(),
+        presence: None,
     };
     let kept = records::load(db, &spec.name)?;
     st.records = kept.records;

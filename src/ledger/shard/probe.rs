@@ -79,6 +79,22 @@ impl Shard {
         for &(sub, key) in keys {
             out.push(self.newest_record(sub, key, &mut txn)?);
         }
+        // Asked for a subscriber's claims: publish them, so the next keys need no probe.
+        if let Some(&(sub, _)) = keys.first() {
+            let idx = sub.0 as usize;
+            let placements = self
+                .ctx
+                .registry
+                .get(sub)
+                .map(|s| s.placements.load(Ordering::Acquire));
+            if let (Some(Some(st)), Some(placements)) = (self.subs.get_mut(idx), placements) {
+                if st.presence.is_none()
+                    && placement::needs_probe(placements | st.disk_mask, self.ctx.count)
+                {
+                    st.presence = Some(super::decide::start_presence(st, &self.ctx));
+                }
+            }
+        }
         Ok(out)
     }
 
@@ -88,6 +104,7 @@ impl Shard {
             return;
         }
         let keys: Vec<(SubscriberId, u128)> = jobs.iter().map(|j| (j.subscriber, j.key)).collect();
+        self.probing_keys += keys.len() as u64;
         self.next_group += 1;
         let group = self.next_group;
         let mut g = ProbeGroup {
