@@ -1281,11 +1281,16 @@ changelog = true
         checkpoints: &str,
     ) -> (KillOnDrop, PathBuf) {
         let cfg = self.config_with(name, commit_interval, checkpoints);
+        self.spawn(name, &cfg)
+    }
+
+    /// Starts member `name` with the config file `cfg`.
+    fn spawn(&self, name: &str, cfg: &Path) -> (KillOnDrop, PathBuf) {
         let log = self.dir.path().join(format!("{name}.log"));
         let child = KillOnDrop(
             Command::new(env!("CARGO_BIN_EXE_dedupd"))
                 .args(["run", "--config"])
-                .arg(&cfg)
+                .arg(cfg)
                 .arg("--data-dir")
                 .arg(self.dir.path().join(name))
                 .env("NO_COLOR", "1")
@@ -1315,6 +1320,102 @@ changelog = true
         let config = Config::load(&self.config(name, "1s")).unwrap();
         assert_counts_exact(&self.dir.path().join(name), &config, events);
     }
+}
+
+/// Issue 17: what a handler emitted leaves before its partition does. With a changelog
+/// the new owner of a partition restores its claims and never runs the handler again, so
+/// a row left in the old owner's outbox would be relayed only if that member came back.
+/// Member A (its relay polls every 60 s, so emitted rows wait in the outbox) processes
+/// every payment; B joins and A hands it partitions, relaying its pending rows first; then
+/// A is killed with kill -9 and its data directory deleted. Every payment's
+/// `payments.captured` message is on the topic, with its `dedupd-message-id`.
+#[test]
+fn outbox_rows_leave_before_their_partitions_move() {
+    let c = cluster();
+    let t = topic("outbox-moves");
+    let g = Members::new(&c, &t);
+    const PAYMENTS: usize = 600;
+    let recs: Vec<Rec<'_>> = (0..PAYMENTS)
+        .map(|i| Rec {
+            key: ["a", "b", "c", "d", "e", "f"][i % 6],
+            headers: vec![("message-id", format!("p-{i}"))],
+            payload: format!(r#"{{"payment_id":"p-{i}","amount_cents":100}}"#),
+        })
+        .collect();
+    produce(&c.bootstrap, &t, &recs);
+    let config = |name: &str| -> PathBuf {
+        let cfg = g.dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"
+[[subscriber]]
+name = "orders"
+key = {{ source = "header", name = "message-id" }}
+handler = {:?}
+
+[kafka]
+brokers = "{}"
+group = "{}"
+session_timeout = "3s"
+commit_interval = "100ms"
+
+[kafka.outbox]
+poll_interval = "60s"
+
+[kafka.changelog]
+prefix = "{t}"
+replication_factor = 1
+
+[[kafka.subscription]]
+subscriber = "orders"
+topics = ["{t}"]
+changelog = true
+"#,
+                component("payment_capture").display().to_string(),
+                g.bootstrap,
+                g.group,
+            ),
+        )
+        .unwrap();
+        cfg
+    };
+    let (a, a_log) = g.spawn("a", &config("a"));
+    wait_showing("A to process", Duration::from_secs(90), &a_log, || {
+        released_at_least(&a_log, PAYMENTS as u64)
+    });
+    let (_b, b_log) = g.spawn("b", &config("b"));
+    wait_showing(
+        "B to get partitions",
+        Duration::from_secs(60),
+        &b_log,
+        || log_has(&b_log, RESTORED) > 0,
+    );
+    drop(a); // SIGKILL
+    std::fs::remove_dir_all(g.dir.path().join("a")).unwrap();
+    let relayed = read_all(&c.bootstrap, "payments.captured", PAYMENTS);
+    let ids: std::collections::BTreeSet<String> = relayed
+        .iter()
+        .map(|m| header(m, "dedupd-message-id").expect("every relayed row has its id"))
+        .collect();
+    let payments: std::collections::BTreeSet<String> = relayed
+        .iter()
+        .filter_map(|m| m.key().map(|k| String::from_utf8_lossy(k).into_owned()))
+        .collect();
+    assert_eq!(
+        payments.len(),
+        PAYMENTS,
+        "every payment's message left before A died ({} relayed); A's log:\n{}",
+        relayed.len(),
+        std::fs::read_to_string(&a_log).unwrap_or_default()
+    );
+    assert_eq!(ids.len(), PAYMENTS, "one message id per payment");
+    assert!(
+        log_has(
+            &a_log,
+            "outbox rows relayed before the revoked partitions were released"
+        ) > 0
+    );
 }
 
 /// Issue 17: with `changelog = true`, claims and handler state follow their partitions.

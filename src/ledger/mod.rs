@@ -407,6 +407,8 @@ pub struct Ledger {
     clock: Arc<dyn Clock>,
     /// A Kafka relay consumes the outbox (`ops.rs`).
     outbox_relay: std::sync::atomic::AtomicBool,
+    /// Bumped to make the relay look at the outbox now instead of after its poll interval.
+    outbox_wakes: std::sync::atomic::AtomicU64,
     /// One online backup at a time: each shard records its writes for one copy.
     backup: Mutex<()>,
 }
@@ -507,6 +509,7 @@ impl Ledger {
             metrics,
             clock,
             outbox_relay: Default::default(),
+            outbox_wakes: Default::default(),
             backup: Mutex::new(()),
         };
         if first_err.is_none() && created {

@@ -476,6 +476,48 @@ impl Ledger {
         self.outbox_relay.load(std::sync::atomic::Ordering::SeqCst)
     }
 
+    /// Makes the relay read the outbox now rather than after its poll interval.
+    pub fn wake_outbox_relay(&self) {
+        self.outbox_wakes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many times [`Ledger::wake_outbox_relay`] was called (the relay sleeps while it
+    /// does not change).
+    pub fn outbox_wakes(&self) -> u64 {
+        self.outbox_wakes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until every outbox row pending now has been relayed (and deleted), waking
+    /// the relay first, or until `deadline`. Returns the rows waited for and whether they
+    /// were all relayed. Rows written meanwhile are not waited for.
+    pub fn wait_outbox_relayed(
+        &self,
+        deadline: std::time::Instant,
+    ) -> Result<(u64, bool), LedgerError> {
+        let marks: Vec<Option<(u64, u64)>> = self.ask_all(|reply| Control::OutboxSpan { reply })?;
+        let rows: u64 = marks.iter().flatten().map(|(a, b)| b - a + 1).sum();
+        if rows == 0 {
+            return Ok((0, true));
+        }
+        self.wake_outbox_relay();
+        loop {
+            let now: Vec<Option<(u64, u64)>> =
+                self.ask_all(|reply| Control::OutboxSpan { reply })?;
+            let relayed = now.iter().zip(&marks).all(|(now, then)| match (now, then) {
+                (Some((oldest, _)), Some((_, newest))) => oldest > newest,
+                _ => true,
+            });
+            if relayed {
+                return Ok((rows, true));
+            }
+            if std::time::Instant::now() >= deadline {
+                return Ok((rows, false));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// Deletes relayed outbox rows (call only after the broker acknowledged them).
     pub fn outbox_ack(&self, ids: &[String]) -> Result<(), LedgerError> {
         let mut by_shard: Vec<Vec<u64>> = vec![Vec::new(); self.shards.len()];

@@ -70,6 +70,9 @@ impl Shard {
             Control::OutboxLen { reply } => {
                 let _ = reply.send(self.outbox_len());
             }
+            Control::OutboxSpan { reply } => {
+                let _ = reply.send(self.outbox_span());
+            }
             Control::Checkpoint { key, set, reply } => {
                 let _ = reply.send(self.checkpoint(&key, set));
             }
@@ -283,6 +286,21 @@ impl Shard {
             Err(redb::TableError::TableDoesNotExist(_)) => Ok(0),
             Err(e) => Err(self.err(e)),
         }
+    }
+
+    fn outbox_span(&self) -> Result<Option<(u64, u64)>, LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = match txn.open_table(tables::OUTBOX) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+            Err(e) => return Err(self.err(e)),
+        };
+        let first = t.first().map_err(|e| self.err(e))?.map(|(k, _)| k.value());
+        let last = t.last().map_err(|e| self.err(e))?.map(|(k, _)| k.value());
+        Ok(first.zip(last))
     }
 
     fn checkpoint(&mut self, key: &str, set: Option<u64>) -> Result<Option<u64>, LedgerError> {

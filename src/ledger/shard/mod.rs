@@ -156,6 +156,10 @@ pub(crate) enum Control {
     OutboxLen {
         reply: Sender<Result<u64, LedgerError>>,
     },
+    /// The sequence numbers of the oldest and the newest pending outbox row.
+    OutboxSpan {
+        reply: Sender<Result<Option<(u64, u64)>, LedgerError>>,
+    },
     /// Reads (`set: None`) or writes a changelog checkpoint; answers the value before.
     Checkpoint {
         key: String,

@@ -387,6 +387,7 @@ impl Worker {
                 tracing::error!(subscriber = %self.sub.name, "in-flight work of revoked partitions did not finish within kafka.drain_timeout; their unfinished messages will be delivered again to the new owner");
             } else {
                 self.checkpoint(consumer, &slots);
+                self.relay_outbox_before_release();
             }
             if self.fatal.is_none() && !commit(consumer, &self.sub.name, "commit before revoke") {
                 self.stats
@@ -411,6 +412,34 @@ impl Worker {
                 self.stats
                     .assigned_partitions
                     .fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// With a changelog, the new owner of a revoked partition restores its claims and
+    /// never runs its handler again, so what the handler emitted here must leave from
+    /// here: the rows pending now (those of the drained partitions among them) are relayed
+    /// before the partitions are released (up to `drain_timeout`). A row not relayed in
+    /// time stays in this member's outbox and is relayed by it later.
+    fn relay_outbox_before_release(&self) {
+        if self.changelog.is_none() || !self.ledger.outbox_relayed() {
+            return;
+        }
+        let started = Instant::now();
+        match self
+            .ledger
+            .wait_outbox_relayed(started + self.drain_timeout)
+        {
+            Ok((0, _)) => {}
+            Ok((rows, true)) => {
+                tracing::info!(subscriber = %self.sub.name, rows, ms = started.elapsed().as_millis() as u64,
+                    "outbox rows relayed before the revoked partitions were released");
+            }
+            Ok((rows, false)) => {
+                tracing::warn!(subscriber = %self.sub.name, rows, "outbox rows were not all relayed within kafka.drain_timeout before the revoked partitions were released; they stay in this member's outbox and are relayed by it later");
+            }
+            Err(e) => {
+                tracing::warn!(subscriber = %self.sub.name, error = %e, "could not wait for the outbox relay before releasing revoked partitions");
             }
         }
     }

@@ -90,7 +90,11 @@ pub fn run_relay(
                 return Ok(());
             }
             let until = Instant::now() + kafka.outbox.poll_interval;
-            while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+            let wakes = ledger.outbox_wakes();
+            while Instant::now() < until
+                && !stop.load(Ordering::Relaxed)
+                && ledger.outbox_wakes() == wakes
+            {
                 std::thread::sleep(Duration::from_millis(10).min(kafka.outbox.poll_interval));
             }
             continue;
