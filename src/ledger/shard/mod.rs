@@ -251,8 +251,6 @@ pub(crate) struct Shard {
     /// Keys of this batch decided without a probe while held in the in-flight set
     /// (`presence.rs`), given back after its commit.
     held_unprobed: Vec<(SubscriberId, u128)>,
-    /// Keys sent in probes since the shard started.
-    probing_keys: u64,
     /// The subscriber handler state maintenance starts with in the next transaction, so a
     /// transaction's shared state budget reaches every subscriber in turn.
     next_state_turn: usize,
@@ -529,24 +527,28 @@ impl Shard {
         let count = jobs.len() as u64;
         // Committed (or failed, and the shard stops): the keys decided without a probe
         // go back to the in-flight set.
+        // Counted before the outcomes go out, so whoever saw every outcome sees the count.
         let unprobed = self.held_unprobed.len() as u64;
+        if unprobed > 0 {
+            self.ctx
+                .metrics
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .unprobed_keys += unprobed;
+        }
         self.ctx
             .inflight
             .release(self.held_unprobed.drain(..), self.ctx.index);
-        let probed = self.probing_keys;
         match decisions {
             Ok(decisions) => self.follow_decisions(&mut jobs, decisions),
             Err(e) => self.fail_all(&mut jobs, &e),
         }
-        let probed = self.probing_keys - probed;
         metrics::histogram!(crate::telemetry::metric::BATCH_DURATION_SECONDS, "shard" => self.ctx.index.to_string())
             .record(elapsed as f64 / 1e6);
         {
             let mut m = self.ctx.metrics.lock().unwrap_or_else(|p| p.into_inner());
             m.batches += 1;
             m.messages += count;
-            m.probed_keys += probed;
-            m.unprobed_keys += unprobed;
             if maintenance {
                 m.max_batch_us_maintenance = m.max_batch_us_maintenance.max(elapsed);
             } else {

@@ -70,7 +70,6 @@ impl Shard {
             last_effects: None,
             probing: HashMap::new(),
             held_unprobed: Vec::new(),
-            probing_keys: 0,
             next_group: 0,
             next_state_turn: 0,
             ctx,

@@ -104,7 +104,12 @@ impl Shard {
             return;
         }
         let keys: Vec<(SubscriberId, u128)> = jobs.iter().map(|j| (j.subscriber, j.key)).collect();
-        self.probing_keys += keys.len() as u64;
+        // Counted before any of these jobs' outcomes can go out.
+        self.ctx
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .probed_keys += keys.len() as u64;
         self.next_group += 1;
         let group = self.next_group;
         let mut g = ProbeGroup {
