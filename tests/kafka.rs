@@ -1233,7 +1233,23 @@ impl Members {
     }
 
     fn config_with(&self, name: &str, commit_interval: &str, checkpoints: &str) -> PathBuf {
+        self.write_config(
+            name,
+            &format!(
+                "partition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\nhandler = {:?}\nhandler_cpu_budget = \"2s\"",
+                component("fixture_counter").display().to_string()
+            ),
+            &format!("commit_interval = \"{commit_interval}\""),
+            &format!("checkpoint_interval = \"{checkpoints}\""),
+        )
+    }
+
+    /// Writes member `name`'s config: subscriber `orders` keyed by its `message-id` header
+    /// in this group with a changelog, plus the given lines of the subscriber, of `[kafka]`
+    /// (which may end with its own sub-tables) and of `[kafka.changelog]`.
+    fn write_config(&self, name: &str, subscriber: &str, kafka: &str, changelog: &str) -> PathBuf {
         let cfg = self.dir.path().join(format!("{name}.toml"));
+        let (bootstrap, group, topic) = (&self.bootstrap, &self.group, &self.topic);
         std::fs::write(
             &cfg,
             format!(
@@ -1241,31 +1257,24 @@ impl Members {
 [[subscriber]]
 name = "orders"
 key = {{ source = "header", name = "message-id" }}
-partition_key = {{ source = "json_pointer", pointer = "/order_id" }}
-handler = {:?}
-handler_cpu_budget = "2s"
+{subscriber}
 
 [kafka]
-brokers = "{}"
-group = "{}"
+brokers = "{bootstrap}"
+group = "{group}"
 session_timeout = "3s"
-commit_interval = "{commit_interval}"
+{kafka}
 
 [kafka.changelog]
-prefix = "{}"
+prefix = "{topic}"
 replication_factor = 1
-checkpoint_interval = "{checkpoints}"
+{changelog}
 
 [[kafka.subscription]]
 subscriber = "orders"
-topics = ["{}"]
+topics = ["{topic}"]
 changelog = true
-"#,
-                component("fixture_counter").display().to_string(),
-                self.bootstrap,
-                self.group,
-                self.topic,
-                self.topic
+"#
             ),
         )
         .unwrap();
@@ -1347,41 +1356,15 @@ fn outbox_rows_leave_before_their_partitions_move() {
         .collect();
     produce(&c.bootstrap, &t, &recs);
     let config = |name: &str| -> PathBuf {
-        let cfg = g.dir.path().join(format!("{name}.toml"));
-        std::fs::write(
-            &cfg,
-            format!(
-                r#"
-[[subscriber]]
-name = "orders"
-key = {{ source = "header", name = "message-id" }}
-handler = {:?}
-
-[kafka]
-brokers = "{}"
-group = "{}"
-session_timeout = "3s"
-commit_interval = "100ms"
-
-[kafka.outbox]
-poll_interval = "60s"
-
-[kafka.changelog]
-prefix = "{t}"
-replication_factor = 1
-
-[[kafka.subscription]]
-subscriber = "orders"
-topics = ["{t}"]
-changelog = true
-"#,
-                component("payment_capture").display().to_string(),
-                g.bootstrap,
-                g.group,
+        g.write_config(
+            name,
+            &format!(
+                "handler = {:?}",
+                component("payment_capture").display().to_string()
             ),
+            "commit_interval = \"100ms\"\n\n[kafka.outbox]\npoll_interval = \"60s\"",
+            "",
         )
-        .unwrap();
-        cfg
     };
     let (a, a_log) = g.spawn("a", &config("a"));
     wait_showing("A to process", Duration::from_secs(90), &a_log, || {

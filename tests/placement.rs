@@ -226,6 +226,16 @@ fn run_lines(ledger: &Ledger, config: &Config, lines: &[Value]) -> Vec<String> {
     common::outcome_names(out)
 }
 
+/// The counter handler's counts summed over every store of `orders`.
+fn counted(ledger: &Ledger) -> u64 {
+    ledger
+        .state_entries("orders")
+        .unwrap()
+        .iter()
+        .map(|(_, v)| std::str::from_utf8(v).unwrap().parse::<u64>().unwrap())
+        .sum()
+}
+
 /// An entity text that routes to `shard` of 2.
 fn entity_on(shard: usize, salt: &str) -> String {
     (0..)
@@ -299,13 +309,7 @@ fn concurrent_deliveries_with_two_entities_are_decided_once() {
         assert_eq!(pair, ["processed", "quarantined"], "id m-{i}");
     }
     // Each processed message counted once, in its entity's store.
-    let total: u64 = ledger
-        .state_entries("orders")
-        .unwrap()
-        .iter()
-        .map(|(_, v)| std::str::from_utf8(v).unwrap().parse::<u64>().unwrap())
-        .sum();
-    assert_eq!(total, ids as u64);
+    assert_eq!(counted(&ledger), ids as u64);
     ledger.close().unwrap();
 }
 
@@ -388,13 +392,7 @@ fn new_ids_skip_the_probe_and_moved_redeliveries_are_still_found() {
         probed_after - probed >= ids as u64,
         "every moved id was asked for"
     );
-    let total: u64 = ledger
-        .state_entries("orders")
-        .unwrap()
-        .iter()
-        .map(|(_, v)| std::str::from_utf8(v).unwrap().parse::<u64>().unwrap())
-        .sum();
-    assert_eq!(total, ids as u64, "each id counted once");
+    assert_eq!(counted(&ledger), ids as u64, "each id counted once");
     ledger.close().unwrap();
 }
 

@@ -124,13 +124,14 @@ pub(crate) struct PresenceWriter {
 
 impl PresenceWriter {
     /// Starts publishing `sub`'s records of shard `shard`: every key of the in-memory
-    /// generations and every sealed filter, before anyone may read it.
-    pub(crate) fn start(
+    /// generations (active, sealing: each if there is one) and every sealed filter, before
+    /// anyone may read it.
+    pub(crate) fn start<I: ExactSizeIterator<Item = u128>>(
         board: &Presences,
         shard: usize,
         sub: SubscriberId,
-        active: impl ExactSizeIterator<Item = u128>,
-        sealing: impl ExactSizeIterator<Item = u128>,
+        active: Option<I>,
+        sealing: Option<I>,
         sealed: impl Iterator<Item = Arc<GenFilter>>,
     ) -> PresenceWriter {
         let mut w = PresenceWriter {
@@ -215,10 +216,10 @@ fn grow(chain: &mut Chain, need: usize) {
     chain.room = size;
 }
 
-fn fill(chain: &mut Chain, keys: impl ExactSizeIterator<Item = u128>) {
-    if keys.len() == 0 {
+fn fill(chain: &mut Chain, keys: Option<impl ExactSizeIterator<Item = u128>>) {
+    let Some(keys) = keys.filter(|k| k.len() > 0) else {
         return;
-    }
+    };
     grow(chain, keys.len());
     let b = chain.blooms.last().cloned();
     for key in keys {
@@ -232,6 +233,12 @@ fn fill(chain: &mut Chain, keys: impl ExactSizeIterator<Item = u128>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A shard's presence of `sub` with no records.
+    fn nothing_on(board: &Presences, shard: usize, sub: SubscriberId) -> PresenceWriter {
+        let none: Option<std::iter::Empty<u128>> = None;
+        PresenceWriter::start(board, shard, sub, none.clone(), none, std::iter::empty())
+    }
 
     fn key(i: u64) -> u128 {
         xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes())
@@ -248,8 +255,8 @@ mod tests {
             &board,
             1,
             sub,
-            std::iter::empty(),
-            sealing.iter().copied(),
+            None,
+            Some(sealing.iter().copied()),
             std::iter::once(filter.clone()),
         );
         // Grows through several Bloom filters.
@@ -269,14 +276,7 @@ mod tests {
         );
         // A shard never reads its own presence (shard 0's is empty); another subscriber
         // has none published.
-        let _w0 = PresenceWriter::start(
-            &board,
-            0,
-            sub,
-            std::iter::empty(),
-            std::iter::empty(),
-            std::iter::empty(),
-        );
+        let _w0 = nothing_on(&board, 0, sub);
         assert!(board.others_lack(1, sub, key(5)));
         assert!(!board.others_lack(0, SubscriberId(4), key(1_000_001)));
         // Sealing keeps the keys; a sealed filter replacing the chain keeps them too.
@@ -294,23 +294,9 @@ mod tests {
     fn a_shard_that_published_nothing_is_asked() {
         let board = Presences::new(3);
         let sub = SubscriberId(0);
-        let _w = PresenceWriter::start(
-            &board,
-            1,
-            sub,
-            std::iter::empty(),
-            std::iter::empty(),
-            std::iter::empty(),
-        );
+        let _w = nothing_on(&board, 1, sub);
         assert!(!board.others_lack(0, sub, key(1)), "shard 2 published none");
-        let _w2 = PresenceWriter::start(
-            &board,
-            2,
-            sub,
-            std::iter::empty(),
-            std::iter::empty(),
-            std::iter::empty(),
-        );
+        let _w2 = nothing_on(&board, 2, sub);
         assert!(board.others_lack(0, sub, key(1)));
     }
 }

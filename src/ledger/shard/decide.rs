@@ -501,18 +501,12 @@ impl Shard {
 /// Starts publishing what this shard holds of a subscriber whose claims the other shards
 /// probe for (`presence.rs`): once set, every record written is in it.
 pub(super) fn start_presence(st: &SubState, ctx: &ShardContext) -> PresenceWriter {
-    let active = st.active.as_ref().map(|a| a.map.keys().copied());
-    let sealing = st.sealing.as_ref().map(|s| s.map.keys().copied());
     PresenceWriter::start(
         &ctx.presences,
         ctx.index,
         st.id,
-        active.into_iter().flatten().collect::<Vec<_>>().into_iter(),
-        sealing
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>()
-            .into_iter(),
+        st.active.as_ref().map(|a| a.map.keys().copied()),
+        st.sealing.as_ref().map(|s| s.map.keys().copied()),
         SubState::sealed_filters(&st.sealed),
     )
 }
