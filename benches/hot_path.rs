@@ -4,7 +4,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use dedupd::envelope::{canonical_payload, fingerprint, key_hash};
+use dedupd::envelope::{canonical_payload, fingerprint, key_hash, pick};
 use dedupd::ledger::filter::GenFilter;
 use dedupd::ledger::record::{ClaimRecord, LogRow};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -26,6 +26,22 @@ fn keys_and_fingerprints(c: &mut Criterion) {
     let value: serde_json::Value = serde_json::from_slice(payload).expect("json");
     g.bench_function("canonical_payload_90B", |b| {
         b.iter(|| canonical_payload(black_box(&value)))
+    });
+    // A `json_pointer` partition key on `dedupd bench`'s OrderPlaced payload: the whole
+    // document as a `Value` (before) and only the member the pointer names.
+    let order =
+        br#"{"amount_cents":18420,"currency":"EUR","order_id":"o-9f3a2c1e77b04d1a","qty":3,"sku":"SKU-01234","type":"OrderPlaced"}"#;
+    g.bench_function("order_id_full_parse_116B", |b| {
+        b.iter(|| {
+            let v: serde_json::Value = serde_json::from_slice(black_box(order)).expect("json");
+            v.pointer("/order_id").map(|id| id.as_str().map(str::len))
+        })
+    });
+    g.bench_function("order_id_pick_116B", |b| {
+        b.iter(|| {
+            let v = pick(black_box(order), &["/order_id"]).expect("json");
+            v.pointer("/order_id").map(|id| id.as_str().map(str::len))
+        })
     });
     g.finish();
 }

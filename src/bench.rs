@@ -222,7 +222,7 @@ pub fn place_event(
         None
     } else {
         let env = crate::envelope::Envelope {
-            payload: serde_json::from_slice(&job.payload).unwrap_or_default(),
+            payload: crate::envelope::payload_json(&job.payload, settings),
             ..Default::default()
         };
         crate::envelope::derive_entity(&env, settings)

@@ -13,6 +13,9 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use crate::config::{FingerprintSpec, KeySource, PartitionSource, SubscriberSettings};
 
+mod pick;
+pub use pick::pick;
+
 /// One input message as it arrives on a line of JSON (pipe mode) or from another source.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -100,6 +103,46 @@ fn remove_pointer(value: &mut Value, pointer: &str) {
             }
         }
         _ => {}
+    }
+}
+
+/// The JSON pointers the settings' key sources read in a payload; empty when they read
+/// none of it.
+fn read_pointers(settings: &SubscriberSettings) -> Vec<&str> {
+    let mut pointers = Vec::new();
+    match &settings.key {
+        KeySource::JsonPointer {
+            pointer,
+            pointers: parts,
+        } if parts.is_empty() => {
+            pointers.push(pointer.as_str());
+        }
+        KeySource::JsonPointer {
+            pointers: parts, ..
+        } => {
+            pointers.extend(parts.iter().map(String::as_str));
+        }
+        KeySource::Cloudevents => pointers.extend(["/source", "/id"]),
+        KeySource::Id | KeySource::Header { .. } | KeySource::ContentHash => {}
+    }
+    if let PartitionSource::JsonPointer { pointer } = &settings.partition_key {
+        pointers.push(pointer.as_str());
+    }
+    pointers
+}
+
+/// The JSON a subscriber's settings read in a payload of raw bytes: nothing (`Null`) when
+/// no key source reads the payload; only the members the key sources' pointers name
+/// ([`pick`]) when the fingerprint is of the bytes; the whole document when the
+/// fingerprint removes members from it. `Null` for bytes that are not one JSON document.
+pub fn payload_json(bytes: &[u8], settings: &SubscriberSettings) -> Value {
+    let pointers = read_pointers(settings);
+    if pointers.is_empty() {
+        Value::Null
+    } else if settings.fingerprint.ignore.is_empty() {
+        pick(bytes, &pointers).unwrap_or(Value::Null)
+    } else {
+        serde_json::from_slice(bytes).unwrap_or(Value::Null)
     }
 }
 

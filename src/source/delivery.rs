@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use crate::config::{KeySource, PartitionSource, SubscriberSettings};
+use crate::config::{KeySource, SubscriberSettings};
 use crate::envelope::{
     canonical_payload, derive_entity, derive_key, payload_fingerprint, Envelope, IdempotencyKey,
     KeyError,
@@ -157,14 +157,6 @@ pub struct Keys {
     pub entity: Option<String>,
 }
 
-/// Whether the settings read the payload as JSON.
-fn reads_json(settings: &SubscriberSettings) -> bool {
-    matches!(
-        settings.key,
-        KeySource::JsonPointer { .. } | KeySource::Cloudevents
-    ) || matches!(settings.partition_key, PartitionSource::JsonPointer { .. })
-}
-
 /// The bytes fingerprinted and handed to handlers, and the JSON key sources read (see
 /// [`Payload`]).
 fn decode(payload: Payload, settings: &SubscriberSettings) -> (Vec<u8>, Value) {
@@ -172,11 +164,7 @@ fn decode(payload: Payload, settings: &SubscriberSettings) -> (Vec<u8>, Value) {
         Payload::Json(v) => (canonical_payload(&v), v),
         Payload::Opaque(bytes) => (bytes, Value::Null),
         Payload::Bytes(bytes) => {
-            let json = if reads_json(settings) {
-                serde_json::from_slice(&bytes).unwrap_or(Value::Null)
-            } else {
-                Value::Null
-            };
+            let json = crate::envelope::payload_json(&bytes, settings);
             (bytes, json)
         }
     }
@@ -322,7 +310,7 @@ mod tests {
 
     use super::*;
     use crate::clock::SystemClock;
-    use crate::config::Config;
+    use crate::config::{Config, PartitionSource};
     use crate::envelope::key_hash;
     use serde_json::json;
 
