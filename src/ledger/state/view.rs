@@ -253,27 +253,23 @@ impl StateReader for BatchView {
             self.overlay.merge(effects);
             return;
         }
+        // Straight into the overlay, later wins as in `Effects::merge`: no scoped copy of
+        // the collections in between.
         let scope = &self.scope;
-        let text = self.scope_text().unwrap_or_default().to_string();
-        let scoped = Effects {
-            state: effects
-                .state
-                .into_iter()
-                .map(|(k, v)| ([&scope[..], &k].concat(), v))
-                .collect(),
-            uniques: effects
-                .uniques
-                .into_iter()
-                .map(|m| [&scope[..], &m].concat())
-                .collect(),
-            versions: effects
-                .versions
-                .into_iter()
-                .map(|(k, v)| (format!("{text}{k}"), v))
-                .collect(),
-            outbox: effects.outbox,
-        };
-        self.overlay.merge(scoped);
+        let overlay = &mut self.overlay;
+        for (k, v) in effects.state {
+            overlay.state.insert([&scope[..], &k].concat(), v);
+        }
+        for m in effects.uniques {
+            overlay.uniques.insert([&scope[..], &m].concat());
+        }
+        if !effects.versions.is_empty() {
+            let text = std::str::from_utf8(scope).unwrap_or_default();
+            for (k, v) in effects.versions {
+                overlay.versions.insert(format!("{text}{k}"), v);
+            }
+        }
+        overlay.outbox.extend(effects.outbox);
     }
 
     fn set_scope(&mut self, entity: Option<&str>) {
