@@ -260,6 +260,31 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_member_no_pointer_names_is_checked_for_syntax_only() {
+        // Deeper than serde_json's recursion limit (128) for a `Value`, and a lone
+        // surrogate: a full parse refuses both documents, the pick reads them (module docs).
+        let deep = format!(
+            r#"{{"x":{}{},"order_id":"o-1"}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        let surrogate = r#"{"x":"\ud800","order_id":"o-1"}"#;
+        for text in [deep.as_str(), surrogate] {
+            assert!(serde_json::from_str::<Value>(text).is_err(), "{text}");
+            let picked = pick(text.as_bytes(), &["/order_id"]).unwrap();
+            assert_eq!(picked.pointer("/order_id"), Some(&Value::from("o-1")));
+        }
+        // Named, the same member is parsed whole and refused as before.
+        assert_eq!(pick(deep.as_bytes(), &["/x"]), None);
+        assert_eq!(pick(surrogate.as_bytes(), &["/x"]), None);
+        // Broken syntax in it is refused either way.
+        assert_eq!(
+            pick(br#"{"x":[1,,2],"order_id":"o-1"}"#, &["/order_id"]),
+            None
+        );
+    }
+
     fn json() -> impl Strategy<Value = Value> {
         let leaf = prop_oneof![
             Just(Value::Null),
