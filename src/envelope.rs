@@ -106,29 +106,31 @@ fn remove_pointer(value: &mut Value, pointer: &str) {
     }
 }
 
-/// The JSON pointers the settings' key sources read in a payload; empty when they read
-/// none of it.
-fn read_pointers(settings: &SubscriberSettings) -> Vec<&str> {
-    let mut pointers = Vec::new();
-    match &settings.key {
-        KeySource::JsonPointer {
-            pointer,
-            pointers: parts,
-        } if parts.is_empty() => {
-            pointers.push(pointer.as_str());
+/// The JSON pointers the settings' key sources read in a payload (none when they read none
+/// of it), without collecting them: this runs for every message.
+fn read_pointers(settings: &SubscriberSettings) -> impl Iterator<Item = &str> + Clone {
+    let (one, many): (Option<&str>, &[String]) = match &settings.key {
+        KeySource::JsonPointer { pointer, pointers } if pointers.is_empty() => {
+            (Some(pointer.as_str()), &[])
         }
-        KeySource::JsonPointer {
-            pointers: parts, ..
-        } => {
-            pointers.extend(parts.iter().map(String::as_str));
-        }
-        KeySource::Cloudevents => pointers.extend(["/source", "/id"]),
-        KeySource::Id | KeySource::Header { .. } | KeySource::ContentHash => {}
-    }
-    if let PartitionSource::JsonPointer { pointer } = &settings.partition_key {
-        pointers.push(pointer.as_str());
-    }
-    pointers
+        KeySource::JsonPointer { pointers, .. } => (None, pointers.as_slice()),
+        KeySource::Id
+        | KeySource::Header { .. }
+        | KeySource::Cloudevents
+        | KeySource::ContentHash => (None, &[]),
+    };
+    let cloudevents: &[&str] = match settings.key {
+        KeySource::Cloudevents => &["/source", "/id"],
+        _ => &[],
+    };
+    let entity = match &settings.partition_key {
+        PartitionSource::JsonPointer { pointer } => Some(pointer.as_str()),
+        _ => None,
+    };
+    one.into_iter()
+        .chain(many.iter().map(String::as_str))
+        .chain(cloudevents.iter().copied())
+        .chain(entity)
 }
 
 /// The JSON a subscriber's settings read in a payload of raw bytes: nothing (`Null`) when
@@ -137,10 +139,10 @@ fn read_pointers(settings: &SubscriberSettings) -> Vec<&str> {
 /// fingerprint removes members from it. `Null` for bytes that are not one JSON document.
 pub fn payload_json(bytes: &[u8], settings: &SubscriberSettings) -> Value {
     let pointers = read_pointers(settings);
-    if pointers.is_empty() {
+    if pointers.clone().next().is_none() {
         Value::Null
     } else if settings.fingerprint.ignore.is_empty() {
-        pick(bytes, &pointers).unwrap_or(Value::Null)
+        pick(bytes, pointers).unwrap_or(Value::Null)
     } else {
         serde_json::from_slice(bytes).unwrap_or(Value::Null)
     }

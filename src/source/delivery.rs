@@ -17,8 +17,8 @@ use serde_json::Value;
 
 use crate::config::{KeySource, SubscriberSettings};
 use crate::envelope::{
-    canonical_payload, derive_entity, derive_key, payload_fingerprint, Envelope, IdempotencyKey,
-    KeyError,
+    canonical_payload, derive_entity, derive_key, payload_fingerprint, payload_json, Envelope,
+    IdempotencyKey, KeyError,
 };
 use crate::ledger::{AckSender, Job, Ledger, LedgerError, Origin, Subscriber};
 
@@ -164,7 +164,7 @@ fn decode(payload: Payload, settings: &SubscriberSettings) -> (Vec<u8>, Value) {
         Payload::Json(v) => (canonical_payload(&v), v),
         Payload::Opaque(bytes) => (bytes, Value::Null),
         Payload::Bytes(bytes) => {
-            let json = crate::envelope::payload_json(&bytes, settings);
+            let json = payload_json(&bytes, settings);
             (bytes, json)
         }
     }

@@ -111,18 +111,19 @@ impl BatchView {
         })
     }
 
-    /// The scope as text (entities are UTF-8 and end with NUL), for version keys.
-    fn scope_text(&self) -> Option<&str> {
-        if self.scope.is_empty() {
-            return None;
-        }
-        std::str::from_utf8(&self.scope).ok()
-    }
-
     /// The in-memory state layers, newest first.
     fn state_layers(&self) -> impl Iterator<Item = &BTreeMap<Vec<u8>, Option<Vec<u8>>>> {
         std::iter::once(&self.overlay.state).chain(self.buffered.iter().map(|b| &b.state))
     }
+}
+
+/// A scope as text (entities are UTF-8 and end with NUL), for version keys; `None` for the
+/// empty scope.
+fn scope_text(scope: &[u8]) -> Option<&str> {
+    if scope.is_empty() {
+        return None;
+    }
+    std::str::from_utf8(scope).ok()
 }
 
 /// Keys from `prefix` on (a borrowed range over `Vec<u8>` keys).
@@ -242,7 +243,7 @@ impl StateReader for BatchView {
     }
 
     fn version(&self, key: &str) -> Option<u64> {
-        match self.scope_text() {
+        match scope_text(&self.scope) {
             None => self.version_raw(key),
             Some(scope) => self.version_raw(&format!("{scope}{key}")),
         }
@@ -264,7 +265,7 @@ impl StateReader for BatchView {
             overlay.uniques.insert([&scope[..], &m].concat());
         }
         if !effects.versions.is_empty() {
-            let text = std::str::from_utf8(scope).unwrap_or_default();
+            let text = scope_text(scope).unwrap_or_default();
             for (k, v) in effects.versions {
                 overlay.versions.insert(format!("{text}{k}"), v);
             }
