@@ -95,7 +95,13 @@ impl Shard {
         let mut decisions = Vec::with_capacity(jobs.len());
         {
             let mut sealed = SealedTables::new(&txn, &self.ctx.path);
-            for job in jobs {
+            for job in jobs.iter().take(PREFETCH_AHEAD) {
+                self.prefetch_filters(job);
+            }
+            for (i, job) in jobs.iter().enumerate() {
+                if let Some(ahead) = jobs.get(i + PREFETCH_AHEAD) {
+                    self.prefetch_filters(ahead);
+                }
                 decisions.push(self.decide(job, now, &mut sealed, &mut tally)?);
             }
         }
@@ -141,6 +147,21 @@ impl Shard {
         }
         tally.publish(&self.ctx.registry);
         Ok((decisions, maintenance))
+    }
+
+    /// Starts loading the sealed-generation filter slots `decide` will read for `job`: a new
+    /// key is probed in every sealed generation (three cache misses each once the filters
+    /// outgrow the caches, 16 % of a 100M-claim run), so the batch asks for them
+    /// `PREFETCH_AHEAD` jobs early.
+    fn prefetch_filters(&self, job: &Job) {
+        if job.restore.is_some() {
+            return;
+        }
+        if let Some(Some(st)) = self.subs.get(job.subscriber.0 as usize) {
+            for g in &st.sealed {
+                g.filter.prefetch(job.key);
+            }
+        }
     }
 
     /// Decides one job of the batch against the newest record of its key (I2) and, for a
@@ -645,6 +666,9 @@ impl Tally {
 /// subscriber's backoff doubled per attempt, never more than its `max_backoff`, so a
 /// message held in memory (and holding its source's offset) is retried within bounded
 /// time.
+/// How many jobs ahead of the one being decided a batch prefetches filter slots.
+const PREFETCH_AHEAD: usize = 4;
+
 pub(super) fn retry_delay(backoff: Duration, max_backoff: Duration, attempt: u32) -> Duration {
     let doublings = attempt.saturating_sub(1).min(16);
     backoff.saturating_mul(1 << doublings).min(max_backoff)
