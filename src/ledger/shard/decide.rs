@@ -662,13 +662,13 @@ impl Tally {
     }
 }
 
+/// How many jobs ahead of the one being decided a batch prefetches filter slots.
+const PREFETCH_AHEAD: usize = 4;
+
 /// How long a message whose handler failed waits before attempt `attempt + 1`: the
 /// subscriber's backoff doubled per attempt, never more than its `max_backoff`, so a
 /// message held in memory (and holding its source's offset) is retried within bounded
 /// time.
-/// How many jobs ahead of the one being decided a batch prefetches filter slots.
-const PREFETCH_AHEAD: usize = 4;
-
 pub(super) fn retry_delay(backoff: Duration, max_backoff: Duration, attempt: u32) -> Duration {
     let doublings = attempt.saturating_sub(1).min(16);
     backoff.saturating_mul(1 << doublings).min(max_backoff)
