@@ -1610,6 +1610,104 @@ fn claims_and_state_follow_their_partitions_through_a_changelog() {
 /// holds every partition: one claim per distinct event, every order's count exactly 2, and
 /// exactly one change per distinct event in the changelog (no event processed twice by the
 /// two members, none lost).
+/// The sum of `field=N` over a log's lines.
+fn log_sum(log: &Path, field: &str) -> u64 {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.split(&format!("{field}="))
+        .skip(1)
+        .filter_map(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Issue 17: a changelog sheds what it no longer needs. Claims expire 2 s after they are
+/// processed; member A, claim-only, tombstones the record of every expired claim (one
+/// tombstone per distinct event, keyed like its record), so a compacting broker drops
+/// them. B, with an empty data directory, restores over the tombstones, and sends none
+/// again: the compactor group's offset moved past them. C runs the non-idempotent counter
+/// handler: its expired records carry handler state and are kept.
+#[test]
+fn expired_claims_without_state_leave_the_changelog_as_tombstones() {
+    let c = cluster();
+    let t = topic("compact");
+    let g = Members::new(&c, &t);
+    const EVENTS: usize = 600;
+    produce(&c.bootstrap, &t, &counter_records(0..EVENTS, true));
+    let changelog = "compaction_interval = \"200ms\"\nexpiry_grace = \"0s\"";
+    let kafka = "commit_interval = \"100ms\"";
+    let claim_only = |name: &str| g.write_config(name, "ttl = \"2s\"", kafka, changelog);
+
+    let (a, a_log) = g.spawn("a", &claim_only("a"));
+    wait_showing("A to process", Duration::from_secs(90), &a_log, || {
+        at_log_end(&c.bootstrap, &g.group, &t)
+    });
+    wait_showing("A's tombstones", Duration::from_secs(60), &a_log, || {
+        g.published() >= 2 * EVENTS as i64
+    });
+    let summary_a = stop_and_summary(a, &a_log);
+    assert_eq!(
+        summary_a["kafka"]["processed"], EVENTS as u64,
+        "{summary_a}"
+    );
+    assert_eq!(
+        summary_a["kafka"]["changelog_tombstones"], EVENTS as u64,
+        "{summary_a}"
+    );
+    assert_eq!(g.published(), 2 * EVENTS as i64);
+    let records = read_all(&c.bootstrap, &g.changelog, 2 * EVENTS);
+    let keys = |tombstones: bool| -> std::collections::BTreeSet<Vec<u8>> {
+        records
+            .iter()
+            .filter(|m| m.payload().is_none() == tombstones)
+            .map(|m| m.key().unwrap().to_vec())
+            .collect()
+    };
+    assert_eq!(keys(false).len(), EVENTS);
+    assert_eq!(keys(true), keys(false), "one tombstone per record, by key");
+
+    // B restores the tombstoned changelog into an empty data directory, then sends
+    // nothing more: every record is behind the compactor group's offset.
+    let (b, b_log) = g.spawn("b", &claim_only("b"));
+    wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
+        log_has(&b_log, RESTORED) > 0
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let summary_b = stop_and_summary(b, &b_log);
+    assert_eq!(
+        summary_b["kafka"]["restored_changes"], EVENTS as u64,
+        "{summary_b}"
+    );
+    assert_eq!(summary_b["kafka"]["changelog_tombstones"], 0, "{summary_b}");
+    assert_eq!(g.published(), 2 * EVENTS as i64);
+
+    // C: the counter handler writes state for each event; past expiry its records stay.
+    const MORE: usize = 100;
+    let counter = format!(
+        "ttl = \"2s\"\npartition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\nhandler = {:?}\nhandler_cpu_budget = \"2s\"",
+        component("fixture_counter").display().to_string()
+    );
+    let cfg_c = g.write_config("c", &counter, kafka, changelog);
+    let (cc, c_log) = g.spawn("c", &cfg_c);
+    produce(
+        &c.bootstrap,
+        &t,
+        &counter_records(EVENTS..EVENTS + MORE, false),
+    );
+    wait_showing("C to process", Duration::from_secs(90), &c_log, || {
+        at_log_end(&c.bootstrap, &g.group, &t)
+    });
+    wait_showing(
+        "C to pass its expired records",
+        Duration::from_secs(60),
+        &c_log,
+        || log_sum(&c_log, "kept_with_state") >= MORE as u64,
+    );
+    let summary_c = stop_and_summary(cc, &c_log);
+    assert_eq!(summary_c["kafka"]["processed"], MORE as u64, "{summary_c}");
+    assert_eq!(summary_c["kafka"]["changelog_tombstones"], 0, "{summary_c}");
+    assert_eq!(log_sum(&c_log, "kept_with_state"), MORE as u64);
+    assert_eq!(g.published(), (2 * EVENTS + MORE) as i64);
+}
+
 #[test]
 fn counts_are_exact_after_kills_aimed_at_rebalances_between_two_members() {
     let c = cluster();

@@ -11,8 +11,9 @@
 //!   [`record_key`]). Value: a format byte, then the [`Change`] (claim, entity, state
 //!   written, marks, versions) in bincode's standard encoding. One record per processed
 //!   message, so a record is all of one message's effects or none of them. No two
-//!   processings share a key, so compaction removes nothing yet: the topic keeps every
-//!   change (snapshots keyed by state key, which would let it shrink, are not built).
+//!   processings share a key, so the log cleaner drops a record only once it has a
+//!   tombstone: `compaction.rs` sends one for every expired claim that wrote no handler
+//!   state (snapshots keyed by state key, which would let the rest go, are not built).
 //! - **Restore.** When partitions are assigned, before any of their messages is fetched
 //!   (the rebalance callback), their changelog partitions are read from the beginning to
 //!   the end offset found at the start, and every change is replayed into the ledger
@@ -177,50 +178,89 @@ impl ChangelogProducer {
     }
 }
 
-impl ChangelogSink for ChangelogProducer {
-    fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, String> {
-        let pending = Arc::new(Pending::default());
-        pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = changes.len();
-        for (i, change) in changes.iter().enumerate() {
-            let Some(partition) = change.origin.as_ref().and_then(Origin::kafka_partition) else {
-                pending.settle(changes.len() - i, None);
-                return Err(format!(
-                    "message {:?} did not come from Kafka: a changelog takes only Kafka messages",
-                    change.id
-                ));
-            };
-            let key = record_key(change);
-            let value = encode(change)?;
-            let mut record = BaseRecord::with_opaque_to(&self.topic, pending.clone())
-                .partition(partition)
-                .key(&key[..])
-                .payload(&value);
-            let deadline = Instant::now() + self.timeout;
-            loop {
-                match self.producer.send(record) {
-                    Ok(()) => break,
-                    Err((RdError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
-                        if Instant::now() < deadline =>
-                    {
-                        record = back;
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    Err((e, _)) => {
-                        pending.settle(changes.len() - i, None);
-                        return Err(format!("producing to {}: {e}", self.topic));
-                    }
+impl ChangelogProducer {
+    /// Produces one record (a tombstone when `value` is `None`), waiting while the
+    /// producer's queue is full, up to the publish timeout.
+    fn send(
+        &self,
+        pending: &Arc<Pending>,
+        partition: i32,
+        key: &[u8],
+        value: Option<&[u8]>,
+    ) -> Result<(), String> {
+        let mut record = BaseRecord::with_opaque_to(&self.topic, pending.clone())
+            .partition(partition)
+            .key(key);
+        if let Some(v) = value {
+            record = record.payload(v);
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((RdError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                    if Instant::now() < deadline =>
+                {
+                    record = back;
+                    std::thread::sleep(Duration::from_millis(1));
                 }
+                Err((e, _)) => return Err(format!("producing to {}: {e}", self.topic)),
             }
         }
-        Ok(Box::new(Acks {
+    }
+
+    /// The acknowledgements of `count` records sent with `pending`.
+    fn acks(&self, pending: Arc<Pending>, count: usize) -> Box<dyn Published> {
+        Box::new(Acks {
             pending,
-            count: changes.len(),
+            count,
             topic: self.topic.clone(),
             // Deliveries fail on their own once `message.timeout.ms` passes; the margin
             // covers the report's way back.
             deadline: Instant::now() + self.timeout + Duration::from_secs(5),
             timeout: self.timeout,
-        }))
+        })
+    }
+
+    /// Produces a tombstone (a record with no value) for each record key to `partition`,
+    /// so the broker's log cleaner drops every record with that key.
+    pub fn tombstone(
+        &self,
+        partition: i32,
+        keys: &[Vec<u8>],
+    ) -> Result<Box<dyn Published>, String> {
+        let pending = Arc::new(Pending::default());
+        pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = keys.len();
+        for (i, key) in keys.iter().enumerate() {
+            if let Err(e) = self.send(&pending, partition, key, None) {
+                pending.settle(keys.len() - i, None);
+                return Err(e);
+            }
+        }
+        Ok(self.acks(pending, keys.len()))
+    }
+}
+
+impl ChangelogSink for ChangelogProducer {
+    fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, String> {
+        let pending = Arc::new(Pending::default());
+        pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = changes.len();
+        for (i, change) in changes.iter().enumerate() {
+            let sent = match change.origin.as_ref().and_then(Origin::kafka_partition) {
+                Some(partition) => encode(change).and_then(|value| {
+                    self.send(&pending, partition, &record_key(change), Some(&value))
+                }),
+                None => Err(format!(
+                    "message {:?} did not come from Kafka: a changelog takes only Kafka messages",
+                    change.id
+                )),
+            };
+            if let Err(e) = sent {
+                pending.settle(changes.len() - i, None);
+                return Err(e);
+            }
+        }
+        Ok(self.acks(pending, changes.len()))
     }
 }
 
@@ -334,6 +374,8 @@ pub struct Restored {
     pub changes: u64,
     /// Records not read because this data directory's checkpoint covers them.
     pub skipped: u64,
+    /// Tombstones read (not replayed: they mark expired claims the cleaner may drop).
+    pub tombstones: u64,
     pub elapsed: Duration,
 }
 
@@ -394,7 +436,7 @@ pub fn restore(
     };
     let deadline = Instant::now() + kafka.changelog.restore_timeout;
     let mut last_log = Instant::now();
-    let (mut ends, mut skipped) = (Vec::new(), 0u64);
+    let (mut ends, mut skipped, mut tombstones) = (Vec::new(), 0u64, 0u64);
     let ledger_err = |e: crate::ledger::LedgerError| KafkaError::Ledger(e.to_string());
     for &p in partitions {
         let (low, high) = consumer
@@ -438,10 +480,15 @@ pub fn restore(
             };
             let m = m.map_err(client)?;
             let offset = m.offset();
-            let change = decode(m.payload().unwrap_or_default()).map_err(|e| {
-                KafkaError::Client(format!("{topic} partition {p} offset {offset}: {e}"))
-            })?;
-            replay.push(change)?;
+            // A tombstone: compaction's mark that an expired claim's record may go.
+            if let Some(value) = m.payload() {
+                let change = decode(value).map_err(|e| {
+                    KafkaError::Client(format!("{topic} partition {p} offset {offset}: {e}"))
+                })?;
+                replay.push(change)?;
+            } else {
+                tombstones += 1;
+            }
             if last_log.elapsed() >= Duration::from_secs(5) {
                 last_log = Instant::now();
                 tracing::info!(subscriber = %sub.name, %topic, partition = p, changes = replay.submitted, "restoring from the changelog");
@@ -462,6 +509,7 @@ pub fn restore(
         ends,
         changes: replay.submitted,
         skipped,
+        tombstones,
         elapsed: started.elapsed(),
     })
 }

@@ -154,6 +154,14 @@ pub struct ChangelogConfig {
     /// replays the changelog from the last one).
     #[serde(with = "humantime_serde")]
     pub checkpoint_interval: Duration,
+    /// How often the partitions this member owns are compacted: every expired claim that
+    /// wrote no handler state gets a tombstone, so the broker's log cleaner can drop it.
+    #[serde(with = "humantime_serde")]
+    pub compaction_interval: Duration,
+    /// How long past its expiry a claim waits for its tombstone: a margin for clocks that
+    /// differ between members (a restore skips a claim its own clock says has expired).
+    #[serde(with = "humantime_serde")]
+    pub expiry_grace: Duration,
 }
 
 impl Default for ChangelogConfig {
@@ -164,6 +172,8 @@ impl Default for ChangelogConfig {
             publish_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(240),
             checkpoint_interval: Duration::from_secs(10),
+            compaction_interval: Duration::from_secs(30),
+            expiry_grace: Duration::from_secs(60),
         }
     }
 }
@@ -287,6 +297,12 @@ impl KafkaConfig {
             if c.checkpoint_interval < Duration::from_millis(100) {
                 return Err(invalid(
                     "kafka.changelog.checkpoint_interval",
+                    "must be at least 100ms",
+                ));
+            }
+            if c.compaction_interval < Duration::from_millis(100) {
+                return Err(invalid(
+                    "kafka.changelog.compaction_interval",
                     "must be at least 100ms",
                 ));
             }
@@ -449,5 +465,9 @@ brokers = "127.0.0.1:9092"
         let zero_rf = format!("{BASE}\n[kafka.changelog]\nreplication_factor = 0\n{CHANGELOG_SUB}");
         let err = parse(&zero_rf).unwrap_err().to_string();
         assert!(err.contains("replication_factor"), "{err}");
+        let spin =
+            format!("{BASE}\n[kafka.changelog]\ncompaction_interval = \"0s\"\n{CHANGELOG_SUB}");
+        let err = parse(&spin).unwrap_err().to_string();
+        assert!(err.contains("kafka.changelog.compaction_interval"), "{err}");
     }
 }

@@ -80,6 +80,8 @@ pub struct SourceStats {
     pub shared_group_rebalances: AtomicU64,
     /// Changes replayed from the changelog into the ledger on assignment (`changelog = true`).
     pub restored_changes: AtomicU64,
+    /// Tombstones produced to the changelog for expired claims without handler state.
+    pub changelog_tombstones: AtomicU64,
 }
 
 /// What was kept of a message that may still go to the dead-letter topic.
@@ -142,6 +144,10 @@ struct Changelog {
     /// Where each partition's checkpoint is (as far as this member moved it).
     moved_to: HashMap<i32, i64>,
     last: Instant,
+    /// The partitions this member owns, for the compaction thread.
+    owned: Arc<Mutex<Vec<i32>>>,
+    /// Stopped (and joined) when the subscription stops.
+    compaction: Option<super::compaction::CompactionThread>,
 }
 
 /// The consumer's context: rebalance callbacks and statistics.
@@ -287,6 +293,15 @@ impl Worker {
         let Some(c) = &mut self.changelog else {
             return;
         };
+        {
+            let mut owned = c.owned.lock().unwrap_or_else(|p| p.into_inner());
+            if owned.len() != self.parts.len()
+                || self.parts.values().any(|p| !owned.contains(&p.partition))
+            {
+                *owned = self.parts.values().map(|p| p.partition).collect();
+                owned.sort_unstable();
+            }
+        }
         if c.last.elapsed() >= c.kafka.changelog.checkpoint_interval {
             c.last = Instant::now();
             let acked = c.acked.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -754,6 +769,14 @@ pub fn run_subscription(
             );
         }
     }
+    // No tombstones while the partitions drain and after (joined outside the lock).
+    let compaction = consumer
+        .context()
+        .lock()
+        .changelog
+        .as_mut()
+        .and_then(|c| c.compaction.take());
+    drop(compaction);
     let latency = drain_and_commit(&consumer, kafka)?;
     tracing::info!(
         subscriber = %name,
@@ -852,7 +875,7 @@ fn start_consumer(
         staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
         max_in_flight: kafka.max_in_flight_per_partition.get(),
         drain_timeout: kafka.drain_timeout,
-        stats,
+        stats: stats.clone(),
         latency: options.record_latency.then(Latency::default),
         fatal: None,
         unsent: Vec::new(),
@@ -867,7 +890,7 @@ fn start_consumer(
         .create_with_context(ctx)
         .map_err(|e| KafkaError::Client(e.to_string()))?;
     if subscription.changelog {
-        let changelog = start_changelog(&consumer, &ledger, kafka, subscription)?;
+        let changelog = start_changelog(&consumer, &ledger, kafka, subscription, stats)?;
         consumer.context().lock().changelog = Some(changelog);
     }
     let topics: Vec<&str> = subscription.topics.iter().map(String::as_str).collect();
@@ -885,6 +908,7 @@ fn start_changelog(
     ledger: &Ledger,
     kafka: &KafkaConfig,
     subscription: &SubscriptionConfig,
+    stats: Arc<SourceStats>,
 ) -> Result<Changelog, KafkaError> {
     let input = subscription.topics.first().ok_or_else(|| {
         KafkaError::Config("a subscription with a changelog needs one topic".into())
@@ -909,12 +933,33 @@ fn start_changelog(
             )));
         }
     }
-    let sink = super::changelog::ChangelogProducer::new(kafka, topic.clone())?;
+    let sink = Arc::new(super::changelog::ChangelogProducer::new(
+        kafka,
+        topic.clone(),
+    )?);
     let acked = sink.acked();
     ledger
-        .set_changelog(&subscription.subscriber, Some(Arc::new(sink)))
+        .set_changelog(&subscription.subscriber, Some(sink.clone()))
         .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    let owned = Arc::new(Mutex::new(Vec::new()));
+    let compactor = super::compaction::Compactor::new(kafka, sink, topic.clone())?;
+    let name: Arc<str> = subscription.subscriber.as_str().into();
+    let counted = name.to_string();
+    let compaction = super::compaction::CompactionThread::spawn(
+        compactor,
+        name,
+        kafka.changelog.compaction_interval,
+        owned.clone(),
+        move |n| {
+            stats.changelog_tombstones.fetch_add(n, Ordering::Relaxed);
+            metrics::counter!(crate::telemetry::metric::KAFKA_CHANGELOG_TOMBSTONES_TOTAL,
+                "subscriber" => counted.clone())
+            .increment(n);
+        },
+    )
+    .map_err(|e| KafkaError::Client(format!("changelog compaction thread: {e}")))?;
     tracing::info!(subscriber = %subscription.subscriber, %topic, partitions,
+        compaction_interval = ?kafka.changelog.compaction_interval,
         "changelog on: claims and handler state are published before each commit and restored on assignment");
     Ok(Changelog {
         kafka: kafka.clone(),
@@ -923,6 +968,8 @@ fn start_changelog(
         pending: Vec::new(),
         moved_to: HashMap::new(),
         last: Instant::now(),
+        owned,
+        compaction: Some(compaction),
     })
 }
 

@@ -17,6 +17,7 @@ pub mod bench;
 mod broker;
 pub mod changelog;
 mod check;
+pub mod compaction;
 mod config;
 mod consumer;
 mod keying;
@@ -94,6 +95,8 @@ pub struct KafkaSummary {
     pub shared_group_rebalances: u64,
     /// Changes replayed from changelogs on assignment (`changelog = true`).
     pub restored_changes: u64,
+    /// Tombstones produced by changelog compaction.
+    pub changelog_tombstones: u64,
     pub outbox_relayed: u64,
 }
 
@@ -111,6 +114,7 @@ impl KafkaSummary {
         self.revoke_commit_failures += get(&s.revoke_commit_failures);
         self.shared_group_rebalances += get(&s.shared_group_rebalances);
         self.restored_changes += get(&s.restored_changes);
+        self.changelog_tombstones += get(&s.changelog_tombstones);
     }
 }
 
