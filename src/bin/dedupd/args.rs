@@ -620,6 +620,12 @@ pub struct KafkaBenchArgs {
     /// data directory.
     #[arg(long)]
     changelog: bool,
+    /// Claims expire this long after processing (e.g. `2s`; default: the subscriber
+    /// default, 7 days). With `--changelog`, compaction then runs every second with no
+    /// grace, so the engine phase pays for tombstoning expired claims; the restore phase is
+    /// skipped (expired claims restore nothing to check).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    ttl: Option<std::time::Duration>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -652,6 +658,7 @@ impl KafkaBenchArgs {
             dir: self.dir,
             brokers: self.brokers,
             changelog: self.changelog,
+            ttl: self.ttl,
         })
     }
 }

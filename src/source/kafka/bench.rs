@@ -57,6 +57,9 @@ pub struct KafkaBenchParams {
     /// Subscriptions publish a changelog (`changelog = true`); a restore phase then
     /// replays it into an empty data directory.
     pub changelog: bool,
+    /// Claims expire this long after processing (with `changelog`, compaction every second).
+    #[serde(with = "humantime_serde")]
+    pub ttl: Option<Duration>,
 }
 
 /// Progress of a phase.
@@ -98,6 +101,8 @@ pub struct KafkaBenchReport {
     pub restore_changes_per_sec: f64,
     /// Why the restore phase did not run (with `--changelog`).
     pub restore_skipped: Option<String>,
+    /// Tombstones the engine phase sent for expired claims (with `--changelog --ttl`).
+    pub changelog_tombstones: u64,
 }
 
 /// Most messages the producer may be ahead of the consumer: in the engine phase, of the
@@ -112,7 +117,10 @@ impl std::fmt::Display for KafkaBenchParams {
             Some(h) => h.display().to_string(),
             None => "none".into(),
         };
-        write!(f, "kafka-bench: {} messages, dup rate {}, seed {}, {} partitions, handler {handler}, changelog {}, then {} paced messages for end-to-end latency",
+        let ttl = self.ttl.map_or("default".into(), |t| {
+            humantime::format_duration(t).to_string()
+        });
+        write!(f, "kafka-bench: {} messages, dup rate {}, seed {}, {} partitions, handler {handler}, changelog {}, ttl {ttl}, then {} paced messages for end-to-end latency",
             self.messages, self.dup_rate, self.seed, self.partitions, if self.changelog { "on" } else { "off" }, self.live_messages)
     }
 }
@@ -150,6 +158,13 @@ impl std::fmt::Display for KafkaBenchReport {
         writeln!(f, "lead      p99 {:.1} ms from produce timestamp to offset stored (producer up to {} messages ahead)", r.backlog_p99_ms, WINDOW)?;
         if r.params.live_messages > 0 {
             writeln!(f, "live      {:.0} msgs/s paced: produce timestamp -> offset stored p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms", r.live_rate, r.live_p50_ms, r.live_p99_ms, r.live_max_ms)?;
+        }
+        if r.params.changelog && r.params.ttl.is_some() {
+            writeln!(
+                f,
+                "compacted {:>12} tombstones sent for expired claims during the engine phase",
+                r.changelog_tombstones
+            )?;
         }
         if let Some(why) = &r.restore_skipped {
             writeln!(f, "restore   skipped: {why}")?;
@@ -554,6 +569,7 @@ pub fn run(
             // One writer per order: the handler's per-order state stays consistent.
             partition_key: Some(PartitionSource::EnvelopeKey),
             handler: params.handler.clone(),
+            ttl: params.ttl,
             ..Default::default()
         });
     }
@@ -569,6 +585,10 @@ pub fn run(
         .options
         .insert("fetch.wait.max.ms".into(), FETCH_WAIT_MS.into());
     kafka.changelog.prefix = changelog_prefix.clone();
+    if params.ttl.is_some() {
+        kafka.changelog.compaction_interval = Duration::from_secs(1);
+        kafka.changelog.expiry_grace = Duration::ZERO;
+    }
     let (engine_s, stats, backlog) = engine(
         &ledger,
         &kafka,
@@ -606,7 +626,14 @@ pub fn run(
         live = lat;
     }
     let processed = stats.processed.load(Ordering::Relaxed);
-    let restore = if params.changelog {
+    let restore = if params.changelog && params.ttl.is_some() {
+        RestorePhase {
+            skipped: Some(
+                "--ttl expires the claims during the run, so a restore has none to check".into(),
+            ),
+            ..RestorePhase::default()
+        }
+    } else if params.changelog {
         restore_phase(
             &ledger,
             &config,
@@ -642,6 +669,7 @@ pub fn run(
         restore_s: restore.secs,
         restore_changes_per_sec: restore.changes as f64 / restore.secs.max(1e-9),
         restore_skipped: restore.skipped,
+        changelog_tombstones: stats.changelog_tombstones.load(Ordering::Relaxed),
     };
     match Arc::try_unwrap(ledger) {
         Ok(l) => l.close().map_err(|e| KafkaError::Ledger(e.to_string()))?,
