@@ -15,7 +15,7 @@ use dedupd::effects::{
     Effects, Failure, HandlerFactory, HandlerMessage, MessageHandler, OutboxMessage, StateReader,
 };
 use dedupd::envelope::{fingerprint, key_hash};
-use dedupd::ledger::{Done, Job, Ledger, Outcome, RecordKind};
+use dedupd::ledger::{Done, Job, Ledger, Outcome, RecordKind, FORMAT_VERSION};
 
 fn config(shards: usize) -> Config {
     let mut c = Config::default();
@@ -825,9 +825,9 @@ fn retired_claims_tables_are_emptied_and_deleted_and_claims_survive_merges() {
 }
 
 /// A data directory of format 5 (sealed claims one row per claim, `claims_v1`) opens
-/// under format 6: its sealed generations are rewritten as claim blocks, every claim reads
-/// back with its fingerprint (a duplicate stays a duplicate, another payload is
-/// quarantined), no `claims_v1` table is left, and the manifest says 6. The format-5 table
+/// under format 6 and later: its sealed generations are rewritten as claim blocks, every
+/// claim reads back with its fingerprint (a duplicate stays a duplicate, another payload is
+/// quarantined), no `claims_v1` table is left, and the manifest says the current format. The format-5 table
 /// is written here as that format's code wrote it: key hash -> 32-byte little-endian
 /// record (fingerprint, processed at, expires at, handler version).
 #[test]
@@ -884,19 +884,19 @@ fn a_format_5_directory_is_rewritten_as_claim_blocks_and_keeps_every_claim() {
             let mut meta = txn
                 .open_table(TableDefinition::<&str, u64>::new("meta_v1"))
                 .unwrap();
-            assert_eq!(meta.get("format_version").unwrap().unwrap().value(), 6);
+            assert_eq!(
+                meta.get("format_version").unwrap().unwrap().value(),
+                FORMAT_VERSION
+            );
             meta.insert("format_version", 5).unwrap();
         }
         txn.commit().unwrap();
     }
     let manifest = dir.path().join("dedupd.manifest.json");
     let text = std::fs::read_to_string(&manifest).unwrap();
-    assert!(text.contains("\"format_version\": 6"), "{text}");
-    std::fs::write(
-        &manifest,
-        text.replace("\"format_version\": 6", "\"format_version\": 5"),
-    )
-    .unwrap();
+    let current = format!("\"format_version\": {FORMAT_VERSION}");
+    assert!(text.contains(&current), "{text}");
+    std::fs::write(&manifest, text.replace(&current, "\"format_version\": 5")).unwrap();
 
     let ledger = Ledger::open(dir.path(), &cfg, clock()).unwrap();
     for i in 0..700 {
@@ -917,7 +917,7 @@ fn a_format_5_directory_is_rewritten_as_claim_blocks_and_keeps_every_claim() {
     );
     ledger.close().unwrap();
     let text = std::fs::read_to_string(&manifest).unwrap();
-    assert!(text.contains("\"format_version\": 6"), "{text}");
+    assert!(text.contains(&current), "{text}");
     let db = redb::ReadOnlyDatabase::open(&path).unwrap();
     let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
     let names: Vec<String> = txn
@@ -936,7 +936,10 @@ fn a_format_5_directory_is_rewritten_as_claim_blocks_and_keeps_every_claim() {
     let meta = txn
         .open_table(TableDefinition::<&str, u64>::new("meta_v1"))
         .unwrap();
-    assert_eq!(meta.get("format_version").unwrap().unwrap().value(), 6);
+    assert_eq!(
+        meta.get("format_version").unwrap().unwrap().value(),
+        FORMAT_VERSION
+    );
 }
 
 /// Every file of a data directory: name -> (bytes, modification time).

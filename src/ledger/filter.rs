@@ -1,10 +1,15 @@
 //! Membership filters of sealed generations.
 //!
-//! A sealed generation never changes, so it gets a static binary fuse filter (xorf
-//! `BinaryFuse16`): about 18 bits per key, a false-positive rate near 0.0015 %, and at most
-//! three memory reads per probe. A Bloom filter with the same rate needs ~24 bits per key
-//! and more probes; the static filter wins because generations are immutable. The active
-//! generation needs no filter: its exact index is in memory.
+//! A sealed generation never changes, so its filter is built once. Built today: a
+//! split-block Bloom filter (as Parquet's; 16 bits per key, false positives ~0.13 %), whose
+//! probe reads **one** cache line. Until 2026-12-02 generations got a static binary fuse
+//! filter (xorf `BinaryFuse16`: ~18 bits per key, false positives ~0.0015 %, but three
+//! reads on three pages per probe); those are still read, and rebuilt as blocked filters
+//! when their generations merge. A new key is probed in every sealed generation of its
+//! shard (~11 at 100M claims), so the lines per probe decide the claim path's speed there:
+//! 1.05-1.17x at 100M in three alternating pairs (`docs/bench-history.md`), for ~85x the false
+//! positives, each a block read in the store that finds nothing. The active generation
+//! needs no filter: its exact index is in memory.
 //!
 //! A filter may only say "no" or "maybe" (G3): a "maybe" is always confirmed in the store.
 
@@ -16,6 +21,58 @@ pub enum GenFilter {
     Fuse(BinaryFuse16),
     /// Small or degenerate key sets: a sorted list of the 64-bit key halves.
     Exact(Vec<u64>),
+    /// A split-block Bloom filter (as Parquet's): every key sets one bit in each of the
+    /// eight 32-bit words of one 32-byte block, so a probe reads one cache line.
+    Blocked(Box<[Block]>),
+}
+
+/// One block of a [`GenFilter::Blocked`]: aligned so it never straddles two cache lines.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(C, align(32))]
+pub struct Block([u32; 8]);
+
+/// Bits of a blocked filter per key.
+const BLOCKED_BITS_PER_KEY: usize = 16;
+/// The odd constants that pick a key's bit in each word (Parquet's).
+const SALT: [u32; 8] = [
+    0x47b6_137b,
+    0x4497_4d91,
+    0x8824_ad5b,
+    0xa2b7_289d,
+    0x7054_95c7,
+    0x2df1_424b,
+    0x9efc_4947,
+    0x5c6b_fb31,
+];
+
+/// A key's half mixed (murmur3's finalizer), so keys that are not uniform hashes still
+/// spread over the blocks and bits.
+#[inline]
+fn blocked_hash(key: u128) -> u64 {
+    let mut k = half(key);
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    k ^ (k >> 33)
+}
+
+/// The block of hash `h` among `n` blocks.
+#[inline]
+fn blocked_block(h: u64, n: usize) -> usize {
+    (((h >> 32) * n as u64) >> 32) as usize
+}
+
+/// The block of hash `h` among `n` blocks, and the mask of its bit in each word.
+#[inline]
+fn blocked_slot(h: u64, n: usize) -> (usize, [u32; 8]) {
+    let block = blocked_block(h, n);
+    let low = h as u32;
+    let mut mask = [0u32; 8];
+    for (m, salt) in mask.iter_mut().zip(SALT) {
+        *m = 1 << (low.wrapping_mul(salt) >> 27);
+    }
+    (block, mask)
 }
 
 /// Version 1 had no checksum; version 2 ends with the xxh3-64 of everything before it.
@@ -24,6 +81,7 @@ const FILTER_VERSION: u8 = 2;
 const CHECKSUM_BYTES: usize = 8;
 const KIND_FUSE: u8 = 1;
 const KIND_EXACT: u8 = 2;
+const KIND_BLOCKED: u8 = 3;
 
 /// The part of a key a filter holds.
 #[inline]
@@ -77,10 +135,29 @@ impl GenFilter {
         if halves.len() < 64 {
             return GenFilter::Exact(halves);
         }
-        match BinaryFuse16::try_from(&halves) {
+        Self::blocked(&halves)
+    }
+
+    /// A blocked filter over the halves (at least one block).
+    fn blocked(halves: &[u64]) -> GenFilter {
+        let n = (halves.len() * BLOCKED_BITS_PER_KEY).div_ceil(256).max(1);
+        let mut blocks = vec![Block::default(); n].into_boxed_slice();
+        for &h in halves {
+            let (b, mask) = blocked_slot(blocked_hash(u128::from(h)), n);
+            for (w, m) in blocks[b].0.iter_mut().zip(mask) {
+                *w |= m;
+            }
+        }
+        GenFilter::Blocked(blocks)
+    }
+
+    /// A binary fuse filter over the halves (sorted, without repeats).
+    #[cfg(test)]
+    fn fuse(halves: &[u64]) -> GenFilter {
+        match BinaryFuse16::try_from(halves) {
             Ok(f) => GenFilter::Fuse(f),
             // Construction can fail only on pathological input; an exact list is always right.
-            Err(_) => GenFilter::Exact(halves),
+            Err(_) => GenFilter::Exact(halves.to_vec()),
         }
     }
 
@@ -90,6 +167,11 @@ impl GenFilter {
         match self {
             GenFilter::Fuse(f) => f.contains(&half(key)),
             GenFilter::Exact(v) => v.binary_search(&half(key)).is_ok(),
+            GenFilter::Blocked(blocks) => {
+                let (b, mask) = blocked_slot(blocked_hash(key), blocks.len());
+                let words = &blocks[b].0;
+                words.iter().zip(mask).all(|(w, m)| w & m != 0)
+            }
         }
     }
 
@@ -99,11 +181,18 @@ impl GenFilter {
     /// hint: it reads nothing and changes nothing.
     #[inline]
     pub fn prefetch(&self, key: u128) {
-        if let GenFilter::Fuse(f) = self {
-            let base = f.fingerprints.as_ptr();
-            for slot in fuse_slots(f, key) {
-                prefetch_read(base.wrapping_add(slot));
+        match self {
+            GenFilter::Fuse(f) => {
+                let base = f.fingerprints.as_ptr();
+                for slot in fuse_slots(f, key) {
+                    prefetch_read(base.wrapping_add(slot));
+                }
             }
+            GenFilter::Blocked(blocks) => {
+                let b = blocked_block(blocked_hash(key), blocks.len());
+                prefetch_read(blocks.as_ptr().wrapping_add(b));
+            }
+            GenFilter::Exact(_) => {}
         }
     }
 
@@ -112,6 +201,7 @@ impl GenFilter {
         match self {
             GenFilter::Fuse(f) => f.fingerprints.len() * 2,
             GenFilter::Exact(v) => v.len() * 8,
+            GenFilter::Blocked(b) => b.len() * 32,
         }
     }
 
@@ -140,6 +230,14 @@ impl GenFilter {
                 out.extend_from_slice(&(v.len() as u64).to_le_bytes());
                 for k in v {
                     out.extend_from_slice(&k.to_le_bytes());
+                }
+            }
+            GenFilter::Blocked(blocks) => {
+                out.push(KIND_BLOCKED);
+                out.extend_from_slice(&(blocks.len() as u64).to_le_bytes());
+                out.reserve(blocks.len() * 32);
+                for w in blocks.iter().flat_map(|b| b.0) {
+                    out.extend_from_slice(&w.to_le_bytes());
                 }
             }
         }
@@ -246,6 +344,28 @@ impl GenFilter {
                 }
                 Ok(GenFilter::Exact(halves))
             }
+            KIND_BLOCKED => {
+                let n = u64_at(2)? as usize;
+                let body = take(10, n.checked_mul(32).ok_or("filter length overflows")?)?;
+                if b.len() != 10 + body.len() {
+                    return Err("filter record has trailing bytes".into());
+                }
+                // A probe indexes a block: a filter without one has nothing to read.
+                if n == 0 {
+                    return Err("blocked filter record has no blocks".into());
+                }
+                let blocks: Box<[Block]> = body
+                    .chunks_exact(32)
+                    .map(|c| {
+                        let mut words = [0u32; 8];
+                        for (w, b) in words.iter_mut().zip(c.chunks_exact(4)) {
+                            *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        }
+                        Block(words)
+                    })
+                    .collect();
+                Ok(GenFilter::Blocked(blocks))
+            }
             k => Err(format!("filter kind {k} is unknown")),
         }
     }
@@ -263,13 +383,26 @@ mod tests {
         let mut rng = SmallRng::seed_from_u64(7);
         let keys: Vec<u128> = (0..100_000).map(|_| rng.random()).collect();
         let f = GenFilter::build(keys.iter().copied());
-        assert!(matches!(f, GenFilter::Fuse(_)));
-        assert!(keys.iter().all(|k| f.may_contain(*k)));
-        let probes = 1_000_000;
-        let fp = (0..probes).filter(|_| f.may_contain(rng.random())).count();
-        assert!(fp < probes / 1000, "false positives: {fp} of {probes}");
-        // ~18 bits per key.
-        assert!(f.memory_bytes() < keys.len() * 3, "{}", f.memory_bytes());
+        assert!(matches!(f, GenFilter::Blocked(_)));
+        let mut halves: Vec<u64> = keys.iter().map(|k| half(*k)).collect();
+        halves.sort_unstable();
+        let fuse = GenFilter::fuse(&halves);
+        assert!(matches!(fuse, GenFilter::Fuse(_)));
+        let probes = 2_000_000;
+        let absent: Vec<u128> = (0..probes).map(|_| rng.random()).collect();
+        for (f, rate, bytes_per_key) in [(&f, 0.003, 2.0), (&fuse, 0.0001, 2.5)] {
+            assert!(keys.iter().all(|k| f.may_contain(*k)));
+            let fp = absent.iter().filter(|k| f.may_contain(**k)).count();
+            eprintln!(
+                "{fp} false positives of {probes}, {} bytes",
+                f.memory_bytes()
+            );
+            assert!(
+                (fp as f64) < probes as f64 * rate,
+                "false positives: {fp} of {probes}"
+            );
+            assert!(f.memory_bytes() as f64 <= keys.len() as f64 * bytes_per_key + 32.0);
+        }
     }
 
     #[test]
@@ -277,7 +410,9 @@ mod tests {
         let keys: Vec<u128> = (0..200_000u128)
             .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835))
             .collect();
-        let GenFilter::Fuse(mut f) = GenFilter::build(keys.iter().copied()) else {
+        let mut halves: Vec<u64> = keys.iter().map(|k| half(*k)).collect();
+        halves.sort_unstable();
+        let GenFilter::Fuse(mut f) = GenFilter::fuse(&halves) else {
             panic!("a fuse filter for 200k keys");
         };
         // Changing any one of a key's three slots changes what `contains` computes for it:
@@ -303,6 +438,14 @@ mod tests {
         }
     }
 
+    /// A fuse filter over `keys`, as data directories written before blocked filters hold.
+    fn fuse_of(keys: impl Iterator<Item = u128>) -> GenFilter {
+        let mut halves: Vec<u64> = keys.map(half).collect();
+        halves.sort_unstable();
+        halves.dedup();
+        GenFilter::fuse(&halves)
+    }
+
     /// Every field of a fuse descriptor changed alone: the record either decodes to a
     /// filter that answers lookups without panicking, or is refused (then rebuilt).
     #[test]
@@ -310,7 +453,7 @@ mod tests {
         let keys: Vec<u128> = (0..5000u128)
             .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
             .collect();
-        let good = GenFilter::build(keys.iter().copied()).encode();
+        let good = fuse_of(keys.iter().copied()).encode();
         // seed 2..10, segment_length 10..14, mask 14..18, segment_count_length 18..22.
         let mut refused = 0;
         for (at, value) in [
@@ -336,12 +479,16 @@ mod tests {
             }
         }
         assert_eq!(refused, 6);
-        // Real filters of every size still decode and keep every key.
+        // Real filters of every size and kind still decode and keep every key.
         for n in [64usize, 65, 100, 1000, 4096, 70_000, 300_000] {
             let keys: Vec<u128> = (0..n as u128).map(|i| i * 7919 + 3).collect();
-            let f = GenFilter::decode(&GenFilter::build(keys.iter().copied()).encode())
-                .expect("a real filter decodes");
-            assert!(keys.iter().all(|k| f.may_contain(*k)), "n = {n}");
+            for f in [
+                GenFilter::build(keys.iter().copied()),
+                fuse_of(keys.iter().copied()),
+            ] {
+                let f = GenFilter::decode(&f.encode()).expect("a real filter decodes");
+                assert!(keys.iter().all(|k| f.may_contain(*k)), "n = {n}");
+            }
         }
     }
 
@@ -362,10 +509,16 @@ mod tests {
         v
     }
 
-    /// A valid record: a filter over up to 300 keys (an exact list below 64).
+    /// A valid record: a filter over up to 300 keys (an exact list below 64), blocked as
+    /// built today or fuse as older data directories hold.
     fn valid_record() -> impl Strategy<Value = Vec<u8>> {
-        prop::collection::vec(any::<u128>(), 0..300)
-            .prop_map(|keys| GenFilter::build(keys.into_iter()).encode())
+        (prop::collection::vec(any::<u128>(), 0..300), any::<bool>()).prop_map(|(keys, fuse)| {
+            if fuse {
+                fuse_of(keys.into_iter()).encode()
+            } else {
+                GenFilter::build(keys.into_iter()).encode()
+            }
+        })
     }
 
     /// A valid record as version 1 wrote it: without a checksum, so byte changes reach
@@ -389,7 +542,7 @@ mod tests {
             value,
         )
             .prop_map(|(keys, at, value)| {
-                let mut b = GenFilter::build(keys.into_iter()).encode();
+                let mut b = fuse_of(keys.into_iter()).encode();
                 b[at..at + 4].copy_from_slice(&value.to_le_bytes());
                 resealed(b)
             })
@@ -456,14 +609,51 @@ mod tests {
     fn fuzz_filter_round_trip_keeps_every_key() {
         let keys = prop::collection::vec(any::<u128>(), 0..3000);
         fuzzing::run("filter_round_trip", 300, keys, |keys| {
-            let f = GenFilter::build(keys.iter().copied());
-            let bytes = f.encode();
-            let g = GenFilter::decode(&bytes).map_err(TestCaseError::fail)?;
-            fuzzing::decoded();
-            prop_assert_eq!(g.encode(), bytes);
-            prop_assert!(keys.iter().all(|k| g.may_contain(*k)));
+            for f in [
+                GenFilter::build(keys.iter().copied()),
+                fuse_of(keys.iter().copied()),
+            ] {
+                let bytes = f.encode();
+                let g = GenFilter::decode(&bytes).map_err(TestCaseError::fail)?;
+                fuzzing::decoded();
+                prop_assert_eq!(g.encode(), bytes);
+                prop_assert!(keys.iter().all(|k| g.may_contain(*k)));
+            }
             Ok(())
         });
+    }
+
+    /// A probe picks one of a blocked filter's blocks: a record with none would index an
+    /// empty slice on the first lookup, so it is refused (and rebuilt).
+    #[test]
+    fn a_blocked_filter_without_blocks_is_refused_not_a_panic() {
+        let mut bytes = vec![FILTER_VERSION, KIND_BLOCKED];
+        bytes.extend_from_slice(&0u64.to_le_bytes());
+        let e = GenFilter::decode(&resealed([bytes, vec![0; CHECKSUM_BYTES]].concat()))
+            .expect_err("no blocks");
+        assert!(e.contains("no blocks"), "{e}");
+    }
+
+    /// The block a prefetch loads is the one `may_contain` reads: clearing one bit of that
+    /// block in a key's mask makes the key read as absent.
+    #[test]
+    fn the_prefetched_block_is_the_one_a_probe_reads() {
+        let keys: Vec<u128> = (0..50_000u128)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835))
+            .collect();
+        let GenFilter::Blocked(mut blocks) = GenFilter::build(keys.iter().copied()) else {
+            panic!("a blocked filter for 50k keys");
+        };
+        for &key in keys.iter().step_by(499) {
+            let h = blocked_hash(key);
+            let (b, mask) = blocked_slot(h, blocks.len());
+            assert_eq!(b, blocked_block(h, blocks.len()));
+            let saved = blocks[b];
+            blocks[b].0[3] &= !mask[3];
+            let f = GenFilter::Blocked(blocks.clone());
+            assert!(!f.may_contain(key), "key {key:x}");
+            blocks[b] = saved;
+        }
     }
 
     /// Found by `fuzz_filter_decode_of_hostile_bytes_refuses_or_answers`: an exact list
@@ -511,8 +701,12 @@ mod tests {
     fn every_flipped_bit_fails_the_checksum() {
         let small: Vec<u128> = (1..=40u128).map(|i| i << 20).collect();
         let large: Vec<u128> = (0..2000u128).map(|i| i * 7919 + 3).collect();
-        for keys in [&small, &large] {
-            let good = GenFilter::build(keys.iter().copied()).encode();
+        for (keys, fuse) in [(&small, false), (&large, false), (&large, true)] {
+            let good = if fuse {
+                fuse_of(keys.iter().copied()).encode()
+            } else {
+                GenFilter::build(keys.iter().copied()).encode()
+            };
             let mut lost_a_key = 0;
             for bit in 0..good.len() * 8 {
                 let mut bytes = good.clone();

@@ -19,7 +19,11 @@
 ///   as whole. Format-3 and -4 shards are read as they are.
 /// - 6: sealed generations store blocks of claims (`claimblk_v1`, `claimblock.rs`) instead
 ///   of one row per claim (`claims_v1`); format-5 tables are rewritten as blocks on open.
-pub const FORMAT_VERSION: u64 = 6;
+/// - 7: new sealed generations get split-block Bloom filters (filter kind 3, `filter.rs`)
+///   instead of binary fuse filters; an older binary would take one for damage and
+///   rebuild it at every open. Format-6 shards are read as they are (fuse filters stay
+///   until their generations merge).
+pub const FORMAT_VERSION: u64 = 7;
 
 /// Bytes of an encoded [`ClaimRecord`].
 pub const CLAIM_LEN: usize = 32;
