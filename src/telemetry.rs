@@ -160,9 +160,12 @@ pub mod metric {
     /// Counter: changes replayed from a subscription's changelog when partitions were
     /// assigned (`changelog = true`); label `subscriber`.
     pub const KAFKA_CHANGELOG_RESTORED_TOTAL: &str = "dedupd_kafka_changelog_restored_total";
-    /// Counter: tombstones produced to a subscription's changelog for expired claims that
-    /// wrote no handler state (compaction); label `subscriber`.
+    /// Counter: tombstones produced to a subscription's changelog for the records of
+    /// expired claims (compaction); label `subscriber`.
     pub const KAFKA_CHANGELOG_TOMBSTONES_TOTAL: &str = "dedupd_kafka_changelog_tombstones_total";
+    /// Counter: snapshot records (the current value of one item of handler state)
+    /// produced to a subscription's changelog by compaction; label `subscriber`.
+    pub const KAFKA_CHANGELOG_SNAPSHOTS_TOTAL: &str = "dedupd_kafka_changelog_snapshots_total";
     /// Gauge, rows: outbox rows pending at the relay's last poll (at most `outbox.batch`).
     pub const OUTBOX_RELAY_LAG_ROWS: &str = "dedupd_outbox_relay_lag_rows";
     /// Gauge, seconds: age of the oldest pending outbox row at the relay's last poll.
@@ -217,7 +220,8 @@ pub mod metric {
         (KAFKA_CONSUMER_LAG, "Log end minus stored offset, from librdkafka statistics; labels subscriber, topic, partition."),
         (KAFKA_MESSAGES_TOTAL, "Kafka records decided; labels subscriber, outcome (processed, duplicate, quarantined, dead_lettered, rejected)."),
         (KAFKA_CHANGELOG_RESTORED_TOTAL, "Changes replayed from a subscription's changelog when partitions were assigned; label subscriber."),
-        (KAFKA_CHANGELOG_TOMBSTONES_TOTAL, "Tombstones produced to a subscription's changelog for expired claims without handler state; label subscriber."),
+        (KAFKA_CHANGELOG_TOMBSTONES_TOTAL, "Tombstones produced to a subscription's changelog for the records of expired claims; label subscriber."),
+        (KAFKA_CHANGELOG_SNAPSHOTS_TOTAL, "Snapshot records (the current value of one item of handler state) produced to a subscription's changelog by compaction; label subscriber."),
         (OUTBOX_RELAY_LAG_ROWS, "Outbox rows pending at the relay's last poll (at most outbox.batch)."),
         (OUTBOX_RELAY_LAG_SECONDS, "Age of the oldest pending outbox row at the relay's last poll."),
         (OUTBOX_ROWS, "Outbox rows waiting to be relayed or pulled, all shards (sampled at scrape time). A warning is logged per shard at 100,000 rows and at each doubling."),
@@ -267,6 +271,7 @@ pub mod metric {
         KAFKA_MESSAGES_TOTAL,
         KAFKA_CHANGELOG_RESTORED_TOTAL,
         KAFKA_CHANGELOG_TOMBSTONES_TOTAL,
+        KAFKA_CHANGELOG_SNAPSHOTS_TOTAL,
         OUTBOX_RELAY_LAG_ROWS,
         OUTBOX_RELAY_LAG_SECONDS,
         OUTBOX_ROWS,

@@ -1236,6 +1236,147 @@ fn published_changes_restore_the_same_claims_and_state_on_another_ledger() {
     assert_eq!(b.state("count"), want);
 }
 
+/// Issue 17: a snapshot job publishes the current value of each item the changes it names
+/// wrote, read by the shard that owns them in the order of its batches: a snapshot taken
+/// before an order's next event has the old count, one taken after it the new one, and a
+/// key that holds nothing is published as deleted. Replaying only the snapshots' records
+/// (what a log cleaner leaves once the messages' records are tombstoned) on another
+/// ledger gives the same state and no claims.
+#[test]
+fn snapshots_publish_current_values_in_batch_order_and_restore_the_state_alone() {
+    use dedupd::ledger::changelog::Change;
+    use dedupd::ledger::Origin;
+    let a = Harness::new(&[("count", "fixture_counter", 1)]);
+    let rec = Arc::new(Recorder::default());
+    a.ledger.set_changelog("count", Some(rec.clone())).unwrap();
+    let sub = a.ledger.subscriber("count").unwrap();
+    let events = counter_events(300);
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    a.place_and_run(counter_jobs(&a, &events, &tx));
+    assert!(outcomes(rx, 300).iter().all(|o| *o == Outcome::Processed));
+    let written: Vec<Change> = std::mem::take(&mut *rec.changes.lock().unwrap());
+    let origin = Origin::Kafka {
+        topic: Arc::from("orders-changelog"),
+        partition: 3,
+        offset: -1,
+    };
+    // One snapshot per order, of its first change's items; for o-0 also a key that holds
+    // nothing, then o-0's next event, then o-0 again.
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let mut jobs: Vec<(Job, Option<String>)> = Vec::new();
+    let mut firsts: std::collections::BTreeMap<String, Change> = Default::default();
+    for c in &written {
+        firsts
+            .entry(c.entity.clone().unwrap())
+            .or_insert_with(|| c.clone());
+    }
+    assert_eq!(firsts.len(), 30);
+    for c in firsts.values() {
+        let mut items = c.clone();
+        if items.entity.as_deref() == Some("o-0") {
+            items.state.insert(b"count/nothing".to_vec(), None);
+        }
+        jobs.push((
+            Job::snapshot(jobs.len() as u64, sub.id, items, origin.clone(), tx.clone()),
+            c.entity.clone(),
+        ));
+    }
+    let next = counter_events(301).pop().unwrap(); // e-300, order o-0
+    let mut event = counter_jobs(&a, std::slice::from_ref(&next), &tx);
+    event[0].0.seq = jobs.len() as u64;
+    jobs.extend(event);
+    jobs.push((
+        Job::snapshot(
+            jobs.len() as u64,
+            sub.id,
+            firsts["o-0"].clone(),
+            origin.clone(),
+            tx.clone(),
+        ),
+        Some("o-0".to_string()),
+    ));
+    a.place_and_run(jobs);
+    assert!(outcomes(rx, 32).iter().all(|o| *o == Outcome::Processed));
+    let published = rec.changes.lock().unwrap().clone();
+    let snapshots: Vec<&Change> = published.iter().filter(|c| c.snapshot).collect();
+    assert_eq!(snapshots.len(), 31, "{published:?}");
+    assert_eq!(
+        published.len(),
+        32,
+        "31 snapshots and the new event's change"
+    );
+    assert!(snapshots
+        .iter()
+        .all(|c| c.origin.as_ref().and_then(Origin::kafka_partition) == Some(3)));
+    let count_of = |c: &Change| -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+        c.state
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    };
+    let o0: Vec<&&Change> = snapshots
+        .iter()
+        .filter(|c| c.entity.as_deref() == Some("o-0"))
+        .collect();
+    assert_eq!(o0.len(), 2);
+    assert_eq!(
+        count_of(o0[0]),
+        vec![
+            (b"count/nothing".to_vec(), None),
+            (b"count/o-0".to_vec(), Some(b"10".to_vec())),
+        ],
+        "before the next event: the old count, and nothing where nothing is"
+    );
+    assert_eq!(
+        count_of(o0[1]),
+        vec![(b"count/o-0".to_vec(), Some(b"11".to_vec()))],
+        "after it: the new count"
+    );
+    // The records a changelog gets: one per item, the deleted key as a tombstone, keyed
+    // by item so the second snapshot of o-0's counter replaces the first.
+    let mut records: std::collections::BTreeMap<Vec<u8>, Option<Change>> = Default::default();
+    let mut tombstones = 0;
+    for c in &snapshots {
+        for (item, value) in c.snapshot_items() {
+            tombstones += usize::from(value.is_none());
+            records.insert(item.identity(), value);
+        }
+    }
+    assert_eq!(tombstones, 1);
+    assert_eq!(records.len(), 31, "30 counters and the deleted key");
+    let want = a.state("count");
+    assert_eq!(want.len(), 30);
+
+    let b = Harness::new(&[("count", "fixture_counter", 1)]);
+    let sub_b = b.ledger.subscriber("count").unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let jobs: Vec<(Job, Option<String>)> = records
+        .into_values()
+        .flatten()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c.expires_at_ms, 0, "a snapshot restores no claim");
+            let entity = c.entity.clone();
+            (Job::restore(i as u64, sub_b.id, c, tx.clone()), entity)
+        })
+        .collect();
+    let n = jobs.len();
+    b.place_and_run(jobs);
+    assert!(outcomes(rx, n).iter().all(|o| *o == Outcome::Processed));
+    assert_eq!(
+        b.state("count"),
+        want,
+        "the same state from the snapshots alone"
+    );
+    for (id, _, _) in &events {
+        assert!(b
+            .ledger
+            .lookup("count", key_hash(id.as_bytes()))
+            .unwrap()
+            .is_none());
+    }
+}
+
 /// A changelog that does not take a batch, or never acknowledges it, stops the ledger
 /// before the batch commits: the message fails, and after a restart it holds no claim and
 /// no state (G7).

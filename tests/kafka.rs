@@ -52,6 +52,29 @@ fn cluster() -> Cluster {
     }
 }
 
+impl Cluster {
+    /// Creates a topic with `partitions` partitions.
+    fn create_topic(&self, topic: &str, partitions: i32) {
+        match &self._mock {
+            Some(mock) => mock.create_topic(topic, partitions).unwrap(),
+            None => {
+                use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+                let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
+                    .set("bootstrap.servers", &self.bootstrap)
+                    .create()
+                    .unwrap();
+                let topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(admin.create_topics([&topic], &AdminOptions::new()))
+                    .unwrap();
+            }
+        }
+    }
+}
+
 /// Topic names unique per run, so a real cluster can be reused.
 fn topic(name: &str) -> String {
     let nanos = std::time::SystemTime::now()
@@ -1624,9 +1647,12 @@ fn log_sum(log: &Path, field: &str) -> u64 {
 /// tombstone per distinct event, keyed like its record), so a compacting broker drops
 /// them. B, with an empty data directory, restores over the tombstones, and sends none
 /// again: the compactor group's offset moved past them. C runs the non-idempotent counter
-/// handler: its expired records carry handler state and are kept.
+/// handler: the state its expired records wrote is published again as one snapshot per
+/// order's counter and the records are tombstoned, so what a log cleaner leaves is one
+/// record per order; D restores exactly that into an empty data directory and has every
+/// order's count.
 #[test]
-fn expired_claims_without_state_leave_the_changelog_as_tombstones() {
+fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots() {
     let c = cluster();
     let t = topic("compact");
     let g = Members::new(&c, &t);
@@ -1679,7 +1705,9 @@ fn expired_claims_without_state_leave_the_changelog_as_tombstones() {
     assert_eq!(summary_b["kafka"]["changelog_tombstones"], 0, "{summary_b}");
     assert_eq!(g.published(), 2 * EVENTS as i64);
 
-    // C: the counter handler writes state for each event; past expiry its records stay.
+    // C: the counter handler writes state (`count/<order>`, two events per order). Past
+    // expiry, each record's state is published again as a snapshot keyed by its item (the
+    // order's counter), then the record is tombstoned.
     const MORE: usize = 100;
     let counter = format!(
         "ttl = \"2s\"\npartition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\nhandler = {:?}\nhandler_cpu_budget = \"2s\"",
@@ -1696,16 +1724,94 @@ fn expired_claims_without_state_leave_the_changelog_as_tombstones() {
         at_log_end(&c.bootstrap, &g.group, &t)
     });
     wait_showing(
-        "C to pass its expired records",
+        "C to tombstone its expired records",
         Duration::from_secs(60),
         &c_log,
-        || log_sum(&c_log, "kept_with_state") >= MORE as u64,
+        || log_sum(&c_log, " tombstones") >= MORE as u64,
     );
     let summary_c = stop_and_summary(cc, &c_log);
     assert_eq!(summary_c["kafka"]["processed"], MORE as u64, "{summary_c}");
-    assert_eq!(summary_c["kafka"]["changelog_tombstones"], 0, "{summary_c}");
-    assert_eq!(log_sum(&c_log, "kept_with_state"), MORE as u64);
-    assert_eq!(g.published(), (2 * EVENTS + MORE) as i64);
+    assert_eq!(
+        summary_c["kafka"]["changelog_tombstones"], MORE as u64,
+        "{summary_c}"
+    );
+    assert_eq!(log_sum(&c_log, "kept_with_state"), 0);
+    // One per order, or two when its events expired in different passes.
+    let snapshots = summary_c["kafka"]["changelog_snapshots"].as_u64().unwrap();
+    assert!(
+        (MORE as u64 / 2..=MORE as u64).contains(&snapshots),
+        "{summary_c}"
+    );
+    let published = (2 * EVENTS + 2 * MORE) as i64 + snapshots as i64;
+    assert_eq!(g.published(), published);
+
+    // What a compacting broker's log cleaner leaves of that changelog: per key, the
+    // newest record, and nothing where that is a tombstone. Only the snapshots remain,
+    // one per order.
+    type Newest = std::collections::BTreeMap<(i32, Vec<u8>), (i64, Option<Vec<u8>>)>;
+    let mut newest = Newest::default();
+    for m in read_all(&c.bootstrap, &g.changelog, published as usize) {
+        let slot = newest
+            .entry((m.partition(), m.key().unwrap().to_vec()))
+            .or_insert((-1, None));
+        if m.offset() > slot.0 {
+            *slot = (m.offset(), m.payload().map(<[u8]>::to_vec));
+        }
+    }
+    let mut cleaned: Vec<(i32, i64, Vec<u8>, Vec<u8>)> = newest
+        .into_iter()
+        .filter_map(|((p, k), (o, v))| Some((p, o, k, v?)))
+        .collect();
+    cleaned.sort();
+    assert_eq!(cleaned.len(), MORE / 2, "one record left per order");
+    assert!(cleaned
+        .iter()
+        .all(|(_, _, k, _)| k.len() == 17 && k[0] == b'S'));
+
+    // D restores the cleaned changelog into an empty data directory: every order's
+    // counter is back, exactly 2, with no record of the messages that wrote it.
+    let t2 = format!("{t}-cleaned");
+    let g2 = Members::new(&c, &t2);
+    c.create_topic(&t2, 4);
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", &c.bootstrap)
+        .create()
+        .unwrap();
+    for (p, _, k, v) in &cleaned {
+        producer
+            .send(
+                BaseRecord::to(&g2.changelog)
+                    .partition(*p)
+                    .key(k)
+                    .payload(v),
+            )
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+    let cfg_d = g2.write_config("d", &counter, kafka, changelog);
+    let (d, d_log) = g2.spawn("d", &cfg_d);
+    wait_showing("D to restore", Duration::from_secs(60), &d_log, || {
+        log_has(&d_log, RESTORED) > 0
+    });
+    let summary_d = stop_and_summary(d, &d_log);
+    assert_eq!(
+        summary_d["kafka"]["restored_changes"],
+        (MORE / 2) as u64,
+        "{summary_d}"
+    );
+    let ledger = Ledger::open(
+        &g2.dir.path().join("d"),
+        &Config::load(&cfg_d).unwrap(),
+        Arc::new(SystemClock),
+    )
+    .unwrap();
+    let counts = ledger.state_entries("orders").unwrap();
+    ledger.close().unwrap();
+    assert_eq!(counts.len(), MORE / 2, "{counts:?}");
+    assert!(
+        counts.iter().all(|(_, v)| v.as_slice() == b"2"),
+        "{counts:?}"
+    );
 }
 
 #[test]

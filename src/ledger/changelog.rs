@@ -43,6 +43,13 @@ pub struct Change {
     /// Where the message came from; the sink routes the change by it. Not published.
     #[serde(skip)]
     pub origin: Option<Origin>,
+    /// A snapshot ([`Job::snapshot`]): the current value of each item it names, read by
+    /// the shard that owns them, published one record per item (keyed by the item, so a
+    /// later snapshot of the item replaces it) instead of one record for the message.
+    /// Its claim is expired (all times 0): replayed, it restores only the values. Not
+    /// published.
+    #[serde(skip)]
+    pub snapshot: bool,
 }
 
 impl Change {
@@ -60,6 +67,7 @@ impl Change {
             uniques: effects.uniques,
             versions: effects.versions,
             origin: job.origin.clone(),
+            snapshot: false,
         }
     }
 
@@ -84,6 +92,88 @@ impl Change {
 
     pub fn has_effects(&self) -> bool {
         !(self.state.is_empty() && self.uniques.is_empty() && self.versions.is_empty())
+    }
+
+    /// One record per item of a snapshot: the item's identity (kind, entity, key) and
+    /// a change that holds only that item, `None` for a state key that is now deleted.
+    pub fn snapshot_items(&self) -> Vec<(SnapshotItem<'_>, Option<Change>)> {
+        let one = |state, uniques, versions| Change {
+            key: self.key,
+            id: self.id.clone(),
+            fingerprint: 0,
+            processed_at_ms: 0,
+            expires_at_ms: 0,
+            handler_version: self.handler_version,
+            entity: self.entity.clone(),
+            state,
+            uniques,
+            versions,
+            origin: None,
+            snapshot: false,
+        };
+        let entity = self.entity.as_deref();
+        let mut out = Vec::new();
+        for (k, v) in &self.state {
+            let item = SnapshotItem::State(entity, k);
+            let value = v.as_ref().map(|v| {
+                one(
+                    BTreeMap::from([(k.clone(), Some(v.clone()))]),
+                    BTreeSet::new(),
+                    BTreeMap::new(),
+                )
+            });
+            out.push((item, value));
+        }
+        for m in &self.uniques {
+            let value = one(
+                BTreeMap::new(),
+                BTreeSet::from([m.clone()]),
+                BTreeMap::new(),
+            );
+            out.push((SnapshotItem::Mark(entity, m), Some(value)));
+        }
+        for (k, v) in &self.versions {
+            let value = one(
+                BTreeMap::new(),
+                BTreeSet::new(),
+                BTreeMap::from([(k.clone(), *v)]),
+            );
+            out.push((SnapshotItem::Version(entity, k), Some(value)));
+        }
+        out
+    }
+}
+
+/// One item of handler state as a snapshot names it: a state key, an `insert-unique`
+/// mark or a version, in the scope of an entity (unscoped keys have none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotItem<'a> {
+    State(Option<&'a str>, &'a [u8]),
+    Mark(Option<&'a str>, &'a [u8]),
+    Version(Option<&'a str>, &'a str),
+}
+
+impl SnapshotItem<'_> {
+    /// A stable identity of the item: a kind byte, the entity (length-prefixed, so no
+    /// two (entity, key) pairs share an encoding) and the key.
+    pub fn identity(&self) -> Vec<u8> {
+        let (kind, entity, key) = match *self {
+            SnapshotItem::State(e, k) => (b's', e, k),
+            SnapshotItem::Mark(e, k) => (b'm', e, k),
+            SnapshotItem::Version(e, k) => (b'v', e, k.as_bytes()),
+        };
+        let mut out = Vec::with_capacity(6 + entity.map_or(0, str::len) + key.len());
+        out.push(kind);
+        match entity {
+            Some(e) => {
+                out.push(1);
+                out.extend_from_slice(&(e.len() as u32).to_be_bytes());
+                out.extend_from_slice(e.as_bytes());
+            }
+            None => out.push(0),
+        }
+        out.extend_from_slice(key);
+        out
     }
 }
 
@@ -129,6 +219,26 @@ impl Job {
             ack,
         );
         job.restore = Some(Box::new(change));
+        job
+    }
+
+    /// A job that reads the current value of every item `items` names (its state keys,
+    /// marks and versions; the values in it are ignored) in the scope of its entity, and
+    /// publishes them to the changelog as a snapshot, in the order of the shard's batches:
+    /// a snapshot is never older than a change published before it. Nothing is stored.
+    /// `origin` routes the snapshot to its changelog partition. Route it with
+    /// [`super::Ledger::place`] and the entity, as the messages that wrote the items were.
+    pub fn snapshot(
+        seq: u64,
+        subscriber: SubscriberId,
+        mut items: Change,
+        origin: Origin,
+        ack: AckSender,
+    ) -> Job {
+        let mut job = Job::new(seq, subscriber, items.key, 0, &items.id, &[], ack);
+        items.origin = Some(origin.clone());
+        job.origin = Some(origin);
+        job.snapshot = Some(Box::new(items));
         job
     }
 }

@@ -277,6 +277,8 @@ pub struct Job {
     pub entity: Option<Box<str>>,
     /// A change replayed from a changelog ([`Job::restore`]): stored with no handler call.
     pub(crate) restore: Option<Box<changelog::Change>>,
+    /// The items a snapshot reads and publishes ([`Job::snapshot`]): nothing is stored.
+    pub(crate) snapshot: Option<Box<changelog::Change>>,
     /// The newest record the other shards hold for this key, once they were asked
     /// (`placement.rs`). While `Some`, this shard holds the key in the in-flight set.
     pub(crate) probed: Option<Option<ClaimRecord>>,
@@ -314,6 +316,7 @@ impl Job {
             placement: Placement::ByKey,
             entity: None,
             restore: None,
+            snapshot: None,
             probed: None,
             created: std::time::Instant::now(),
         }

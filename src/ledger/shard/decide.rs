@@ -154,7 +154,7 @@ impl Shard {
     /// outgrow the caches, 16 % of a 100M-claim run), so the batch asks for them
     /// `PREFETCH_AHEAD` jobs early.
     fn prefetch_filters(&self, job: &Job) {
-        if job.restore.is_some() {
+        if job.restore.is_some() || job.snapshot.is_some() {
             return;
         }
         if let Some(Some(st)) = self.subs.get(job.subscriber.0 as usize) {
@@ -176,6 +176,9 @@ impl Shard {
         let idx = self.sub_index(job.subscriber)?;
         if let Some(change) = &job.restore {
             return self.restore(idx, job, change, now, tally);
+        }
+        if let Some(items) = &job.snapshot {
+            return self.snapshot(idx, items);
         }
         let st = self.subs[idx]
             .as_mut()
@@ -443,6 +446,50 @@ impl Shard {
             st.view = Some(view);
         }
         tally.wrote = true;
+        Ok(Decision::Done(Outcome::Processed))
+    }
+
+    /// Reads the current value of each item a snapshot names, through the batch's view
+    /// (this batch's earlier messages included), and queues the snapshot for the
+    /// changelog with the batch's changes: published in batch order, it is never older
+    /// than a change of the same items published before it.
+    fn snapshot(&mut self, idx: usize, items: &Change) -> Result<Decision, LedgerError> {
+        let st = self.subs[idx]
+            .as_mut()
+            .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
+        let mut view = match st.view.take() {
+            Some(v) => v,
+            None => Box::new(
+                BatchView::open(&self.db, &st.name, &st.state_buf)
+                    .map_err(|e| storage(&self.ctx.path, e))?,
+            ),
+        };
+        view.set_scope(items.entity.as_deref());
+        let mut current = Change {
+            state: Default::default(),
+            uniques: Default::default(),
+            versions: Default::default(),
+            snapshot: true,
+            ..items.clone()
+        };
+        for k in items.state.keys() {
+            current.state.insert(k.clone(), view.get(k));
+        }
+        for m in &items.uniques {
+            // Marks are never deleted.
+            if view.unique_exists(m) {
+                current.uniques.insert(m.clone());
+            }
+        }
+        for k in items.versions.keys() {
+            if let Some(v) = view.version(k) {
+                current.versions.insert(k.clone(), v);
+            }
+        }
+        st.view = Some(view);
+        if st.changelog.is_some() {
+            st.changes.push(current);
+        }
         Ok(Decision::Done(Outcome::Processed))
     }
 

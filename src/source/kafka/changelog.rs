@@ -12,8 +12,9 @@
 //!   written, marks, versions) in bincode's standard encoding. One record per processed
 //!   message, so a record is all of one message's effects or none of them. No two
 //!   processings share a key, so the log cleaner drops a record only once it has a
-//!   tombstone: `compaction.rs` sends one for every expired claim that wrote no handler
-//!   state (snapshots keyed by state key, which would let the rest go, are not built).
+//!   tombstone: `compaction.rs` sends one for every expired claim, after publishing the
+//!   handler state it wrote as **snapshots** — one record per item, keyed by the item
+//!   ([`snapshot_key`]), holding its current value as a change with no claim.
 //! - **Restore.** When partitions are assigned, before any of their messages is fetched
 //!   (the rebalance callback), their changelog partitions are read from the beginning to
 //!   the end offset found at the start, and every change is replayed into the ledger
@@ -37,7 +38,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
 
 use super::{KafkaConfig, KafkaError};
-use crate::ledger::changelog::{Change, ChangelogSink, Published};
+use crate::ledger::changelog::{Change, ChangelogSink, Published, SnapshotItem};
 use crate::ledger::{Done, Job, Ledger, Origin, Outcome, Subscriber};
 
 /// The first byte of every record value: the encoding of what follows.
@@ -64,6 +65,23 @@ pub fn record_key(change: &Change) -> [u8; 24] {
     k[..16].copy_from_slice(&change.key.to_be_bytes());
     k[16..].copy_from_slice(&change.processed_at_ms.to_be_bytes());
     k
+}
+
+/// The first byte of a snapshot record's key (a change's key is 24 bytes of hash and time).
+const SNAPSHOT_KEY: u8 = b'S';
+
+/// A snapshot record's key: `S` and the xxh3-128 of the item's identity (big-endian), the
+/// same for every snapshot of the item, so the log cleaner keeps only the newest.
+pub fn snapshot_key(item: &SnapshotItem<'_>) -> [u8; 17] {
+    let mut k = [0u8; 17];
+    k[0] = SNAPSHOT_KEY;
+    k[1..].copy_from_slice(&xxhash_rust::xxh3::xxh3_128(&item.identity()).to_be_bytes());
+    k
+}
+
+/// Whether a record key is a snapshot's.
+pub fn is_snapshot_key(key: &[u8]) -> bool {
+    key.len() == 17 && key[0] == SNAPSHOT_KEY
 }
 
 /// A change as a record value.
@@ -243,24 +261,37 @@ impl ChangelogProducer {
 
 impl ChangelogSink for ChangelogProducer {
     fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, String> {
-        let pending = Arc::new(Pending::default());
-        pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = changes.len();
-        for (i, change) in changes.iter().enumerate() {
-            let sent = match change.origin.as_ref().and_then(Origin::kafka_partition) {
-                Some(partition) => encode(change).and_then(|value| {
-                    self.send(&pending, partition, &record_key(change), Some(&value))
-                }),
-                None => Err(format!(
+        // (key, value) per record: one per processed message, one per item of a snapshot.
+        let mut records: Vec<(i32, Vec<u8>, Option<Vec<u8>>)> = Vec::with_capacity(changes.len());
+        for change in changes {
+            let Some(partition) = change.origin.as_ref().and_then(Origin::kafka_partition) else {
+                return Err(format!(
                     "message {:?} did not come from Kafka: a changelog takes only Kafka messages",
                     change.id
-                )),
+                ));
             };
-            if let Err(e) = sent {
-                pending.settle(changes.len() - i, None);
+            if change.snapshot {
+                for (item, value) in change.snapshot_items() {
+                    let value = value.as_ref().map(encode).transpose()?;
+                    records.push((partition, snapshot_key(&item).to_vec(), value));
+                }
+            } else {
+                records.push((
+                    partition,
+                    record_key(change).to_vec(),
+                    Some(encode(change)?),
+                ));
+            }
+        }
+        let pending = Arc::new(Pending::default());
+        pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = records.len();
+        for (i, (partition, key, value)) in records.iter().enumerate() {
+            if let Err(e) = self.send(&pending, *partition, key, value.as_deref()) {
+                pending.settle(records.len() - i, None);
                 return Err(e);
             }
         }
-        Ok(self.acks(pending, changes.len()))
+        Ok(self.acks(pending, records.len()))
     }
 }
 
@@ -614,6 +645,7 @@ mod tests {
             uniques: Default::default(),
             versions: Default::default(),
             origin: None,
+            snapshot: false,
         };
         c.state.insert(b"count".to_vec(), Some(b"2".to_vec()));
         c.state.insert(b"old".to_vec(), None);

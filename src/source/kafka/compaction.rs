@@ -1,24 +1,41 @@
-//! Compaction of a changelog: tombstones for the records of expired claims.
+//! Compaction of a changelog: snapshots of handler state, and tombstones for the records
+//! of expired claims.
 //!
 //! Every processed message is one changelog record keyed by its claim key and processing
 //! time, so no two records share a key and the broker's log cleaner, left alone, drops
-//! nothing. Once a claim has expired its record restores nothing (a restore skips expired
-//! claims), so when the record carries no handler state it may go: the member that owns
-//! the partition produces a tombstone for its key, and the cleaner removes both (the
-//! tombstone after the topic's `delete.retention.ms`).
+//! nothing. Once a claim has expired its record restores nothing but the handler state it
+//! wrote (a restore skips expired claims), so the member that owns the partition lets it
+//! go: the state it wrote is published again as a **snapshot** — one record per item
+//! (state key, `insert-unique` mark or version, in its entity's scope) holding the item's
+//! current value, keyed by the item, so a later snapshot of the same item replaces it (a
+//! deleted state key's snapshot is a tombstone) — and then the record gets a **tombstone**,
+//! and the cleaner removes both (the tombstone after the topic's `delete.retention.ms`).
+//! A subscriber with stateful handlers thus keeps one record per live claim plus one per
+//! item of state, not one per message ever processed.
+//!
+//! A snapshot is read and published by the shard that owns the items
+//! ([`crate::ledger::Job::snapshot`]), in the order of its batches, with the changes of the
+//! batch it runs in: it is never older than a change of its items published before it,
+//! and a change published after it is newer. Replaying the log in offset order therefore
+//! still ends in the current value of every item, whichever records the cleaner dropped:
+//! a record is tombstoned only after the snapshot of its items was acknowledged. A
+//! snapshot is sent only while this member owns the partition: a revoke takes the
+//! partition out of the owned set under the same lock a snapshot round holds, so the
+//! round finishes before the partition is released (a member that lost its partitions
+//! without a revoke is the fencing gap in `docs/kafka.md`).
 //!
 //! A pass over a partition reads from the **compactor group's** committed offset
 //! (`<changelog topic>-compactor`; the first record when there is none) in offset order
 //! and stops at the first record whose claim is not yet expired by `expiry_grace` — a
 //! partition's records expire roughly in the order they were produced, since the TTL is
-//! the subscriber's. Expired records without handler state get a tombstone; expired
-//! records that wrote handler state are kept, since replaying them is how a new owner
-//! gets that state (snapshots of state keys, which would let those go too, are not
-//! built). Once the tombstones are acknowledged, the offset the pass stopped at is
+//! the subscriber's. Snapshot records are passed over (the cleaner replaces them). Once the
+//! snapshots and then the tombstones are acknowledged, the offset the pass stopped at is
 //! committed for the compactor group, so the next pass — on this member or on whichever
 //! member owns the partition next — starts there. A pass that dies midway leaves the
-//! offset where it was, and the next one sends some tombstones again, which is harmless:
-//! a tombstone of an expired claim is right whoever sends it and however often.
+//! offset where it was, and the next one sends some snapshots and tombstones again, which
+//! is harmless: both are right whoever sends them and however often. Records with state
+//! are kept (`kept_with_state`) only when the subscriber's state cannot be read by entity
+//! as it was written (its handler was removed, or its partition key changed).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,9 +46,13 @@ use rdkafka::message::Message;
 use rdkafka::topic_partition_list::TopicPartitionList;
 use rdkafka::Offset;
 
-use super::changelog::{decode, ChangelogProducer};
+use std::collections::BTreeMap;
+
+use super::changelog::{decode, is_snapshot_key, ChangelogProducer};
 use super::{KafkaConfig, KafkaError};
 use crate::clock::{Clock, SystemClock};
+use crate::ledger::changelog::Change;
+use crate::ledger::{Done, Job, Ledger, Origin, Outcome, Placement, Subscriber};
 
 /// Tombstones sent before a pass waits for their acknowledgements and commits its offset.
 const TOMBSTONE_BATCH: usize = 8192;
@@ -44,9 +65,12 @@ const READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct Compacted {
     /// Records read.
     pub read: u64,
-    /// Expired claims without handler state given a tombstone.
+    /// Records of expired claims given a tombstone.
     pub tombstones: u64,
-    /// Expired claims kept because their record carries handler state.
+    /// Snapshot records published for the handler state those records wrote.
+    pub snapshots: u64,
+    /// Expired claims kept because their record carries handler state that cannot be
+    /// snapshotted (see the module's doc).
     pub kept_with_state: u64,
 }
 
@@ -54,7 +78,49 @@ impl std::ops::AddAssign for Compacted {
     fn add_assign(&mut self, o: Compacted) {
         self.read += o.read;
         self.tombstones += o.tombstones;
+        self.snapshots += o.snapshots;
         self.kept_with_state += o.kept_with_state;
+    }
+}
+
+/// What a compactor needs to publish snapshots: the ledger that owns the state and the
+/// partitions this member owns.
+pub struct Snapshots {
+    pub ledger: Arc<Ledger>,
+    pub sub: Arc<Subscriber>,
+    /// The changelog partitions of the input partitions this member owns.
+    pub owned: Arc<Mutex<Vec<i32>>>,
+    /// Held by a snapshot round of a partition, and by a revoke while it takes partitions
+    /// out of `owned`.
+    pub gate: Arc<Mutex<()>>,
+    /// How long a round waits for its snapshots to be published and committed.
+    pub timeout: Duration,
+}
+
+/// Expired records of one partition waiting to be settled.
+#[derive(Default)]
+struct Settling {
+    /// Record keys to tombstone.
+    keys: Vec<Vec<u8>>,
+    /// The items their records wrote, merged per entity (values ignored).
+    items: BTreeMap<Option<String>, Change>,
+    /// The offset after the last record read.
+    next: i64,
+}
+
+impl Settling {
+    fn add_items(&mut self, change: Change) {
+        match self.items.entry(change.entity.clone()) {
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(change);
+            }
+            std::collections::btree_map::Entry::Occupied(mut o) => {
+                let merged = o.get_mut();
+                merged.state.extend(change.state);
+                merged.uniques.extend(change.uniques);
+                merged.versions.extend(change.versions);
+            }
+        }
     }
 }
 
@@ -64,13 +130,16 @@ pub struct Compactor {
     producer: Arc<ChangelogProducer>,
     topic: String,
     grace_ms: u64,
+    snapshots: Option<Snapshots>,
 }
 
 impl Compactor {
+    /// A compactor of `topic`; without `snapshots`, records with handler state are kept.
     pub fn new(
         kafka: &KafkaConfig,
         producer: Arc<ChangelogProducer>,
         topic: String,
+        snapshots: Option<Snapshots>,
     ) -> Result<Compactor, KafkaError> {
         let consumer: BaseConsumer = super::client_config(kafka)
             .set("group.id", format!("{topic}-compactor"))
@@ -84,6 +153,7 @@ impl Compactor {
             producer,
             topic,
             grace_ms: kafka.changelog.expiry_grace.as_millis() as u64,
+            snapshots,
         })
     }
 
@@ -132,12 +202,16 @@ impl Compactor {
         tpl.add_partition_offset(topic, p, Offset::Offset(from))
             .map_err(client)?;
         self.consumer.assign(&tpl).map_err(client)?;
-        let (mut keys, mut next) = (Vec::new(), from);
+        let mut batch = Settling {
+            next: from,
+            ..Default::default()
+        };
         let mut last_record = Instant::now();
-        while next < high && !stop.load(Ordering::Relaxed) {
+        let mut moved = false;
+        while batch.next < high && !stop.load(Ordering::Relaxed) {
             let Some(m) = self.consumer.poll(Duration::from_millis(100)) else {
                 if last_record.elapsed() > READ_TIMEOUT {
-                    tracing::warn!(%topic, partition = p, offset = next,
+                    tracing::warn!(%topic, partition = p, offset = batch.next,
                         "changelog compaction read nothing for {READ_TIMEOUT:?}; the next pass goes on from here");
                     break;
                 }
@@ -146,7 +220,8 @@ impl Compactor {
             last_record = Instant::now();
             let m = m.map_err(client)?;
             done.read += 1;
-            if let Some(value) = m.payload() {
+            let snapshot = m.key().is_some_and(is_snapshot_key);
+            if let (Some(value), false) = (m.payload(), snapshot) {
                 let change = match decode(value) {
                     Ok(c) => c,
                     Err(e) => {
@@ -159,40 +234,141 @@ impl Compactor {
                     break; // live: so, roughly, is everything after it
                 }
                 if change.has_effects() {
-                    done.kept_with_state += 1;
+                    if !self.can_snapshot(&change) {
+                        done.kept_with_state += 1;
+                    } else if let Some(key) = m.key() {
+                        batch.keys.push(key.to_vec());
+                        batch.add_items(change);
+                    }
                 } else if let Some(key) = m.key() {
-                    keys.push(key.to_vec());
+                    batch.keys.push(key.to_vec());
                 }
             }
-            next = m.offset() + 1;
-            if keys.len() >= TOMBSTONE_BATCH {
-                done.tombstones += self.settle(p, &mut keys, next)?;
+            batch.next = m.offset() + 1;
+            if batch.keys.len() >= TOMBSTONE_BATCH && !self.settle(p, &mut batch, &mut done)? {
+                moved = true;
+                break;
             }
         }
-        done.tombstones += self.settle(p, &mut keys, next)?;
+        if !moved {
+            self.settle(p, &mut batch, &mut done)?;
+        }
         self.consumer.unassign().map_err(client)?;
         Ok(done)
     }
 
-    /// Sends the tombstones, waits for their acknowledgements, then commits `next` as the
-    /// partition's compaction offset. Returns how many tombstones were sent.
-    fn settle(&self, p: i32, keys: &mut Vec<Vec<u8>>, next: i64) -> Result<u64, KafkaError> {
+    /// Whether the state `change` wrote can be snapshotted: the subscriber places its
+    /// messages as that change's message was placed (by entity when it had one, on the
+    /// subscriber's shard when not), so the snapshot reads the shard that holds the state.
+    fn can_snapshot(&self, change: &Change) -> bool {
+        let Some(s) = &self.snapshots else {
+            return false;
+        };
+        matches!(
+            (s.sub.placement(), change.entity.is_some()),
+            (Placement::Entity, true) | (Placement::Subscriber, false)
+        )
+    }
+
+    /// Publishes the snapshots of a batch's items (through the shards that own them) and
+    /// waits until they are committed, holding the gate. Returns the snapshot records sent,
+    /// or `None` when this member no longer owns partition `p`.
+    fn snapshot(
+        &self,
+        p: i32,
+        items: BTreeMap<Option<String>, Change>,
+    ) -> Result<Option<u64>, KafkaError> {
+        let Some(s) = &self.snapshots else {
+            return Ok(Some(0));
+        };
+        let ledger_err = |e: crate::ledger::LedgerError| KafkaError::Ledger(e.to_string());
+        let _round = s.gate.lock().unwrap_or_else(|e| e.into_inner());
+        if !s
+            .owned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&p)
+        {
+            return Ok(None);
+        }
+        let origin = Origin::Kafka {
+            topic: Arc::from(self.topic.as_str()),
+            partition: p,
+            offset: -1,
+        };
+        let (tx, rx) = crossbeam_channel::unbounded::<Vec<Done>>();
+        let mut staged: Vec<Vec<Job>> = (0..s.ledger.shard_count()).map(|_| Vec::new()).collect();
+        let (mut jobs, mut records) = (0u64, 0u64);
+        for (entity, items) in items {
+            records += (items.state.len() + items.uniques.len() + items.versions.len()) as u64;
+            let mut job = Job::snapshot(jobs, s.sub.id, items, origin.clone(), tx.clone());
+            let shard = s.ledger.place(&s.sub, &mut job, entity);
+            staged[shard].push(job);
+            jobs += 1;
+        }
+        for (shard, jobs) in staged.into_iter().enumerate() {
+            if !jobs.is_empty() {
+                s.ledger.submit(shard, jobs).map_err(ledger_err)?;
+            }
+        }
+        let deadline = Instant::now() + s.timeout;
+        let mut settled = 0u64;
+        while settled < jobs {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let dones = rx.recv_timeout(left).map_err(|_| {
+                KafkaError::Ledger(format!(
+                    "{} of {jobs} snapshots of {}/{p} not committed within {:?}",
+                    jobs - settled,
+                    self.topic,
+                    s.timeout
+                ))
+            })?;
+            for d in dones {
+                if let Outcome::Failed { reason } = d.outcome {
+                    return Err(KafkaError::Ledger(format!(
+                        "snapshot of {}/{p}: {reason}",
+                        self.topic
+                    )));
+                }
+                settled += 1;
+            }
+        }
+        Ok(Some(records))
+    }
+
+    /// Publishes the batch's snapshots, then sends its tombstones and waits for their
+    /// acknowledgements, then commits the offset after its last record as the partition's
+    /// compaction offset. Returns `false`, having sent nothing, when this member no longer
+    /// owns the partition.
+    fn settle(
+        &self,
+        p: i32,
+        batch: &mut Settling,
+        done: &mut Compacted,
+    ) -> Result<bool, KafkaError> {
         let topic = &self.topic;
-        let n = keys.len() as u64;
+        if !batch.items.is_empty() {
+            match self.snapshot(p, std::mem::take(&mut batch.items))? {
+                Some(n) => done.snapshots += n,
+                None => return Ok(false),
+            }
+        }
+        let n = batch.keys.len() as u64;
         if n > 0 {
             self.producer
-                .tombstone(p, keys)
+                .tombstone(p, &batch.keys)
                 .and_then(|acks| acks.wait())
                 .map_err(|e| KafkaError::Client(format!("tombstones to {topic}/{p}: {e}")))?;
-            keys.clear();
+            batch.keys.clear();
+            done.tombstones += n;
         }
         let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(topic, p, Offset::Offset(next))
+        tpl.add_partition_offset(topic, p, Offset::Offset(batch.next))
             .map_err(|e| KafkaError::Client(format!("compacting {topic}/{p}: {e}")))?;
         self.consumer
             .commit(&tpl, CommitMode::Sync)
             .map_err(|e| KafkaError::Client(format!("compaction offset of {topic}/{p}: {e}")))?;
-        Ok(n)
+        Ok(true)
     }
 }
 
@@ -205,13 +381,13 @@ pub struct CompactionThread {
 
 impl CompactionThread {
     /// Starts compacting. `owned` is kept current by the consumer (the changelog
-    /// partitions of the input partitions it holds); `tombstones` counts what was sent.
+    /// partitions of the input partitions it holds); `count` is given what each pass did.
     pub fn spawn(
         compactor: Compactor,
         subscriber: Arc<str>,
         interval: Duration,
         owned: Arc<Mutex<Vec<i32>>>,
-        tombstones: impl Fn(u64) + Send + 'static,
+        count: impl Fn(&Compacted) + Send + 'static,
     ) -> std::io::Result<CompactionThread> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -233,11 +409,12 @@ impl CompactionThread {
                     let now_ms = SystemClock.now_ms();
                     match compactor.pass(&partitions, now_ms, &flag) {
                         Ok(c) => {
-                            tombstones(c.tombstones);
+                            count(&c);
                             if c.tombstones > 0 || c.kept_with_state > 0 {
                                 tracing::info!(%subscriber, %topic, ?partitions, read = c.read,
-                                    tombstones = c.tombstones, kept_with_state = c.kept_with_state,
-                                    "changelog compacted: expired claims without handler state tombstoned");
+                                    tombstones = c.tombstones, snapshots = c.snapshots,
+                                    kept_with_state = c.kept_with_state,
+                                    "changelog compacted: the handler state of expired claims snapshotted, their records tombstoned");
                             } else {
                                 tracing::debug!(%subscriber, %topic, ?partitions, read = c.read,
                                     "changelog compaction pass: nothing expired");

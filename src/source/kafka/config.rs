@@ -154,8 +154,9 @@ pub struct ChangelogConfig {
     /// replays the changelog from the last one).
     #[serde(with = "humantime_serde")]
     pub checkpoint_interval: Duration,
-    /// How often the partitions this member owns are compacted: every expired claim that
-    /// wrote no handler state gets a tombstone, so the broker's log cleaner can drop it.
+    /// How often the partitions this member owns are compacted: the handler state every
+    /// expired claim wrote is published again as snapshots, then its record gets a
+    /// tombstone, so the broker's log cleaner can drop it.
     #[serde(with = "humantime_serde")]
     pub compaction_interval: Duration,
     /// How long past its expiry a claim waits for its tombstone: a margin for clocks that

@@ -82,6 +82,8 @@ pub struct SourceStats {
     pub restored_changes: AtomicU64,
     /// Tombstones produced to the changelog for expired claims without handler state.
     pub changelog_tombstones: AtomicU64,
+    /// Snapshot records produced by changelog compaction.
+    pub changelog_snapshots: AtomicU64,
 }
 
 /// What was kept of a message that may still go to the dead-letter topic.
@@ -146,6 +148,9 @@ struct Changelog {
     last: Instant,
     /// The partitions this member owns, for the compaction thread.
     owned: Arc<Mutex<Vec<i32>>>,
+    /// Held by a compaction snapshot round; a revoke takes it to remove partitions from
+    /// `owned`, so no snapshot of a partition is published once it is released.
+    gate: Arc<Mutex<()>>,
     /// Stopped (and joined) when the subscription stops.
     compaction: Option<super::compaction::CompactionThread>,
 }
@@ -392,6 +397,16 @@ impl Worker {
             .iter()
             .filter_map(|e| self.slot_of(e.topic(), e.partition()))
             .collect();
+        if let Some(c) = &self.changelog {
+            // Waits for a snapshot round in progress: its snapshots are published before
+            // the partitions move, and no round starts for them afterwards.
+            let _round = c.gate.lock().unwrap_or_else(|e| e.into_inner());
+            let revoked: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+            c.owned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|p| !revoked.contains(p));
+        }
         let lost = consumer.assignment_lost();
         if !lost {
             let deadline = Instant::now() + self.drain_timeout;
@@ -905,7 +920,7 @@ fn start_consumer(
 /// changelog sink: from here on every batch of the subscriber publishes before it commits.
 fn start_changelog(
     consumer: &BaseConsumer<WorkerContext>,
-    ledger: &Ledger,
+    ledger: &Arc<Ledger>,
     kafka: &KafkaConfig,
     subscription: &SubscriptionConfig,
     stats: Arc<SourceStats>,
@@ -942,7 +957,18 @@ fn start_changelog(
         .set_changelog(&subscription.subscriber, Some(sink.clone()))
         .map_err(|e| KafkaError::Ledger(e.to_string()))?;
     let owned = Arc::new(Mutex::new(Vec::new()));
-    let compactor = super::compaction::Compactor::new(kafka, sink, topic.clone())?;
+    let gate = Arc::new(Mutex::new(()));
+    let snapshots = super::compaction::Snapshots {
+        ledger: ledger.clone(),
+        sub: ledger
+            .subscriber(&subscription.subscriber)
+            .map_err(|e| KafkaError::Ledger(e.to_string()))?,
+        owned: owned.clone(),
+        gate: gate.clone(),
+        // A snapshot waits for one batch of its shard and that batch's acknowledgements.
+        timeout: kafka.changelog.publish_timeout + Duration::from_secs(30),
+    };
+    let compactor = super::compaction::Compactor::new(kafka, sink, topic.clone(), Some(snapshots))?;
     let name: Arc<str> = subscription.subscriber.as_str().into();
     let counted = name.to_string();
     let compaction = super::compaction::CompactionThread::spawn(
@@ -950,11 +976,19 @@ fn start_changelog(
         name,
         kafka.changelog.compaction_interval,
         owned.clone(),
-        move |n| {
-            stats.changelog_tombstones.fetch_add(n, Ordering::Relaxed);
+        move |c| {
+            stats
+                .changelog_tombstones
+                .fetch_add(c.tombstones, Ordering::Relaxed);
+            stats
+                .changelog_snapshots
+                .fetch_add(c.snapshots, Ordering::Relaxed);
             metrics::counter!(crate::telemetry::metric::KAFKA_CHANGELOG_TOMBSTONES_TOTAL,
                 "subscriber" => counted.clone())
-            .increment(n);
+            .increment(c.tombstones);
+            metrics::counter!(crate::telemetry::metric::KAFKA_CHANGELOG_SNAPSHOTS_TOTAL,
+                "subscriber" => counted.clone())
+            .increment(c.snapshots);
         },
     )
     .map_err(|e| KafkaError::Client(format!("changelog compaction thread: {e}")))?;
@@ -969,6 +1003,7 @@ fn start_changelog(
         moved_to: HashMap::new(),
         last: Instant::now(),
         owned,
+        gate,
         compaction: Some(compaction),
     })
 }

@@ -97,6 +97,8 @@ pub struct KafkaSummary {
     pub restored_changes: u64,
     /// Tombstones produced by changelog compaction.
     pub changelog_tombstones: u64,
+    /// Snapshot records produced by changelog compaction.
+    pub changelog_snapshots: u64,
     pub outbox_relayed: u64,
 }
 
@@ -115,6 +117,7 @@ impl KafkaSummary {
         self.shared_group_rebalances += get(&s.shared_group_rebalances);
         self.restored_changes += get(&s.restored_changes);
         self.changelog_tombstones += get(&s.changelog_tombstones);
+        self.changelog_snapshots += get(&s.changelog_snapshots);
     }
 }
 
