@@ -475,12 +475,9 @@ impl Shard {
         for k in items.state.keys() {
             current.state.insert(k.clone(), view.get(k));
         }
-        for m in &items.uniques {
-            // Marks are never deleted.
-            if view.unique_exists(m) {
-                current.uniques.insert(m.clone());
-            }
-        }
+        // Marks are never deleted: one a change wrote exists, with no read (a read of a
+        // mark in a merged run costs a block decompression).
+        current.uniques = items.uniques.clone();
         for k in items.versions.keys() {
             if let Some(v) = view.version(k) {
                 current.versions.insert(k.clone(), v);

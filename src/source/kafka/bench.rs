@@ -103,6 +103,8 @@ pub struct KafkaBenchReport {
     pub restore_skipped: Option<String>,
     /// Tombstones the engine phase sent for expired claims (with `--changelog --ttl`).
     pub changelog_tombstones: u64,
+    /// Snapshot records compaction published for the handler state of expired claims.
+    pub changelog_snapshots: u64,
 }
 
 /// Most messages the producer may be ahead of the consumer: in the engine phase, of the
@@ -162,8 +164,8 @@ impl std::fmt::Display for KafkaBenchReport {
         if r.params.changelog && r.params.ttl.is_some() {
             writeln!(
                 f,
-                "compacted {:>12} tombstones sent for expired claims during the engine phase",
-                r.changelog_tombstones
+                "compacted {:>12} tombstones sent for expired claims, {} snapshot records for the state they wrote, during the engine phase",
+                r.changelog_tombstones, r.changelog_snapshots
             )?;
         }
         if let Some(why) = &r.restore_skipped {
@@ -670,6 +672,7 @@ pub fn run(
         restore_changes_per_sec: restore.changes as f64 / restore.secs.max(1e-9),
         restore_skipped: restore.skipped,
         changelog_tombstones: stats.changelog_tombstones.load(Ordering::Relaxed),
+        changelog_snapshots: stats.changelog_snapshots.load(Ordering::Relaxed),
     };
     match Arc::try_unwrap(ledger) {
         Ok(l) => l.close().map_err(|e| KafkaError::Ledger(e.to_string()))?,
