@@ -1745,24 +1745,9 @@ fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots
     let published = (2 * EVENTS + 2 * MORE) as i64 + snapshots as i64;
     assert_eq!(g.published(), published);
 
-    // What a compacting broker's log cleaner leaves of that changelog: per key, the
-    // newest record, and nothing where that is a tombstone. Only the snapshots remain,
-    // one per order.
-    type Newest = std::collections::BTreeMap<(i32, Vec<u8>), (i64, Option<Vec<u8>>)>;
-    let mut newest = Newest::default();
-    for m in read_all(&c.bootstrap, &g.changelog, published as usize) {
-        let slot = newest
-            .entry((m.partition(), m.key().unwrap().to_vec()))
-            .or_insert((-1, None));
-        if m.offset() > slot.0 {
-            *slot = (m.offset(), m.payload().map(<[u8]>::to_vec));
-        }
-    }
-    let mut cleaned: Vec<(i32, i64, Vec<u8>, Vec<u8>)> = newest
-        .into_iter()
-        .filter_map(|((p, k), (o, v))| Some((p, o, k, v?)))
-        .collect();
-    cleaned.sort();
+    // What a compacting broker's log cleaner leaves of that changelog: only the
+    // snapshots, one per order.
+    let cleaned = cleaned_changelog(&c, &g.changelog, published as usize);
     assert_eq!(cleaned.len(), MORE / 2, "one record left per order");
     assert!(cleaned
         .iter()
@@ -1770,14 +1755,62 @@ fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots
 
     // D restores the cleaned changelog into an empty data directory: every order's
     // counter is back, exactly 2, with no record of the messages that wrote it.
+    let (restored, counts) = restore_cleaned(&c, &t, &cleaned, &counter, kafka, changelog);
+    assert_eq!(restored, (MORE / 2) as u64);
+    assert_eq!(counts.len(), MORE / 2, "{counts:?}");
+    assert!(
+        counts.iter().all(|(_, v)| v.as_slice() == b"2"),
+        "{counts:?}"
+    );
+}
+
+/// A changelog record: (partition, offset, key, value).
+type ChangelogRecord = (i32, i64, Vec<u8>, Vec<u8>);
+
+/// What a compacting broker's log cleaner leaves of a changelog of `published` records
+/// (the mock broker runs none): per key the newest record, and nothing where that is a
+/// tombstone; in partition and offset order.
+fn cleaned_changelog(c: &Cluster, changelog: &str, published: usize) -> Vec<ChangelogRecord> {
+    type Newest = std::collections::BTreeMap<(i32, Vec<u8>), (i64, Option<Vec<u8>>)>;
+    let mut newest = Newest::default();
+    let records = read_all(&c.bootstrap, changelog, published);
+    assert_eq!(records.len(), published);
+    for m in records {
+        let slot = newest
+            .entry((m.partition(), m.key().unwrap().to_vec()))
+            .or_insert((-1, None));
+        if m.offset() > slot.0 {
+            *slot = (m.offset(), m.payload().map(<[u8]>::to_vec));
+        }
+    }
+    let mut cleaned: Vec<ChangelogRecord> = newest
+        .into_iter()
+        .filter_map(|((p, k), (o, v))| Some((p, o, k, v?)))
+        .collect();
+    cleaned.sort();
+    cleaned
+}
+
+/// Produces `cleaned` to the changelog of a fresh group on an empty input topic, starts a
+/// member with an empty data directory (subscriber lines `subscriber`, `[kafka]` lines
+/// `kafka`, `[kafka.changelog]` lines `changelog`), and returns the changes it restored
+/// and the handler state it then holds.
+fn restore_cleaned(
+    c: &Cluster,
+    t: &str,
+    cleaned: &[ChangelogRecord],
+    subscriber: &str,
+    kafka: &str,
+    changelog: &str,
+) -> (u64, Vec<dedupd::effects::StateEntry>) {
     let t2 = format!("{t}-cleaned");
-    let g2 = Members::new(&c, &t2);
+    let g2 = Members::new(c, &t2);
     c.create_topic(&t2, 4);
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", &c.bootstrap)
         .create()
         .unwrap();
-    for (p, _, k, v) in &cleaned {
+    for (p, _, k, v) in cleaned {
         producer
             .send(
                 BaseRecord::to(&g2.changelog)
@@ -1788,29 +1821,145 @@ fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots
             .unwrap();
     }
     producer.flush(Duration::from_secs(30)).unwrap();
-    let cfg_d = g2.write_config("d", &counter, kafka, changelog);
-    let (d, d_log) = g2.spawn("d", &cfg_d);
-    wait_showing("D to restore", Duration::from_secs(60), &d_log, || {
-        log_has(&d_log, RESTORED) > 0
-    });
-    let summary_d = stop_and_summary(d, &d_log);
-    assert_eq!(
-        summary_d["kafka"]["restored_changes"],
-        (MORE / 2) as u64,
-        "{summary_d}"
+    let cfg = g2.write_config("fresh", subscriber, kafka, changelog);
+    let (fresh, log) = g2.spawn("fresh", &cfg);
+    wait_showing(
+        "the fresh member to restore",
+        Duration::from_secs(60),
+        &log,
+        || log_has(&log, RESTORED) > 0,
     );
+    let summary = stop_and_summary(fresh, &log);
     let ledger = Ledger::open(
-        &g2.dir.path().join("d"),
-        &Config::load(&cfg_d).unwrap(),
+        &g2.dir.path().join("fresh"),
+        &Config::load(&cfg).unwrap(),
         Arc::new(SystemClock),
     )
     .unwrap();
     let counts = ledger.state_entries("orders").unwrap();
     ledger.close().unwrap();
-    assert_eq!(counts.len(), MORE / 2, "{counts:?}");
+    (
+        summary["kafka"]["restored_changes"].as_u64().unwrap(),
+        counts,
+    )
+}
+
+/// Issue 17: snapshots stay current while partitions move. Every order gets one event per
+/// round, so its counter is written again and again by whichever member owns its
+/// partition; claims expire after 1 s and compaction snapshots and tombstones every
+/// 200 ms, so each round's records are compacted while members join and leave (x alone;
+/// y joins; x leaves; x comes back; y leaves). At the end the changelog is cleaned as a
+/// broker would, and a fresh member restoring only that has every order's count exactly
+/// the number of rounds: the snapshots each owner published in turn, and nothing else of
+/// the messages, hold the current state. (That a snapshot reads the current value, not
+/// the one its record wrote, is checked in `tests/handlers.rs`.)
+#[test]
+fn snapshots_stay_current_while_partitions_move() {
+    let c = cluster();
+    let t = topic("snapshot-moves");
+    let g = Members::new(&c, &t);
+    c.create_topic(&t, 4);
+    const ORDERS: usize = 60;
+    const ROUNDS: usize = 6;
+    let keys = ["a", "b", "c", "d", "e", "f"];
+    let round = |r: usize| -> Vec<Rec<'static>> {
+        (0..ORDERS)
+            .map(|o| Rec {
+                key: keys[o % keys.len()],
+                headers: vec![("message-id", format!("e-{r}-{o}"))],
+                payload: format!(r#"{{"type":"OrderPlaced","order_id":"o-{o}","n":{r}}}"#),
+            })
+            .collect()
+    };
+    let counter = format!(
+        "ttl = \"1s\"\npartition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\nhandler = {:?}\nhandler_cpu_budget = \"2s\"",
+        component("fixture_counter").display().to_string()
+    );
+    let kafka = "commit_interval = \"100ms\"";
+    let changelog = "compaction_interval = \"200ms\"\nexpiry_grace = \"0s\"";
+    let config = |name: &str| g.write_config(name, &counter, kafka, changelog);
+    let snapshots_sent =
+        |logs: &[&PathBuf]| logs.iter().map(|l| log_sum(l, " snapshots")).sum::<u64>();
+    // Each round: produce, let the members process it, then let its claims expire and
+    // be compacted before the membership changes.
+    let play = |r: usize, logs: &[&PathBuf]| {
+        let before = snapshots_sent(logs);
+        produce(&c.bootstrap, &t, &round(r));
+        wait_showing(
+            "the round to be processed",
+            Duration::from_secs(90),
+            logs[0],
+            || at_log_end(&c.bootstrap, &g.group, &t),
+        );
+        wait_showing(
+            "the round's snapshots",
+            Duration::from_secs(60),
+            logs[0],
+            || snapshots_sent(logs) >= before + ORDERS as u64,
+        );
+    };
+    let (x, x_log) = g.spawn("x", &config("x"));
+    wait_showing("x to restore", Duration::from_secs(60), &x_log, || {
+        log_has(&x_log, RESTORED) > 0
+    });
+    play(0, &[&x_log]);
+    let (y, y_log) = g.spawn("y", &config("y"));
+    wait_showing(
+        "y to get partitions",
+        Duration::from_secs(60),
+        &y_log,
+        || log_has(&y_log, RESTORED) > 0,
+    );
+    play(1, &[&x_log, &y_log]);
+    let mut summaries = vec![stop_and_summary(x, &x_log)];
+    wait_showing(
+        "y to take x's partitions",
+        Duration::from_secs(60),
+        &y_log,
+        || log_has(&y_log, RESTORED) > 1,
+    );
+    play(2, &[&y_log]);
+    let (x, x_log) = g.spawn("x", &config("x")); // its data directory again, a new log
+    wait_showing(
+        "x to get partitions back",
+        Duration::from_secs(60),
+        &x_log,
+        || log_has(&x_log, RESTORED) > 0,
+    );
+    play(3, &[&x_log, &y_log]);
+    play(4, &[&x_log, &y_log]);
+    summaries.push(stop_and_summary(y, &y_log));
+    wait_showing(
+        "x to take y's partitions",
+        Duration::from_secs(60),
+        &x_log,
+        || log_has(&x_log, RESTORED) > 1,
+    );
+    play(5, &[&x_log]);
+    summaries.push(stop_and_summary(x, &x_log));
+    let processed: u64 = summaries
+        .iter()
+        .map(|s| s["kafka"]["processed"].as_u64().unwrap())
+        .sum();
+    assert_eq!(processed, (ORDERS * ROUNDS) as u64, "{summaries:?}");
+
+    let cleaned = cleaned_changelog(&c, &g.changelog, g.published() as usize);
+    let (_, counts) = restore_cleaned(&c, &t, &cleaned, &counter, kafka, changelog);
+    assert_eq!(counts.len(), ORDERS, "{counts:?}");
+    let want = ROUNDS.to_string();
+    let wrong: Vec<_> = counts
+        .iter()
+        .filter(|(_, v)| v.as_slice() != want.as_bytes())
+        .map(|(k, v)| {
+            (
+                String::from_utf8_lossy(k).into_owned(),
+                String::from_utf8_lossy(v).into_owned(),
+            )
+        })
+        .collect();
     assert!(
-        counts.iter().all(|(_, v)| v.as_slice() == b"2"),
-        "{counts:?}"
+        wrong.is_empty(),
+        "stale or lost counts after cleaning: {wrong:?}"
     );
 }
 
