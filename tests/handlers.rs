@@ -1375,6 +1375,17 @@ fn snapshots_publish_current_values_in_batch_order_and_restore_the_state_alone()
             .unwrap()
             .is_none());
     }
+    // Without a changelog a snapshot publishes nothing, and says so rather than let its
+    // caller drop the records it stands for.
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    b.place_and_run(vec![(
+        Job::snapshot(0, sub_b.id, firsts["o-0"].clone(), origin, tx),
+        Some("o-0".to_string()),
+    )]);
+    match &outcomes(rx, 1)[0] {
+        Outcome::Failed { reason } => assert!(reason.contains("no changelog"), "{reason}"),
+        other => panic!("expected a failure, got {other:?}"),
+    }
 }
 
 /// A changelog that does not take a batch, or never acknowledges it, stops the ledger

@@ -457,6 +457,16 @@ impl Shard {
         let st = self.subs[idx]
             .as_mut()
             .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
+        if st.changelog.is_none() {
+            // Nothing would be published, and the caller would then drop the records the
+            // snapshot stands for.
+            return Ok(Decision::Done(Outcome::Failed {
+                reason: format!(
+                    "subscriber {:?} has no changelog to publish a snapshot to",
+                    st.name
+                ),
+            }));
+        }
         let mut view = match st.view.take() {
             Some(v) => v,
             None => Box::new(
@@ -484,9 +494,7 @@ impl Shard {
             }
         }
         st.view = Some(view);
-        if st.changelog.is_some() {
-            st.changes.push(current);
-        }
+        st.changes.push(current);
         Ok(Decision::Done(Outcome::Processed))
     }
 
