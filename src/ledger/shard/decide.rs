@@ -434,13 +434,7 @@ impl Shard {
             let st = self.subs[idx]
                 .as_mut()
                 .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
-            let mut view = match st.view.take() {
-                Some(v) => v,
-                None => Box::new(
-                    BatchView::open(&self.db, &st.name, &st.state_buf)
-                        .map_err(|e| storage(&self.ctx.path, e))?,
-                ),
-            };
+            let mut view = batch_view(st, &self.db, &self.ctx.path)?;
             view.set_scope(change.entity.as_deref());
             view.absorb(change.effects());
             st.view = Some(view);
@@ -467,13 +461,7 @@ impl Shard {
                 ),
             }));
         }
-        let mut view = match st.view.take() {
-            Some(v) => v,
-            None => Box::new(
-                BatchView::open(&self.db, &st.name, &st.state_buf)
-                    .map_err(|e| storage(&self.ctx.path, e))?,
-            ),
-        };
+        let mut view = batch_view(st, &self.db, &self.ctx.path)?;
         view.set_scope(items.entity.as_deref());
         let mut current = Change {
             state: Default::default(),
@@ -573,6 +561,23 @@ impl Shard {
 
 /// Starts publishing what this shard holds of a subscriber whose claims the other shards
 /// probe for (`presence.rs`): once set, every record written is in it.
+/// The subscriber's view for this batch (a replayed change or a snapshot; a handler call,
+/// which holds the handler borrowed, takes it the same way inline): the one its earlier
+/// messages used, or a fresh one over its buffers and runs. Give it back
+/// (`st.view = Some(..)`) when done.
+fn batch_view(
+    st: &mut SubState,
+    db: &redb::Database,
+    path: &std::path::Path,
+) -> Result<Box<dyn StateReader>, LedgerError> {
+    match st.view.take() {
+        Some(v) => Ok(v),
+        None => Ok(Box::new(
+            BatchView::open(db, &st.name, &st.state_buf).map_err(|e| storage(path, e))?,
+        )),
+    }
+}
+
 pub(super) fn start_presence(st: &SubState, ctx: &ShardContext) -> PresenceWriter {
     PresenceWriter::start(
         &ctx.presences,
