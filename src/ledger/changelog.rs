@@ -250,6 +250,53 @@ mod tests {
     use super::*;
 
     #[test]
+    fn snapshot_items_have_distinct_identities_and_carry_one_item_with_no_claim() {
+        let ids = [
+            SnapshotItem::State(Some("a"), b"bc").identity(),
+            SnapshotItem::State(Some("ab"), b"c").identity(),
+            SnapshotItem::State(None, b"abc").identity(),
+            SnapshotItem::State(Some(""), b"abc").identity(),
+            SnapshotItem::Mark(Some("a"), b"bc").identity(),
+            SnapshotItem::Version(Some("a"), "bc").identity(),
+        ];
+        let distinct: BTreeSet<&Vec<u8>> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len(), "{ids:?}");
+
+        let mut change = Change {
+            key: 7,
+            id: "m-7".into(),
+            fingerprint: 9,
+            processed_at_ms: 100,
+            expires_at_ms: 200,
+            handler_version: 3,
+            entity: Some("o-1".into()),
+            state: BTreeMap::from([
+                (b"label".to_vec(), Some(b"L".to_vec())),
+                (b"gone".to_vec(), None),
+            ]),
+            uniques: BTreeSet::from([b"u".to_vec()]),
+            versions: BTreeMap::from([("v".to_string(), 4)]),
+            origin: None,
+            snapshot: true,
+        };
+        let items = change.snapshot_items();
+        assert_eq!(items.len(), 4);
+        let deleted: Vec<_> = items.iter().filter(|(_, v)| v.is_none()).collect();
+        assert_eq!(deleted.len(), 1);
+        assert_eq!(deleted[0].0, SnapshotItem::State(Some("o-1"), b"gone"));
+        for (item, value) in items.iter().filter_map(|(i, v)| Some((i, v.as_ref()?))) {
+            assert_eq!(value.claim().expires_at_ms, 0, "{item:?} restores no claim");
+            assert_eq!(value.entity.as_deref(), Some("o-1"));
+            let n = value.state.len() + value.uniques.len() + value.versions.len();
+            assert_eq!(n, 1, "{item:?}: one item per record");
+        }
+        change.state.clear();
+        change.uniques.clear();
+        change.versions.clear();
+        assert!(change.snapshot_items().is_empty());
+    }
+
+    #[test]
     fn a_change_keeps_the_claim_and_effects_it_was_made_from() {
         let job = Job::new(
             7,
