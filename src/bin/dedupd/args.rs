@@ -622,8 +622,9 @@ pub struct KafkaBenchArgs {
     changelog: bool,
     /// Claims expire this long after processing (e.g. `2s`; default: the subscriber
     /// default, 7 days). With `--changelog`, compaction then runs every second with no
-    /// grace, so the engine phase pays for tombstoning expired claims; the restore phase is
-    /// skipped (expired claims restore nothing to check).
+    /// grace, so the engine phase pays for tombstoning expired claims (and, with a
+    /// `--handler` that writes state, for snapshotting that state first); the restore
+    /// phase is skipped (expired claims restore nothing to check).
     #[arg(long, value_parser = humantime::parse_duration)]
     ttl: Option<std::time::Duration>,
     /// Print one JSON object instead of a table.
