@@ -463,24 +463,20 @@ impl Shard {
         }
         let mut view = batch_view(st, &self.db, &self.ctx.path)?;
         view.set_scope(items.entity.as_deref());
-        let mut current = Change {
-            state: Default::default(),
-            uniques: Default::default(),
-            versions: Default::default(),
-            snapshot: true,
-            ..items.clone()
-        };
-        for k in items.state.keys() {
-            current.state.insert(k.clone(), view.get(k));
+        let mut current = items.clone();
+        current.snapshot = true;
+        for (k, v) in current.state.iter_mut() {
+            *v = view.get(k);
         }
-        // Marks are never deleted: one a change wrote exists, with no read (a read of a
-        // mark in a merged run costs a block decompression).
-        current.uniques = items.uniques.clone();
-        for k in items.versions.keys() {
-            if let Some(v) = view.version(k) {
-                current.versions.insert(k.clone(), v);
+        // Marks are never deleted: one a change wrote exists, so it is kept with no read
+        // (a read of a mark in a merged run costs a block decompression).
+        current.versions.retain(|k, v| match view.version(k) {
+            Some(now) => {
+                *v = now;
+                true
             }
-        }
+            None => false,
+        });
         st.view = Some(view);
         st.changes.push(current);
         Ok(Decision::Done(Outcome::Processed))
@@ -559,8 +555,6 @@ impl Shard {
     }
 }
 
-/// Starts publishing what this shard holds of a subscriber whose claims the other shards
-/// probe for (`presence.rs`): once set, every record written is in it.
 /// The subscriber's view for this batch (a replayed change or a snapshot; a handler call,
 /// which holds the handler borrowed, takes it the same way inline): the one its earlier
 /// messages used, or a fresh one over its buffers and runs. Give it back
@@ -578,6 +572,8 @@ fn batch_view(
     }
 }
 
+/// Starts publishing what this shard holds of a subscriber whose claims the other shards
+/// probe for (`presence.rs`): once set, every record written is in it.
 pub(super) fn start_presence(st: &SubState, ctx: &ShardContext) -> PresenceWriter {
     PresenceWriter::start(
         &ctx.presences,

@@ -37,6 +37,8 @@
 //! are kept (`kept_with_state`) only when the subscriber's state cannot be read by entity
 //! as it was written (its handler was removed, or its partition key changed).
 
+use std::collections::btree_map::Entry;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -45,8 +47,6 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::Message;
 use rdkafka::topic_partition_list::TopicPartitionList;
 use rdkafka::Offset;
-
-use std::collections::BTreeMap;
 
 use super::changelog::{decode, is_snapshot_key, ChangelogProducer};
 use super::{KafkaConfig, KafkaError};
@@ -111,10 +111,10 @@ struct Settling {
 impl Settling {
     fn add_items(&mut self, change: Change) {
         match self.items.entry(change.entity.clone()) {
-            std::collections::btree_map::Entry::Vacant(v) => {
+            Entry::Vacant(v) => {
                 v.insert(change);
             }
-            std::collections::btree_map::Entry::Occupied(mut o) => {
+            Entry::Occupied(mut o) => {
                 let merged = o.get_mut();
                 merged.state.extend(change.state);
                 merged.uniques.extend(change.uniques);

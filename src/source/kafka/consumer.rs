@@ -80,7 +80,7 @@ pub struct SourceStats {
     pub shared_group_rebalances: AtomicU64,
     /// Changes replayed from the changelog into the ledger on assignment (`changelog = true`).
     pub restored_changes: AtomicU64,
-    /// Tombstones produced to the changelog for expired claims without handler state.
+    /// Tombstones produced to the changelog for the records of expired claims.
     pub changelog_tombstones: AtomicU64,
     /// Snapshot records produced by changelog compaction.
     pub changelog_snapshots: AtomicU64,
