@@ -50,6 +50,9 @@ pub(crate) struct FaultPlan {
     lost_writes: AtomicU64,
     /// Completed fsyncs over all files, so a test can place faults across a stream.
     synced: AtomicU64,
+    /// Reads that reached the files (failed ones included), so a test can place read
+    /// faults across a stream.
+    reads: AtomicU64,
 }
 
 impl FaultPlan {
@@ -63,6 +66,7 @@ impl FaultPlan {
             seed: AtomicU64::new(1),
             lost_writes: AtomicU64::new(0),
             synced: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
         }
     }
 
@@ -90,6 +94,7 @@ impl FaultPlan {
 
     /// Whether this read fails (and uses up one of the budget's reads).
     fn read_fails(&self) -> bool {
+        self.reads.fetch_add(1, Ordering::SeqCst);
         self.reads_left.load(Ordering::SeqCst) != i64::MAX
             && self.reads_left.fetch_sub(1, Ordering::SeqCst) <= 0
     }
@@ -100,6 +105,10 @@ impl FaultPlan {
 
     pub fn fsyncs(&self) -> u64 {
         self.synced.load(Ordering::SeqCst)
+    }
+
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Ordering::SeqCst)
     }
 
     fn dead(&self) -> bool {

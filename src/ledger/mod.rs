@@ -775,6 +775,11 @@ impl FaultSwitch {
         self.0.fsyncs()
     }
 
+    /// Reads that reached the shard files so far (failed ones included).
+    pub fn reads(&self) -> u64 {
+        self.0.reads()
+    }
+
     /// Unsynced writes the power cuts lost so far, over all shard files.
     pub fn lost_writes(&self) -> u64 {
         self.0.lost_writes()
