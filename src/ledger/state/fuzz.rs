@@ -8,7 +8,7 @@ use redb::{Database, ReadableTable, TableDefinition};
 
 use super::blocks::Block;
 use super::log_row::{decode_effects, encode_effects};
-use super::run::{block_bytes, BlockCursor, Entry, RunWriter};
+use super::run::{block_bytes, find_in_block, BlockCursor, Entry, RunWriter};
 use crate::effects::Effects;
 use crate::fuzzing;
 
@@ -121,6 +121,41 @@ fn fuzz_runs_read_back_what_the_writer_wrote() {
     );
 }
 
+/// A block search finds what a walk of the rebuilt keys finds, for every key the block
+/// holds and for keys around, between and inside them (prefixes and extensions of keys
+/// the block holds, from the same small alphabet).
+#[test]
+fn fuzz_block_search_answers_as_a_walk() {
+    let probe = prop::collection::vec(prop::sample::select(vec![0u8, 1, b'a', b'b', 0xff]), 0..24);
+    fuzzing::run(
+        "run_block_search",
+        300,
+        (run_entries(), prop::collection::vec(probe, 0..40)),
+        |(entries, probes)| {
+            for (_, stored) in write_run(&entries, false) {
+                let block = walk(&stored)?;
+                let keys = block.iter().map(|(k, _)| k.clone());
+                let around = keys.clone().flat_map(|k| {
+                    let mut longer = k.clone();
+                    longer.push(0);
+                    let shorter = k[..k.len().saturating_sub(1)].to_vec();
+                    [k, longer, shorter]
+                });
+                for key in around.chain(probes.iter().cloned()) {
+                    let want = block
+                        .iter()
+                        .find(|(k, _)| *k == key)
+                        .map(|(_, v)| v.as_deref());
+                    let got = find_in_block(&stored, &key)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert_eq!(got, want, "key {:?}", key);
+                }
+            }
+            Ok(())
+        },
+    );
+}
+
 /// Stored blocks of real runs, raw or compressed, to mutate.
 fn stored_block() -> impl Strategy<Value = Vec<u8>> {
     (run_entries(), any::<bool>(), any::<prop::sample::Index>()).prop_map(
@@ -148,6 +183,7 @@ fn fuzz_stored_block_decode_refuses_or_walks() {
                 if !walk(&raw)?.is_empty() {
                     fuzzing::decoded();
                 }
+                let _ = find_in_block(&raw, b"a\x01b");
             }
             Ok(())
         },
