@@ -103,7 +103,14 @@ fn put_varint(out: &mut Vec<u8>, mut n: usize) {
     out.push(n as u8);
 }
 
+#[inline]
 fn varint(b: &[u8], at: &mut usize) -> Option<usize> {
+    // One byte: every length and shared prefix under 128, nearly all of them.
+    let first = *b.get(*at)?;
+    if first < 0x80 {
+        *at += 1;
+        return Some(usize::from(first));
+    }
     let mut n = 0usize;
     for shift in (0..64).step_by(7) {
         let byte = *b.get(*at)?;
@@ -181,6 +188,7 @@ struct BlockEntry<'a> {
 impl<'a> BlockEntry<'a> {
     /// Parses the entry at `*at` and moves `at` past it; `prev_len` is the previous key's
     /// length (0 for the first entry), which `shared` may not exceed.
+    #[inline]
     fn parse(d: &'a [u8], at: &mut usize, prev_len: usize) -> Result<BlockEntry<'a>, StorageError> {
         let mut i = *at;
         let parsed = (|| {
