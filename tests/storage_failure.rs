@@ -962,7 +962,11 @@ fn failing_reads_while_running_never_make_a_claimed_message_new() {
     // (83 reads for the 400 lookups when this was written).
     assert!(healthy >= 40, "the lookups read the disk {healthy} times");
     let mut stopped = 0;
-    let budgets: Vec<u64> = (0..healthy).step_by(healthy as usize / 40).collect();
+    // Up to three quarters of the healthy count: a margin for reads that background
+    // maintenance may or may not do, depending on timing.
+    let budgets: Vec<u64> = (0..healthy * 3 / 4)
+        .step_by(healthy as usize / 40)
+        .collect();
     for &reads in &budgets {
         let dir = copy_dir(filled.path());
         let faults = dedupd::ledger::FaultSwitch::new();
