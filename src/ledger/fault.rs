@@ -92,7 +92,7 @@ impl FaultPlan {
             .store(i64::try_from(reads).unwrap_or(i64::MAX), Ordering::SeqCst);
     }
 
-    /// Whether this read fails (and uses up one of the budget's reads).
+    /// Counts a read, and says whether it fails (using up one of the budget's reads).
     fn read_fails(&self) -> bool {
         self.reads.fetch_add(1, Ordering::SeqCst);
         self.reads_left.load(Ordering::SeqCst) != i64::MAX
