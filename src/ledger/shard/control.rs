@@ -148,12 +148,11 @@ impl Shard {
         }
         self.small_commit(|shard, txn| {
             let db = shard.db.clone();
-            let mut unlimited = usize::MAX;
             let Some(st) = shard.subs[idx].as_mut() else {
                 return Ok(());
             };
             st.state_buf
-                .maintain(&db, txn, &st.name, threshold, &mut unlimited, true)
+                .flush_all(&db, txn, &st.name, threshold)
                 .map(|_| ())
                 .map_err(|e| storage(&shard.ctx.path, e))
         })

@@ -172,11 +172,29 @@ impl StateBuffer {
         Ok(())
     }
 
+    /// Writes the whole buffer as a run in `txn` and does no merge work: a state read
+    /// (dump, count) calls this before it reads; a merge due goes on in later slices.
+    pub fn flush_all(
+        &mut self,
+        db: &Database,
+        txn: &WriteTransaction,
+        sub: &str,
+        threshold: usize,
+    ) -> Result<bool, redb::Error> {
+        self.maintain(db, txn, sub, threshold, &mut 0, true)
+    }
+
     /// One slice of run maintenance (a merge, retired runs), then: freezes a full active
     /// buffer (or any non-empty one when `all`) when none is being written, and writes
     /// entries of the frozen one as a new run (all of it when `all`). Takes what it uses
     /// from `budget` (entries; shared with the other subscribers of the transaction) and
     /// does nothing when it is spent, unless `all`. Returns whether it wrote anything.
+    ///
+    /// `all` only lifts the budget of the flush: merges and retired runs stay within
+    /// `budget` (none at 0). A state read flushes with `all` before it reads; when that
+    /// also finished any merge due, one transaction merged millions of entries (the shard
+    /// stalled for the whole merge, and the merge's inputs stayed on disk beside its
+    /// output, since only a sliced merge frees them behind its cursor).
     ///
     /// The merge goes first: it reads its inputs through a read snapshot, so it must only
     /// ever see runs committed by earlier transactions, never one this call just finished.
@@ -194,12 +212,16 @@ impl StateBuffer {
         }
         // A flush pending takes half, so neither starves the other.
         let flushing = self.frozen.is_some() || self.active.len() >= threshold;
-        let merge_budget = match (all, flushing) {
-            (true, _) => usize::MAX,
-            (false, true) => *budget / 2 + 1,
-            (false, false) => *budget,
+        let merge_budget = if flushing && !all {
+            *budget / 2 + 1
+        } else {
+            *budget
         };
-        let used = self.runs.maintain(db, txn, sub, threshold, merge_budget)?;
+        let used = if merge_budget > 0 {
+            self.runs.maintain(db, txn, sub, threshold, merge_budget)?
+        } else {
+            0
+        };
         *budget = budget.saturating_sub(used);
         let mut wrote = used > 0;
         loop {
@@ -405,6 +427,63 @@ mod tests {
         assert!(reloaded.active.is_empty(), "the log is empty once written");
         assert_eq!(
             state_entries(&db, "s", &reloaded).unwrap(),
+            reference.into_iter().collect::<Vec<_>>()
+        );
+    }
+
+    /// A flush of everything (as a state dump or count does before reading) writes the
+    /// whole buffer and no merge; `all` with a budget merges only within it. Before, it finished any merge
+    /// the runs were due for in that one transaction: seconds of stall at millions of
+    /// entries, and the merge's inputs kept whole beside its output.
+    #[test]
+    fn flushing_everything_merges_only_within_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("s.redb")).unwrap();
+        let mut buf = StateBuffer::default();
+        let mut reference = BTreeMap::new();
+        let threshold = 8;
+        for flush in 0..=super::super::runs::FANOUT {
+            let mut e = Effects::default();
+            for i in 0..threshold {
+                let k = format!("k/{:04}", i * 97 + flush);
+                put(&mut e, &k, Some("v"));
+                reference.insert(k.into_bytes(), b"v".to_vec());
+            }
+            commit(&db, |txn| {
+                buf.append(txn, "s", e).unwrap();
+                buf.flush_all(&db, txn, "s", threshold).unwrap();
+            });
+            assert!(
+                buf.active.is_empty() && buf.frozen.is_none(),
+                "all is written"
+            );
+        }
+        assert_eq!(
+            buf.runs.list.len(),
+            super::super::runs::FANOUT + 1,
+            "no merge without a budget"
+        );
+        assert!(buf.runs.partial().is_none());
+        // A small budget with `all` takes one slice of the merge now due, not all of it.
+        commit(&db, |txn| {
+            buf.maintain(&db, txn, "s", threshold, &mut 3, true)
+                .unwrap();
+        });
+        assert!(
+            buf.runs.partial().is_some(),
+            "the merge goes on in later slices"
+        );
+        assert_eq!(buf.runs.list.len(), super::super::runs::FANOUT + 1);
+        for _ in 0..100 {
+            commit(&db, |txn| {
+                buf.maintain(&db, txn, "s", threshold, &mut 3, false)
+                    .unwrap();
+            });
+        }
+        assert!(!buf.has_work(threshold), "maintenance settles");
+        assert_eq!(buf.runs.list.len(), 2);
+        assert_eq!(
+            state_entries(&db, "s", &StateBuffer::load(&db, "s").unwrap()).unwrap(),
             reference.into_iter().collect::<Vec<_>>()
         );
     }
