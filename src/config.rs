@@ -108,9 +108,11 @@ pub struct LedgerConfig {
     /// How long a writer waits for more messages before committing a batch that is not full.
     #[serde(with = "humantime_serde")]
     pub max_linger: Duration,
-    /// Claims in an active generation before it is sealed into a sorted table; a busy
-    /// subscriber's in-memory index is sized for this many (about 49 bytes each per shard).
-    /// 16 to 16,777,216.
+    /// Claims in an active generation before it is sealed into a sorted table. A busy
+    /// subscriber's in-memory index is sized for this many plus one batch (a generation
+    /// seals after the batch that filled it): a hash table of 49-byte slots, a power of two
+    /// of them at most 7/8 full. The default, 440,000, with the default `max_batch` fits
+    /// 2^19 slots (24.5 MiB per shard); 524,288 needed 2^20. 16 to 16,777,216.
     pub generation_max_claims: NonZeroUsize,
     /// Age at which a non-empty active generation is sealed even when not full.
     #[serde(with = "humantime_serde")]
@@ -154,7 +156,7 @@ impl Default for LedgerConfig {
             shards: None,
             max_batch: nz(16_384),
             max_linger: Duration::ZERO,
-            generation_max_claims: nz(1 << 19),
+            generation_max_claims: nz(440_000),
             generation_max_age: Duration::from_secs(3600),
             merge_max_claims: nz(1 << 23),
             merge_trigger_generations: nz(8),
@@ -169,6 +171,13 @@ impl Default for LedgerConfig {
 }
 
 impl LedgerConfig {
+    /// Claims a busy subscriber's full-size index is allocated for: a generation, plus the
+    /// batch that fills it, which ends before the generation is sealed. Smaller, and the
+    /// last batch rehashed the table into twice the memory inside the batch.
+    pub fn full_index_claims(&self) -> usize {
+        self.generation_max_claims.get() + self.max_batch.get()
+    }
+
     /// Every count within its documented range, so a nonsense value is refused here with
     /// the field's name instead of exhausting memory (or overflowing) in a shard thread.
     fn validate_sizes(&self) -> Result<(), ConfigError> {

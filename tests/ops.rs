@@ -653,7 +653,7 @@ fn record_cap_violated_drops_the_oldest_and_still_counts_the_outcome() {
 }
 
 /// A subscriber's claim index grows with its claims: a quiet subscriber must not cost a
-/// full generation's index (524,288 claims, ~45 MiB per shard) — 1,000 of them did not fit
+/// full generation's index (440,000 claims, ~25 MiB per shard) — 1,000 of them did not fit
 /// in 24 GiB. A busy one still reaches the full size, and answers every claim.
 #[test]
 fn claim_indexes_grow_with_their_claims() {
@@ -724,6 +724,46 @@ fn claim_indexes_grow_with_their_claims() {
         "busy: {} bytes",
         index("busy")
     );
+    ledger.close().unwrap();
+}
+
+/// A shard keeps one emptied full-size index ready for its next generation, not two: with
+/// the builder's prepared one and each sealed generation's both kept, a shard held two
+/// spares (~100 MB at the default generation size, a third of a 30M-claim run's resident
+/// memory).
+#[test]
+fn a_shard_keeps_at_most_one_spare_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(1);
+    cfg.ledger.generation_max_claims = std::num::NonZeroUsize::new(16_384).unwrap();
+    cfg.ledger.max_batch = std::num::NonZeroUsize::new(1_024).unwrap();
+    let ledger = Ledger::open(dir.path(), &cfg, clock()).unwrap();
+    let busy = ledger.subscriber("busy").unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let mut most = 0;
+    for chunk in 0..200u64 {
+        let jobs: Vec<Job> = (chunk * 1_000..(chunk + 1) * 1_000)
+            .map(|i| {
+                let id = format!("b-{i}");
+                let key = key_hash(id.as_bytes());
+                Job::new(i, busy.id, key, fingerprint(b"{}"), &id, b"{}", tx.clone())
+            })
+            .collect();
+        ledger.submit(0, jobs).unwrap();
+        let mut got = 0;
+        while got < 1_000 {
+            let done = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+            assert!(done.iter().all(|d| d.outcome == Outcome::Processed));
+            got += done.len();
+        }
+        most = most.max(ledger.metrics()[0].spare_index_bytes);
+    }
+    let report = ledger.report().unwrap();
+    assert!(report.subscribers[0].sealed_generations >= 8);
+    // 17,408 claims (a generation and a batch): 2^15 slots of 49 bytes.
+    let one = (1u64 << 15) * 49;
+    assert!(most > 0, "no spare index was ever kept");
+    assert!(most <= one, "{most} bytes of spare indexes, one is {one}");
     ledger.close().unwrap();
 }
 

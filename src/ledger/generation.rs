@@ -52,9 +52,18 @@ impl Hasher for KeyHasher {
 
 pub(crate) type KeyMap = HashMap<u128, ClaimRecord, BuildHasherDefault<KeyHasher>>;
 
-/// Approximate heap bytes of a key map (bucket array with control bytes).
+/// Heap bytes of a key map: its bucket array (a power of two at most 7/8 full, so
+/// `capacity()` is 7/8 of it) with one control byte per bucket.
 pub(crate) fn map_bytes(map: &KeyMap) -> usize {
-    map.capacity() * (16 + super::record::CLAIM_LEN + 1)
+    let cap = map.capacity();
+    let buckets = if cap == 0 {
+        0
+    } else if cap < 8 {
+        (cap + 1).next_power_of_two()
+    } else {
+        (cap * 8).div_ceil(7).next_power_of_two()
+    };
+    buckets * (std::mem::size_of::<(u128, ClaimRecord)>() + 1)
 }
 
 /// The generation receiving new claims.

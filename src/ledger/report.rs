@@ -114,6 +114,8 @@ pub struct ShardMetrics {
     /// needed none because every other shard's presence ruled them out (`presence.rs`).
     pub probed_keys: u64,
     pub unprobed_keys: u64,
+    /// Emptied full-size indexes kept for the next active generation (at most one).
+    pub spare_index_bytes: u64,
 }
 
 impl Ledger {

@@ -508,7 +508,7 @@ impl Shard {
     /// Records a claim of `job` in memory and in the batch's log row, with the placement
     /// bit it needs (durable once the batch commits).
     fn claim(&mut self, idx: usize, job: &Job, claim: ClaimRecord, now: u64) {
-        let presize = self.ctx.config.generation_max_claims.get();
+        let presize = self.ctx.config.full_index_claims();
         if let Some(st) = self.subs[idx].as_mut() {
             insert_claim(
                 st,
@@ -816,7 +816,10 @@ fn make_room(map: &mut KeyMap, presize: usize, spare: &mut Vec<KeyMap>) {
 #[cfg(test)]
 mod tests {
     use super::{make_room, KeyMap, MOVE_TO_FULL_AT};
+    use crate::config::LedgerConfig;
+    use crate::ledger::generation::{map_bytes, resident_map};
     use crate::ledger::record::ClaimRecord;
+    use std::num::NonZeroUsize;
 
     const C: ClaimRecord = ClaimRecord {
         fingerprint: 0,
@@ -833,6 +836,35 @@ mod tests {
             m.insert(k, C);
         }
         m
+    }
+
+    /// A generation seals after the batch that filled it, so its index takes up to one
+    /// batch more. Sized for the generation alone, a generation size at 7/8 of a power of
+    /// two (458,752 = 7/8 of 2^19) rehashed into twice the slots inside that last batch.
+    #[test]
+    fn a_full_index_takes_the_batch_that_fills_its_generation_without_growing() {
+        for claims in [458_752, 440_000, 1 << 19, 1_000] {
+            let cfg = LedgerConfig {
+                generation_max_claims: NonZeroUsize::new(claims).unwrap(),
+                ..LedgerConfig::default()
+            };
+            let mut map = resident_map(cfg.full_index_claims());
+            let (capacity, bytes) = (map.capacity(), map_bytes(&map));
+            let mut k = 0u128;
+            while map.len() < claims - 1 + cfg.max_batch.get() {
+                k += 1;
+                map.insert(k, C);
+            }
+            assert_eq!(
+                map.capacity(),
+                capacity,
+                "{claims}: the last batch rehashed"
+            );
+            assert_eq!(map_bytes(&map), bytes);
+        }
+        // The default fills 2^19 slots of 49 bytes (24.5 MiB), not 2^20.
+        let default = resident_map(LedgerConfig::default().full_index_claims());
+        assert_eq!(map_bytes(&default), (1 << 19) * 49);
     }
 
     #[test]

@@ -402,9 +402,10 @@ impl Shard {
         if let Some(done) = st.sealing.take() {
             if let Ok(mut map) = Arc::try_unwrap(done.map) {
                 // Only full-size indexes are worth keeping: small ones belong to quiet
-                // subscribers and would make a busy one grow in place.
-                let full = map.capacity() >= self.ctx.config.generation_max_claims.get();
-                if self.spare_maps.len() < 2 && full {
+                // subscribers and would make a busy one grow in place. One spare is
+                // enough (the next seal returns another); each is ~25-50 MB.
+                let full = map.capacity() >= self.ctx.config.full_index_claims();
+                if self.spare_maps.is_empty() && full {
                     map.clear();
                     self.spare_maps.push(map);
                 }
@@ -478,13 +479,29 @@ impl Shard {
         Ok(true)
     }
 
-    /// Keeps one resident index ready for the next active generation.
+    /// Keeps one resident index ready for the next active generation: a fresh one only
+    /// when no sealing generation will hand its index back (a third full-size index per
+    /// shard was ~50 MB of resident memory for nothing), and reports the spare's size.
     pub(super) fn request_spare_map(&mut self) {
-        if self.spare_maps.is_empty() && !self.map_requested {
+        let returning = self.subs.iter().flatten().any(|st| {
+            st.sealing
+                .as_ref()
+                .is_some_and(|s| s.map.capacity() >= self.ctx.config.full_index_claims())
+        });
+        if self.spare_maps.is_empty() && !self.map_requested && !returning {
             self.map_requested = self.ctx.builder.send(BuildJob::PrepareMap {
-                capacity: self.ctx.config.generation_max_claims.get(),
+                capacity: self.ctx.config.full_index_claims(),
                 reply: self.built_tx.clone(),
             });
+        }
+        let spare = self.spare_maps.iter().map(map_bytes).sum::<usize>() as u64;
+        if spare != self.spare_bytes {
+            self.spare_bytes = spare;
+            self.ctx
+                .metrics
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .spare_index_bytes = spare;
         }
     }
 

@@ -46,8 +46,8 @@ use redb::{
 use super::claimblock::{self, BlockError, BlockWriter};
 use super::filter::GenFilter;
 use super::generation::{
-    merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob, SealedGen,
-    SealingGen, SubState,
+    map_bytes, merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob,
+    SealedGen, SealingGen, SubState,
 };
 use super::placement::{self, Acquire, InFlight, Placement};
 use super::record::{ClaimRecord, GenMeta, GenState, LogRow, FORMAT_VERSION};
@@ -220,6 +220,8 @@ pub(crate) struct Shard {
     /// VM (measured); a recycled table is already resident.
     spare_maps: Vec<KeyMap>,
     map_requested: bool,
+    /// Bytes of `spare_maps` last reported in the shard's metrics.
+    spare_bytes: u64,
     /// Log tables of sealed generations, emptied a few rows per batch. A crash leaves them
     /// as orphans that `recover` deletes.
     retired_logs: std::collections::VecDeque<String>,

@@ -56,6 +56,7 @@ impl Shard {
             failed: None,
             spare_maps: Vec::new(),
             map_requested: false,
+            spare_bytes: 0,
             retired_logs: Default::default(),
             retired_claims: Default::default(),
             retries: Default::default(),
