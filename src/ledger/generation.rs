@@ -22,7 +22,7 @@ use std::sync::Arc;
 use crossbeam_channel::{unbounded, Sender};
 
 use super::claimblock::BlockWriter;
-use super::filter::GenFilter;
+use super::filter::{FilterBuilder, GenFilter};
 use super::record::ClaimRecord;
 use super::SubscriberId;
 
@@ -111,14 +111,13 @@ pub(crate) struct MergeJob {
     pub cursor_newer: Option<u128>,
     pub older_done: bool,
     pub newer_done: bool,
-    /// The filter's 64-bit halves of the merged keys (`GenFilter::from_halves`): 8 bytes a
-    /// claim held until the filter is built, not the 16 of the whole key.
-    pub keys: Vec<u64>,
+    /// The output's filter, built as its claims are written.
+    pub filter_builder: Option<FilterBuilder>,
     /// Merged claims not yet written: the block being filled.
     pub writer: BlockWriter,
     pub count: u64,
     pub max_expires_ms: u64,
-    /// Set once every entry is written and the filter was requested.
+    /// Set once every entry is written and `filter` holds the output's filter.
     pub waiting_for_filter: bool,
     pub filter: Option<GenFilter>,
 }
@@ -214,6 +213,11 @@ impl SubState {
             .sum::<u64>()
             + self.state_buf.filter_bytes()
             + self
+                .merging
+                .as_ref()
+                .and_then(|m| m.filter_builder.as_ref())
+                .map_or(0, |f| f.memory_bytes() as u64)
+            + self
                 .presence
                 .as_ref()
                 .map_or(0, |p| p.memory_bytes() as u64)
@@ -248,13 +252,6 @@ pub(crate) enum BuildJob {
         capacity: usize,
         reply: Sender<Built>,
     },
-    /// Build the filter of a merged generation.
-    Filter {
-        sub: SubscriberId,
-        table_id: u64,
-        keys: Vec<u64>,
-        reply: Sender<Built>,
-    },
 }
 
 /// Results sent back to the shard that asked.
@@ -263,11 +260,6 @@ pub(crate) enum Built {
         sub: SubscriberId,
         table_id: u64,
         entries: Vec<(u128, ClaimRecord)>,
-        filter: GenFilter,
-    },
-    Merged {
-        sub: SubscriberId,
-        table_id: u64,
         filter: GenFilter,
     },
     Map(KeyMap),
@@ -307,19 +299,6 @@ impl Builder {
                         }
                         BuildJob::PrepareMap { capacity, reply } => {
                             let _ = reply.send(Built::Map(resident_map(capacity)));
-                        }
-                        BuildJob::Filter {
-                            sub,
-                            table_id,
-                            keys,
-                            reply,
-                        } => {
-                            let filter = GenFilter::from_halves(keys);
-                            let _ = reply.send(Built::Merged {
-                                sub,
-                                table_id,
-                                filter,
-                            });
                         }
                     }
                 }

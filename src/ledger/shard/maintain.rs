@@ -543,19 +543,6 @@ impl Shard {
                 self.map_requested = false;
                 self.spare_maps.push(map);
             }
-            Built::Merged {
-                sub,
-                table_id,
-                filter,
-            } => {
-                if let Some(Some(st)) = self.subs.get_mut(sub.0 as usize) {
-                    if let Some(m) = st.merging.as_mut().filter(|m| m.out_table == table_id) {
-                        m.keys.clear();
-                        m.keys.shrink_to_fit();
-                        m.filter = Some(filter);
-                    }
-                }
-            }
         }
     }
 

@@ -1,7 +1,7 @@
 //! Merging two neighbouring sealed generations of a subscriber into one, slice by slice
 //! inside maintenance transactions: both sorted tables are read from a cursor, merged with
-//! expired claims dropped, and written to a new table; once both are consumed, the new
-//! table's filter is built on the builder thread, and the transaction that records it
+//! expired claims dropped, and written to a new table with its filter built key by key;
+//! once both are consumed, the transaction that records the new table and its filter
 //! deletes the two inputs, so a lookup sees either both inputs or the merged table.
 
 use super::*;
@@ -23,6 +23,7 @@ impl Shard {
         };
         let out_table = self.next_table_id;
         self.next_table_id += 1;
+        let at_most = st.sealed[i].count + st.sealed[i + 1].count;
         st.merging = Some(MergeJob {
             older: st.sealed[i].table_id,
             newer: st.sealed[i + 1].table_id,
@@ -31,7 +32,7 @@ impl Shard {
             cursor_newer: None,
             older_done: false,
             newer_done: false,
-            keys: Vec::new(),
+            filter_builder: Some(FilterBuilder::for_at_most(at_most as usize)),
             writer: BlockWriter::default(),
             count: 0,
             max_expires_ms: 0,
@@ -41,7 +42,7 @@ impl Shard {
         true
     }
 
-    /// One slice of a merge, or its completion once the filter is built.
+    /// One slice of a merge, or its completion once every claim is written.
     pub(super) fn merge_step(
         &mut self,
         st: &mut SubState,
@@ -58,8 +59,8 @@ impl Shard {
         self.copy_merge_slice(st, txn, now, budget)
     }
 
-    /// Once the merged table's filter is built: replaces the two input generations by the
-    /// merged one. Returns whether it wrote anything.
+    /// Once every claim of the merged table is written: replaces the two input generations
+    /// by the merged one. Returns whether it wrote anything.
     fn finish_merge(
         &mut self,
         st: &mut SubState,
@@ -116,8 +117,8 @@ impl Shard {
     }
 
     /// Merges the next slice of both inputs (at most `budget` claims read) into the output
-    /// table, dropping expired claims; once both inputs are consumed, asks the builder for
-    /// the output's filter.
+    /// table and its filter, dropping expired claims; once both inputs are consumed, the
+    /// filter is complete.
     fn copy_merge_slice(
         &mut self,
         st: &mut SubState,
@@ -153,7 +154,9 @@ impl Shard {
             for (k, r) in &out {
                 m.writer.push(*k, r);
                 m.max_expires_ms = m.max_expires_ms.max(r.expires_at_ms);
-                m.keys.push(crate::ledger::filter::half(*k));
+                if let Some(f) = m.filter_builder.as_mut() {
+                    f.insert(*k);
+                }
                 if m.writer.is_full() {
                     if let Some((key, block)) = m.writer.take() {
                         t.insert(key, block.as_slice()).map_err(|e| self.err(e))?;
@@ -179,18 +182,7 @@ impl Shard {
         m.count += out.len() as u64;
         if finished {
             m.waiting_for_filter = true;
-            let sent = self.ctx.builder.send(BuildJob::Filter {
-                sub: st.id,
-                table_id: m.out_table,
-                keys: std::mem::take(&mut m.keys),
-                reply: self.built_tx.clone(),
-            });
-            if !sent {
-                tracing::error!(
-                    shard = self.ctx.index,
-                    "generation builder is gone; merging stalls"
-                );
-            }
+            m.filter = m.filter_builder.take().map(FilterBuilder::finish);
         }
         Ok(true)
     }

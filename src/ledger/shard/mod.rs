@@ -44,7 +44,7 @@ use redb::{
 };
 
 use super::claimblock::{self, BlockError, BlockWriter};
-use super::filter::GenFilter;
+use super::filter::{FilterBuilder, GenFilter};
 use super::generation::{
     map_bytes, merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob,
     SealedGen, SealingGen, SubState,
