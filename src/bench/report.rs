@@ -67,9 +67,10 @@ impl fmt::Display for BenchReport {
         }
         writeln!(
             f,
-            "memory   {:.2} B/key RSS beyond the empty engine's {:.1} MiB (max RSS {:.1} MiB); engine's own count: {:.2} B/key in indexes, {:.2} B/key in filters; {} keys",
+            "memory   {:.2} B/key RSS beyond the empty engine's {:.1} MiB ({:.2} B/key once freed memory is returned; max RSS {:.1} MiB); engine's own count: {:.2} B/key in indexes, {:.2} B/key in filters; {} keys",
             r.rss_bytes_per_key,
             r.rss_base_bytes as f64 / 1048576.0,
+            r.rss_collected_bytes_per_key,
             r.rss_max_bytes as f64 / 1048576.0,
             r.index_bytes_per_key,
             r.filter_bytes_per_key,
