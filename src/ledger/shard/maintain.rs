@@ -72,6 +72,7 @@ impl Shard {
         budget: usize,
         seal_all: bool,
     ) -> Result<bool, LedgerError> {
+        let started = Instant::now();
         let mut did = false;
         while let Ok(built) = self.built_rx.try_recv() {
             self.attach_built(built);
@@ -113,16 +114,16 @@ impl Shard {
             &self.ctx.registry,
         )
         .map_err(|e| self.err(e))?;
-        did |= self.trim_retired_log(
-            txn,
-            if budget >= IDLE_SLICE {
-                64
-            } else {
-                RETIRE_ROWS
-            },
-        )?;
+        let in_batch = budget < IDLE_SLICE;
+        let defer = in_batch && !self.trims_deferred && t_subs - started >= TRIM_DEFER_AFTER;
+        self.trims_deferred = defer;
+        if !defer {
+            did |= self.trim_retired_log(txn, if in_batch { RETIRE_ROWS } else { 64 })?;
+        }
         let t_log = Instant::now();
-        did |= self.trim_retired_claims(txn, budget.saturating_mul(RETIRE_FACTOR))?;
+        if !defer {
+            did |= self.trim_retired_claims(txn, budget.saturating_mul(RETIRE_FACTOR))?;
+        }
         let t_end = Instant::now();
         if t_end - t_subs > Duration::from_millis(15) {
             tracing::debug!(

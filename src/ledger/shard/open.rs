@@ -57,6 +57,7 @@ impl Shard {
             spare_maps: Vec::new(),
             map_requested: false,
             spare_bytes: 0,
+            trims_deferred: false,
             retired_logs: Default::default(),
             retired_claims: Default::default(),
             retries: Default::default(),
