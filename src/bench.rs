@@ -278,10 +278,8 @@ pub fn run(
     let acked = acker
         .join()
         .map_err(|_| BenchError::Naive("acker panicked".into()))?;
-    let rss = (rss_base, rss_end);
+    let rss = (rss_base, rss_end, rss_collected);
     let mut report = assemble(params, &driven, &acked, &measured, elapsed, rss);
-    report.rss_collected_bytes = rss_collected;
-    report.rss_collected_bytes_per_key = bytes_per_key(rss_collected, rss_base, report.stored_keys);
     report.data_dir = data_dir;
     report.disk_bytes = crate::ledger::dir_bytes(&report.data_dir);
     report.disk_bytes_per_key = report.disk_bytes as f64 / report.stored_keys.max(1) as f64;
@@ -549,7 +547,7 @@ fn assemble(
     acked: &AckerResult,
     measured: &Measured,
     elapsed: Duration,
-    (rss_base, rss_end): (u64, u64),
+    (rss_base, rss_end, rss_collected): (u64, u64, u64),
 ) -> BenchReport {
     let m = &measured.metrics;
     let max_ms = |f: fn(&crate::ledger::ShardMetrics) -> u64| {
@@ -587,8 +585,8 @@ fn assemble(
         rss_base_bytes: rss_base,
         rss_end_bytes: rss_end,
         rss_max_bytes: acked.rss_max.max(rss_end),
-        rss_collected_bytes: 0,
-        rss_collected_bytes_per_key: 0.0,
+        rss_collected_bytes: rss_collected,
+        rss_collected_bytes_per_key: bytes_per_key(rss_collected, rss_base, stored_keys),
         max_commit_ms: max_ms(|m| m.max_commit_us),
         rss_bytes_per_key: bytes_per_key(rss_end, rss_base, stored_keys),
         index_bytes_per_key: index_bytes as f64 / stored_keys.max(1) as f64,

@@ -666,30 +666,11 @@ fn claim_indexes_grow_with_their_claims() {
         );
     }
     // In batches of 1,000 (one commit each), as a busy source submits.
-    let busy = ledger.subscriber("busy").unwrap();
-    let (tx, rx) = unbounded::<Vec<Done>>();
     let mut outcomes = Vec::new();
     for round in 0..2 {
         for chunk in 0..40 {
-            let ids: Vec<String> = (chunk * 1_000..(chunk + 1) * 1_000)
-                .map(|i| format!("b-{i}"))
-                .collect();
-            let mut by_shard: Vec<Vec<Job>> =
-                (0..ledger.shard_count()).map(|_| Vec::new()).collect();
-            for id in &ids {
-                let key = key_hash(id.as_bytes());
-                let job = Job::new(1, busy.id, key, fingerprint(b"{}"), id, b"{}", tx.clone());
-                by_shard[ledger.route(key)].push(job);
-            }
-            for (shard, jobs) in by_shard.into_iter().enumerate() {
-                ledger.submit(shard, jobs).unwrap();
-            }
-            let mut got = 0;
-            while got < ids.len() {
-                let done = rx.recv_timeout(Duration::from_secs(30)).unwrap();
-                got += done.len();
-                outcomes.extend(done.into_iter().map(|d| (round, d.outcome)));
-            }
+            let done = deliver_chunk(&ledger, "busy", chunk * 1_000..(chunk + 1) * 1_000);
+            outcomes.extend(done.into_iter().map(|o| (round, o)));
         }
     }
     let want = |round: i32| {
@@ -727,6 +708,30 @@ fn claim_indexes_grow_with_their_claims() {
     ledger.close().unwrap();
 }
 
+/// Delivers `b-<i>` for every `i` of `range` to `sub` as one batch per shard (one commit
+/// each, as a busy source submits) and returns their outcomes.
+fn deliver_chunk(ledger: &Ledger, sub: &str, range: std::ops::Range<u64>) -> Vec<Outcome> {
+    let s = ledger.subscriber(sub).unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    let mut by_shard: Vec<Vec<Job>> = (0..ledger.shard_count()).map(|_| Vec::new()).collect();
+    let n = range.end - range.start;
+    for i in range {
+        let id = format!("b-{i}");
+        let key = key_hash(id.as_bytes());
+        let job = Job::new(1, s.id, key, fingerprint(b"{}"), &id, b"{}", tx.clone());
+        by_shard[ledger.route(key)].push(job);
+    }
+    for (shard, jobs) in by_shard.into_iter().enumerate() {
+        ledger.submit(shard, jobs).unwrap();
+    }
+    let mut outcomes = Vec::new();
+    while (outcomes.len() as u64) < n {
+        let done = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        outcomes.extend(done.into_iter().map(|d| d.outcome));
+    }
+    outcomes
+}
+
 /// A shard keeps one emptied full-size index ready for its next generation, not two: with
 /// the builder's prepared one and each sealed generation's both kept, a shard held two
 /// spares (~100 MB at the default generation size, a third of a 30M-claim run's resident
@@ -738,24 +743,10 @@ fn a_shard_keeps_at_most_one_spare_index() {
     cfg.ledger.generation_max_claims = std::num::NonZeroUsize::new(16_384).unwrap();
     cfg.ledger.max_batch = std::num::NonZeroUsize::new(1_024).unwrap();
     let ledger = Ledger::open(dir.path(), &cfg, clock()).unwrap();
-    let busy = ledger.subscriber("busy").unwrap();
-    let (tx, rx) = unbounded::<Vec<Done>>();
     let mut most = 0;
     for chunk in 0..200u64 {
-        let jobs: Vec<Job> = (chunk * 1_000..(chunk + 1) * 1_000)
-            .map(|i| {
-                let id = format!("b-{i}");
-                let key = key_hash(id.as_bytes());
-                Job::new(i, busy.id, key, fingerprint(b"{}"), &id, b"{}", tx.clone())
-            })
-            .collect();
-        ledger.submit(0, jobs).unwrap();
-        let mut got = 0;
-        while got < 1_000 {
-            let done = rx.recv_timeout(Duration::from_secs(30)).unwrap();
-            assert!(done.iter().all(|d| d.outcome == Outcome::Processed));
-            got += done.len();
-        }
+        let done = deliver_chunk(&ledger, "busy", chunk * 1_000..(chunk + 1) * 1_000);
+        assert!(done.iter().all(|o| *o == Outcome::Processed));
         most = most.max(ledger.metrics()[0].spare_index_bytes);
     }
     let report = ledger.report().unwrap();

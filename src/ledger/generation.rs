@@ -117,8 +117,7 @@ pub(crate) struct MergeJob {
     pub writer: BlockWriter,
     pub count: u64,
     pub max_expires_ms: u64,
-    /// Set once every entry is written and `filter` holds the output's filter.
-    pub waiting_for_filter: bool,
+    /// The finished filter, once every claim is written: the next step finishes the merge.
     pub filter: Option<GenFilter>,
 }
 

@@ -615,12 +615,11 @@ impl Shard {
                 }
             };
             first = false;
-            let waiting = self.subs.iter().flatten().any(|s| {
-                s.sealing.as_ref().is_some_and(|g| g.built.is_none())
-                    || s.merging
-                        .as_ref()
-                        .is_some_and(|m| m.waiting_for_filter && m.filter.is_none())
-            });
+            let waiting = self
+                .subs
+                .iter()
+                .flatten()
+                .any(|s| s.sealing.as_ref().is_some_and(|g| g.built.is_none()));
             if waiting {
                 if let Ok(b) = self.built_rx.recv_timeout(Duration::from_secs(60)) {
                     self.attach_built(b);

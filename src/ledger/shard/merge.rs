@@ -36,7 +36,6 @@ impl Shard {
             writer: BlockWriter::default(),
             count: 0,
             max_expires_ms: 0,
-            waiting_for_filter: false,
             filter: None,
         });
         true
@@ -53,7 +52,7 @@ impl Shard {
         let Some(m) = st.merging.as_ref() else {
             return Ok(false);
         };
-        if m.waiting_for_filter {
+        if m.filter.is_some() {
             return self.finish_merge(st, txn);
         }
         self.copy_merge_slice(st, txn, now, budget)
@@ -181,7 +180,6 @@ impl Shard {
         }
         m.count += out.len() as u64;
         if finished {
-            m.waiting_for_filter = true;
             m.filter = m.filter_builder.take().map(FilterBuilder::finish);
         }
         Ok(true)
