@@ -117,8 +117,12 @@ pub(crate) struct MergeJob {
     pub writer: BlockWriter,
     pub count: u64,
     pub max_expires_ms: u64,
-    /// The finished filter, once every claim is written: the next step finishes the merge.
+    /// The finished filter, once every claim is written: the next step records it, the
+    /// one after finishes the merge.
     pub filter: Option<GenFilter>,
+    /// Whether the finished filter's `filters_v1` row is written (in an earlier
+    /// transaction than the finish; `recover` deletes it with an unfinished output).
+    pub filter_recorded: bool,
 }
 
 /// Everything a shard knows about one subscriber.

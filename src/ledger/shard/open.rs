@@ -319,6 +319,15 @@ impl Shard {
                 tracing::info!(shard = self.ctx.index, table = %name, "removing leftover of interrupted sealing or merging");
                 txn.delete_table(claims_def(&name))
                     .map_err(|e| self.err(e))?;
+                // A merge records its output's filter one transaction before the finish.
+                if let Some((sub, id)) = name
+                    .strip_prefix(tables::CLAIMS_PREFIX)
+                    .and_then(|rest| rest.rsplit_once('/'))
+                    .and_then(|(sub, id)| Some((sub, id.parse::<u64>().ok()?)))
+                {
+                    let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
+                    filters.remove((sub, id)).map_err(|e| self.err(e))?;
+                }
             }
         }
         Ok(())
