@@ -34,6 +34,12 @@ pub fn claims_name(subscriber: &str, table_id: u64) -> String {
     format!("{CLAIMS_PREFIX}{subscriber}/{table_id}")
 }
 
+/// The subscriber and table id of a [`claims_name`].
+pub fn claims_generation(table: &str) -> Option<(&str, u64)> {
+    let (sub, id) = table.strip_prefix(CLAIMS_PREFIX)?.rsplit_once('/')?;
+    Some((sub, id.parse().ok()?))
+}
+
 /// The format-5 table of a sealed generation: key hash -> encoded claim.
 pub fn legacy_claims_name(subscriber: &str, table_id: u64) -> String {
     format!("{LEGACY_CLAIMS_PREFIX}{subscriber}/{table_id}")
@@ -215,6 +221,12 @@ mod tests {
         assert_eq!(claims_name("billing", 17), "claimblk_v1/billing/17");
         assert_eq!(legacy_claims_name("billing", 17), "claims_v1/billing/17");
         assert_eq!(log_name("a.b", 3), "claimlog_v1/a.b/3");
+        assert_eq!(
+            claims_generation(&claims_name("a/b", 17)),
+            Some(("a/b", 17))
+        );
+        assert_eq!(claims_generation(&log_name("a", 3)), None);
+        assert_eq!(claims_generation("claimblk_v1/a/x"), None);
     }
 
     /// The names existing data directories hold: changing one would lose their content.

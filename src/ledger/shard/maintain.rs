@@ -373,6 +373,7 @@ impl Shard {
             s.created_at_ms,
             std::mem::take(&mut s.extra_logs),
         );
+        self.write_filter_row(txn, &st.name, table_id, &filter)?;
         self.commit_sealed(
             txn,
             st,
@@ -384,7 +385,6 @@ impl Shard {
                 created_at_ms: created,
                 filter: Arc::new(filter),
             },
-            FilterRow::Write,
         )?;
         if let Some(p) = st.presence.as_mut() {
             p.sealed(SubState::sealed_filters(&st.sealed));
@@ -548,15 +548,30 @@ impl Shard {
         }
     }
 
-    /// Records a complete sorted table as a sealed generation: its `Sealed` row and, unless
-    /// an earlier transaction wrote it, its filter in this transaction (I3), and its place
-    /// in the recency order in memory.
+    /// A sealed or merged generation's `filters_v1` row: in the transaction of its
+    /// `Sealed` row for a seal, one transaction earlier for a merge (`merge.rs`).
+    pub(super) fn write_filter_row(
+        &self,
+        txn: &WriteTransaction,
+        sub: &str,
+        table_id: u64,
+        filter: &GenFilter,
+    ) -> Result<(), LedgerError> {
+        let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
+        filters
+            .insert((sub, table_id), filter.encode().as_slice())
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// Records a complete sorted table, whose filter row is written, as a sealed
+    /// generation: its `Sealed` row in this transaction (I3), and its place in the recency
+    /// order in memory.
     pub(super) fn commit_sealed(
         &self,
         txn: &WriteTransaction,
         st: &mut SubState,
         gen: SealedGen,
-        filter_row: FilterRow,
     ) -> Result<(), LedgerError> {
         let meta = GenMeta {
             state: GenState::Sealed,
@@ -565,12 +580,6 @@ impl Shard {
             max_expires_ms: gen.max_expires_ms,
             created_at_ms: gen.created_at_ms,
         };
-        if filter_row == FilterRow::Write {
-            let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
-            filters
-                .insert((&*st.name, gen.table_id), gen.filter.encode().as_slice())
-                .map_err(|e| self.err(e))?;
-        }
         let mut gens = txn
             .open_table(tables::GENERATIONS)
             .map_err(|e| self.err(e))?;
@@ -636,14 +645,6 @@ impl Shard {
             }
         }
     }
-}
-
-/// Whether [`Shard::commit_sealed`] writes the generation's `filters_v1` row or finds it
-/// written by an earlier transaction of the same merge.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum FilterRow {
-    Write,
-    Written,
 }
 
 /// Whether an active generation is due to be sealed: full, old, or all are being sealed.

@@ -5,7 +5,6 @@
 //! the new table and deletes the two inputs, so a lookup sees either both inputs or the
 //! merged table.
 
-use super::maintain::FilterRow;
 use super::*;
 
 impl Shard {
@@ -52,42 +51,27 @@ impl Shard {
         now: u64,
         budget: usize,
     ) -> Result<bool, LedgerError> {
-        let Some(m) = st.merging.as_ref() else {
-            return Ok(false);
-        };
-        match (&m.filter, m.filter_recorded) {
-            (Some(_), false) => self.record_merged_filter(st, txn),
-            (Some(_), true) => self.finish_merge(st, txn),
-            (None, _) => self.copy_merge_slice(st, txn, now, budget),
-        }
-    }
-
-    /// Writes the finished output's filter row, one transaction before the finish: a
-    /// filter of a 4M-claim merge is one redb value of ~8 MB, and its insert (1-3 ms
-    /// usually, 8-32 ms in about one finish of three) with the inputs' deletion made the
-    /// finish the slowest batch at 100M claims. Until the finish commits, the row belongs
-    /// to an unfinished output: nothing reads it, and `recover` deletes it with the output's
-    /// table after a crash.
-    fn record_merged_filter(
-        &mut self,
-        st: &mut SubState,
-        txn: &WriteTransaction,
-    ) -> Result<bool, LedgerError> {
         let Some(m) = st.merging.as_mut() else {
             return Ok(false);
         };
-        let Some(filter) = m.filter.as_ref() else {
-            return Ok(false);
-        };
-        let started = std::time::Instant::now();
-        let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
-        filters
-            .insert((&*st.name, m.out_table), filter.encode().as_slice())
-            .map_err(|e| self.err(e))?;
-        m.filter_recorded = true;
-        tracing::debug!(shard = self.ctx.index, subscriber = %st.name,
-            ms = started.elapsed().as_millis() as u64, "merged filter recorded");
-        Ok(true)
+        // The finished output's filter row goes one transaction before the finish: a
+        // filter of a 4M-claim merge is one redb value of ~8 MB, and its insert (1-3 ms
+        // usually, 8-32 ms in about one finish of three) with the inputs' deletion made
+        // the finish the slowest batch at 100M claims. Until the finish commits, the row
+        // belongs to an unfinished output: nothing reads it, and `recover` deletes it with
+        // the output's table after a crash.
+        match (&m.filter, m.filter_recorded) {
+            (Some(filter), false) => {
+                let started = std::time::Instant::now();
+                self.write_filter_row(txn, &st.name, m.out_table, filter)?;
+                m.filter_recorded = true;
+                tracing::debug!(shard = self.ctx.index, subscriber = %st.name,
+                    ms = started.elapsed().as_millis() as u64, "merged filter recorded");
+                Ok(true)
+            }
+            (Some(_), true) => self.finish_merge(st, txn),
+            (None, _) => self.copy_merge_slice(st, txn, now, budget),
+        }
     }
 
     /// Once every claim of the merged table is written: replaces the two input generations
@@ -132,7 +116,6 @@ impl Shard {
                 created_at_ms: created,
                 filter: Arc::new(filter),
             },
-            FilterRow::Written,
         )?;
         st.merging = None;
         if let Some(p) = &st.presence {

@@ -320,11 +320,7 @@ impl Shard {
                 txn.delete_table(claims_def(&name))
                     .map_err(|e| self.err(e))?;
                 // A merge records its output's filter one transaction before the finish.
-                if let Some((sub, id)) = name
-                    .strip_prefix(tables::CLAIMS_PREFIX)
-                    .and_then(|rest| rest.rsplit_once('/'))
-                    .and_then(|(sub, id)| Some((sub, id.parse::<u64>().ok()?)))
-                {
+                if let Some((sub, id)) = tables::claims_generation(&name) {
                     let mut filters = txn.open_table(tables::FILTERS).map_err(|e| self.err(e))?;
                     filters.remove((sub, id)).map_err(|e| self.err(e))?;
                 }
