@@ -22,7 +22,7 @@ pub struct HandlerMessage {
 }
 
 /// An outbound message queued by a handler, relayed after commit.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct OutboxMessage {
     /// Deterministic: derived from the incoming id and the emit's position.
     pub id: String,
@@ -30,6 +30,12 @@ pub struct OutboxMessage {
     pub key: Option<String>,
     pub headers: Vec<(String, String)>,
     pub payload: Vec<u8>,
+    /// The changelog partition holding this message's emitted record, when its subscriber
+    /// publishes a changelog (`source/kafka/changelog.rs`): the relay tombstones that
+    /// record once the broker acknowledged the message, so the partition's next owner
+    /// relays only what was not. Not part of the record.
+    #[serde(skip)]
+    pub changelog_partition: Option<i32>,
 }
 
 /// Everything one successful handler call wants to change, applied atomically with the

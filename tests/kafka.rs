@@ -144,6 +144,38 @@ fn read_all(bootstrap: &str, topic: &str, want: usize) -> Vec<OwnedMessage> {
     out
 }
 
+/// Every record of `topic` up to its end offsets now, read by assignment (no group, so no
+/// rebalance reads a record twice).
+fn read_to_end(bootstrap: &str, topic: &str) -> Vec<OwnedMessage> {
+    let ends = committed_and_end(bootstrap, "nobody", topic);
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "nobody")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..ends.len() as i32 {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&tpl).unwrap();
+    let want: i64 = ends.iter().map(|(_, end)| end).sum();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (out.len() as i64) < want && Instant::now() < deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+            out.push(m.detach());
+        }
+    }
+    assert_eq!(
+        out.len() as i64,
+        want,
+        "{topic}: every record up to {ends:?}"
+    );
+    out
+}
+
 fn header(m: &OwnedMessage, name: &str) -> Option<String> {
     m.headers()?
         .iter()
@@ -1425,6 +1457,94 @@ fn outbox_rows_leave_before_their_partitions_move() {
             "outbox rows relayed before the revoked partitions were released"
         ) > 0
     );
+}
+
+/// Issue 17: what a handler emitted survives the crash of its member and the loss of its
+/// disk. Member A relays the messages of the first 300 payments (so their emitted records
+/// in the changelog get the relay's tombstones) and stops; started again with a relay
+/// that polls every 60 s, it processes 300 more and is killed with kill -9 before relaying
+/// them, and its data directory is deleted. B, with an empty data directory, restores the
+/// partitions and relays exactly the 300 never relayed: every payment's message is on the
+/// topic once, with its `dedupd-message-id`, and B processes nothing again.
+#[test]
+fn emitted_messages_outlive_a_crashed_member_and_its_disk() {
+    let c = cluster();
+    let t = topic("outbox-crash");
+    let g = Members::new(&c, &t);
+    const HALF: usize = 300;
+    let recs: Vec<Rec<'_>> = (0..2 * HALF)
+        .map(|i| Rec {
+            key: ["a", "b", "c", "d", "e", "f"][i % 6],
+            headers: vec![("message-id", format!("p-{i}"))],
+            payload: format!(r#"{{"payment_id":"p-{i}","amount_cents":100}}"#),
+        })
+        .collect();
+    let config = |name: &str, poll: &str| -> PathBuf {
+        g.write_config(
+            name,
+            &format!(
+                "handler = {:?}",
+                component("payment_capture").display().to_string()
+            ),
+            &format!("commit_interval = \"100ms\"\n\n[kafka.outbox]\npoll_interval = \"{poll}\""),
+            "",
+        )
+    };
+    produce(&c.bootstrap, &t, &recs[..HALF]);
+    let (a, a_log) = g.spawn("a", &config("a", "100ms"));
+    wait_showing("A to process", Duration::from_secs(90), &a_log, || {
+        released_at_least(&a_log, HALF as u64)
+    });
+    let first = stop_and_summary(a, &a_log);
+    assert_eq!(first["kafka"]["outbox_relayed"], HALF, "{first}");
+
+    let (a, a_log) = g.spawn("a", &config("a", "60s"));
+    produce(&c.bootstrap, &t, &recs[HALF..]);
+    wait_showing(
+        "A to process again",
+        Duration::from_secs(90),
+        &a_log,
+        || released_at_least(&a_log, HALF as u64),
+    );
+    drop(a); // SIGKILL, with the second half's messages still in its outbox
+    std::fs::remove_dir_all(g.dir.path().join("a")).unwrap();
+    let on_topic = || -> i64 {
+        committed_and_end(&c.bootstrap, "nobody", "payments.captured")
+            .iter()
+            .map(|(_, end)| end)
+            .sum()
+    };
+    assert_eq!(on_topic(), HALF as i64, "A relayed the first half only");
+
+    let (b, b_log) = g.spawn("b", &config("b", "100ms"));
+    wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
+        log_has(&b_log, RESTORED) > 0
+    });
+    wait_showing("B to relay", Duration::from_secs(60), &b_log, || {
+        on_topic() >= 2 * HALF as i64
+    });
+    let summary = stop_and_summary(b, &b_log);
+    let relayed = read_to_end(&c.bootstrap, "payments.captured");
+    let payments: std::collections::BTreeSet<String> = relayed
+        .iter()
+        .filter_map(|m| m.key().map(|k| String::from_utf8_lossy(k).into_owned()))
+        .collect();
+    let ids: std::collections::BTreeSet<String> = relayed
+        .iter()
+        .map(|m| header(m, "dedupd-message-id").expect("every relayed row has its id"))
+        .collect();
+    assert_eq!(
+        payments.len(),
+        2 * HALF,
+        "every payment's message is relayed ({} on the topic); B's log:\n{}",
+        relayed.len(),
+        std::fs::read_to_string(&b_log).unwrap_or_default()
+    );
+    assert_eq!(ids.len(), 2 * HALF, "one message id per payment");
+    assert_eq!(on_topic(), 2 * HALF as i64, "none relayed twice: {summary}");
+    assert_eq!(summary["kafka"]["restored_emitted"], HALF, "{summary}");
+    assert_eq!(summary["kafka"]["outbox_relayed"], HALF, "{summary}");
+    assert_eq!(summary["kafka"]["processed"], 0, "{summary}");
 }
 
 /// Issue 17: with `changelog = true`, claims and handler state follow their partitions.

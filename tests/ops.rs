@@ -129,6 +129,7 @@ impl MessageHandler for SwitchableInstance {
             key: msg.key.clone(),
             headers: vec![("h".into(), "v".into())],
             payload: msg.payload.clone(),
+            changelog_partition: None,
         });
         (state, Ok(e))
     }

@@ -552,6 +552,7 @@ impl host::Host for HostState {
             key,
             headers,
             payload,
+            changelog_partition: None,
         });
         Ok(id)
     }

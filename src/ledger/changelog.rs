@@ -20,7 +20,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::{AckSender, ClaimRecord, Job, Origin, SubscriberId};
-use crate::effects::Effects;
+use crate::effects::{Effects, OutboxMessage};
 
 /// One processed message as a changelog carries it: its claim and the state it wrote, as
 /// the handler wrote it (unscoped; `entity` names the scope).
@@ -40,6 +40,12 @@ pub struct Change {
     pub state: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     pub uniques: BTreeSet<Vec<u8>>,
     pub versions: BTreeMap<String, u64>,
+    /// Messages the handler emitted (outbox rows). Each is published as a record of its
+    /// own (its *emitted record*), which the relay tombstones once the broker acknowledged
+    /// the message; a restore puts those without a tombstone back into the outbox. Not
+    /// part of the change's record.
+    #[serde(skip)]
+    pub emitted: Vec<OutboxMessage>,
     /// Where the message came from; the sink routes the change by it. Not published.
     #[serde(skip)]
     pub origin: Option<Origin>,
@@ -54,7 +60,8 @@ pub struct Change {
 
 impl Change {
     pub(crate) fn new(job: &Job, claim: ClaimRecord, effects: Option<Effects>) -> Change {
-        let effects = effects.unwrap_or_default();
+        let mut effects = effects.unwrap_or_default();
+        let emitted = std::mem::take(&mut effects.outbox);
         Change {
             key: job.key,
             id: job.id.to_string(),
@@ -66,6 +73,7 @@ impl Change {
             state: effects.state,
             uniques: effects.uniques,
             versions: effects.versions,
+            emitted,
             origin: job.origin.clone(),
             snapshot: false,
         }
@@ -108,6 +116,7 @@ impl Change {
             state,
             uniques,
             versions,
+            emitted: Vec::new(),
             origin: None,
             snapshot: false,
         };
@@ -276,6 +285,7 @@ mod tests {
             ]),
             uniques: BTreeSet::from([b"u".to_vec()]),
             versions: BTreeMap::from([("v".to_string(), 4)]),
+            emitted: Vec::new(),
             origin: None,
             snapshot: true,
         };
@@ -320,11 +330,23 @@ mod tests {
         effects.state.insert(b"gone".to_vec(), None);
         effects.uniques.insert(b"label\0a".to_vec());
         effects.versions.insert("v".into(), 4);
-        let change = Change::new(&job, claim, Some(effects.clone()));
+        let emitted = OutboxMessage {
+            id: "m-1#emit#1".into(),
+            topic: "out".into(),
+            key: None,
+            headers: Vec::new(),
+            payload: b"x".to_vec(),
+            changelog_partition: Some(2),
+        };
+        let mut with_outbox = effects.clone();
+        with_outbox.outbox.push(emitted.clone());
+        let change = Change::new(&job, claim, Some(with_outbox));
         assert_eq!(change.claim(), claim);
         assert_eq!((change.key, change.id.as_str()), (42, "m-1"));
         assert!(change.has_effects());
+        // Emitted messages travel as records of their own, not in the change's effects.
         assert_eq!(change.effects(), effects);
+        assert_eq!(change.emitted, [emitted]);
         let restore = Job::restore(
             1,
             SubscriberId(3),

@@ -89,6 +89,10 @@ pub struct OutboxRow {
     pub headers: Vec<(String, String)>,
     pub payload: Vec<u8>,
     pub written_at_ms: u64,
+    /// The changelog partition holding the message's emitted record: the Kafka relay
+    /// tombstones it there once the broker acknowledged the message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changelog_partition: Option<i32>,
 }
 
 fn parse_id(id: &str) -> Option<(usize, u64)> {
@@ -426,11 +430,46 @@ impl Ledger {
                     key: r.key,
                     headers: r.headers,
                     written_at_ms: r.written_at_ms,
+                    changelog_partition: r.changelog_partition,
                 });
             }
         }
         out.truncate(limit);
         Ok(out)
+    }
+
+    /// Puts messages a changelog restore found emitted and not relayed back into the
+    /// outbox of `subscriber` (one durable transaction on shard 0), except those whose id is
+    /// pending already (this data directory wrote them before), and wakes the relay.
+    /// Returns how many rows it wrote.
+    pub fn outbox_restore(
+        &self,
+        subscriber: &str,
+        messages: Vec<crate::effects::OutboxMessage>,
+    ) -> Result<u64, LedgerError> {
+        if messages.is_empty() {
+            return Ok(0);
+        }
+        let pending: std::collections::HashSet<String> = self
+            .outbox_pending(usize::MAX)?
+            .into_iter()
+            .filter(|r| r.subscriber == subscriber)
+            .map(|r| r.message_id)
+            .collect();
+        let messages: Vec<_> = messages
+            .into_iter()
+            .filter(|m| !pending.contains(&m.id))
+            .collect();
+        let n = messages.len() as u64;
+        if n > 0 {
+            self.ask(0, |reply| Control::OutboxWrite {
+                subscriber: subscriber.to_string(),
+                messages,
+                reply,
+            })?;
+            self.wake_outbox_relay();
+        }
+        Ok(n)
     }
 
     /// The changelog checkpoint stored under `key` (`<changelog topic>/<partition>`): an

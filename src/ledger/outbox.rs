@@ -26,6 +26,10 @@ pub(crate) struct OutboxRecord {
     pub key: Option<String>,
     pub headers: Vec<(String, String)>,
     pub written_at_ms: u64,
+    /// The changelog partition holding the message's emitted record, if any: the relay
+    /// tombstones it there once the message is relayed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changelog_partition: Option<i32>,
     #[serde(flatten)]
     pub payload: StoredPayload,
 }
@@ -40,6 +44,7 @@ impl OutboxRecord {
             key: m.key.clone(),
             headers: m.headers.clone(),
             written_at_ms: now_ms,
+            changelog_partition: m.changelog_partition,
             payload: StoredPayload::of(&m.payload),
         }
     }
@@ -96,6 +101,7 @@ mod tests {
             key: Some("k".into()),
             headers: vec![("h".into(), "v".into())],
             payload: payload.to_vec(),
+            changelog_partition: None,
         }
     }
 

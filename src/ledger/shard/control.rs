@@ -67,6 +67,13 @@ impl Shard {
             Control::OutboxAck { seqs, reply } => {
                 let _ = reply.send(self.outbox_ack(seqs));
             }
+            Control::OutboxWrite {
+                subscriber,
+                messages,
+                reply,
+            } => {
+                let _ = reply.send(self.outbox_write(&subscriber, &messages));
+            }
             Control::OutboxLen { reply } => {
                 let _ = reply.send(self.outbox_len());
             }
@@ -325,6 +332,25 @@ impl Shard {
             })?;
         }
         Ok(before)
+    }
+
+    fn outbox_write(
+        &mut self,
+        subscriber: &str,
+        messages: &[crate::effects::OutboxMessage],
+    ) -> Result<(), LedgerError> {
+        self.small_commit(|shard, txn| {
+            let now = shard.ctx.clock.now_ms();
+            crate::ledger::outbox::write(
+                txn,
+                subscriber,
+                messages,
+                &mut shard.next_outbox_seq,
+                now,
+            )
+            .map_err(|e| storage(&shard.ctx.path, e))?;
+            Ok(())
+        })
     }
 
     fn outbox_ack(&mut self, seqs: Vec<u64>) -> Result<(), LedgerError> {

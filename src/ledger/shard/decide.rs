@@ -301,8 +301,17 @@ impl Shard {
         self.shares
             .record_call(idx, returned.saturating_duration_since(called), returned);
         let keep = st.changelog.is_some();
-        let handled = result.map(|effects| {
+        let handled = result.map(|mut effects| {
             if keep {
+                // Emitted messages get a record in the changelog partition of their
+                // message; the relay tombstones it once they are relayed.
+                let partition = job
+                    .origin
+                    .as_ref()
+                    .and_then(crate::ledger::Origin::kafka_partition);
+                for m in &mut effects.outbox {
+                    m.changelog_partition = partition;
+                }
                 self.last_effects = Some(effects.clone());
             }
             view.absorb(effects);

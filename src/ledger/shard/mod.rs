@@ -156,6 +156,12 @@ pub(crate) enum Control {
     OutboxLen {
         reply: Sender<Result<u64, LedgerError>>,
     },
+    /// Appends a subscriber's emitted messages to the outbox (a changelog restore's).
+    OutboxWrite {
+        subscriber: String,
+        messages: Vec<crate::effects::OutboxMessage>,
+        reply: Sender<Result<(), LedgerError>>,
+    },
     /// The sequence numbers of the oldest and the newest pending outbox row.
     OutboxSpan {
         reply: Sender<Result<Option<(u64, u64)>, LedgerError>>,

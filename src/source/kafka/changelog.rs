@@ -15,6 +15,14 @@
 //!   tombstone: `compaction.rs` sends one for every expired claim, after publishing the
 //!   handler state it wrote as **snapshots** — one record per item, keyed by the item
 //!   ([`snapshot_key`]), holding its current value as a change with no claim.
+//! - **Emitted.** Every message a handler emitted (an outbox row) is a record of its own in
+//!   the same partition, keyed `O` + the hash of its deterministic id ([`emitted_key`]),
+//!   holding the message and its claim's expiry. The outbox relay tombstones it once the
+//!   broker acknowledged the message. A restore puts every emitted message with no
+//!   tombstone back into the new owner's outbox (unless it is pending there already), so a
+//!   member that dies with rows not yet relayed — and its data directory with it — loses
+//!   none: the new owner relays them, under the same `dedupd-message-id` (a row relayed
+//!   just before the crash, before its tombstone, is relayed twice with one id).
 //! - **Restore.** When partitions are assigned, before any of their messages is fetched
 //!   (the rebalance callback), their changelog partitions are read from the beginning to
 //!   the end offset found at the start, and every change is replayed into the ledger
@@ -82,6 +90,63 @@ pub fn snapshot_key(item: &SnapshotItem<'_>) -> [u8; 17] {
 /// Whether a record key is a snapshot's.
 pub fn is_snapshot_key(key: &[u8]) -> bool {
     key.len() == 17 && key[0] == SNAPSHOT_KEY
+}
+
+/// The first byte of an emitted record's key.
+const EMITTED_KEY: u8 = b'O';
+/// The first byte of an emitted record's value (a change's is [`FORMAT`]).
+const EMITTED_FORMAT: u8 = 2;
+
+/// An emitted record's key: `O` and the xxh3-128 of the message's id (deterministic, the
+/// same for every processing that emits it), so the relay's tombstone names it.
+pub fn emitted_key(message_id: &str) -> [u8; 17] {
+    let mut k = [0u8; 17];
+    k[0] = EMITTED_KEY;
+    k[1..].copy_from_slice(&xxhash_rust::xxh3::xxh3_128(message_id.as_bytes()).to_be_bytes());
+    k
+}
+
+/// Whether a record key is an emitted record's.
+pub fn is_emitted_key(key: &[u8]) -> bool {
+    key.len() == 17 && key[0] == EMITTED_KEY
+}
+
+/// A message a handler emitted, as its changelog record carries it until the relay
+/// tombstones it: with the expiry of the claim of the message that emitted it, so
+/// compaction tombstones one that nothing relayed (an outbox read over HTTP) with that
+/// claim's record.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Emitted {
+    pub expires_at_ms: u64,
+    pub message: crate::effects::OutboxMessage,
+}
+
+/// An emitted message as a record value.
+pub fn encode_emitted(emitted: &Emitted) -> Result<Vec<u8>, String> {
+    let mut out = vec![EMITTED_FORMAT];
+    let body = bincode::serde::encode_to_vec(emitted, bincode_config())
+        .map_err(|e| format!("cannot encode an emitted message: {e}"))?;
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// An emitted record's value; an error names what is wrong with it.
+pub fn decode_emitted(value: &[u8]) -> Result<Emitted, String> {
+    match value.split_first() {
+        Some((&EMITTED_FORMAT, body)) => {
+            let (emitted, used): (Emitted, usize) =
+                bincode::serde::decode_from_slice(body, bincode_config())
+                    .map_err(|e| format!("undecodable emitted message: {e}"))?;
+            if used != body.len() {
+                return Err(format!("{} bytes after the emitted message", body.len() - used));
+            }
+            Ok(emitted)
+        }
+        Some((other, _)) => Err(format!(
+            "emitted-message format {other} (this build reads format {EMITTED_FORMAT}): upgrade dedupd"
+        )),
+        None => Err("an empty record".into()),
+    }
 }
 
 /// A change as a record value.
@@ -281,6 +346,17 @@ impl ChangelogSink for ChangelogProducer {
                     record_key(change).to_vec(),
                     Some(encode(change)?),
                 ));
+                for m in &change.emitted {
+                    let emitted = Emitted {
+                        expires_at_ms: change.expires_at_ms,
+                        message: m.clone(),
+                    };
+                    records.push((
+                        partition,
+                        emitted_key(&m.id).to_vec(),
+                        Some(encode_emitted(&emitted)?),
+                    ));
+                }
             }
         }
         let pending = Arc::new(Pending::default());
@@ -407,6 +483,9 @@ pub struct Restored {
     pub skipped: u64,
     /// Tombstones read (not replayed: they mark expired claims the cleaner may drop).
     pub tombstones: u64,
+    /// Messages handlers emitted that the changelog holds with no tombstone (not relayed
+    /// yet, as far as it knows), put back into this member's outbox.
+    pub emitted: u64,
     pub elapsed: Duration,
 }
 
@@ -468,6 +547,7 @@ pub fn restore(
     let deadline = Instant::now() + kafka.changelog.restore_timeout;
     let mut last_log = Instant::now();
     let (mut ends, mut skipped, mut tombstones) = (Vec::new(), 0u64, 0u64);
+    let mut emitted = Unrelayed::default();
     let ledger_err = |e: crate::ledger::LedgerError| KafkaError::Ledger(e.to_string());
     for &p in partitions {
         let (low, high) = consumer
@@ -511,13 +591,23 @@ pub fn restore(
             };
             let m = m.map_err(client)?;
             let offset = m.offset();
-            // A tombstone: compaction's mark that an expired claim's record may go.
-            if let Some(value) = m.payload() {
-                let change = decode(value).map_err(|e| {
-                    KafkaError::Client(format!("{topic} partition {p} offset {offset}: {e}"))
-                })?;
-                replay.push(change)?;
+            let at = |e: String| {
+                KafkaError::Client(format!("{topic} partition {p} offset {offset}: {e}"))
+            };
+            if let Some(key) = m.key().filter(|k| is_emitted_key(k)) {
+                // An emitted message; its tombstone says the relay delivered it.
+                match m.payload() {
+                    Some(value) => {
+                        let mut message = decode_emitted(value).map_err(at)?.message;
+                        message.changelog_partition = Some(p);
+                        emitted.put(key, message);
+                    }
+                    None => emitted.relayed(key),
+                }
+            } else if let Some(value) = m.payload() {
+                replay.push(decode(value).map_err(at)?)?;
             } else {
+                // Compaction's mark that an expired claim's record may go.
                 tombstones += 1;
             }
             if last_log.elapsed() >= Duration::from_secs(5) {
@@ -531,6 +621,10 @@ pub fn restore(
     }
     consumer.unassign().map_err(client)?;
     replay.finish()?;
+    // After the claims: a row relayed from here is one whose claim this member holds.
+    let emitted = ledger
+        .outbox_restore(&sub.name, emitted.unrelayed())
+        .map_err(ledger_err)?;
     for &(p, high) in &ends {
         ledger
             .set_changelog_checkpoint(&checkpoint_key(topic, p), high.max(0) as u64)
@@ -541,8 +635,34 @@ pub fn restore(
         changes: replay.submitted,
         skipped,
         tombstones,
+        emitted,
         elapsed: started.elapsed(),
     })
+}
+
+/// Emitted messages read in a restore, in offset order, less those relayed since.
+#[derive(Default)]
+struct Unrelayed {
+    messages: Vec<Option<crate::effects::OutboxMessage>>,
+    at: std::collections::HashMap<Vec<u8>, usize>,
+}
+
+impl Unrelayed {
+    fn put(&mut self, key: &[u8], message: crate::effects::OutboxMessage) {
+        self.relayed(key);
+        self.at.insert(key.to_vec(), self.messages.len());
+        self.messages.push(Some(message));
+    }
+
+    fn relayed(&mut self, key: &[u8]) {
+        if let Some(i) = self.at.remove(key) {
+            self.messages[i] = None;
+        }
+    }
+
+    fn unrelayed(self) -> Vec<crate::effects::OutboxMessage> {
+        self.messages.into_iter().flatten().collect()
+    }
 }
 
 /// Restore jobs on their way into the ledger.
@@ -644,6 +764,7 @@ mod tests {
             state: Default::default(),
             uniques: Default::default(),
             versions: Default::default(),
+            emitted: Vec::new(),
             origin: None,
             snapshot: false,
         };
@@ -658,6 +779,44 @@ mod tests {
     fn a_change_survives_its_record_encoding() {
         let c = change();
         assert_eq!(decode(&encode(&c).unwrap()).unwrap(), c);
+    }
+
+    #[test]
+    fn emitted_records_round_trip_and_a_tombstone_takes_one_back() {
+        let message = |id: &str| crate::effects::OutboxMessage {
+            id: id.into(),
+            topic: "payments.captured".into(),
+            key: Some("p-1".into()),
+            headers: vec![("h".into(), "v".into())],
+            payload: vec![0, 255, 7],
+            changelog_partition: Some(3),
+        };
+        let e = Emitted {
+            expires_at_ms: 42,
+            message: message("m-1#emit#1"),
+        };
+        let bytes = encode_emitted(&e).unwrap();
+        let back = decode_emitted(&bytes).unwrap();
+        assert_eq!(back.expires_at_ms, 42);
+        // The partition is where the record is, not part of it.
+        assert_eq!(back.message.changelog_partition, None);
+        assert_eq!(back.message.payload, e.message.payload);
+        assert!(decode(&bytes).unwrap_err().contains("upgrade dedupd"));
+        assert!(decode_emitted(&encode(&change()).unwrap()).is_err());
+        assert!(decode_emitted(&bytes[..bytes.len() - 1]).is_err());
+
+        let (k1, k2) = (emitted_key("m-1#emit#1"), emitted_key("m-1#emit#2"));
+        assert_ne!(k1, k2);
+        assert!(is_emitted_key(&k1) && !is_snapshot_key(&k1));
+        assert!(!is_emitted_key(&record_key(&change())));
+        let mut u = Unrelayed::default();
+        u.put(&k1, message("m-1#emit#1"));
+        u.put(&k2, message("m-1#emit#2"));
+        u.relayed(&k1);
+        u.put(&k1, message("m-1#emit#1")); // emitted again after its claim expired
+        u.relayed(&emitted_key("never emitted"));
+        let ids: Vec<String> = u.unrelayed().into_iter().map(|m| m.id).collect();
+        assert_eq!(ids, ["m-1#emit#2", "m-1#emit#1"]);
     }
 
     #[test]

@@ -28,7 +28,9 @@
 //! (`<changelog topic>-compactor`; the first record when there is none) in offset order
 //! and stops at the first record whose claim is not yet expired by `expiry_grace` — a
 //! partition's records expire roughly in the order they were produced, since the TTL is
-//! the subscriber's. Snapshot records are passed over (the cleaner replaces them). Once the
+//! the subscriber's. Snapshot records are passed over (the cleaner replaces them); an
+//! emitted message's record that the relay has not tombstoned expires with the claim of
+//! the message that emitted it (`changelog.rs`, "Emitted"). Once the
 //! snapshots and then the tombstones are acknowledged, the offset the pass stopped at is
 //! committed for the compactor group, so the next pass — on this member or on whichever
 //! member owns the partition next — starts there. A pass that dies midway leaves the
@@ -48,7 +50,9 @@ use rdkafka::message::Message;
 use rdkafka::topic_partition_list::TopicPartitionList;
 use rdkafka::Offset;
 
-use super::changelog::{decode, is_snapshot_key, ChangelogProducer};
+use super::changelog::{
+    decode, decode_emitted, is_emitted_key, is_snapshot_key, ChangelogProducer,
+};
 use super::{KafkaConfig, KafkaError};
 use crate::clock::{Clock, SystemClock};
 use crate::ledger::changelog::Change;
@@ -221,7 +225,25 @@ impl Compactor {
             let m = m.map_err(client)?;
             done.read += 1;
             let snapshot = m.key().is_some_and(is_snapshot_key);
-            if let (Some(value), false) = (m.payload(), snapshot) {
+            let emitted = m.key().is_some_and(is_emitted_key);
+            if let (Some(value), true) = (m.payload(), emitted) {
+                // An emitted message the relay has not tombstoned (its outbox is read over
+                // HTTP, or not at all): it goes with the claim of the message that emitted it.
+                let expires_at_ms = match decode_emitted(value) {
+                    Ok(e) => e.expires_at_ms,
+                    Err(e) => {
+                        tracing::warn!(%topic, partition = p, offset = m.offset(), error = %e,
+                            "changelog compaction stopped at a record it cannot read");
+                        break;
+                    }
+                };
+                if expires_at_ms.saturating_add(self.grace_ms) > now_ms {
+                    break;
+                }
+                if let Some(key) = m.key() {
+                    batch.keys.push(key.to_vec());
+                }
+            } else if let (Some(value), false) = (m.payload(), snapshot) {
                 let change = match decode(value) {
                     Ok(c) => c,
                     Err(e) => {

@@ -95,6 +95,9 @@ pub struct KafkaSummary {
     pub shared_group_rebalances: u64,
     /// Changes replayed from changelogs on assignment (`changelog = true`).
     pub restored_changes: u64,
+    /// Emitted messages put back into the outbox by restores (see
+    /// [`SourceStats::restored_emitted`]).
+    pub restored_emitted: u64,
     /// Tombstones produced by changelog compaction.
     pub changelog_tombstones: u64,
     /// Snapshot records produced by changelog compaction.
@@ -116,6 +119,7 @@ impl KafkaSummary {
         self.revoke_commit_failures += get(&s.revoke_commit_failures);
         self.shared_group_rebalances += get(&s.shared_group_rebalances);
         self.restored_changes += get(&s.restored_changes);
+        self.restored_emitted += get(&s.restored_emitted);
         self.changelog_tombstones += get(&s.changelog_tombstones);
         self.changelog_snapshots += get(&s.changelog_snapshots);
     }

@@ -25,6 +25,9 @@ pub struct RelayStats {
     pub failed: AtomicU64,
 }
 
+/// The delivery opaque of a changelog tombstone (a row's is its index in the round).
+const TOMBSTONE: usize = usize::MAX;
+
 struct RelayContext {
     tx: Sender<(usize, Result<(), String>)>,
 }
@@ -62,6 +65,19 @@ pub fn run_relay(
         .create_with_context(RelayContext { tx })
         .map_err(|e| KafkaError::Client(e.to_string()))?;
     let batch = kafka.outbox.batch.get();
+    // The changelog of each subscriber that publishes one: its emitted records are
+    // tombstoned once relayed, so the partition's next owner does not relay them again.
+    let changelogs: std::collections::HashMap<&str, String> = kafka
+        .subscriptions
+        .iter()
+        .filter(|s| s.changelog)
+        .map(|s| {
+            (
+                s.subscriber.as_str(),
+                super::changelog::topic_name(&kafka.changelog.prefix, &s.subscriber),
+            )
+        })
+        .collect();
     let _relaying = ledger.attach_outbox_relay();
     let mut stopping_since: Option<Instant> = None;
     loop {
@@ -140,9 +156,10 @@ pub fn run_relay(
         while acked.len() < sent {
             let left = deadline.saturating_duration_since(Instant::now());
             match reports.recv_timeout(left) {
+                Ok((TOMBSTONE, _)) => {} // a changelog tombstone of an earlier round
                 Ok((i, Ok(()))) => {
                     if let Some(row) = rows.get(i) {
-                        acked.push(row.id.clone());
+                        acked.push((row.id.clone(), i));
                     }
                 }
                 Ok((i, Err(e))) => {
@@ -158,6 +175,33 @@ pub fn run_relay(
                 Err(_) => break,
             }
         }
+        let mut tombstones = 0;
+        for &(_, i) in &acked {
+            let Some(row) = rows.get(i) else { continue };
+            let (Some(topic), Some(partition)) = (
+                changelogs.get(row.subscriber.as_str()),
+                row.changelog_partition,
+            ) else {
+                continue;
+            };
+            let key = super::changelog::emitted_key(&row.message_id);
+            let record = BaseRecord::<'_, [u8], [u8], usize>::with_opaque_to(topic, TOMBSTONE)
+                .partition(partition)
+                .key(&key[..]);
+            match producer.send(record) {
+                Ok(()) => tombstones += 1,
+                Err((e, _)) => tracing::warn!(
+                    "outbox relay: tombstoning {:?} in {topic} failed (the partition's next owner relays it again, with the same id): {e}",
+                    row.message_id
+                ),
+            }
+        }
+        if tombstones > 0 {
+            if let Err(e) = producer.flush(kafka.drain_timeout) {
+                tracing::warn!("outbox relay: flush of changelog tombstones did not finish: {e}");
+            }
+        }
+        let acked: Vec<String> = acked.into_iter().map(|(id, _)| id).collect();
         if !acked.is_empty() {
             ledger
                 .outbox_ack(&acked)
