@@ -1373,12 +1373,17 @@ changelog = true
         (child, log)
     }
 
-    /// Changes in the changelog (the mock broker compacts nothing).
+    /// Records in the changelog, of every kind (the mock broker compacts nothing).
     fn published(&self) -> i64 {
         committed_and_end(&self.bootstrap, &self.group, &self.changelog)
             .iter()
             .map(|(_, end)| end)
             .sum()
+    }
+
+    /// The changelog's records by kind.
+    fn kinds(&self) -> Kinds {
+        Kinds::of(&read_to_end(&self.bootstrap, &self.changelog))
     }
 
     /// Claims and counts of member `name`'s data directory (stopped); asserts every order
@@ -1643,19 +1648,21 @@ fn claims_and_state_follow_their_partitions_through_a_changelog() {
     // Every processing publishes one change before it commits: one record per distinct
     // event in the changelog means no event was processed twice by the three instances
     // (A's changes published but not yet committed when it died count there too).
-    let published: i64 = committed_and_end(&c.bootstrap, &group, &changelog)
-        .iter()
-        .map(|(_, end)| end)
-        .sum();
+    // (The counter also emits a message per event: a record of its own, tombstoned once
+    // relayed.)
+    let records = read_to_end(&c.bootstrap, &changelog);
+    let kinds = Kinds::of(&records);
     assert_eq!(
-        published, EVENTS as i64,
+        kinds.changes, EVENTS,
         "changes published: A committed {by_a}, B processed {by_b}, D {by_d}"
     );
-    let keys: std::collections::HashSet<Vec<u8>> = read_all(&c.bootstrap, &changelog, EVENTS)
+    let keys: std::collections::HashSet<Vec<u8>> = records
         .iter()
+        .filter(|m| m.key().unwrap().len() == 24)
         .map(|m| m.key().unwrap().to_vec())
         .collect();
     assert_eq!(keys.len(), EVENTS, "one change per distinct event");
+    assert_eq!(kinds.emitted.len(), EVENTS, "one emitted message per event");
     assert!(
         by_a + by_b + by_d < EVENTS as u64,
         "B and D answered duplicate for what A and C did: A {by_a}, B {summary_b}, D {summary_d}"
@@ -1721,11 +1728,19 @@ fn claims_and_state_follow_their_partitions_through_a_changelog() {
         Duration::from_secs(30),
         &b_log,
         || {
+            // The end of what the shards published: the relay's tombstones of emitted
+            // records come after it and are not changes.
+            let mut ends: HashMap<i32, i64> = HashMap::new();
+            for m in read_to_end(&c.bootstrap, &changelog) {
+                let key = m.key().unwrap();
+                let relays = key.len() == 17 && key[0] == b'O' && m.payload().is_none();
+                if !relays {
+                    let end = ends.entry(m.partition()).or_default();
+                    *end = (*end).max(m.offset() + 1);
+                }
+            }
             let moved = checkpoints_moved(&b_log);
-            committed_and_end(&c.bootstrap, &group, &changelog)
-                .iter()
-                .enumerate()
-                .all(|(p, (_, end))| moved.get(&(p as i32)) == Some(end))
+            ends.iter().all(|(p, end)| moved.get(p) == Some(end))
         },
     );
     drop(b); // SIGKILL
@@ -1739,7 +1754,13 @@ fn claims_and_state_follow_their_partitions_through_a_changelog() {
         "the checkpoints moved while B ran cover every change: {none}"
     );
     const ALL: usize = EVENTS + MORE + LAST;
-    assert_eq!(g.published(), ALL as i64, "one change per distinct event");
+    let kinds = g.kinds();
+    assert_eq!(kinds.changes, ALL, "one change per distinct event");
+    assert_eq!(kinds.emitted.len(), ALL, "one emitted message per event");
+    assert_eq!(
+        kinds.emitted_tombstones, kinds.emitted,
+        "every emitted message relayed, and its record tombstoned"
+    );
 
     // B alone now holds every partition: exactly the claims and state they had.
     g.assert_exact("b", ALL);
@@ -1801,7 +1822,7 @@ fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots
         "{summary_a}"
     );
     assert_eq!(g.published(), 2 * EVENTS as i64);
-    let records = read_all(&c.bootstrap, &g.changelog, 2 * EVENTS);
+    let records = read_to_end(&c.bootstrap, &g.changelog);
     let keys = |tombstones: bool| -> std::collections::BTreeSet<Vec<u8>> {
         records
             .iter()
@@ -1864,12 +1885,18 @@ fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots
         (MORE as u64 / 2..=MORE as u64).contains(&snapshots),
         "{summary_c}"
     );
-    let published = (2 * EVENTS + 2 * MORE) as i64 + snapshots as i64;
-    assert_eq!(g.published(), published);
+    // The counter emits a message per event: its record is tombstoned by the relay, or
+    // by compaction with its claim's record.
+    let kinds = g.kinds();
+    assert_eq!(kinds.changes, EVENTS + MORE);
+    assert_eq!(kinds.change_tombstones, EVENTS + MORE);
+    assert_eq!(kinds.snapshots, snapshots as usize);
+    assert_eq!(kinds.emitted.len(), MORE);
+    assert_eq!(kinds.emitted_tombstones, kinds.emitted);
 
     // What a compacting broker's log cleaner leaves of that changelog: only the
     // snapshots, one per order.
-    let cleaned = cleaned_changelog(&c, &g.changelog, published as usize);
+    let cleaned = cleaned_changelog(&c, &g.changelog);
     assert_eq!(cleaned.len(), MORE / 2, "one record left per order");
     assert!(cleaned
         .iter()
@@ -1886,18 +1913,47 @@ fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots
     );
 }
 
+/// A changelog's records by kind (`source/kafka/changelog.rs`): changes (24-byte keys),
+/// snapshots (`S` + 16 bytes), emitted messages (`O` + 16 bytes), and tombstones.
+#[derive(Debug, Default)]
+struct Kinds {
+    changes: usize,
+    change_tombstones: usize,
+    snapshots: usize,
+    emitted: std::collections::BTreeSet<Vec<u8>>,
+    emitted_tombstones: std::collections::BTreeSet<Vec<u8>>,
+}
+
+impl Kinds {
+    fn of(records: &[OwnedMessage]) -> Kinds {
+        let mut k = Kinds::default();
+        for m in records {
+            let key = m.key().unwrap();
+            match (key.len(), key[0], m.payload().is_some()) {
+                (24, _, true) => k.changes += 1,
+                (24, _, false) => k.change_tombstones += 1,
+                (17, b'S', _) => k.snapshots += 1,
+                (17, b'O', true) => assert!(k.emitted.insert(key.to_vec())),
+                (17, b'O', false) => {
+                    k.emitted_tombstones.insert(key.to_vec());
+                }
+                _ => panic!("a changelog record of no known kind: key {key:?}"),
+            }
+        }
+        k
+    }
+}
+
 /// A changelog record: (partition, offset, key, value).
 type ChangelogRecord = (i32, i64, Vec<u8>, Vec<u8>);
 
-/// What a compacting broker's log cleaner leaves of a changelog of `published` records
-/// (the mock broker runs none): per key the newest record, and nothing where that is a
-/// tombstone; in partition and offset order.
-fn cleaned_changelog(c: &Cluster, changelog: &str, published: usize) -> Vec<ChangelogRecord> {
+/// What a compacting broker's log cleaner leaves of a changelog (the mock broker runs
+/// none): per key the newest record, and nothing where that is a tombstone; in partition
+/// and offset order.
+fn cleaned_changelog(c: &Cluster, changelog: &str) -> Vec<ChangelogRecord> {
     type Newest = std::collections::BTreeMap<(i32, Vec<u8>), (i64, Option<Vec<u8>>)>;
     let mut newest = Newest::default();
-    let records = read_all(&c.bootstrap, changelog, published);
-    assert_eq!(records.len(), published);
-    for m in records {
+    for m in read_to_end(&c.bootstrap, changelog) {
         let slot = newest
             .entry((m.partition(), m.key().unwrap().to_vec()))
             .or_insert((-1, None));
@@ -2065,7 +2121,7 @@ fn snapshots_stay_current_while_partitions_move() {
         .sum();
     assert_eq!(processed, (ORDERS * ROUNDS) as u64, "{summaries:?}");
 
-    let cleaned = cleaned_changelog(&c, &g.changelog, g.published() as usize);
+    let cleaned = cleaned_changelog(&c, &g.changelog);
     let (_, counts) = restore_cleaned(&c, &t, &cleaned, &counter, kafka, changelog);
     assert_eq!(counts.len(), ORDERS, "{counts:?}");
     let want = ROUNDS.to_string();
@@ -2163,10 +2219,6 @@ fn counts_are_exact_after_kills_aimed_at_rebalances_between_two_members() {
     });
     let _ = stop_and_summary(other, &other_log);
     eprintln!("rebalance kills: {} ({})", kills.len(), kills.join(", "));
-    assert_eq!(
-        g.published(),
-        EVENTS as i64,
-        "one change per distinct event"
-    );
+    assert_eq!(g.kinds().changes, EVENTS, "one change per distinct event");
     g.assert_exact(names[down], EVENTS);
 }

@@ -76,6 +76,9 @@ pub struct Compacted {
     /// Expired claims kept because their record carries handler state that cannot be
     /// snapshotted (see the module's doc).
     pub kept_with_state: u64,
+    /// Records of emitted messages given a tombstone with their claim's record (no relay
+    /// had tombstoned them). Not counted in `tombstones`.
+    pub emitted: u64,
 }
 
 impl std::ops::AddAssign for Compacted {
@@ -84,6 +87,7 @@ impl std::ops::AddAssign for Compacted {
         self.tombstones += o.tombstones;
         self.snapshots += o.snapshots;
         self.kept_with_state += o.kept_with_state;
+        self.emitted += o.emitted;
     }
 }
 
@@ -106,6 +110,9 @@ pub struct Snapshots {
 struct Settling {
     /// Record keys to tombstone.
     keys: Vec<Vec<u8>>,
+    /// Keys of expired emitted records to tombstone, less those the relay tombstoned
+    /// further on in the partition.
+    emitted: std::collections::HashSet<Vec<u8>>,
     /// The items their records wrote, merged per entity (values ignored).
     items: BTreeMap<Option<String>, Change>,
     /// The offset after the last record read.
@@ -241,7 +248,12 @@ impl Compactor {
                     break;
                 }
                 if let Some(key) = m.key() {
-                    batch.keys.push(key.to_vec());
+                    batch.emitted.insert(key.to_vec());
+                }
+            } else if emitted && m.payload().is_none() {
+                // The relay's tombstone: the message was relayed, its record goes.
+                if let Some(key) = m.key() {
+                    batch.emitted.remove(key);
                 }
             } else if let (Some(value), false) = (m.payload(), snapshot) {
                 let change = match decode(value) {
@@ -267,7 +279,9 @@ impl Compactor {
                 }
             }
             batch.next = m.offset() + 1;
-            if batch.keys.len() >= TOMBSTONE_BATCH && !self.settle(p, &mut batch, &mut done)? {
+            if batch.keys.len() + batch.emitted.len() >= TOMBSTONE_BATCH
+                && !self.settle(p, &mut batch, &mut done)?
+            {
                 moved = true;
                 break;
             }
@@ -375,14 +389,16 @@ impl Compactor {
                 None => return Ok(false),
             }
         }
-        let n = batch.keys.len() as u64;
-        if n > 0 {
+        let (n, emitted) = (batch.keys.len() as u64, batch.emitted.len() as u64);
+        if n + emitted > 0 {
+            batch.keys.extend(batch.emitted.drain());
             self.producer
                 .tombstone(p, &batch.keys)
                 .and_then(|acks| acks.wait())
                 .map_err(|e| KafkaError::Client(format!("tombstones to {topic}/{p}: {e}")))?;
             batch.keys.clear();
             done.tombstones += n;
+            done.emitted += emitted;
         }
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(topic, p, Offset::Offset(batch.next))
@@ -432,10 +448,11 @@ impl CompactionThread {
                     match compactor.pass(&partitions, now_ms, &flag) {
                         Ok(c) => {
                             count(&c);
-                            if c.tombstones > 0 || c.kept_with_state > 0 {
+                            if c.tombstones > 0 || c.kept_with_state > 0 || c.emitted > 0 {
                                 tracing::info!(%subscriber, %topic, ?partitions, read = c.read,
                                     tombstones = c.tombstones, snapshots = c.snapshots,
                                     kept_with_state = c.kept_with_state,
+                                    emitted_tombstones = c.emitted,
                                     "changelog compacted: the handler state of expired claims snapshotted, their records tombstoned");
                             } else {
                                 tracing::debug!(%subscriber, %topic, ?partitions, read = c.read,
