@@ -439,9 +439,9 @@ impl Ledger {
     }
 
     /// Puts messages a changelog restore found emitted and not relayed back into the
-    /// outbox of `subscriber` (one durable transaction on shard 0), except those whose id is
-    /// pending already (this data directory wrote them before), and wakes the relay.
-    /// Returns how many rows it wrote.
+    /// outbox of `subscriber`, except those whose id is pending already (this data
+    /// directory wrote them before), and wakes the relay. The shards write equal parts at
+    /// the same time, one durable transaction each. Returns how many rows it wrote.
     pub fn outbox_restore(
         &self,
         subscriber: &str,
@@ -461,14 +461,31 @@ impl Ledger {
             .filter(|m| !pending.contains(&m.id))
             .collect();
         let n = messages.len() as u64;
-        if n > 0 {
-            self.ask(0, |reply| Control::OutboxWrite {
-                subscriber: subscriber.to_string(),
-                messages,
-                reply,
-            })?;
-            self.wake_outbox_relay();
+        if n == 0 {
+            return Ok(0);
         }
+        let part = messages.len().div_ceil(self.shards.len().max(1));
+        let mut replies = Vec::new();
+        let mut messages = messages.into_iter().peekable();
+        for shard in &self.shards {
+            if messages.peek().is_none() {
+                break;
+            }
+            let (tx, rx) = bounded(1);
+            shard
+                .tx
+                .send(ShardMsg::Control(Control::OutboxWrite {
+                    subscriber: subscriber.to_string(),
+                    messages: messages.by_ref().take(part).collect(),
+                    reply: tx,
+                }))
+                .map_err(|_| stopped())?;
+            replies.push(rx);
+        }
+        for rx in replies {
+            rx.recv().map_err(|_| stopped())??;
+        }
+        self.wake_outbox_relay();
         Ok(n)
     }
 
