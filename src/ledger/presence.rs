@@ -96,6 +96,20 @@ impl Presences {
         slots[i] = Some(presence);
     }
 
+    /// Starts loading the slots of the other shards' sealed filters that
+    /// [`Presences::others_lack`] will read for `key` (see [`GenFilter::prefetch`]); their
+    /// Bloom filters are small and recent, and mostly cached.
+    pub(crate) fn prefetch_others(&self, me: usize, sub: SubscriberId, key: u128) {
+        for s in (0..self.shards.len()).filter(|&s| s != me) {
+            if let Some(p) = self.get(s, sub) {
+                let snap = p.snap.read().unwrap_or_else(|p| p.into_inner());
+                for f in &snap.filters {
+                    f.prefetch(key);
+                }
+            }
+        }
+    }
+
     /// Whether every shard but `me` certainly holds no record of `key` for `sub`. Only
     /// meaningful while `me` holds the key in the in-flight set (see the module docs).
     pub(crate) fn others_lack(&self, me: usize, sub: SubscriberId, key: u128) -> bool {

@@ -161,6 +161,11 @@ impl Shard {
             for g in &st.sealed {
                 g.filter.prefetch(job.key);
             }
+            if st.probe && job.probed.is_none() {
+                self.ctx
+                    .presences
+                    .prefetch_others(self.ctx.index, job.subscriber, job.key);
+            }
         }
     }
 
