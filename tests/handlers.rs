@@ -1421,3 +1421,134 @@ fn refused_changelog(at_ack: bool, reason_has: &str) {
         .is_none());
     assert!(ledger.state_entries("count").unwrap().is_empty());
 }
+
+/// Issue 17: quarantine and dead-letter records of Kafka messages travel with their
+/// partition. Each stored record is published as a copy of its own (a repeat publishes the
+/// bumped `count` again) to the partition its message came from; discarding a record, or
+/// settling it by a replay, publishes its removal. Putting the newest copy of each record
+/// (what the log cleaner leaves) into an empty ledger gives exactly the records the first
+/// ledger still holds, bodies and counts included.
+#[test]
+fn quarantine_and_dead_letter_records_travel_with_their_partition() {
+    use dedupd::ledger::changelog::RecordCopy;
+    use dedupd::ledger::{Origin, RecordKind};
+    let a = Harness::new(&[("count", "fixture_counter", 1)]);
+    let rec = Arc::new(Recorder::default());
+    a.ledger.set_changelog("count", Some(rec.clone())).unwrap();
+    let sub = a.ledger.subscriber("count").unwrap();
+    let (tx, rx) = unbounded::<Vec<Done>>();
+    // (id, order, payload): 6 events, then 3 of them again with other payloads (one of
+    // those twice), then 2 payloads the handler refuses for good.
+    let mut msgs: Vec<(String, String, String)> = (0..6)
+        .map(|i| {
+            let order = format!("o-{i}");
+            let payload = format!(r#"{{"order_id":"{order}","n":{i}}}"#);
+            (format!("e-{i}"), order, payload)
+        })
+        .collect();
+    for i in [0, 1, 2, 0] {
+        let order = format!("o-{i}");
+        let payload = format!(r#"{{"order_id":"{order}","n":100}}"#);
+        msgs.push((format!("e-{i}"), order, payload));
+    }
+    for i in 0..2 {
+        msgs.push((
+            format!("bad-{i}"),
+            "none".into(),
+            r#"{"no_order":1}"#.into(),
+        ));
+    }
+    for (i, (id, order, payload)) in msgs.iter().enumerate() {
+        let mut job = Job::new(
+            i as u64,
+            sub.id,
+            key_hash(id.as_bytes()),
+            fingerprint(payload.as_bytes()),
+            id,
+            payload.as_bytes(),
+            tx.clone(),
+        );
+        job.origin = Some(Origin::Kafka {
+            topic: "orders".into(),
+            partition: (i % 3) as i32,
+            offset: i as i64,
+        });
+        // One job at a time: the repeat finds the record its first delivery stored.
+        a.place_and_run(vec![(job, Some(order.clone()))]);
+        outcomes(rx.clone(), 1);
+    }
+    let records = |l: &Ledger, kind| l.records(kind, "count", None, 100).unwrap();
+    let quarantined = records(&a.ledger, RecordKind::Quarantine);
+    let dead = records(&a.ledger, RecordKind::DeadLetter);
+    assert_eq!((quarantined.len(), dead.len()), (3, 2));
+    let copies = || -> Vec<RecordCopy> {
+        rec.changes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c.record.clone())
+            .collect()
+    };
+    let published = copies();
+    assert_eq!(published.len(), 6, "a copy per record stored or bumped");
+    assert!(published.iter().all(|c| c.body.is_some()));
+    let bumped: serde_json::Value =
+        serde_json::from_slice(published[3].body.as_ref().unwrap()).unwrap();
+    assert_eq!(
+        (bumped["id"].as_str(), bumped["count"].as_u64()),
+        (Some("e-0"), Some(2))
+    );
+    // Each copy goes to its message's partition: e-0's conflicts were messages 6 and 9.
+    let parts: Vec<i32> = published.iter().map(|c| c.partition).collect();
+    assert_eq!(parts, [0, 1, 2, 0, 1, 2]);
+
+    // Discard e-1's record; replay e-2's (its payload replaces the claim): both removals
+    // are published as copies without a body.
+    let id_of = |rs: &[dedupd::ledger::StoredRecord], id: &str| {
+        rs.iter().find(|r| r.body["id"] == id).unwrap().id.clone()
+    };
+    assert!(a
+        .ledger
+        .discard_record(RecordKind::Quarantine, "count", &id_of(&quarantined, "e-1"))
+        .unwrap());
+    assert!(a
+        .ledger
+        .replay(
+            RecordKind::Quarantine,
+            "count",
+            &id_of(&quarantined, "e-2"),
+            99,
+            tx.clone()
+        )
+        .unwrap());
+    assert_eq!(outcomes(rx, 1), [Outcome::Processed]);
+    let after = copies();
+    let removed: Vec<&RecordCopy> = after[6..].iter().filter(|c| c.body.is_none()).collect();
+    assert_eq!(removed.len(), 2, "{:?}", &after[6..]);
+    for (r, id) in removed.iter().zip(["e-1", "e-2"]) {
+        assert_eq!(r.key, key_hash(id.as_bytes()));
+        assert_eq!(r.kind, RecordKind::Quarantine);
+    }
+
+    // The newest copy per record, as compaction leaves them, into an empty ledger.
+    let mut newest: std::collections::BTreeMap<(u8, u128, u64), RecordCopy> = Default::default();
+    for c in after {
+        newest.insert((c.kind as u8, c.key, c.fingerprint), c);
+    }
+    let b = Harness::new(&[("count", "fixture_counter", 1)]);
+    let put = b
+        .ledger
+        .records_restore("count", newest.into_values().collect())
+        .unwrap();
+    assert_eq!(put, 3, "e-0's quarantine record and two dead letters");
+    for kind in [RecordKind::Quarantine, RecordKind::DeadLetter] {
+        let bodies = |l: &Ledger| -> Vec<serde_json::Value> {
+            let mut v: Vec<_> = records(l, kind).into_iter().map(|r| r.body).collect();
+            v.sort_by_key(|b| b["id"].to_string());
+            v
+        };
+        assert_eq!(bodies(&b.ledger), bodies(&a.ledger), "{kind:?}");
+    }
+    let kept = records(&b.ledger, RecordKind::Quarantine);
+    assert_eq!((kept.len(), kept[0].body["count"].as_u64()), (1, Some(2)));
+}

@@ -1552,6 +1552,115 @@ fn emitted_messages_outlive_a_crashed_member_and_its_disk() {
     assert_eq!(summary["kafka"]["processed"], 0, "{summary}");
 }
 
+/// Issue 17: quarantine and dead-letter records follow their partitions too. Member A
+/// quarantines payloads that reuse a payment's id (one of them twice: one record, count 2)
+/// and dead-letters payloads the handler refuses for good; there is no dead-letter topic,
+/// so A's ledger is all that keeps them. A stops and its data directory is lost. B, with
+/// an empty one, restores the partitions and holds every record A held, bodies and counts
+/// included, without seeing any of those messages again.
+#[test]
+fn quarantine_and_dead_letter_records_outlive_a_member_and_its_disk() {
+    let c = cluster();
+    let t = topic("records-move");
+    let g = Members::new(&c, &t);
+    const N: usize = 60;
+    let keys = ["a", "b", "c", "d", "e", "f"];
+    let rec = |i: usize, id: String, payload: String| Rec {
+        key: keys[i % 6],
+        headers: vec![("message-id", id)],
+        payload,
+    };
+    let mut recs: Vec<Rec<'_>> = (0..N)
+        .map(|i| {
+            let payload = format!(r#"{{"payment_id":"p-{i}","amount_cents":100}}"#);
+            rec(i, format!("p-{i}"), payload)
+        })
+        .collect();
+    // After their originals in the same partitions (same record keys): quarantined.
+    for i in [0, 1, 2, 3, 4, 5, 6, 7, 0] {
+        let payload = format!(r#"{{"payment_id":"p-{i}","amount_cents":999}}"#);
+        recs.push(rec(i, format!("p-{i}"), payload));
+    }
+    for i in 0..5 {
+        recs.push(rec(i, format!("bad-{i}"), "not json".into()));
+    }
+    let config = |name: &str| -> PathBuf {
+        g.write_config(
+            name,
+            &format!(
+                "handler = {:?}",
+                component("payment_capture").display().to_string()
+            ),
+            "commit_interval = \"100ms\"\n\n[kafka.outbox]\npoll_interval = \"100ms\"",
+            "",
+        )
+    };
+    produce(&c.bootstrap, &t, &recs);
+    let (a, a_log) = g.spawn("a", &config("a"));
+    wait_showing("A to process", Duration::from_secs(90), &a_log, || {
+        released_at_least(&a_log, recs.len() as u64)
+    });
+    let first = stop_and_summary(a, &a_log);
+    assert_eq!(
+        (
+            first["kafka"]["quarantined"].as_u64(),
+            first["kafka"]["dead_lettered"].as_u64()
+        ),
+        (Some(9), Some(5)),
+        "{first}"
+    );
+    std::fs::remove_dir_all(g.dir.path().join("a")).unwrap();
+
+    let cfg_b = config("b");
+    let (b, b_log) = g.spawn("b", &cfg_b);
+    wait_showing("B to restore", Duration::from_secs(60), &b_log, || {
+        log_has(&b_log, RESTORED) > 0
+    });
+    let summary = stop_and_summary(b, &b_log);
+    assert_eq!(summary["kafka"]["restored_records"], 8 + 5, "{summary}");
+    for k in ["processed", "quarantined", "dead_lettered"] {
+        assert_eq!(summary["kafka"][k], 0, "{k}: {summary}");
+    }
+
+    let ledger = Ledger::open(
+        &g.dir.path().join("b"),
+        &Config::load(&cfg_b).unwrap(),
+        Arc::new(SystemClock),
+    )
+    .unwrap();
+    let ids_and_counts = |kind| -> Vec<(String, u64)> {
+        let mut v: Vec<(String, u64)> = ledger
+            .records(kind, "orders", None, 100)
+            .unwrap()
+            .into_iter()
+            .map(|r| {
+                (
+                    r.body["id"].as_str().unwrap().to_string(),
+                    r.body["count"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let want: Vec<(String, u64)> = (0..8)
+        .map(|i| (format!("p-{i}"), if i == 0 { 2 } else { 1 }))
+        .collect();
+    assert_eq!(ids_and_counts(RecordKind::Quarantine), want);
+    let want: Vec<(String, u64)> = (0..5).map(|i| (format!("bad-{i}"), 1)).collect();
+    assert_eq!(ids_and_counts(RecordKind::DeadLetter), want);
+    let quarantined = ledger
+        .records(RecordKind::Quarantine, "orders", None, 100)
+        .unwrap();
+    assert!(
+        quarantined.iter().all(|r| r.body["payload"]
+            .as_str()
+            .is_some_and(|p| p.contains("999"))),
+        "the quarantined payloads are kept: {quarantined:?}"
+    );
+    ledger.close().unwrap();
+}
+
 /// Issue 17: with `changelog = true`, claims and handler state follow their partitions.
 /// Instance A (the non-idempotent `fixture-counter` handler, offsets never committed)
 /// processes part of the stream and is killed with kill -9: every message is delivered

@@ -56,6 +56,59 @@ pub struct Change {
     /// published.
     #[serde(skip)]
     pub snapshot: bool,
+    /// A quarantine or dead-letter record stored or removed by the batch: published as a
+    /// record of its own (see [`RecordCopy`]) instead of a change. Not published.
+    #[serde(skip)]
+    pub record: Option<RecordCopy>,
+}
+
+/// A quarantine or dead-letter record as a changelog carries it, so it follows the
+/// partition of the message it keeps: one changelog record per stored record, keyed by
+/// what repeats are merged by (kind, key hash, payload fingerprint), holding its current
+/// body (`count` included); a record removed here (discarded, settled by a replay, swept
+/// by the retention, evicted by the cap) gets a tombstone (`body: None`). A restore puts
+/// every record without a tombstone into the new owner's tables.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordCopy {
+    pub kind: super::RecordKind,
+    /// Hash of the message's key, as the record's index has it.
+    pub key: u128,
+    /// Fingerprint of the record's payload.
+    pub fingerprint: u64,
+    /// The hash the message was routed by (its key, entity or subscriber), so a restore
+    /// stores the record on the shard its repeats will be decided on.
+    pub route: u128,
+    /// The stored record (JSON, as the record tables hold it); `None`: removed.
+    pub body: Option<Vec<u8>>,
+    /// The input partition the record's message came from: its changelog partition.
+    #[serde(skip)]
+    pub partition: i32,
+}
+
+impl RecordCopy {
+    /// The change that carries this copy to the sink (routed by its partition).
+    pub fn into_change(self) -> Change {
+        Change {
+            key: self.key,
+            id: String::new(),
+            fingerprint: self.fingerprint,
+            processed_at_ms: 0,
+            expires_at_ms: 0,
+            handler_version: 0,
+            entity: None,
+            state: BTreeMap::new(),
+            uniques: BTreeSet::new(),
+            versions: BTreeMap::new(),
+            emitted: Vec::new(),
+            origin: Some(Origin::Kafka {
+                topic: String::new().into(),
+                partition: self.partition,
+                offset: 0,
+            }),
+            snapshot: false,
+            record: Some(self),
+        }
+    }
 }
 
 impl Change {
@@ -76,6 +129,7 @@ impl Change {
             emitted,
             origin: job.origin.clone(),
             snapshot: false,
+            record: None,
         }
     }
 
@@ -119,6 +173,7 @@ impl Change {
             emitted: Vec::new(),
             origin: None,
             snapshot: false,
+            record: None,
         };
         let entity = self.entity.as_deref();
         let mut out = Vec::new();
@@ -288,6 +343,7 @@ mod tests {
             emitted: Vec::new(),
             origin: None,
             snapshot: true,
+            record: None,
         };
         let items = change.snapshot_items();
         assert_eq!(items.len(), 4);

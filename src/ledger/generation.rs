@@ -171,6 +171,9 @@ pub(crate) struct SubState {
     pub changelog: Option<std::sync::Arc<dyn super::changelog::ChangelogSink>>,
     /// This batch's processed messages, for `changelog`.
     pub changes: Vec<super::changelog::Change>,
+    /// Quarantine and dead-letter records stored or removed by the current transaction,
+    /// for `changelog` (`Some` exactly while it has one; `records/`).
+    pub record_copies: Option<Vec<super::changelog::RecordCopy>>,
     /// What this shard publishes of the subscriber's records for the other shards, while
     /// they probe for its claims (`presence.rs`).
     pub presence: Option<super::presence::PresenceWriter>,
@@ -185,6 +188,20 @@ pub(crate) enum Found {
 }
 
 impl SubState {
+    /// Sets where the subscriber's changes and record copies are published (`None`: it
+    /// has no changelog).
+    pub fn set_changelog(
+        &mut self,
+        sink: Option<std::sync::Arc<dyn super::changelog::ChangelogSink>>,
+    ) {
+        match (&sink, &self.record_copies) {
+            (Some(_), None) => self.record_copies = Some(Vec::new()),
+            (None, Some(_)) => self.record_copies = None,
+            _ => {}
+        }
+        self.changelog = sink;
+    }
+
     /// Memory lookups, newest generation first.
     #[inline]
     pub fn find_in_memory(&self, key: u128) -> Found {

@@ -489,6 +489,54 @@ impl Ledger {
         Ok(n)
     }
 
+    /// Puts the quarantine and dead-letter records a changelog restore found into the
+    /// ledger of `subscriber`: each on the shard its message's repeats are decided on,
+    /// replacing the record kept for the same message and payload; a copy without a body
+    /// (removed where it was made) removes it on every shard. The shards write at the same
+    /// time, one durable transaction each. Returns how many records were put.
+    pub fn records_restore(
+        &self,
+        subscriber: &str,
+        copies: Vec<super::changelog::RecordCopy>,
+    ) -> Result<u64, LedgerError> {
+        if copies.is_empty() {
+            return Ok(0);
+        }
+        let sub = self.registry.resolve(subscriber, true)?;
+        let mut per_shard: Vec<Vec<super::changelog::RecordCopy>> =
+            (0..self.shards.len()).map(|_| Vec::new()).collect();
+        for copy in copies {
+            if copy.body.is_some() {
+                per_shard[self.route(copy.route)].push(copy);
+            } else {
+                for part in per_shard.iter_mut() {
+                    part.push(copy.clone());
+                }
+            }
+        }
+        let mut replies = Vec::new();
+        for (shard, copies) in self.shards.iter().zip(per_shard) {
+            if copies.is_empty() {
+                continue;
+            }
+            let (tx, rx) = bounded(1);
+            shard
+                .tx
+                .send(ShardMsg::Control(Control::RecordsRestore {
+                    sub: sub.id,
+                    copies,
+                    reply: tx,
+                }))
+                .map_err(|_| stopped())?;
+            replies.push(rx);
+        }
+        let mut put = 0;
+        for rx in replies {
+            put += rx.recv().map_err(|_| stopped())??;
+        }
+        Ok(put)
+    }
+
     /// The changelog checkpoint stored under `key` (`<changelog topic>/<partition>`): an
     /// offset before which every change of that partition is in this data directory.
     pub fn changelog_checkpoint(&self, key: &str) -> Result<Option<u64>, LedgerError> {

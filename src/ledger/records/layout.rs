@@ -114,8 +114,22 @@ pub(crate) struct PendingRecord {
     pub key: u128,
     pub fingerprint: u64,
     pub at_ms: u64,
+    /// The hash its message was routed by (see [`crate::ledger::changelog::RecordCopy`]).
+    pub route: u128,
     /// The encoded record, `count` 1.
     pub body: Vec<u8>,
+}
+
+/// The hash `job` was routed to its shard by, under its placement.
+fn route_of(st: &SubState, job: &Job) -> u128 {
+    use crate::ledger::Placement;
+    match job.placement {
+        Placement::ByKey => job.key,
+        Placement::Subscriber => crate::envelope::key_hash(st.name.as_bytes()),
+        Placement::Entity => {
+            crate::envelope::key_hash(job.entity.as_deref().unwrap_or_default().as_bytes())
+        }
+    }
 }
 
 /// The quarantine record of `job`, which conflicts with a claim of `stored_fingerprint`.
@@ -147,6 +161,7 @@ pub(crate) fn quarantine(
         key: job.key,
         fingerprint: job.fingerprint,
         at_ms: now,
+        route: route_of(st, job),
         body: serde_json::to_vec(&record).unwrap_or_default(),
     }
 }
@@ -183,6 +198,7 @@ pub(crate) fn dead_letter(
         key: job.key,
         fingerprint: job.fingerprint,
         at_ms: now,
+        route: route_of(st, job),
         body: serde_json::to_vec(&record).unwrap_or_default(),
     }
 }
@@ -224,6 +240,8 @@ pub(crate) fn unusable_input(
         key,
         fingerprint,
         at_ms: now,
+        // Records of input without a key live on the subscriber name's shard.
+        route: crate::envelope::key_hash(subscriber.as_bytes()),
         body: serde_json::to_vec(&record)?,
     })
 }

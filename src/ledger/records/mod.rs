@@ -30,6 +30,7 @@ use std::sync::Arc;
 use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
 use serde::Deserialize;
 
+use super::changelog::RecordCopy;
 use super::generation::SubState;
 use super::tables::{self, index_table, record_table};
 use super::{RecordKind, Registry, SubscriberId};
@@ -68,6 +69,8 @@ struct Stamp {
     key_hash: Option<serde_json::Value>,
     #[serde(default)]
     fingerprint: Option<serde_json::Value>,
+    #[serde(default)]
+    origin: Option<serde_json::Value>,
 }
 
 impl Stamp {
@@ -88,6 +91,38 @@ impl Stamp {
         let fp = u64::from_str_radix(self.fingerprint.as_ref()?.as_str()?, 16).ok()?;
         Some((merge_key(text(&self.key_hash), text(&self.id)), fp))
     }
+
+    /// The Kafka partition the record's message came from, if it came from Kafka.
+    fn partition(&self) -> Option<i32> {
+        super::Origin::from(text(&self.origin)?).kafka_partition()
+    }
+}
+
+/// Queues a copy of a record stored (`body`) or removed (`None`) for the subscriber's
+/// changelog (`changelog.rs`, [`RecordCopy`]), if it has one and the record's message came
+/// from Kafka (its `origin` names the partition).
+fn travel(
+    st: &mut SubState,
+    kind: RecordKind,
+    stamp: Option<&Stamp>,
+    route: u128,
+    body: Option<&[u8]>,
+) {
+    let Some(copies) = st.record_copies.as_mut() else {
+        return;
+    };
+    let Some(stamp) = stamp else { return };
+    let (Some((key, fingerprint)), Some(partition)) = (stamp.index_key(), stamp.partition()) else {
+        return;
+    };
+    copies.push(RecordCopy {
+        kind,
+        key,
+        fingerprint,
+        route,
+        body: body.map(<[u8]>::to_vec),
+        partition,
+    });
 }
 
 /// What a shard keeps in memory about one kind of record of one subscriber.
@@ -207,18 +242,19 @@ fn count_drop(registry: &Registry, sub: SubscriberId, kind: RecordKind, why: Dro
 type Records<'t> = redb::Table<'t, (&'static str, u64), &'static [u8]>;
 type Index<'t> = redb::Table<'t, (&'static str, u128, u64), u64>;
 
-/// Removes one record and the index entry that points at it.
+/// Removes one record and the index entry that points at it. `Ok(None)`: no such
+/// record; else the removed record's stamp (`None` inside when it is unreadable).
 fn remove_at(
     records: &mut Records<'_>,
     index: &mut Index<'_>,
     subscriber: &str,
     seq: u64,
-) -> Result<bool, redb::Error> {
+) -> Result<Option<Option<Stamp>>, redb::Error> {
     let stamp = match records.remove((subscriber, seq))? {
         Some(old) => Stamp::read(old.value()),
-        None => return Ok(false),
+        None => return Ok(None),
     };
-    if let Some((key, fp)) = stamp.and_then(|s| s.index_key()) {
+    if let Some((key, fp)) = stamp.as_ref().and_then(|s| s.index_key()) {
         let points_here = index
             .get((subscriber, key, fp))?
             .is_some_and(|v| v.value() == seq);
@@ -226,7 +262,7 @@ fn remove_at(
             index.remove((subscriber, key, fp))?;
         }
     }
-    Ok(true)
+    Ok(Some(stamp))
 }
 
 /// Stores `rows` (draining them): a repeat of a kept `(subscriber, key, fingerprint)`
@@ -267,6 +303,10 @@ pub(crate) fn store(
                 if let Some(body) = bumped {
                     records.insert((&*name, seq), body.as_slice())?;
                     seqs.push(seq);
+                    if st.record_copies.is_some() {
+                        let stamp = Stamp::read(&body);
+                        travel(st, kind, stamp.as_ref(), row.route, Some(&body));
+                    }
                     continue;
                 }
             }
@@ -275,12 +315,16 @@ pub(crate) fn store(
             records.insert((&*name, seq), row.body.as_slice())?;
             index.insert(ikey, seq)?;
             seqs.push(seq);
+            if st.record_copies.is_some() {
+                let stamp = Stamp::read(&row.body);
+                travel(st, kind, stamp.as_ref(), row.route, Some(&row.body));
+            }
             let shelf = st.records.shelf(kind);
             shelf.stored += 1;
             if shelf.sweep_due_ms == u64::MAX {
                 shelf.sweep_due_ms = row.at_ms.saturating_add(limits.retention_ms);
             }
-            let mut evicted = 0;
+            let mut evicted = Vec::new();
             while shelf.stored > limits.max_stored {
                 let oldest = records
                     .range((&*name, 0)..=(&*name, u64::MAX))?
@@ -288,12 +332,21 @@ pub(crate) fn store(
                     .transpose()?
                     .map(|(k, _)| k.value().1);
                 let Some(oldest) = oldest else { break };
-                if remove_at(&mut records, &mut index, &name, oldest)? {
+                if let Some(stamp) = remove_at(&mut records, &mut index, &name, oldest)? {
                     shelf.stored -= 1;
-                    evicted += 1;
+                    evicted.push(stamp);
                 }
             }
-            count_drop(registry, row.sub, kind, DropReason::Cap, evicted);
+            count_drop(
+                registry,
+                row.sub,
+                kind,
+                DropReason::Cap,
+                evicted.len() as u64,
+            );
+            for stamp in &evicted {
+                travel(st, kind, stamp.as_ref(), 0, None);
+            }
         }
     }
     let mut meta = txn.open_table(tables::META)?;
@@ -307,6 +360,73 @@ pub(crate) fn store(
         }
     }
     Ok(seqs)
+}
+
+/// Puts the records of one subscriber a changelog restore found into this shard's
+/// tables: a copy with a body replaces the record kept under its (key, fingerprint) or
+/// becomes a new one numbered from `next_seq` (dropping the oldest past the cap); a copy
+/// without one removes the record kept under it. The copies themselves are not queued
+/// for the changelog again (it holds them); cap evictions are. Returns how many records
+/// were put.
+pub(crate) fn restore(
+    txn: &WriteTransaction,
+    st: &mut SubState,
+    copies: Vec<RecordCopy>,
+    next_seq: &mut [u64; 2],
+    limits: Limits,
+    registry: &Registry,
+) -> Result<u64, redb::Error> {
+    let name: Arc<str> = st.name.clone();
+    let mut put = 0;
+    for copy in copies {
+        let kind = copy.kind;
+        let mut records = txn.open_table(record_table(kind))?;
+        let mut index = txn.open_table(index_table(kind))?;
+        let ikey = (&*name, copy.key, copy.fingerprint);
+        let kept = index.get(ikey)?.map(|v| v.value());
+        let Some(body) = copy.body else {
+            if let Some(seq) = kept {
+                if remove_at(&mut records, &mut index, &name, seq)?.is_some() {
+                    let shelf = st.records.shelf(kind);
+                    shelf.stored = shelf.stored.saturating_sub(1);
+                }
+            }
+            continue;
+        };
+        put += 1;
+        if let Some(seq) = kept {
+            records.insert((&*name, seq), body.as_slice())?;
+            continue;
+        }
+        let next = &mut next_seq[kind as usize];
+        let seq = *next;
+        *next += 1;
+        records.insert((&*name, seq), body.as_slice())?;
+        index.insert(ikey, seq)?;
+        let shelf = st.records.shelf(kind);
+        shelf.stored += 1;
+        // The retention counts from when the record was first stored, elsewhere: the
+        // next maintenance step looks.
+        shelf.sweep_due_ms = 0;
+        let mut evicted = Vec::new();
+        while shelf.stored > limits.max_stored {
+            let oldest = records
+                .range((&*name, 0)..=(&*name, u64::MAX))?
+                .next()
+                .transpose()?
+                .map(|(k, _)| k.value().1);
+            let Some(oldest) = oldest else { break };
+            if let Some(stamp) = remove_at(&mut records, &mut index, &name, oldest)? {
+                shelf.stored -= 1;
+                evicted.push(stamp);
+            }
+        }
+        count_drop(registry, st.id, kind, DropReason::Cap, evicted.len() as u64);
+        for stamp in &evicted {
+            travel(st, kind, stamp.as_ref(), 0, None);
+        }
+    }
+    Ok(put)
 }
 
 /// The stored record with one more delivery seen at `at_ms`; `None` if it is unreadable
@@ -329,12 +449,13 @@ pub(crate) fn remove(
 ) -> Result<bool, redb::Error> {
     let mut records = txn.open_table(record_table(kind))?;
     let mut index = txn.open_table(index_table(kind))?;
-    let removed = remove_at(&mut records, &mut index, &st.name, seq)?;
-    if removed {
-        let shelf = st.records.shelf(kind);
-        shelf.stored = shelf.stored.saturating_sub(1);
-    }
-    Ok(removed)
+    let Some(stamp) = remove_at(&mut records, &mut index, &st.name, seq)? else {
+        return Ok(false);
+    };
+    let shelf = st.records.shelf(kind);
+    shelf.stored = shelf.stored.saturating_sub(1);
+    travel(st, kind, stamp.as_ref(), 0, None);
+    Ok(true)
 }
 
 /// Whether some subscriber has a record that may have fallen out of the retention.
@@ -365,7 +486,7 @@ pub(crate) fn sweep(
             let mut records = txn.open_table(record_table(kind))?;
             let mut index = txn.open_table(index_table(kind))?;
             let name = st.name.clone();
-            let mut expired = 0u64;
+            let mut expired = Vec::new();
             // Stays `now` when the budget runs out: the next step goes on.
             let mut next_due = now;
             for _ in 0..SWEEP_ROWS {
@@ -385,15 +506,19 @@ pub(crate) fn sweep(
                     next_due = due;
                     break;
                 }
-                if remove_at(&mut records, &mut index, &name, seq)? {
-                    expired += 1;
+                if let Some(stamp) = remove_at(&mut records, &mut index, &name, seq)? {
+                    expired.push(stamp);
                 }
             }
+            let n = expired.len() as u64;
             let shelf = st.records.shelf(kind);
-            shelf.stored = shelf.stored.saturating_sub(expired);
+            shelf.stored = shelf.stored.saturating_sub(n);
             shelf.sweep_due_ms = next_due;
-            count_drop(registry, st.id, kind, DropReason::Retention, expired);
-            did |= expired > 0;
+            count_drop(registry, st.id, kind, DropReason::Retention, n);
+            for stamp in &expired {
+                travel(st, kind, stamp.as_ref(), 0, None);
+            }
+            did |= n > 0;
         }
     }
     Ok(did)

@@ -74,6 +74,9 @@ impl Shard {
             } => {
                 let _ = reply.send(self.outbox_write(&subscriber, &messages));
             }
+            Control::RecordsRestore { sub, copies, reply } => {
+                let _ = reply.send(self.records_restore(sub, copies));
+            }
             Control::OutboxLen { reply } => {
                 let _ = reply.send(self.outbox_len());
             }
@@ -115,6 +118,8 @@ impl Shard {
         let result = (|| -> Result<T, LedgerError> {
             let txn = self.durable_txn()?;
             let out = work(self, &txn)?;
+            // Records it stored or removed are in their changelogs before it commits.
+            self.publish_records_now()?;
             self.write_counters(&txn)?;
             txn.commit().map_err(|e| self.err(e))?;
             self.count_commit();
@@ -233,9 +238,36 @@ impl Shard {
         seq: u64,
     ) -> Result<bool, LedgerError> {
         let idx = self.sub_index(sub)?;
+        self.refresh_changelog(idx);
         self.small_commit(|shard, txn| match shard.subs[idx].as_mut() {
             Some(st) => remove_record(txn, &shard.ctx.path, st, kind, seq),
             None => Ok(false),
+        })
+    }
+
+    fn records_restore(
+        &mut self,
+        sub: SubscriberId,
+        copies: Vec<crate::ledger::changelog::RecordCopy>,
+    ) -> Result<u64, LedgerError> {
+        let idx = self.sub_index(sub)?;
+        self.refresh_changelog(idx);
+        self.small_commit(|shard, txn| {
+            let Some(st) = shard.subs[idx].as_mut() else {
+                return Ok(0);
+            };
+            let mut next = [shard.next_quarantine_seq, shard.next_dead_seq];
+            let put = records::restore(
+                txn,
+                st,
+                copies,
+                &mut next,
+                records::Limits::of(&shard.ctx.config, shard.ctx.count),
+                &shard.ctx.registry,
+            )
+            .map_err(|e| storage(&shard.ctx.path, e))?;
+            [shard.next_quarantine_seq, shard.next_dead_seq] = next;
+            Ok(put)
         })
     }
 
@@ -245,6 +277,7 @@ impl Shard {
         row: PendingRecord,
     ) -> Result<u64, LedgerError> {
         let idx = self.sub_index(sub)?;
+        self.refresh_changelog(idx);
         let seq = self.small_commit(|shard, txn| {
             let Some(st) = shard.subs[idx].as_mut() else {
                 return Err(LedgerError::InvalidSubscriber(

@@ -6,7 +6,7 @@
 use super::breaker::Transition;
 use super::open::{apply_settings, new_sub_state};
 use super::*;
-use crate::ledger::changelog::{Change, Published};
+use crate::ledger::changelog::{Change, Published, RecordCopy};
 use crate::ledger::presence::PresenceWriter;
 use crate::ledger::SubscriberCounters;
 
@@ -57,7 +57,7 @@ impl Shard {
                 if st.probe && st.presence.is_none() {
                     st.presence = Some(start_presence(st, &self.ctx));
                 }
-                st.changelog = spec.changelog();
+                st.set_changelog(spec.changelog());
             }
             let current = st.handler.as_ref().map(|h| &h.factory);
             let same = match (current, &want) {
@@ -108,7 +108,7 @@ impl Shard {
         // Published before the commit: the local ledger never holds a processed message
         // its changelog lacks (`changelog.rs`). The acknowledgements are awaited after the
         // batch is written into the transaction and maintenance ran, just before commit.
-        let published = self.publish_changes()?;
+        let mut published = self.publish_changes()?;
         let t1 = Instant::now();
         if tally.wrote {
             self.write_batch(&txn, now)?;
@@ -119,6 +119,7 @@ impl Shard {
         }
         let t2 = Instant::now();
         let maintenance = self.maintenance(&txn, now, slice_budget(jobs.len()), false)?;
+        published.extend(self.publish_records()?);
         for (subscriber, p) in published {
             p.wait()
                 .map_err(|detail| LedgerError::Changelog { subscriber, detail })?;
@@ -517,6 +518,52 @@ impl Shard {
             }
         }
         Ok(out)
+    }
+
+    /// Hands the quarantine and dead-letter records this transaction stored or removed to
+    /// their subscribers' changelogs (`records/`, [`RecordCopy`]); the caller waits for
+    /// them before it commits, like for the batch's changes.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn publish_records(
+        &mut self,
+    ) -> Result<Vec<(String, Box<dyn Published>)>, LedgerError> {
+        let mut out = Vec::new();
+        for st in self.subs.iter_mut().flatten() {
+            let Some(copies) = st.record_copies.as_mut().filter(|c| !c.is_empty()) else {
+                continue;
+            };
+            let changes: Vec<Change> = copies.drain(..).map(RecordCopy::into_change).collect();
+            let Some(sink) = &st.changelog else {
+                continue;
+            };
+            let subscriber = st.name.to_string();
+            match sink.publish(&changes) {
+                Ok(p) => out.push((subscriber, p)),
+                Err(detail) => return Err(LedgerError::Changelog { subscriber, detail }),
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Shard::publish_records`] for a transaction outside a batch: returns once they
+    /// are acknowledged.
+    pub(super) fn publish_records_now(&mut self) -> Result<(), LedgerError> {
+        for (subscriber, p) in self.publish_records()? {
+            p.wait()
+                .map_err(|detail| LedgerError::Changelog { subscriber, detail })?;
+        }
+        Ok(())
+    }
+
+    /// Takes the subscriber's changelog sink from its registration, for the records a
+    /// transaction outside a batch stores or removes (a batch takes it in `sync_handlers`).
+    pub(super) fn refresh_changelog(&mut self, idx: usize) {
+        let Some(st) = self.subs.get_mut(idx).and_then(Option::as_mut) else {
+            return;
+        };
+        if let Some(spec) = self.ctx.registry.get(st.id) {
+            st.set_changelog(spec.changelog());
+        }
     }
 
     /// Records a claim of `job` in memory and in the batch's log row, with the placement

@@ -48,6 +48,7 @@ impl Shard {
         let txn = self.durable_txn()?;
         let did = self.maintenance(&txn, now, budget, seal_all)?;
         if did {
+            self.publish_records_now()?;
             self.write_counters(&txn)?;
             txn.commit().map_err(|e| self.err(e))?;
             metrics::histogram!(crate::telemetry::metric::COMMIT_DURATION_SECONDS, "shard" => self.ctx.index.to_string())
@@ -106,6 +107,12 @@ impl Shard {
             did |= r?;
         }
         let t_subs = Instant::now();
+        if records::sweep_due(&self.subs, now) {
+            // A sweep outside a batch tombstones what it removes in the changelog too.
+            for idx in 0..self.subs.len() {
+                self.refresh_changelog(idx);
+            }
+        }
         did |= records::sweep(
             txn,
             &mut self.subs,

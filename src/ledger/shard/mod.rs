@@ -156,6 +156,13 @@ pub(crate) enum Control {
     OutboxLen {
         reply: Sender<Result<u64, LedgerError>>,
     },
+    /// Puts a subscriber's quarantine and dead-letter records a changelog restore found
+    /// (copies with a body) and removes those it found removed; answers how many it put.
+    RecordsRestore {
+        sub: SubscriberId,
+        copies: Vec<crate::ledger::changelog::RecordCopy>,
+        reply: Sender<Result<u64, LedgerError>>,
+    },
     /// Appends a subscriber's emitted messages to the outbox (a changelog restore's).
     OutboxWrite {
         subscriber: String,
@@ -717,6 +724,9 @@ impl Shard {
         for st in self.subs.iter_mut().flatten() {
             LogRow::start(&mut st.pending_log);
             st.view = None;
+            if let Some(copies) = st.record_copies.as_mut() {
+                copies.clear();
+            }
         }
     }
 }

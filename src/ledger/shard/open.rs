@@ -469,6 +469,7 @@ pub(super) fn new_sub_state(
         mask_pending: 0,
         changelog: None,
         changes: Vec::new(),
+        record_copies: None,
         presence: None,
     };
     let kept = records::load(db, &spec.name)?;

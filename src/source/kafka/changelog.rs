@@ -23,6 +23,13 @@
 //!   member that dies with rows not yet relayed — and its data directory with it — loses
 //!   none: the new owner relays them, under the same `dedupd-message-id` (a row relayed
 //!   just before the crash, before its tombstone, is relayed twice with one id).
+//! - **Records.** Every quarantine and dead-letter record of a message from partition p is a
+//!   record of its own there, keyed `R` + its kind + the key hash and payload fingerprint it
+//!   is merged by ([`record_copy_key`]), holding its current body (a repeat publishes the
+//!   bumped `count` again); a record removed by its owner (discarded, settled by a replay,
+//!   swept by the retention, evicted by the cap) gets a tombstone. A restore puts every
+//!   record without one into the new owner's tables, so a member that dies with its disk
+//!   loses none of the messages it set aside.
 //! - **Restore.** When partitions are assigned, before any of their messages is fetched
 //!   (the rebalance callback), their changelog partitions are read from the beginning to
 //!   the end offset found at the start, and every change is replayed into the ledger
@@ -46,8 +53,8 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
 
 use super::{KafkaConfig, KafkaError};
-use crate::ledger::changelog::{Change, ChangelogSink, Published, SnapshotItem};
-use crate::ledger::{Done, Job, Ledger, Origin, Outcome, Subscriber};
+use crate::ledger::changelog::{Change, ChangelogSink, Published, RecordCopy, SnapshotItem};
+use crate::ledger::{Done, Job, Ledger, Origin, Outcome, RecordKind, Subscriber};
 
 /// The first byte of every record value: the encoding of what follows.
 const FORMAT: u8 = 1;
@@ -144,6 +151,81 @@ pub fn decode_emitted(value: &[u8]) -> Result<Emitted, String> {
         }
         Some((other, _)) => Err(format!(
             "emitted-message format {other} (this build reads format {EMITTED_FORMAT}): upgrade dedupd"
+        )),
+        None => Err("an empty record".into()),
+    }
+}
+
+/// The first byte of a quarantine or dead-letter record's key.
+const RECORD_KEY: u8 = b'R';
+/// The first byte of such a record's value.
+const RECORD_FORMAT: u8 = 3;
+const RECORD_KEY_LEN: usize = 2 + 16 + 8;
+
+/// A quarantine or dead-letter record's key: `R`, `q` or `d`, then the key hash and the
+/// payload fingerprint its repeats are merged by (big-endian), so a repeat's record
+/// replaces it and the owner's tombstone names it.
+pub fn record_copy_key(copy: &RecordCopy) -> [u8; RECORD_KEY_LEN] {
+    let mut k = [0u8; RECORD_KEY_LEN];
+    k[0] = RECORD_KEY;
+    k[1] = match copy.kind {
+        RecordKind::Quarantine => b'q',
+        RecordKind::DeadLetter => b'd',
+    };
+    k[2..18].copy_from_slice(&copy.key.to_be_bytes());
+    k[18..].copy_from_slice(&copy.fingerprint.to_be_bytes());
+    k
+}
+
+/// Whether a record key is a quarantine or dead-letter record's.
+pub fn is_record_key(key: &[u8]) -> bool {
+    key.len() == RECORD_KEY_LEN && key[0] == RECORD_KEY
+}
+
+/// The removal a tombstone with `key` stands for (a copy with no body), if the key is a
+/// quarantine or dead-letter record's.
+pub fn removed_record(key: &[u8], partition: i32) -> Option<RecordCopy> {
+    if !is_record_key(key) {
+        return None;
+    }
+    let kind = match key[1] {
+        b'q' => RecordKind::Quarantine,
+        b'd' => RecordKind::DeadLetter,
+        _ => return None,
+    };
+    Some(RecordCopy {
+        kind,
+        key: u128::from_be_bytes(key[2..18].try_into().ok()?),
+        fingerprint: u64::from_be_bytes(key[18..].try_into().ok()?),
+        route: 0,
+        body: None,
+        partition,
+    })
+}
+
+/// A stored quarantine or dead-letter record as a record value.
+pub fn encode_record(copy: &RecordCopy) -> Result<Vec<u8>, String> {
+    let mut out = vec![RECORD_FORMAT];
+    let body = bincode::serde::encode_to_vec(copy, bincode_config())
+        .map_err(|e| format!("cannot encode a quarantine or dead-letter record: {e}"))?;
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// A quarantine or dead-letter record's value; an error names what is wrong with it.
+pub fn decode_record(value: &[u8]) -> Result<RecordCopy, String> {
+    match value.split_first() {
+        Some((&RECORD_FORMAT, body)) => {
+            let (copy, used): (RecordCopy, usize) =
+                bincode::serde::decode_from_slice(body, bincode_config())
+                    .map_err(|e| format!("undecodable quarantine or dead-letter record: {e}"))?;
+            if used != body.len() {
+                return Err(format!("{} bytes after the record", body.len() - used));
+            }
+            Ok(copy)
+        }
+        Some((other, _)) => Err(format!(
+            "record format {other} (this build reads format {RECORD_FORMAT}): upgrade dedupd"
         )),
         None => Err("an empty record".into()),
     }
@@ -335,7 +417,14 @@ impl ChangelogSink for ChangelogProducer {
                     change.id
                 ));
             };
-            if change.snapshot {
+            if let Some(copy) = &change.record {
+                let value = copy
+                    .body
+                    .as_ref()
+                    .map(|_| encode_record(copy))
+                    .transpose()?;
+                records.push((partition, record_copy_key(copy).to_vec(), value));
+            } else if change.snapshot {
                 for (item, value) in change.snapshot_items() {
                     let value = value.as_ref().map(encode).transpose()?;
                     records.push((partition, snapshot_key(&item).to_vec(), value));
@@ -486,6 +575,9 @@ pub struct Restored {
     /// Messages handlers emitted that the changelog holds with no tombstone (not relayed
     /// yet, as far as it knows), put back into this member's outbox.
     pub emitted: u64,
+    /// Quarantine and dead-letter records the changelog holds with no tombstone, put
+    /// into this member's tables.
+    pub records: u64,
     pub elapsed: Duration,
 }
 
@@ -548,6 +640,8 @@ pub fn restore(
     let mut last_log = Instant::now();
     let (mut ends, mut skipped, mut tombstones) = (Vec::new(), 0u64, 0u64);
     let mut emitted = Unrelayed::default();
+    // The newest copy of each quarantine and dead-letter record (`None` body: removed).
+    let mut kept: std::collections::HashMap<Vec<u8>, RecordCopy> = Default::default();
     let ledger_err = |e: crate::ledger::LedgerError| KafkaError::Ledger(e.to_string());
     for &p in partitions {
         let (low, high) = consumer
@@ -594,7 +688,14 @@ pub fn restore(
             let at = |e: String| {
                 KafkaError::Client(format!("{topic} partition {p} offset {offset}: {e}"))
             };
-            if let Some(key) = m.key().filter(|k| is_emitted_key(k)) {
+            if let Some(key) = m.key().filter(|k| is_record_key(k)) {
+                let copy = match m.payload() {
+                    Some(value) => decode_record(value).map_err(at)?,
+                    None => removed_record(key, p)
+                        .ok_or_else(|| at("a record key of no known kind".into()))?,
+                };
+                kept.insert(key.to_vec(), copy);
+            } else if let Some(key) = m.key().filter(|k| is_emitted_key(k)) {
                 // An emitted message; its tombstone says the relay delivered it.
                 match m.payload() {
                     Some(value) => {
@@ -625,6 +726,9 @@ pub fn restore(
     let emitted = ledger
         .outbox_restore(&sub.name, emitted.unrelayed())
         .map_err(ledger_err)?;
+    let records = ledger
+        .records_restore(&sub.name, kept.into_values().collect())
+        .map_err(ledger_err)?;
     for &(p, high) in &ends {
         ledger
             .set_changelog_checkpoint(&checkpoint_key(topic, p), high.max(0) as u64)
@@ -636,6 +740,7 @@ pub fn restore(
         skipped,
         tombstones,
         emitted,
+        records,
         elapsed: started.elapsed(),
     })
 }
@@ -767,12 +872,63 @@ mod tests {
             emitted: Vec::new(),
             origin: None,
             snapshot: false,
+            record: None,
         };
         c.state.insert(b"count".to_vec(), Some(b"2".to_vec()));
         c.state.insert(b"old".to_vec(), None);
         c.uniques.insert(b"label\0order-7".to_vec());
         c.versions.insert("v".into(), 11);
         c
+    }
+
+    #[test]
+    fn record_copies_round_trip_and_their_tombstones_name_them() {
+        let copy = RecordCopy {
+            kind: RecordKind::DeadLetter,
+            key: 0xfeed_0000_0000_0000_0000_0000_0000_beef,
+            fingerprint: 0x1234_5678_9abc_def0,
+            route: 42,
+            body: Some(br#"{"id":"m-1","count":2}"#.to_vec()),
+            partition: 5,
+        };
+        let value = encode_record(&copy).unwrap();
+        let back = decode_record(&value).unwrap();
+        // The partition is the changelog partition's, not part of the value.
+        assert_eq!(
+            back,
+            RecordCopy {
+                partition: 0,
+                ..copy.clone()
+            }
+        );
+        let key = record_copy_key(&copy);
+        assert!(is_record_key(&key) && !is_emitted_key(&key) && !is_snapshot_key(&key));
+        assert!(!is_record_key(&record_key(&change())));
+        let gone = removed_record(&key, 5).unwrap();
+        assert_eq!(
+            (
+                gone.kind,
+                gone.key,
+                gone.fingerprint,
+                gone.body,
+                gone.partition
+            ),
+            (copy.kind, copy.key, copy.fingerprint, None, 5)
+        );
+        let quarantine = RecordCopy {
+            kind: RecordKind::Quarantine,
+            ..copy.clone()
+        };
+        assert_ne!(
+            record_copy_key(&quarantine),
+            key,
+            "the kind is part of the key"
+        );
+        let mut bad = key;
+        bad[1] = b'x';
+        assert!(removed_record(&bad, 5).is_none());
+        assert!(decode_record(&encode(&change()).unwrap()).is_err());
+        assert!(decode_record(&value[..value.len() - 1]).is_err());
     }
 
     #[test]

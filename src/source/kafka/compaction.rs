@@ -51,7 +51,7 @@ use rdkafka::topic_partition_list::TopicPartitionList;
 use rdkafka::Offset;
 
 use super::changelog::{
-    decode, decode_emitted, is_emitted_key, is_snapshot_key, ChangelogProducer,
+    decode, decode_emitted, is_emitted_key, is_record_key, is_snapshot_key, ChangelogProducer,
 };
 use super::{KafkaConfig, KafkaError};
 use crate::clock::{Clock, SystemClock};
@@ -231,7 +231,11 @@ impl Compactor {
             last_record = Instant::now();
             let m = m.map_err(client)?;
             done.read += 1;
-            let snapshot = m.key().is_some_and(is_snapshot_key);
+            // Snapshots are replaced by the cleaner, quarantine and dead-letter records
+            // by their owner's tombstones: both are passed over.
+            let snapshot = m
+                .key()
+                .is_some_and(|k| is_snapshot_key(k) || is_record_key(k));
             let emitted = m.key().is_some_and(is_emitted_key);
             if let (Some(value), true) = (m.payload(), emitted) {
                 // An emitted message the relay has not tombstoned (its outbox is read over

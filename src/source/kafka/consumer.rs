@@ -83,6 +83,9 @@ pub struct SourceStats {
     /// Emitted messages a restore found in the changelog with no relay's tombstone and put
     /// back into this member's outbox.
     pub restored_emitted: AtomicU64,
+    /// Quarantine and dead-letter records a restore found in the changelog and put into
+    /// this member's ledger.
+    pub restored_records: AtomicU64,
     /// Tombstones produced to the changelog for the records of expired claims.
     pub changelog_tombstones: AtomicU64,
     /// Snapshot records produced by changelog compaction.
@@ -378,13 +381,16 @@ impl Worker {
                 self.stats
                     .restored_emitted
                     .fetch_add(r.emitted, Ordering::Relaxed);
+                self.stats
+                    .restored_records
+                    .fetch_add(r.records, Ordering::Relaxed);
                 metrics::counter!(crate::telemetry::metric::KAFKA_CHANGELOG_RESTORED_TOTAL,
                     "subscriber" => self.sub.name.to_string())
                 .increment(r.changes);
                 let rate = r.changes as f64 / r.elapsed.as_secs_f64().max(1e-6);
                 tracing::info!(subscriber = %self.sub.name, %topic, ?partitions,
                     changes = r.changes, covered_by_checkpoint = r.skipped,
-                    emitted_not_relayed = r.emitted,
+                    emitted_not_relayed = r.emitted, records = r.records,
                     elapsed_ms = r.elapsed.as_millis() as u64,
                     changes_per_sec = rate as u64, "partitions restored from the changelog");
                 true

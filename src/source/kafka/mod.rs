@@ -98,6 +98,9 @@ pub struct KafkaSummary {
     /// Emitted messages put back into the outbox by restores (see
     /// [`SourceStats::restored_emitted`]).
     pub restored_emitted: u64,
+    /// Quarantine and dead-letter records put into the ledger by restores (see
+    /// [`SourceStats::restored_records`]).
+    pub restored_records: u64,
     /// Tombstones produced by changelog compaction.
     pub changelog_tombstones: u64,
     /// Snapshot records produced by changelog compaction.
@@ -120,6 +123,7 @@ impl KafkaSummary {
         self.shared_group_rebalances += get(&s.shared_group_rebalances);
         self.restored_changes += get(&s.restored_changes);
         self.restored_emitted += get(&s.restored_emitted);
+        self.restored_records += get(&s.restored_records);
         self.changelog_tombstones += get(&s.changelog_tombstones);
         self.changelog_snapshots += get(&s.changelog_snapshots);
     }
