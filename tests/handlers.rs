@@ -834,8 +834,10 @@ fn sleeping_handler_is_dead_lettered_as_timeout_in_its_budget_while_neighbours_c
         }
         other => panic!("expected dead_lettered, got {other:?}"),
     }
-    // Three attempts of a 5 s sleep, each cut at its 10 ms budget.
-    assert!(took < Duration::from_millis(200), "took {took:?}");
+    // Three attempts of a 5 s sleep, each cut at its 10 ms budget: well under one
+    // uncut sleep. (200 ms was too tight when the test binary's other tests loaded a
+    // slow 2-core machine.)
+    assert!(took < Duration::from_secs(2), "took {took:?}");
     assert!(h.state("sleepy").is_empty());
     assert_eq!(h.state("labels").len(), 2);
 }

@@ -265,6 +265,31 @@ fn remove_at(
     Ok(Some(stamp))
 }
 
+/// Drops a subscriber's oldest records while more than the cap are stored on this shard;
+/// returns the stamps of those it dropped.
+fn evict_past_cap(
+    records: &mut Records<'_>,
+    index: &mut Index<'_>,
+    subscriber: &str,
+    shelf: &mut Shelf,
+    limits: Limits,
+) -> Result<Vec<Option<Stamp>>, redb::Error> {
+    let mut evicted = Vec::new();
+    while shelf.stored > limits.max_stored {
+        let oldest = records
+            .range((subscriber, 0)..=(subscriber, u64::MAX))?
+            .next()
+            .transpose()?
+            .map(|(k, _)| k.value().1);
+        let Some(oldest) = oldest else { break };
+        if let Some(stamp) = remove_at(records, index, subscriber, oldest)? {
+            shelf.stored -= 1;
+            evicted.push(stamp);
+        }
+    }
+    Ok(evicted)
+}
+
 /// Stores `rows` (draining them): a repeat of a kept `(subscriber, key, fingerprint)`
 /// bumps that record's `count` and `last_seen_ms`, anything else becomes a new record
 /// numbered from `next_seq`, dropping the subscriber's oldest record past the cap. Writes
@@ -324,19 +349,7 @@ pub(crate) fn store(
             if shelf.sweep_due_ms == u64::MAX {
                 shelf.sweep_due_ms = row.at_ms.saturating_add(limits.retention_ms);
             }
-            let mut evicted = Vec::new();
-            while shelf.stored > limits.max_stored {
-                let oldest = records
-                    .range((&*name, 0)..=(&*name, u64::MAX))?
-                    .next()
-                    .transpose()?
-                    .map(|(k, _)| k.value().1);
-                let Some(oldest) = oldest else { break };
-                if let Some(stamp) = remove_at(&mut records, &mut index, &name, oldest)? {
-                    shelf.stored -= 1;
-                    evicted.push(stamp);
-                }
-            }
+            let evicted = evict_past_cap(&mut records, &mut index, &name, shelf, limits)?;
             count_drop(
                 registry,
                 row.sub,
@@ -408,19 +421,7 @@ pub(crate) fn restore(
         // The retention counts from when the record was first stored, elsewhere: the
         // next maintenance step looks.
         shelf.sweep_due_ms = 0;
-        let mut evicted = Vec::new();
-        while shelf.stored > limits.max_stored {
-            let oldest = records
-                .range((&*name, 0)..=(&*name, u64::MAX))?
-                .next()
-                .transpose()?
-                .map(|(k, _)| k.value().1);
-            let Some(oldest) = oldest else { break };
-            if let Some(stamp) = remove_at(&mut records, &mut index, &name, oldest)? {
-                shelf.stored -= 1;
-                evicted.push(stamp);
-            }
-        }
+        let evicted = evict_past_cap(&mut records, &mut index, &name, shelf, limits)?;
         count_drop(registry, st.id, kind, DropReason::Cap, evicted.len() as u64);
         for stamp in &evicted {
             travel(st, kind, stamp.as_ref(), 0, None);
