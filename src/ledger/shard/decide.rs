@@ -508,14 +508,7 @@ impl Shard {
                 continue;
             }
             let changes = std::mem::take(&mut st.changes);
-            let Some(sink) = &st.changelog else {
-                continue;
-            };
-            let subscriber = st.name.to_string();
-            match sink.publish(&changes) {
-                Ok(p) => out.push((subscriber, p)),
-                Err(detail) => return Err(LedgerError::Changelog { subscriber, detail }),
-            }
+            hand_to_sink(st, &changes, &mut out)?;
         }
         Ok(out)
     }
@@ -533,14 +526,7 @@ impl Shard {
                 continue;
             };
             let changes: Vec<Change> = copies.drain(..).map(RecordCopy::into_change).collect();
-            let Some(sink) = &st.changelog else {
-                continue;
-            };
-            let subscriber = st.name.to_string();
-            match sink.publish(&changes) {
-                Ok(p) => out.push((subscriber, p)),
-                Err(detail) => return Err(LedgerError::Changelog { subscriber, detail }),
-            }
+            hand_to_sink(st, &changes, &mut out)?;
         }
         Ok(out)
     }
@@ -872,6 +858,27 @@ fn make_room(map: &mut KeyMap, presize: usize, spare: &mut Vec<KeyMap>) {
     let mut full = full;
     full.extend(map.drain());
     *map = full;
+}
+
+/// Hands a subscriber's changes to its changelog sink (none: they go nowhere) and keeps
+/// the acknowledgements to wait for in `out`; a refusal stops the shard.
+#[allow(clippy::type_complexity)]
+fn hand_to_sink(
+    st: &SubState,
+    changes: &[Change],
+    out: &mut Vec<(String, Box<dyn Published>)>,
+) -> Result<(), LedgerError> {
+    let Some(sink) = &st.changelog else {
+        return Ok(());
+    };
+    let subscriber = st.name.to_string();
+    match sink.publish(changes) {
+        Ok(p) => {
+            out.push((subscriber, p));
+            Ok(())
+        }
+        Err(detail) => Err(LedgerError::Changelog { subscriber, detail }),
+    }
 }
 
 #[cfg(test)]

@@ -130,30 +130,12 @@ pub struct Emitted {
 
 /// An emitted message as a record value.
 pub fn encode_emitted(emitted: &Emitted) -> Result<Vec<u8>, String> {
-    let mut out = vec![EMITTED_FORMAT];
-    let body = bincode::serde::encode_to_vec(emitted, bincode_config())
-        .map_err(|e| format!("cannot encode an emitted message: {e}"))?;
-    out.extend_from_slice(&body);
-    Ok(out)
+    encode_value(EMITTED_FORMAT, EMITTED, emitted)
 }
 
 /// An emitted record's value; an error names what is wrong with it.
 pub fn decode_emitted(value: &[u8]) -> Result<Emitted, String> {
-    match value.split_first() {
-        Some((&EMITTED_FORMAT, body)) => {
-            let (emitted, used): (Emitted, usize) =
-                bincode::serde::decode_from_slice(body, bincode_config())
-                    .map_err(|e| format!("undecodable emitted message: {e}"))?;
-            if used != body.len() {
-                return Err(format!("{} bytes after the emitted message", body.len() - used));
-            }
-            Ok(emitted)
-        }
-        Some((other, _)) => Err(format!(
-            "emitted-message format {other} (this build reads format {EMITTED_FORMAT}): upgrade dedupd"
-        )),
-        None => Err("an empty record".into()),
-    }
+    decode_value(value, EMITTED_FORMAT, EMITTED)
 }
 
 /// The first byte of a quarantine or dead-letter record's key.
@@ -205,55 +187,58 @@ pub fn removed_record(key: &[u8], partition: i32) -> Option<RecordCopy> {
 
 /// A stored quarantine or dead-letter record as a record value.
 pub fn encode_record(copy: &RecordCopy) -> Result<Vec<u8>, String> {
-    let mut out = vec![RECORD_FORMAT];
-    let body = bincode::serde::encode_to_vec(copy, bincode_config())
-        .map_err(|e| format!("cannot encode a quarantine or dead-letter record: {e}"))?;
-    out.extend_from_slice(&body);
-    Ok(out)
+    encode_value(RECORD_FORMAT, RECORD, copy)
 }
 
 /// A quarantine or dead-letter record's value; an error names what is wrong with it.
 pub fn decode_record(value: &[u8]) -> Result<RecordCopy, String> {
-    match value.split_first() {
-        Some((&RECORD_FORMAT, body)) => {
-            let (copy, used): (RecordCopy, usize) =
-                bincode::serde::decode_from_slice(body, bincode_config())
-                    .map_err(|e| format!("undecodable quarantine or dead-letter record: {e}"))?;
-            if used != body.len() {
-                return Err(format!("{} bytes after the record", body.len() - used));
-            }
-            Ok(copy)
-        }
-        Some((other, _)) => Err(format!(
-            "record format {other} (this build reads format {RECORD_FORMAT}): upgrade dedupd"
-        )),
-        None => Err("an empty record".into()),
-    }
+    decode_value(value, RECORD_FORMAT, RECORD)
 }
 
 /// A change as a record value.
 pub fn encode(change: &Change) -> Result<Vec<u8>, String> {
-    let mut out = vec![FORMAT];
-    let body = bincode::serde::encode_to_vec(change, bincode_config())
-        .map_err(|e| format!("cannot encode a change: {e}"))?;
-    out.extend_from_slice(&body);
-    Ok(out)
+    encode_value(FORMAT, CHANGE, change)
 }
 
 /// A record value as a change; an error names what is wrong with it.
 pub fn decode(value: &[u8]) -> Result<Change, String> {
+    decode_value(value, FORMAT, CHANGE)
+}
+
+/// What a record value holds, as errors name it: (article, noun, format name).
+type Kind = (&'static str, &'static str, &'static str);
+const CHANGE: Kind = ("a", "change", "change");
+const EMITTED: Kind = ("an", "emitted message", "emitted-message");
+const RECORD: Kind = ("a", "quarantine or dead-letter record", "record");
+
+/// A record value: the format byte, then `v` in bincode's standard encoding.
+fn encode_value<T: serde::Serialize>(format: u8, kind: Kind, v: &T) -> Result<Vec<u8>, String> {
+    let mut out = vec![format];
+    let body = bincode::serde::encode_to_vec(v, bincode_config())
+        .map_err(|e| format!("cannot encode {} {}: {e}", kind.0, kind.1))?;
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// The value [`encode_value`] made with `format`; an error names what is wrong with it
+/// (another format, damage, trailing bytes).
+fn decode_value<T: serde::de::DeserializeOwned>(
+    value: &[u8],
+    format: u8,
+    kind: Kind,
+) -> Result<T, String> {
     match value.split_first() {
-        Some((&FORMAT, body)) => {
-            let (change, used): (Change, usize) =
-                bincode::serde::decode_from_slice(body, bincode_config())
-                    .map_err(|e| format!("undecodable change: {e}"))?;
+        Some((&f, body)) if f == format => {
+            let (v, used): (T, usize) = bincode::serde::decode_from_slice(body, bincode_config())
+                .map_err(|e| format!("undecodable {}: {e}", kind.1))?;
             if used != body.len() {
-                return Err(format!("{} bytes after the change", body.len() - used));
+                return Err(format!("{} bytes after the {}", body.len() - used, kind.1));
             }
-            Ok(change)
+            Ok(v)
         }
         Some((other, _)) => Err(format!(
-            "change format {other} (this build reads format {FORMAT}): upgrade dedupd"
+            "{} format {other} (this build reads format {format}): upgrade dedupd",
+            kind.2
         )),
         None => Err("an empty record".into()),
     }
