@@ -233,6 +233,7 @@ pub fn place_event(
         };
         crate::envelope::derive_entity(&env, settings)
             .map_err(|e| LedgerError::Invalid(format!("generated event: {e}")))?
+            .map(std::borrow::Cow::into_owned)
     };
     Ok(ledger.place(sub, job, entity))
 }

@@ -87,7 +87,19 @@ impl Ledger {
     /// key's text when the subscriber configures one ([`crate::envelope::derive_entity`]);
     /// it matters only to subscribers with a handler.
     pub fn place(&self, sub: &Subscriber, job: &mut Job, entity: Option<String>) -> usize {
-        let placement = Placement::of(sub.has_handler.load(Ordering::Acquire), entity.is_some());
+        self.place_as(sub, sub.has_handler.load(Ordering::Acquire), job, entity)
+    }
+
+    /// [`Ledger::place`] with the subscriber's handler flag as the caller read it (when
+    /// it derived the entity by that same reading).
+    pub fn place_as(
+        &self,
+        sub: &Subscriber,
+        has_handler: bool,
+        job: &mut Job,
+        entity: Option<String>,
+    ) -> usize {
+        let placement = Placement::of(has_handler, entity.is_some());
         let bit = placement.bit();
         if sub.placements.load(Ordering::Acquire) & bit == 0 {
             sub.placements.fetch_or(bit, Ordering::AcqRel);

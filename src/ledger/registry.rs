@@ -105,6 +105,12 @@ impl Subscriber {
             .clone()
     }
 
+    /// Whether a handler is attached now (read per message: a source that reads it once
+    /// for a message places that message by the same reading, [`super::Ledger::place_as`]).
+    pub fn has_handler(&self) -> bool {
+        self.has_handler.load(Ordering::Acquire)
+    }
+
     pub(crate) fn settings_epoch(&self) -> u64 {
         self.settings_epoch.load(Ordering::Acquire)
     }
