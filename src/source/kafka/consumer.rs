@@ -545,7 +545,7 @@ impl Worker {
         }
         for shard in 0..self.staged.len() {
             if !self.staged[shard].is_empty() {
-                let jobs = std::mem::take(&mut self.staged[shard]);
+                let jobs = std::mem::replace(&mut self.staged[shard], Vec::with_capacity(CHUNK));
                 if let Err(e) = self.ledger.submit(shard, jobs) {
                     self.fatal = Some(e.to_string());
                     return;
@@ -554,7 +554,14 @@ impl Worker {
         }
     }
 
-    fn accept(&mut self, consumer: &BaseConsumer<WorkerContext>, m: &BorrowedMessage<'_>) {
+    /// Routes one record to its shard. `received_at_ms` is read once per poll burst: the
+    /// clock is not read per record.
+    fn accept(
+        &mut self,
+        consumer: &BaseConsumer<WorkerContext>,
+        m: &BorrowedMessage<'_>,
+        received_at_ms: u64,
+    ) {
         let Some(slot) = self.slot_of(m.topic(), m.partition()) else {
             // Not (or no longer) ours: the owner gets it; nothing is stored for it.
             return;
@@ -584,7 +591,7 @@ impl Worker {
         });
         let delivery = Delivery {
             origin: kafka_origin,
-            received_at_ms: now_ms(),
+            received_at_ms,
             ..keying::delivery(&view, Target::Resolved(self.sub.clone()))
         };
         let raw_hash = |env: &Envelope, s: &SubscriberSettings| raw_header_key_hash(&view, env, s);
@@ -616,7 +623,10 @@ impl Worker {
                 job.seq = seq;
                 self.staged[shard].push(job);
                 if self.staged[shard].len() >= CHUNK {
-                    let jobs = std::mem::take(&mut self.staged[shard]);
+                    // A chunk leaves with its buffer; the next one gets a full-size buffer
+                    // at once instead of growing (and moving its jobs) from empty.
+                    let jobs =
+                        std::mem::replace(&mut self.staged[shard], Vec::with_capacity(CHUNK));
                     if let Err(e) = self.ledger.submit(shard, jobs) {
                         self.fatal = Some(e.to_string());
                     }
@@ -1025,10 +1035,14 @@ fn start_changelog(
 /// the outcomes that are ready; when idle, wait briefly for the next record.
 fn poll_round(consumer: &BaseConsumer<WorkerContext>, name: &str) {
     let mut got = 0;
+    let received_at_ms = now_ms();
     while got < BURST {
         match consumer.poll(Duration::ZERO) {
             Some(Ok(m)) => {
-                consumer.context().lock().accept(consumer, &m);
+                consumer
+                    .context()
+                    .lock()
+                    .accept(consumer, &m, received_at_ms);
                 got += 1;
             }
             Some(Err(e)) => {
@@ -1050,7 +1064,7 @@ fn poll_round(consumer: &BaseConsumer<WorkerContext>, name: &str) {
     };
     if got == 0 && !in_flight {
         match consumer.poll(Duration::from_millis(50)) {
-            Some(Ok(m)) => consumer.context().lock().accept(consumer, &m),
+            Some(Ok(m)) => consumer.context().lock().accept(consumer, &m, now_ms()),
             Some(Err(e)) => tracing::warn!(subscriber = %name, "kafka consumer error: {e}"),
             None => {}
         }
