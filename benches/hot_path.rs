@@ -1,5 +1,6 @@
 //! Micro-benchmarks of the per-message hot path pieces, with fixed seeds.
-//! `cargo bench --bench hot_path`. The end-to-end figure is `dedupd bench`.
+//! `cargo bench --bench hot_path`. The end-to-end figure is `dedupd bench` (and, for a
+//! Kafka record's way to its shard, `dedupd kafka-bench`).
 
 use std::hint::black_box;
 
@@ -91,5 +92,75 @@ fn log_rows(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, keys_and_fingerprints, filters, log_rows);
+/// A Kafka record turned into a routed job, as the consumer thread does for every record
+/// (`source/kafka/consumer.rs`, `accept`): the delivery with its header and key copies,
+/// the key from a header, the entity from the record key, the job placed on its shard,
+/// and the job dropped (which its shard does after the outcome). With the one header
+/// `kafka-bench` sends, and with five more of the kind tracing and schema tools add.
+fn kafka_record_to_job(c: &mut Criterion) {
+    use dedupd::source::delivery::{envelope, Keying, Target};
+    use dedupd::source::kafka::keying::{delivery, raw_header_key_hash};
+    use dedupd::source::kafka::RecordView;
+
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let config = dedupd::config::Config::parse(
+        "[ledger]\nshards = 2\n[[subscriber]]\nname = \"orders\"\n\
+         key = { source = \"header\", name = \"message-id\" }\n\
+         partition_key = { source = \"envelope_key\" }\n",
+    )
+    .expect("config");
+    let ledger = dedupd::ledger::Ledger::open(
+        dir.path(),
+        &config,
+        std::sync::Arc::new(dedupd::clock::SystemClock),
+    )
+    .expect("ledger");
+    let sub = ledger.subscriber("orders").expect("subscriber");
+    let (ack, _acks) = crossbeam_channel::unbounded();
+    let payload = br#"{"order_id":"o-1234567","sku":"sku-42","qty":3,"price":"19.90"}"#;
+    let id = b"3f2a9c1e-77b0-4d1a-9e0f-0a1b2c3d4e5f";
+    let extra: [(&str, &[u8]); 5] = [
+        (
+            "traceparent",
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ),
+        ("content-type", b"application/json"),
+        ("schema-version", b"7"),
+        ("producer", b"checkout-service"),
+        ("tenant", b"eu-west"),
+    ];
+    let mut g = c.benchmark_group("kafka_record");
+    g.throughput(Throughput::Elements(1));
+    for more in [0, extra.len()] {
+        let mut headers: Vec<(&str, &[u8])> = vec![("message-id", id)];
+        headers.extend_from_slice(&extra[..more]);
+        let view = RecordView {
+            key: Some(b"o-1234567"),
+            payload,
+            headers: &headers,
+        };
+        g.bench_function(format!("to_job_{}_headers", headers.len()), |b| {
+            b.iter(|| {
+                let d = delivery(&view, Target::Resolved(sub.clone()));
+                let raw = |env: &dedupd::envelope::Envelope,
+                           s: &dedupd::config::SubscriberSettings| {
+                    raw_header_key_hash(&view, env, s)
+                };
+                let routed = envelope(&ledger, d, Keying::DeriveThen(&raw), ack.clone())
+                    .expect("a keyed record");
+                assert_eq!(routed.job.headers.len(), headers.len());
+                black_box(routed.shard)
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    keys_and_fingerprints,
+    filters,
+    log_rows,
+    kafka_record_to_job
+);
 criterion_main!(benches);

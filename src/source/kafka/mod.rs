@@ -20,7 +20,7 @@ mod check;
 pub mod compaction;
 mod config;
 mod consumer;
-mod keying;
+pub mod keying;
 mod offsets;
 mod outbox;
 
