@@ -38,6 +38,7 @@
 //!   ledger that already holds a prefix of it (this member owned the partition before)
 //!   ends in exactly the changelog's claims and state.
 
+use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -133,6 +134,14 @@ pub fn encode_emitted(emitted: &Emitted) -> Result<Vec<u8>, String> {
     encode_value(EMITTED_FORMAT, EMITTED, emitted)
 }
 
+/// [`Emitted`] over a borrowed message, encoded the same (fields in the same order):
+/// publishing encodes the change's own messages instead of copying each one first.
+#[derive(serde::Serialize)]
+struct EmittedRef<'a> {
+    expires_at_ms: u64,
+    message: &'a crate::effects::OutboxMessage,
+}
+
 /// An emitted record's value; an error names what is wrong with it.
 pub fn decode_emitted(value: &[u8]) -> Result<Emitted, String> {
     decode_value(value, EMITTED_FORMAT, EMITTED)
@@ -213,11 +222,22 @@ const RECORD: Kind = ("a", "quarantine or dead-letter record", "record");
 
 /// A record value: the format byte, then `v` in bincode's standard encoding.
 fn encode_value<T: serde::Serialize>(format: u8, kind: Kind, v: &T) -> Result<Vec<u8>, String> {
-    let mut out = vec![format];
-    let body = bincode::serde::encode_to_vec(v, bincode_config())
-        .map_err(|e| format!("cannot encode {} {}: {e}", kind.0, kind.1))?;
-    out.extend_from_slice(&body);
+    let mut out = Vec::new();
+    encode_value_into(&mut out, format, kind, v)?;
     Ok(out)
+}
+
+/// [`encode_value`] appended to `out`.
+fn encode_value_into<T: serde::Serialize>(
+    out: &mut Vec<u8>,
+    format: u8,
+    kind: Kind,
+    v: &T,
+) -> Result<(), String> {
+    out.push(format);
+    bincode::serde::encode_into_std_write(v, out, bincode_config())
+        .map(|_| ())
+        .map_err(|e| format!("cannot encode {} {}: {e}", kind.0, kind.1))
 }
 
 /// The value [`encode_value`] made with `format`; an error names what is wrong with it
@@ -393,8 +413,17 @@ impl ChangelogProducer {
 
 impl ChangelogSink for ChangelogProducer {
     fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, String> {
-        // (key, value) per record: one per processed message, one per item of a snapshot.
-        let mut records: Vec<(i32, Vec<u8>, Option<Vec<u8>>)> = Vec::with_capacity(changes.len());
+        // Every key and value is written into one buffer (a record is its partition and
+        // two ranges of it): librdkafka copies them as they are sent, so nothing is
+        // allocated per record.
+        let mut buf: Vec<u8> = Vec::with_capacity(changes.len() * 96);
+        let mut records: Vec<(i32, Range<usize>, Option<Range<usize>>)> =
+            Vec::with_capacity(changes.len());
+        let key = |buf: &mut Vec<u8>, k: &[u8]| {
+            let start = buf.len();
+            buf.extend_from_slice(k);
+            start..buf.len()
+        };
         for change in changes {
             let Some(partition) = change.origin.as_ref().and_then(Origin::kafka_partition) else {
                 return Err(format!(
@@ -403,40 +432,51 @@ impl ChangelogSink for ChangelogProducer {
                 ));
             };
             if let Some(copy) = &change.record {
-                let value = copy
-                    .body
-                    .as_ref()
-                    .map(|_| encode_record(copy))
-                    .transpose()?;
-                records.push((partition, record_copy_key(copy).to_vec(), value));
+                let k = key(&mut buf, &record_copy_key(copy));
+                let start = buf.len();
+                let value = match copy.body {
+                    Some(_) => {
+                        encode_value_into(&mut buf, RECORD_FORMAT, RECORD, copy)?;
+                        Some(start..buf.len())
+                    }
+                    None => None,
+                };
+                records.push((partition, k, value));
             } else if change.snapshot {
                 for (item, value) in change.snapshot_items() {
-                    let value = value.as_ref().map(encode).transpose()?;
-                    records.push((partition, snapshot_key(&item).to_vec(), value));
+                    let k = key(&mut buf, &snapshot_key(&item));
+                    let start = buf.len();
+                    let value = match value {
+                        Some(v) => {
+                            encode_value_into(&mut buf, FORMAT, CHANGE, &v)?;
+                            Some(start..buf.len())
+                        }
+                        None => None,
+                    };
+                    records.push((partition, k, value));
                 }
             } else {
-                records.push((
-                    partition,
-                    record_key(change).to_vec(),
-                    Some(encode(change)?),
-                ));
+                let k = key(&mut buf, &record_key(change));
+                let start = buf.len();
+                encode_value_into(&mut buf, FORMAT, CHANGE, change)?;
+                records.push((partition, k, Some(start..buf.len())));
                 for m in &change.emitted {
-                    let emitted = Emitted {
+                    let k = key(&mut buf, &emitted_key(&m.id));
+                    let start = buf.len();
+                    let emitted = EmittedRef {
                         expires_at_ms: change.expires_at_ms,
-                        message: m.clone(),
+                        message: m,
                     };
-                    records.push((
-                        partition,
-                        emitted_key(&m.id).to_vec(),
-                        Some(encode_emitted(&emitted)?),
-                    ));
+                    encode_value_into(&mut buf, EMITTED_FORMAT, EMITTED, &emitted)?;
+                    records.push((partition, k, Some(start..buf.len())));
                 }
             }
         }
         let pending = Arc::new(Pending::default());
         pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = records.len();
         for (i, (partition, key, value)) in records.iter().enumerate() {
-            if let Err(e) = self.send(&pending, *partition, key, value.as_deref()) {
+            let value = value.as_ref().map(|v| &buf[v.clone()]);
+            if let Err(e) = self.send(&pending, *partition, &buf[key.clone()], value) {
                 pending.settle(records.len() - i, None);
                 return Err(e);
             }
@@ -937,6 +977,17 @@ mod tests {
             message: message("m-1#emit#1"),
         };
         let bytes = encode_emitted(&e).unwrap();
+        // Publishing encodes a borrowed message into one buffer after other records:
+        // the same bytes.
+        let mut buf = encode(&change()).unwrap();
+        let start = buf.len();
+        let borrowed = EmittedRef {
+            expires_at_ms: 42,
+            message: &e.message,
+        };
+        encode_value_into(&mut buf, EMITTED_FORMAT, EMITTED, &borrowed).unwrap();
+        assert_eq!(&buf[start..], &bytes[..]);
+        assert_eq!(decode(&buf[..start]).unwrap(), change());
         let back = decode_emitted(&bytes).unwrap();
         assert_eq!(back.expires_at_ms, 42);
         // The partition is where the record is, not part of it.
