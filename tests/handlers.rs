@@ -441,6 +441,11 @@ fn a_handler_that_prints_then_traps_gets_one_output_budget_across_rebuilds() {
     let mut h = c.handler();
     let start = Instant::now();
     tracing::subscriber::with_default(subscriber, || {
+        // tracing caches each callsite's interest for the whole process: a test on another
+        // thread that reached the guest-output callsite first, with no subscriber, left it
+        // "never", and this test then saw no line at all (seen once under load). Ask every
+        // callsite again now that this thread's subscriber is in place.
+        tracing::callsite::rebuild_interest_cache();
         for i in 0..60 {
             let (_, r) = h.handle(&msg(&format!("m{i}"), "{}"), Box::new(EmptyState));
             assert!(matches!(r, Err(Failure::Trap(_))), "{r:?}");
