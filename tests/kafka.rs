@@ -1373,12 +1373,13 @@ changelog = true
         (child, log)
     }
 
-    /// Records in the changelog, of every kind (the mock broker compacts nothing).
+    /// Records in the changelog, of every kind but fences (the mock broker compacts
+    /// nothing; a member fences each partition it is assigned).
     fn published(&self) -> i64 {
-        committed_and_end(&self.bootstrap, &self.group, &self.changelog)
+        read_to_end(&self.bootstrap, &self.changelog)
             .iter()
-            .map(|(_, end)| end)
-            .sum()
+            .filter(|m| !is_fence(m))
+            .count() as i64
     }
 
     /// The changelog's records by kind.
@@ -1935,7 +1936,7 @@ fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots
     let keys = |tombstones: bool| -> std::collections::BTreeSet<Vec<u8>> {
         records
             .iter()
-            .filter(|m| m.payload().is_none() == tombstones)
+            .filter(|m| !is_fence(m) && m.payload().is_none() == tombstones)
             .map(|m| m.key().unwrap().to_vec())
             .collect()
     };
@@ -2029,6 +2030,7 @@ struct Kinds {
     changes: usize,
     change_tombstones: usize,
     snapshots: usize,
+    fences: usize,
     emitted: std::collections::BTreeSet<Vec<u8>>,
     emitted_tombstones: std::collections::BTreeSet<Vec<u8>>,
 }
@@ -2039,6 +2041,7 @@ impl Kinds {
         for m in records {
             let key = m.key().unwrap();
             match (key.len(), key[0], m.payload().is_some()) {
+                (17, b'F', true) => k.fences += 1,
                 (24, _, true) => k.changes += 1,
                 (24, _, false) => k.change_tombstones += 1,
                 (17, b'S', _) => k.snapshots += 1,
@@ -2053,6 +2056,12 @@ impl Kinds {
     }
 }
 
+/// Whether a changelog record is a member's fence (`F` and 16 bytes).
+fn is_fence(m: &OwnedMessage) -> bool {
+    m.key()
+        .is_some_and(dedupd::source::kafka::changelog::is_fence_key)
+}
+
 /// A changelog record: (partition, offset, key, value).
 type ChangelogRecord = (i32, i64, Vec<u8>, Vec<u8>);
 
@@ -2062,7 +2071,12 @@ type ChangelogRecord = (i32, i64, Vec<u8>, Vec<u8>);
 fn cleaned_changelog(c: &Cluster, changelog: &str) -> Vec<ChangelogRecord> {
     type Newest = std::collections::BTreeMap<(i32, Vec<u8>), (i64, Option<Vec<u8>>)>;
     let mut newest = Newest::default();
-    for m in read_to_end(&c.bootstrap, changelog) {
+    // Fences are left out: they mean their offsets, which re-producing the records into
+    // another topic (`restore_cleaned`) would move; with no fence every value counts.
+    for m in read_to_end(&c.bootstrap, changelog)
+        .into_iter()
+        .filter(|m| !is_fence(m))
+    {
         let slot = newest
             .entry((m.partition(), m.key().unwrap().to_vec()))
             .or_insert((-1, None));
@@ -2330,4 +2344,103 @@ fn counts_are_exact_after_kills_aimed_at_rebalances_between_two_members() {
     eprintln!("rebalance kills: {} ({})", kills.len(), kills.join(", "));
     assert_eq!(g.kinds().changes, EVENTS, "one change per distinct event");
     g.assert_exact(names[down], EVENTS);
+}
+
+/// Issue 17: a member that lost a partition and goes on publishing for it (a "zombie":
+/// paused past its session timeout, it commits the batches it had in flight before it
+/// learns that the partition moved) cannot change what a restore of that partition ends
+/// in. Member A owns partition 0, then B takes it over (fences it, restores); A, not
+/// knowing, publishes two more changes: one overwriting a counter B wrote, one claiming a
+/// message B never processed. A fresh member restoring the partition must end with B's
+/// counter and without A's late claim — and so must a restart of that member from its
+/// checkpoint after A published once more.
+#[test]
+fn a_former_owners_changes_after_the_new_owners_fence_are_skipped_by_every_restore() {
+    use dedupd::ledger::changelog::{Change, ChangelogSink};
+    use dedupd::ledger::Origin;
+    use dedupd::source::kafka::changelog::{self, ChangelogProducer};
+
+    let c = cluster();
+    let t = topic("zombie-fence");
+    let log = format!("{t}-changelog");
+    c.create_topic(&log, 1);
+    let k = kafka_config(&c.bootstrap);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let change = |n: u64, count: &str| {
+        let mut c = Change {
+            key: u128::from(n),
+            id: format!("m-{n}"),
+            fingerprint: n,
+            processed_at_ms: now_ms + n,
+            expires_at_ms: now_ms + 7 * 86_400_000,
+            handler_version: 1,
+            entity: None,
+            state: Default::default(),
+            uniques: Default::default(),
+            versions: Default::default(),
+            emitted: Vec::new(),
+            origin: Some(Origin::Kafka {
+                topic: t.as_str().into(),
+                partition: 0,
+                offset: n as i64,
+            }),
+            snapshot: false,
+            record: None,
+        };
+        c.state
+            .insert(b"count".to_vec(), Some(count.as_bytes().to_vec()));
+        c
+    };
+    let publish = |by: &ChangelogProducer, changes: &[Change]| {
+        by.publish(changes).unwrap().wait().unwrap();
+    };
+    let a = ChangelogProducer::new(&k, log.clone()).unwrap();
+    let b = ChangelogProducer::new(&k, log.clone()).unwrap();
+    let (a_epoch, b_epoch) = (a.fence(&[0]).unwrap(), {
+        publish(&a, &[change(1, "1")]);
+        b.fence(&[0]).unwrap()
+    });
+    assert!(a_epoch[0].1 < b_epoch[0].1, "{a_epoch:?} {b_epoch:?}");
+    assert_eq!(b.epoch(0), Some(b_epoch[0].1));
+    // B processes messages 2 and 3 (A never committed the offset of 2).
+    publish(&b, &[change(2, "2"), change(3, "3")]);
+    // A, a zombie now: its in-flight batch of message 2 again, and message 4.
+    publish(&a, &[change(2, "2 (zombie)"), change(4, "4 (zombie)")]);
+
+    let config = Config::parse("[[subscriber]]\nname = \"orders\"\n").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let restore = |zombie_changes: u64, changes: u64| {
+        let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+        let sub = ledger.subscriber("orders").unwrap();
+        let r = changelog::restore(&ledger, &sub, &k, &log, &[0]).unwrap();
+        assert_eq!((r.fenced, r.changes), (zombie_changes, changes), "{r:?}");
+        let claims: Vec<u128> = (1..=5)
+            .filter(|&n| ledger.lookup("orders", n).unwrap().is_some())
+            .collect();
+        let counts: Vec<Vec<u8>> = ledger
+            .state_entries("orders")
+            .unwrap()
+            .into_iter()
+            .map(|(_, value)| value)
+            .collect();
+        ledger.close().unwrap();
+        (claims, counts)
+    };
+    let (claims, counts) = restore(2, 3);
+    assert_eq!(
+        claims,
+        [1, 2, 3],
+        "A's late claim of message 4 is not restored"
+    );
+    assert_eq!(counts, [b"3".to_vec()], "B's counter, not A's late write");
+
+    // A publishes once more; the restart restores from its checkpoint, which kept B's
+    // fence: A's change is skipped there too.
+    publish(&a, &[change(5, "5 (zombie)")]);
+    let (claims, counts) = restore(1, 0);
+    assert_eq!(claims, [1, 2, 3]);
+    assert_eq!(counts, [b"3".to_vec()]);
 }

@@ -542,7 +542,6 @@ impl Ledger {
     pub fn changelog_checkpoint(&self, key: &str) -> Result<Option<u64>, LedgerError> {
         self.ask(0, |reply| Control::Checkpoint {
             key: key.to_string(),
-            set: None,
             reply,
         })
     }
@@ -551,12 +550,16 @@ impl Ledger {
     /// `offset` is durable here: a checkpoint may lag (a restore then replays more, which
     /// is harmless) but never lead.
     pub fn set_changelog_checkpoint(&self, key: &str, offset: u64) -> Result<(), LedgerError> {
-        self.ask(0, |reply| Control::Checkpoint {
-            key: key.to_string(),
-            set: Some(offset),
-            reply,
-        })
-        .map(|_| ())
+        self.set_changelog_checkpoints(vec![(key.to_string(), offset)])
+    }
+
+    /// Stores several changelog checkpoints (or values kept beside them) in one
+    /// transaction: all of them durable, or none.
+    pub fn set_changelog_checkpoints(
+        &self,
+        entries: Vec<(String, u64)>,
+    ) -> Result<(), LedgerError> {
+        self.ask(0, |reply| Control::SetCheckpoints { entries, reply })
     }
 
     /// Outbox rows pending in all shards.

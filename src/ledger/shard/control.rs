@@ -83,8 +83,11 @@ impl Shard {
             Control::OutboxSpan { reply } => {
                 let _ = reply.send(self.outbox_span());
             }
-            Control::Checkpoint { key, set, reply } => {
-                let _ = reply.send(self.checkpoint(&key, set));
+            Control::Checkpoint { key, reply } => {
+                let _ = reply.send(self.checkpoint(&key));
+            }
+            Control::SetCheckpoints { entries, reply } => {
+                let _ = reply.send(self.set_checkpoints(&entries));
             }
             Control::BackupBegin { reply } => {
                 let r = match &self.failed {
@@ -342,29 +345,32 @@ impl Shard {
         Ok(first.zip(last))
     }
 
-    fn checkpoint(&mut self, key: &str, set: Option<u64>) -> Result<Option<u64>, LedgerError> {
+    fn checkpoint(&mut self, key: &str) -> Result<Option<u64>, LedgerError> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
-        let before = {
-            let txn = self.db.begin_read().map_err(|e| self.err(e))?;
-            match txn.open_table(tables::CHANGELOG_CHECKPOINTS) {
-                Ok(t) => t.get(key).map_err(|e| self.err(e))?.map(|v| v.value()),
-                Err(redb::TableError::TableDoesNotExist(_)) => None,
-                Err(e) => return Err(self.err(e)),
-            }
-        };
-        if let Some(offset) = set {
-            self.small_commit(|shard, txn| {
-                let mut t = txn
-                    .open_table(tables::CHANGELOG_CHECKPOINTS)
-                    .map_err(|e| storage(&shard.ctx.path, e))?;
-                t.insert(key, offset)
-                    .map_err(|e| storage(&shard.ctx.path, e))?;
-                Ok(())
-            })?;
+        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
+        match txn.open_table(tables::CHANGELOG_CHECKPOINTS) {
+            Ok(t) => Ok(t.get(key).map_err(|e| self.err(e))?.map(|v| v.value())),
+            Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+            Err(e) => Err(self.err(e)),
         }
-        Ok(before)
+    }
+
+    fn set_checkpoints(&mut self, entries: &[(String, u64)]) -> Result<(), LedgerError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        self.small_commit(|shard, txn| {
+            let mut t = txn
+                .open_table(tables::CHANGELOG_CHECKPOINTS)
+                .map_err(|e| storage(&shard.ctx.path, e))?;
+            for (key, offset) in entries {
+                t.insert(key.as_str(), *offset)
+                    .map_err(|e| storage(&shard.ctx.path, e))?;
+            }
+            Ok(())
+        })
     }
 
     fn outbox_write(

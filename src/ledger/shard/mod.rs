@@ -173,11 +173,15 @@ pub(crate) enum Control {
     OutboxSpan {
         reply: Sender<Result<Option<(u64, u64)>, LedgerError>>,
     },
-    /// Reads (`set: None`) or writes a changelog checkpoint; answers the value before.
+    /// Reads a changelog checkpoint.
     Checkpoint {
         key: String,
-        set: Option<u64>,
         reply: Sender<Result<Option<u64>, LedgerError>>,
+    },
+    /// Writes changelog checkpoints, all in one transaction.
+    SetCheckpoints {
+        entries: Vec<(String, u64)>,
+        reply: Sender<Result<(), LedgerError>>,
     },
     /// Starts recording the file's writes; answers the file's path, to copy.
     BackupBegin {

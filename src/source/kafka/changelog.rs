@@ -37,6 +37,15 @@
 //!   replay in offset order and carry absolute values, so replaying a changelog over a
 //!   ledger that already holds a prefix of it (this member owned the partition before)
 //!   ends in exactly the changelog's claims and state.
+//! - **Fences.** A member that is assigned partition p first produces a fence record there
+//!   ([`fence_key`]) and waits for its offset, its **epoch** for p; only then does it
+//!   restore (to an end offset read after the fence) and process. Every value it publishes
+//!   for p afterwards starts with that epoch ([`EPOCH_FORMAT`]). A restore skips a value
+//!   whose epoch is older than the newest fence before it: it came from a member that lost
+//!   p and kept publishing (a "zombie", paused past its session timeout), after the new
+//!   owner had taken p over. Every restore — the new owner's and any later one — so ends
+//!   in the same claims and state: the zombie's changes before the new fence in all of
+//!   them, those after it in none. Fence keys are unique, so compaction keeps every fence.
 
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
@@ -98,6 +107,45 @@ pub fn snapshot_key(item: &SnapshotItem<'_>) -> [u8; 17] {
 /// Whether a record key is a snapshot's.
 pub fn is_snapshot_key(key: &[u8]) -> bool {
     key.len() == 17 && key[0] == SNAPSHOT_KEY
+}
+
+/// The first byte of a fence record's key.
+const FENCE_KEY: u8 = b'F';
+/// A fence record's value: this byte alone.
+const FENCE_FORMAT: u8 = 5;
+
+/// A fence record's key: `F` and 16 bytes no other fence has (the producing member's
+/// nonce), so the log cleaner keeps every fence: a restore needs the newest fence before
+/// each record, not only the newest of the partition.
+pub fn fence_key(nonce: u128) -> [u8; 17] {
+    let mut k = [0u8; 17];
+    k[0] = FENCE_KEY;
+    k[1..].copy_from_slice(&nonce.to_be_bytes());
+    k
+}
+
+/// Whether a record key is a fence's.
+pub fn is_fence_key(key: &[u8]) -> bool {
+    key.len() == 17 && key[0] == FENCE_KEY
+}
+
+/// The first byte of a value published under an epoch: then the epoch (8 bytes,
+/// big-endian: the offset of the publishing member's fence in this partition), then the
+/// value itself, with its own format byte.
+pub const EPOCH_FORMAT: u8 = 4;
+
+/// A record value's epoch (`None`: published with no fence, by an earlier version) and
+/// the value under it.
+pub fn split_epoch(value: &[u8]) -> Result<(Option<u64>, &[u8]), String> {
+    match value.split_first() {
+        Some((&EPOCH_FORMAT, rest)) => {
+            let (epoch, inner) = rest
+                .split_first_chunk::<8>()
+                .ok_or_else(|| format!("an epoch of {} bytes, not 8", rest.len()))?;
+            Ok((Some(u64::from_be_bytes(*epoch)), inner))
+        }
+        _ => Ok((None, value)),
+    }
 }
 
 /// The first byte of an emitted record's key.
@@ -269,6 +317,8 @@ fn decode_value<T: serde::de::DeserializeOwned>(
 struct Pending {
     state: Mutex<(usize, Option<String>)>,
     done: Condvar,
+    /// (partition, offset) of every acknowledged record, when asked for (fences).
+    offsets: Option<Mutex<Vec<(i32, i64)>>>,
 }
 
 impl Pending {
@@ -301,6 +351,13 @@ impl ProducerContext for PublishContext {
             let mut acked = self.acked.lock().unwrap_or_else(|p| p.into_inner());
             let top = acked.entry(m.partition()).or_insert(-1);
             *top = (*top).max(m.offset());
+            drop(acked);
+            if let Some(offsets) = &pending.offsets {
+                offsets
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((m.partition(), m.offset()));
+            }
         }
         pending.settle(1, result.as_ref().err().map(|(e, _)| e.to_string()));
     }
@@ -312,6 +369,12 @@ pub struct ChangelogProducer {
     topic: String,
     /// How long a batch waits for its acknowledgements before the shard stops.
     timeout: Duration,
+    /// This member's epoch per partition: the offset of its newest fence there.
+    epochs: Mutex<std::collections::HashMap<i32, u64>>,
+    /// Makes this producer's fence keys unlike any other member's.
+    nonce: u128,
+    /// Fences produced so far (each key is the nonce plus this count).
+    fences: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ChangelogProducer {
@@ -340,11 +403,78 @@ impl ChangelogProducer {
                 acked: Acked::default(),
             })
             .map_err(|e| KafkaError::Client(format!("changelog producer: {e}")))?;
+        // Fence keys of two members must differ: the OS-seeded hasher keys of std, the
+        // process and the time.
+        let random = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.finish()
+        };
+        let nonce = xxhash_rust::xxh3::xxh3_128(
+            format!("{topic}/{random}/{:?}", std::time::SystemTime::now()).as_bytes(),
+        );
         Ok(ChangelogProducer {
             producer,
             topic,
             timeout,
+            epochs: Mutex::new(Default::default()),
+            nonce,
+            fences: Default::default(),
         })
+    }
+
+    /// Fences `partitions`: produces a fence record to each and waits for their offsets,
+    /// which become this member's epochs there. Call it when the partitions are assigned,
+    /// before restoring them: a restore reads to an end offset found after the fence, and
+    /// from then on every restore skips what a former owner publishes under its older
+    /// epoch. Returns the epochs.
+    pub fn fence(&self, partitions: &[i32]) -> Result<Vec<(i32, u64)>, String> {
+        let pending = Arc::new(Pending {
+            offsets: Some(Mutex::new(Vec::with_capacity(partitions.len()))),
+            ..Pending::default()
+        });
+        pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = partitions.len();
+        for (i, &p) in partitions.iter().enumerate() {
+            // Never reused: the count makes each key unique within this member.
+            let n = self
+                .fences
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let key = fence_key(self.nonce.wrapping_add(u128::from(n)));
+            if let Err(e) = self.send(&pending, p, &key, Some(&[FENCE_FORMAT])) {
+                pending.settle(partitions.len() - i, None);
+                return Err(e);
+            }
+        }
+        self.acks(pending.clone(), partitions.len()).wait()?;
+        let offsets = pending
+            .offsets
+            .as_ref()
+            .map(|o| o.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .unwrap_or_default();
+        let mut fenced = Vec::with_capacity(partitions.len());
+        let mut epochs = self.epochs.lock().unwrap_or_else(|p| p.into_inner());
+        for &p in partitions {
+            let Some(&(_, offset)) = offsets.iter().find(|(q, _)| *q == p) else {
+                return Err(format!(
+                    "no offset reported for the fence of {}/{p}",
+                    self.topic
+                ));
+            };
+            let epoch = offset.max(0) as u64;
+            epochs.insert(p, epoch);
+            fenced.push((p, epoch));
+        }
+        Ok(fenced)
+    }
+
+    /// This member's epoch in `partition`, if it fenced it.
+    pub fn epoch(&self, partition: i32) -> Option<u64> {
+        self.epochs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&partition)
+            .copied()
     }
 }
 
@@ -424,6 +554,16 @@ impl ChangelogSink for ChangelogProducer {
             buf.extend_from_slice(k);
             start..buf.len()
         };
+        // A value starts with this member's epoch in its partition (see the module docs).
+        let epochs = self.epochs.lock().unwrap_or_else(|p| p.into_inner());
+        let begin = |buf: &mut Vec<u8>, epoch: Option<u64>| {
+            let start = buf.len();
+            if let Some(e) = epoch {
+                buf.push(EPOCH_FORMAT);
+                buf.extend_from_slice(&e.to_be_bytes());
+            }
+            start
+        };
         for change in changes {
             let Some(partition) = change.origin.as_ref().and_then(Origin::kafka_partition) else {
                 return Err(format!(
@@ -431,11 +571,12 @@ impl ChangelogSink for ChangelogProducer {
                     change.id
                 ));
             };
+            let epoch = epochs.get(&partition).copied();
             if let Some(copy) = &change.record {
                 let k = key(&mut buf, &record_copy_key(copy));
-                let start = buf.len();
                 let value = match copy.body {
                     Some(_) => {
+                        let start = begin(&mut buf, epoch);
                         encode_value_into(&mut buf, RECORD_FORMAT, RECORD, copy)?;
                         Some(start..buf.len())
                     }
@@ -445,9 +586,9 @@ impl ChangelogSink for ChangelogProducer {
             } else if change.snapshot {
                 for (item, value) in change.snapshot_items() {
                     let k = key(&mut buf, &snapshot_key(&item));
-                    let start = buf.len();
                     let value = match value {
                         Some(v) => {
+                            let start = begin(&mut buf, epoch);
                             encode_value_into(&mut buf, FORMAT, CHANGE, &v)?;
                             Some(start..buf.len())
                         }
@@ -457,12 +598,12 @@ impl ChangelogSink for ChangelogProducer {
                 }
             } else {
                 let k = key(&mut buf, &record_key(change));
-                let start = buf.len();
+                let start = begin(&mut buf, epoch);
                 encode_value_into(&mut buf, FORMAT, CHANGE, change)?;
                 records.push((partition, k, Some(start..buf.len())));
                 for m in &change.emitted {
                     let k = key(&mut buf, &emitted_key(&m.id));
-                    let start = buf.len();
+                    let start = begin(&mut buf, epoch);
                     let emitted = EmittedRef {
                         expires_at_ms: change.expires_at_ms,
                         message: m,
@@ -472,6 +613,7 @@ impl ChangelogSink for ChangelogProducer {
                 }
             }
         }
+        drop(epochs);
         let pending = Arc::new(Pending::default());
         pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = records.len();
         for (i, (partition, key, value)) in records.iter().enumerate() {
@@ -597,6 +739,9 @@ pub struct Restored {
     pub skipped: u64,
     /// Tombstones read (not replayed: they mark expired claims the cleaner may drop).
     pub tombstones: u64,
+    /// Values skipped because a member that had lost the partition published them after
+    /// its new owner's fence.
+    pub fenced: u64,
     /// Messages handlers emitted that the changelog holds with no tombstone (not relayed
     /// yet, as far as it knows), put back into this member's outbox.
     pub emitted: u64,
@@ -609,6 +754,12 @@ pub struct Restored {
 /// The checkpoint key of a changelog partition.
 pub fn checkpoint_key(topic: &str, partition: i32) -> String {
     format!("{topic}/{partition}")
+}
+
+/// The key under which a changelog checkpoint's fence is kept: the newest fence before
+/// the checkpoint's offset, which a restore starting there needs.
+pub fn fence_checkpoint_key(topic: &str, partition: i32) -> String {
+    format!("{topic}/{partition}/fence")
 }
 
 /// Records each partition's end offset as this data directory's checkpoint. Call only
@@ -663,7 +814,9 @@ pub fn restore(
     };
     let deadline = Instant::now() + kafka.changelog.restore_timeout;
     let mut last_log = Instant::now();
-    let (mut ends, mut skipped, mut tombstones) = (Vec::new(), 0u64, 0u64);
+    let (mut ends, mut skipped, mut tombstones, mut fenced) = (Vec::new(), 0u64, 0u64, 0u64);
+    // Each partition's newest fence at its end offset, stored with its checkpoint.
+    let mut fences = Vec::with_capacity(partitions.len());
     let mut emitted = Unrelayed::default();
     // The newest copy of each quarantine and dead-letter record (`None` body: removed).
     let mut kept: std::collections::HashMap<Vec<u8>, RecordCopy> = Default::default();
@@ -691,7 +844,18 @@ pub fn restore(
             from = low;
         }
         skipped += (from - low).max(0) as u64;
+        // The newest fence before `from`, as this data directory recorded it with its
+        // checkpoint (a replay from the first record finds every fence itself).
+        let mut fence = if from > 0 {
+            ledger
+                .changelog_checkpoint(&fence_checkpoint_key(topic, p))
+                .map_err(ledger_err)?
+                .unwrap_or(0)
+        } else {
+            0
+        };
         if high <= from {
+            fences.push((p, fence));
             continue;
         }
         let mut tpl = TopicPartitionList::new();
@@ -713,8 +877,22 @@ pub fn restore(
             let at = |e: String| {
                 KafkaError::Client(format!("{topic} partition {p} offset {offset}: {e}"))
             };
-            if let Some(key) = m.key().filter(|k| is_record_key(k)) {
-                let copy = match m.payload() {
+            // The value under its epoch; `None` for a tombstone.
+            let (epoch, payload) = match m.payload() {
+                Some(v) => {
+                    let (epoch, inner) = split_epoch(v).map_err(at)?;
+                    (epoch, Some(inner))
+                }
+                None => (None, None),
+            };
+            if m.key().is_some_and(is_fence_key) {
+                // A member took the partition over here: what an older owner publishes
+                // from now on is not its to publish.
+                fence = fence.max(offset.max(0) as u64);
+            } else if epoch.is_some_and(|e| e < fence) {
+                fenced += 1;
+            } else if let Some(key) = m.key().filter(|k| is_record_key(k)) {
+                let copy = match payload {
                     Some(value) => decode_record(value).map_err(at)?,
                     None => removed_record(key, p)
                         .ok_or_else(|| at("a record key of no known kind".into()))?,
@@ -722,7 +900,7 @@ pub fn restore(
                 kept.insert(key.to_vec(), copy);
             } else if let Some(key) = m.key().filter(|k| is_emitted_key(k)) {
                 // An emitted message; its tombstone says the relay delivered it.
-                match m.payload() {
+                match payload {
                     Some(value) => {
                         let mut message = decode_emitted(value).map_err(at)?.message;
                         message.changelog_partition = Some(p);
@@ -730,7 +908,7 @@ pub fn restore(
                     }
                     None => emitted.relayed(key),
                 }
-            } else if let Some(value) = m.payload() {
+            } else if let Some(value) = payload {
                 replay.push(decode(value).map_err(at)?)?;
             } else {
                 // Compaction's mark that an expired claim's record may go.
@@ -744,6 +922,7 @@ pub fn restore(
                 break;
             }
         }
+        fences.push((p, fence));
     }
     consumer.unassign().map_err(client)?;
     replay.finish()?;
@@ -754,16 +933,23 @@ pub fn restore(
     let records = ledger
         .records_restore(&sub.name, kept.into_values().collect())
         .map_err(ledger_err)?;
+    // Each checkpoint with its fence, in one transaction: a restore from a checkpoint
+    // must start from the fence that was newest there.
+    let mut entries = Vec::with_capacity(2 * ends.len());
     for &(p, high) in &ends {
-        ledger
-            .set_changelog_checkpoint(&checkpoint_key(topic, p), high.max(0) as u64)
-            .map_err(ledger_err)?;
+        let fence = fences.iter().find(|(q, _)| *q == p).map_or(0, |f| f.1);
+        entries.push((checkpoint_key(topic, p), high.max(0) as u64));
+        entries.push((fence_checkpoint_key(topic, p), fence));
     }
+    ledger
+        .set_changelog_checkpoints(entries)
+        .map_err(ledger_err)?;
     Ok(Restored {
         ends,
         changes: replay.submitted,
         skipped,
         tombstones,
+        fenced,
         emitted,
         records,
         elapsed: started.elapsed(),
@@ -954,6 +1140,27 @@ mod tests {
         assert!(removed_record(&bad, 5).is_none());
         assert!(decode_record(&encode(&change()).unwrap()).is_err());
         assert!(decode_record(&value[..value.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn values_under_an_epoch_split_back_and_older_values_have_none() {
+        let plain = encode(&change()).unwrap();
+        assert_eq!(split_epoch(&plain).unwrap(), (None, &plain[..]));
+        let mut under = vec![EPOCH_FORMAT];
+        under.extend_from_slice(&7u64.to_be_bytes());
+        under.extend_from_slice(&plain);
+        let (epoch, inner) = split_epoch(&under).unwrap();
+        assert_eq!((epoch, decode(inner).unwrap()), (Some(7), change()));
+        assert!(split_epoch(&under[..5])
+            .unwrap_err()
+            .contains("epoch of 4 bytes"));
+        // A build without fences refuses such a value by its format, not as damage.
+        assert!(decode(&under).unwrap_err().contains("upgrade dedupd"));
+        let f = fence_key(1);
+        assert!(is_fence_key(&f));
+        assert!(!is_emitted_key(&f) && !is_snapshot_key(&f) && !is_record_key(&f));
+        assert!(!is_fence_key(&record_key(&change())));
+        assert_ne!(fence_key(1), fence_key(2));
     }
 
     #[test]

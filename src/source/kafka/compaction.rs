@@ -51,7 +51,8 @@ use rdkafka::topic_partition_list::TopicPartitionList;
 use rdkafka::Offset;
 
 use super::changelog::{
-    decode, decode_emitted, is_emitted_key, is_record_key, is_snapshot_key, ChangelogProducer,
+    decode, decode_emitted, is_emitted_key, is_fence_key, is_record_key, is_snapshot_key,
+    split_epoch, ChangelogProducer,
 };
 use super::{KafkaConfig, KafkaError};
 use crate::clock::{Clock, SystemClock};
@@ -233,11 +234,23 @@ impl Compactor {
             done.read += 1;
             // Snapshots are replaced by the cleaner, quarantine and dead-letter records
             // by their owner's tombstones: both are passed over.
-            let snapshot = m
+            // Fences too: every restore needs every fence.
+            let passed_over = m
                 .key()
-                .is_some_and(|k| is_snapshot_key(k) || is_record_key(k));
+                .is_some_and(|k| is_snapshot_key(k) || is_record_key(k) || is_fence_key(k));
             let emitted = m.key().is_some_and(is_emitted_key);
-            if let (Some(value), true) = (m.payload(), emitted) {
+            // The value under its epoch. A value a former owner published after this
+            // member's fence is compacted like any other: restores skip it, and a
+            // snapshot holds this member's value of an item, not the change's.
+            let payload = match m.payload().map(split_epoch).transpose() {
+                Ok(v) => v.map(|(_, inner)| inner),
+                Err(e) => {
+                    tracing::warn!(%topic, partition = p, offset = m.offset(), error = %e,
+                        "changelog compaction stopped at a record it cannot read");
+                    break;
+                }
+            };
+            if let (Some(value), true) = (payload, emitted) {
                 // An emitted message the relay has not tombstoned (its outbox is read over
                 // HTTP, or not at all): it goes with the claim of the message that emitted it.
                 let expires_at_ms = match decode_emitted(value) {
@@ -259,7 +272,7 @@ impl Compactor {
                 if let Some(key) = m.key() {
                     batch.emitted.remove(key);
                 }
-            } else if let (Some(value), false) = (m.payload(), snapshot) {
+            } else if let (Some(value), false) = (payload, passed_over) {
                 let change = match decode(value) {
                     Ok(c) => c,
                     Err(e) => {

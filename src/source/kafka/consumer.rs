@@ -143,6 +143,8 @@ struct Worker {
 struct Changelog {
     kafka: KafkaConfig,
     topic: String,
+    /// The publisher, for the fences of newly assigned partitions.
+    sink: Arc<super::changelog::ChangelogProducer>,
     /// The highest changelog offset acknowledged per partition.
     acked: super::changelog::Acked,
     /// Checkpoints waiting for their messages: (slot, local number, changelog offset) —
@@ -368,6 +370,19 @@ impl Worker {
             return self.fatal.is_none();
         }
         let topic = c.topic.clone();
+        // Fenced first, so the restore below reads past the fence: what a former owner
+        // still publishes after it is skipped by every restore, this one included.
+        match c.sink.fence(&partitions) {
+            Ok(epochs) => {
+                tracing::debug!(subscriber = %self.sub.name, %topic, ?epochs, "changelog partitions fenced");
+            }
+            Err(e) => {
+                tracing::error!(subscriber = %self.sub.name, %topic, ?partitions, error = %e,
+                    "fencing assigned partitions in the changelog failed; the subscription stops");
+                self.fatal = Some(format!("changelog fence: {e}"));
+                return false;
+            }
+        }
         let restored =
             super::changelog::restore(&self.ledger, &self.sub, &c.kafka, &topic, &partitions);
         match restored {
@@ -389,7 +404,7 @@ impl Worker {
                 .increment(r.changes);
                 let rate = r.changes as f64 / r.elapsed.as_secs_f64().max(1e-6);
                 tracing::info!(subscriber = %self.sub.name, %topic, ?partitions,
-                    changes = r.changes, covered_by_checkpoint = r.skipped,
+                    changes = r.changes, covered_by_checkpoint = r.skipped, fenced = r.fenced,
                     emitted_not_relayed = r.emitted, records = r.records,
                     elapsed_ms = r.elapsed.as_millis() as u64,
                     changes_per_sec = rate as u64, "partitions restored from the changelog");
@@ -444,6 +459,7 @@ impl Worker {
             }
         } else {
             tracing::warn!(subscriber = %self.sub.name, "kafka assignment lost; in-flight offsets are not stored");
+            self.forget_checkpoints(tpl);
         }
         for slot in slots {
             if let Some(p) = self.parts.remove(&slot) {
@@ -455,6 +471,30 @@ impl Worker {
                 self.stats
                     .assigned_partitions
                     .fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A member that lost partitions (its session expired: another member may own them
+    /// and have fenced them already) may have moved their checkpoints past changes it
+    /// does not hold — the new owner's, published after its fence. The next restore of
+    /// these partitions here replays them whole instead of trusting such a checkpoint.
+    fn forget_checkpoints(&mut self, tpl: &TopicPartitionList) {
+        let Some(c) = &mut self.changelog else {
+            return;
+        };
+        for e in tpl.elements() {
+            let p = e.partition();
+            let key = super::changelog::checkpoint_key(&c.topic, p);
+            match self.ledger.set_changelog_checkpoint(&key, 0) {
+                Ok(()) => {
+                    c.moved_to.remove(&p);
+                }
+                Err(err) => {
+                    // The next restore here may then skip changes of the new owner.
+                    tracing::warn!(subscriber = %self.sub.name, topic = %c.topic, partition = p, error = %err,
+                        "the changelog checkpoint of a lost partition was not reset");
+                }
             }
         }
     }
@@ -991,7 +1031,8 @@ fn start_changelog(
         // A snapshot waits for one batch of its shard and that batch's acknowledgements.
         timeout: kafka.changelog.publish_timeout + Duration::from_secs(30),
     };
-    let compactor = super::compaction::Compactor::new(kafka, sink, topic.clone(), Some(snapshots))?;
+    let compactor =
+        super::compaction::Compactor::new(kafka, sink.clone(), topic.clone(), Some(snapshots))?;
     let name: Arc<str> = subscription.subscriber.as_str().into();
     let counted = name.to_string();
     let compaction = super::compaction::CompactionThread::spawn(
@@ -1021,6 +1062,7 @@ fn start_changelog(
     Ok(Changelog {
         kafka: kafka.clone(),
         topic,
+        sink,
         acked,
         pending: Vec::new(),
         moved_to: HashMap::new(),
