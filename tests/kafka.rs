@@ -2444,3 +2444,105 @@ fn a_former_owners_changes_after_the_new_owners_fence_are_skipped_by_every_resto
     assert_eq!(claims, [1, 2, 3]);
     assert_eq!(counts, [b"3".to_vec()]);
 }
+
+/// The sum of `fenced=` over a member's "partitions restored" lines.
+fn fenced_in(log: &Path) -> u64 {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(RESTORED))
+        .filter_map(|l| l.split("fenced=").nth(1))
+        .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Issue 17, end to end: a real zombie. Member A runs the non-idempotent counter handler
+/// and is stopped with SIGSTOP mid-stream, its batches in flight; past its session timeout
+/// B takes every partition over (fences them, restores A's changes, processes the rest).
+/// A is then continued: it finishes the batches it had in flight and publishes their
+/// changes — after B's fences — before librdkafka tells it that its assignment was lost;
+/// it rejoins and takes some partitions back. A fresh member D restores the whole
+/// changelog: every order's count is exactly 2 and every event has one claim, as in B's
+/// data directory, and D's restore skipped A's late changes.
+#[test]
+fn a_member_continued_after_its_session_expired_cannot_change_what_restores_end_in() {
+    const FIRST: usize = 2_000;
+    const EVENTS: usize = 24_000;
+    let c = cluster();
+    let t = topic("zombie");
+    c.create_topic(&t, 4);
+    let g = Members::new(&c, &t);
+    let (a, a_log) = g.start("a", "100ms");
+    wait_showing("A to restore", Duration::from_secs(60), &a_log, || {
+        log_has(&a_log, RESTORED) > 0
+    });
+    produce(&c.bootstrap, &t, &counter_records(0..FIRST, false));
+    wait_showing(
+        "A to process the first events",
+        Duration::from_secs(120),
+        &a_log,
+        || released_at_least(&a_log, FIRST as u64),
+    );
+    // The rest arrives at once; A is stopped while it works through them, as soon as
+    // its changelog grows.
+    let changelog_end = || -> i64 {
+        committed_and_end(&c.bootstrap, &g.group, &g.changelog)
+            .iter()
+            .map(|(_, end)| end)
+            .sum()
+    };
+    // Once the relay's tombstones of the first events are in too.
+    let mut before = changelog_end();
+    wait_until("the changelog to settle", Duration::from_secs(60), || {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = changelog_end();
+        std::mem::replace(&mut before, now) == now
+    });
+    produce(&c.bootstrap, &t, &counter_records(FIRST..EVENTS, false));
+    wait_until("A to take the rest", Duration::from_secs(60), || {
+        changelog_end() > before + 100
+    });
+    let signal = |child: &KillOnDrop, sig: &str| {
+        let status = Command::new("kill")
+            .args([sig, &child.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    signal(&a, "-STOP");
+    let (b, b_log) = g.start("b", "100ms");
+    wait_showing(
+        "B to take every partition over and process the rest",
+        Duration::from_secs(180),
+        &b_log,
+        || log_has(&b_log, RESTORED) > 0 && at_log_end(&c.bootstrap, &g.group, &t),
+    );
+    signal(&a, "-CONT");
+    wait_showing(
+        "A to learn that its assignment was lost and restore again",
+        Duration::from_secs(120),
+        &a_log,
+        || log_has(&a_log, "kafka assignment lost") > 0 && log_has(&a_log, RESTORED) > 1,
+    );
+    wait_showing(
+        "the group at the log end",
+        Duration::from_secs(60),
+        &b_log,
+        || at_log_end(&c.bootstrap, &g.group, &t),
+    );
+    let (summary_a, summary_b) = (stop_and_summary(a, &a_log), stop_and_summary(b, &b_log));
+    g.assert_exact("b", EVENTS);
+
+    let (d, d_log) = g.start("d", "100ms");
+    wait_showing("D to restore", Duration::from_secs(120), &d_log, || {
+        log_has(&d_log, RESTORED) > 0
+    });
+    let summary_d = stop_and_summary(d, &d_log);
+    assert_eq!(summary_d["kafka"]["processed"], 0, "{summary_d}");
+    let fenced = fenced_in(&d_log);
+    assert!(
+        fenced > 0,
+        "A published nothing after B's fences (A {summary_a}, B {summary_b})"
+    );
+    g.assert_exact("d", EVENTS);
+}
