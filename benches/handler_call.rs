@@ -41,6 +41,7 @@ fn message() -> HandlerMessage {
     HandlerMessage {
         subscriber: "bench".into(),
         id: "3f2a9c1e-77b0-4d1a-9e0f-0a1b2c3d4e5f".into(),
+        key_hash: dedupd::envelope::key_hash(b"3f2a9c1e-77b0-4d1a-9e0f-0a1b2c3d4e5f"),
         key: None,
         headers: vec![],
         payload: br#"{"amount_cents":1999,"currency":"EUR","order_id":"o-123456","qty":2,"sku":"SKU-00042","type":"OrderPlaced"}"#.to_vec(),

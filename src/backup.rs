@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::ledger::{
-    self, hold_closed_shards, offline_report, sync_dir, Ledger, LedgerError, LedgerReport,
-    AUDIT_LOG, FORMAT_VERSION, HANDLERS_DIR, MANIFEST,
+    self, create_private_dir_all, hold_closed_shards, offline_report, private_file, sync_dir,
+    Ledger, LedgerError, LedgerReport, AUDIT_LOG, FORMAT_VERSION, HANDLERS_DIR, MANIFEST,
 };
 
 /// The file that describes a backup, written last.
@@ -301,7 +301,7 @@ fn check_empty(path: &Path, what: &'static str) -> Result<(), BackupError> {
 /// Creates `path` (absent or empty), with its own entry durable in its parent.
 fn prepare_empty(path: &Path, what: &'static str) -> Result<(), BackupError> {
     check_empty(path, what)?;
-    std::fs::create_dir_all(path).map_err(io(path))?;
+    create_private_dir_all(path).map_err(io(path))?;
     sync_parent(path)
 }
 
@@ -391,9 +391,9 @@ fn copy_hashed(from: &Path, to: &Path, rel: &str) -> Result<BackupFile, BackupEr
     let src = from.join(rel);
     let dst = to.join(rel);
     if let Some(parent) = dst.parent() {
-        std::fs::create_dir_all(parent).map_err(io(parent))?;
+        create_private_dir_all(parent).map_err(io(parent))?;
     }
-    let mut out = std::fs::OpenOptions::new()
+    let mut out = private_file()
         .write(true)
         .create_new(true)
         .open(&dst)
@@ -424,7 +424,7 @@ fn hash_in_place(dir: &Path, rel: &str) -> Result<BackupFile, BackupError> {
 /// Writes a new file `dir/rel` durably.
 fn write_new(dir: &Path, rel: &str, body: &[u8]) -> Result<BackupFile, BackupError> {
     let path = dir.join(rel);
-    let mut f = std::fs::OpenOptions::new()
+    let mut f = private_file()
         .write(true)
         .create_new(true)
         .open(&path)

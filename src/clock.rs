@@ -111,6 +111,49 @@ where
     }
 }
 
+/// Engine time that never starts below a floor: the engine time a data directory last
+/// committed ([`crate::ledger::Ledger::open`] raises it once its shards are open). A wall
+/// clock that is behind at start (a machine whose RTC lost days, an NTP step not yet made)
+/// would otherwise give every claim of the run an expiry that much too early, and their
+/// redeliveries would be processed again as soon as the clock is right.
+pub struct FloorClock {
+    inner: Arc<dyn Clock>,
+    /// Added to the inner clock's time; set once at open.
+    offset_ms: AtomicU64,
+}
+
+impl FloorClock {
+    pub fn new(inner: Arc<dyn Clock>) -> FloorClock {
+        FloorClock {
+            inner,
+            offset_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Moves the engine's time up to `floor_ms` if it is below it, from now on (it then
+    /// advances with the inner clock). Returns how far behind the inner clock was.
+    pub fn raise_to(&self, floor_ms: u64) -> Option<u64> {
+        let now = self.now_ms();
+        let behind = floor_ms.checked_sub(now).filter(|b| *b > 0)?;
+        self.offset_ms.fetch_add(behind, Ordering::SeqCst);
+        Some(behind)
+    }
+}
+
+impl std::fmt::Debug for FloorClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FloorClock")
+            .field("offset_ms", &self.offset_ms.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Clock for FloorClock {
+    fn now_ms(&self) -> u64 {
+        self.inner.now_ms() + self.offset_ms.load(Ordering::Relaxed)
+    }
+}
+
 /// A clock that only moves when told to; shared by clones.
 #[derive(Debug, Clone, Default)]
 pub struct ManualClock(Arc<AtomicU64>);
@@ -169,6 +212,18 @@ mod tests {
         wall.store(1_700_000_000_000 - 86_400_000, Ordering::SeqCst);
         mono.fetch_add(10, Ordering::SeqCst);
         assert_eq!(clock.now_ms(), 1_700_000_001_020);
+    }
+
+    #[test]
+    fn floor_clock_starts_at_the_floor_and_advances_with_its_clock() {
+        let inner = ManualClock::new(1_000);
+        let floor = FloorClock::new(Arc::new(inner.clone()));
+        assert_eq!(floor.raise_to(500), None, "not behind: unchanged");
+        assert_eq!(floor.now_ms(), 1_000);
+        assert_eq!(floor.raise_to(5_000), Some(4_000));
+        assert_eq!(floor.now_ms(), 5_000);
+        inner.advance_ms(10);
+        assert_eq!(floor.now_ms(), 5_010);
     }
 
     #[test]

@@ -223,7 +223,7 @@ impl LedgerConfig {
 }
 
 /// Limits of pipe mode.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PipeConfig {
     /// Longest input line in bytes (line ending excluded). A longer line is answered
@@ -232,6 +232,10 @@ pub struct PipeConfig {
     /// Lines read but not yet printed before reading pauses. Bounds memory when the head
     /// line waits (for a handler retry, say): stdin is not read further until it is printed.
     pub window: NonZeroUsize,
+    /// Bytes of lines read but not yet printed before reading pauses (one line more may
+    /// be read): with `window` alone, memory was bounded only by `window` x
+    /// `max_line_bytes`, 64 GiB at the defaults.
+    pub max_bytes_in_flight: NonZeroUsize,
 }
 
 impl Default for PipeConfig {
@@ -239,6 +243,7 @@ impl Default for PipeConfig {
         PipeConfig {
             max_line_bytes: nz(1 << 20),
             window: nz(65_536),
+            max_bytes_in_flight: nz(256 << 20),
         }
     }
 }
@@ -248,8 +253,17 @@ fn nz(n: usize) -> NonZeroUsize {
 }
 
 /// Where a subscriber's idempotency key comes from.
+///
+/// Read through [`SourceSpec`]: serde's internally tagged enums drop unknown fields of
+/// unit variants (`{ source = "id", pointer = "/x" }` loaded as `id`), and a typo in a key
+/// source changes what is deduplicated, so every field a source does not take is refused.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "source", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(
+    tag = "source",
+    rename_all = "snake_case",
+    deny_unknown_fields,
+    try_from = "SourceSpec"
+)]
 pub enum KeySource {
     /// The envelope's `id` field.
     Id,
@@ -277,7 +291,12 @@ pub enum KeySource {
 /// own. Without a handler it is not used; the idempotency key (the default) means "no
 /// entity": the handler's state is one store and it runs on one shard.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "source", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(
+    tag = "source",
+    rename_all = "snake_case",
+    deny_unknown_fields,
+    try_from = "SourceSpec"
+)]
 pub enum PartitionSource {
     /// No entity: a handler's state is one store (and the handler runs on one shard).
     #[default]
@@ -288,6 +307,104 @@ pub enum PartitionSource {
     Header { name: String },
     /// A JSON pointer into the payload, e.g. `/order_id`.
     JsonPointer { pointer: String },
+}
+
+/// A key or partition key source as written: every field any source takes, checked
+/// against the ones the named source takes when it becomes a [`KeySource`] or
+/// [`PartitionSource`].
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceSpec {
+    source: String,
+    name: Option<String>,
+    pointer: Option<String>,
+    pointers: Option<Vec<String>>,
+}
+
+impl SourceSpec {
+    /// Refuses the fields that are given but not in `takes`.
+    fn only(&self, takes: &[&str]) -> Result<(), String> {
+        let given = [
+            ("name", self.name.is_some()),
+            ("pointer", self.pointer.is_some()),
+            ("pointers", self.pointers.is_some()),
+        ];
+        match given.iter().find(|(f, set)| *set && !takes.contains(f)) {
+            None => Ok(()),
+            Some((field, _)) if takes.is_empty() => Err(format!(
+                "source `{}` takes no other field, but `{field}` is given",
+                self.source
+            )),
+            Some((field, _)) => Err(format!(
+                "source `{}` takes {}, not `{field}`",
+                self.source,
+                takes
+                    .iter()
+                    .map(|t| format!("`{t}`"))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )),
+        }
+    }
+
+    fn name(self) -> Result<String, String> {
+        let source = self.source;
+        self.name
+            .ok_or_else(|| format!("source `{source}` needs `name` (the header's name)"))
+    }
+}
+
+impl TryFrom<SourceSpec> for KeySource {
+    type Error = String;
+
+    fn try_from(s: SourceSpec) -> Result<KeySource, String> {
+        match s.source.as_str() {
+            "id" => s.only(&[]).map(|_| KeySource::Id),
+            "cloudevents" => s.only(&[]).map(|_| KeySource::Cloudevents),
+            "content_hash" => s.only(&[]).map(|_| KeySource::ContentHash),
+            "header" => {
+                s.only(&["name"])?;
+                Ok(KeySource::Header { name: s.name()? })
+            }
+            "json_pointer" => {
+                s.only(&["pointer", "pointers"])?;
+                Ok(KeySource::JsonPointer {
+                    pointer: s.pointer.unwrap_or_default(),
+                    pointers: s.pointers.unwrap_or_default(),
+                })
+            }
+            other => Err(format!(
+                "unknown key source `{other}`: use id, header, json_pointer, cloudevents or content_hash"
+            )),
+        }
+    }
+}
+
+impl TryFrom<SourceSpec> for PartitionSource {
+    type Error = String;
+
+    fn try_from(s: SourceSpec) -> Result<PartitionSource, String> {
+        match s.source.as_str() {
+            "idempotency_key" => s.only(&[]).map(|_| PartitionSource::IdempotencyKey),
+            "envelope_key" => s.only(&[]).map(|_| PartitionSource::EnvelopeKey),
+            "header" => {
+                s.only(&["name"])?;
+                Ok(PartitionSource::Header { name: s.name()? })
+            }
+            "json_pointer" => {
+                s.only(&["pointer"])?;
+                let source = s.source.clone();
+                Ok(PartitionSource::JsonPointer {
+                    pointer: s
+                        .pointer
+                        .ok_or_else(|| format!("source `{source}` needs `pointer`"))?,
+                })
+            }
+            other => Err(format!(
+                "unknown partition key source `{other}`: use idempotency_key, envelope_key, header or json_pointer"
+            )),
+        }
+    }
 }
 
 /// Per-subscriber behaviour.
@@ -523,13 +640,16 @@ impl Config {
             path: PathBuf::from("<text>"),
             message: e.to_string(),
         };
-        // Parsed as written first, so errors point at a line and column.
-        let mut config: Config = toml::from_str(text).map_err(|e| parse_error(&e))?;
-        if text.contains("${") {
+        // Variables are expanded before the settings are read: a duration or an address
+        // written as `"${TTL}"` is only a duration once expanded. Without any, the text is
+        // read as it is, so errors point at a line and column.
+        let config: Config = if text.contains("${") {
             let mut value: toml::Value = toml::from_str(text).map_err(|e| parse_error(&e))?;
             env::expand(&mut value, "", lookup)?;
-            config = value.try_into().map_err(|e| parse_error(&e))?;
-        }
+            value.try_into().map_err(|e| parse_error(&e))?
+        } else {
+            toml::from_str(text).map_err(|e| parse_error(&e))?
+        };
         config.validate()?;
         Ok(config)
     }
@@ -760,6 +880,17 @@ mod tests {
         );
     }
 
+    /// Settings that are strings in TOML but not text to dedupd (durations, addresses)
+    /// take variables too: they are expanded before the file is read into settings.
+    #[test]
+    fn environment_variables_fill_durations_and_addresses() {
+        let text = "[defaults]\nttl = \"${TTL}\"\n[http]\nbind = \"${BIND:-127.0.0.1:8080}\"\n";
+        let env = |n: &str| (n == "TTL").then(|| "7d".to_string());
+        let c = Config::parse_with_env(text, &env).unwrap();
+        assert_eq!(c.defaults.ttl, Duration::from_secs(7 * 86_400));
+        assert_eq!(c.http.unwrap().bind, "127.0.0.1:8080".parse().unwrap());
+    }
+
     /// The sample shipped in the repository must stay valid.
     #[test]
     fn sample_config_parses() {
@@ -786,6 +917,14 @@ mod tests {
             (d.handler_max_writes, d.handler_max_write_mib)
         );
         assert_eq!(billing.max_backoff, d.max_backoff);
+        assert_eq!(
+            (
+                billing.handler_breaker_failures,
+                billing.handler_breaker_cooldown
+            ),
+            (d.handler_breaker_failures, d.handler_breaker_cooldown)
+        );
+        assert_eq!(config.pipe, PipeConfig::default());
     }
 
     #[test]
@@ -937,6 +1076,49 @@ mod tests {
             let err = Config::parse(&sub(key)).unwrap_err().to_string();
             assert!(err.contains(field), "{key}: {err}");
         }
+    }
+
+    /// A field the named source does not take is refused, naming it: serde alone drops
+    /// unknown fields of sources without fields (`id`, `cloudevents`...).
+    #[test]
+    fn key_source_fields_the_source_does_not_take_are_refused() {
+        for (section, value, needle) in [
+            ("key", r#"{ source = "id", pointer = "/x" }"#, "`pointer`"),
+            ("key", r#"{ source = "cloudevents", name = "x" }"#, "`name`"),
+            (
+                "key",
+                r#"{ source = "content_hash", pointers = ["/a"] }"#,
+                "`pointers`",
+            ),
+            (
+                "key",
+                r#"{ source = "header", pointer = "/x", name = "x" }"#,
+                "`pointer`",
+            ),
+            ("key", r#"{ source = "header" }"#, "needs `name`"),
+            (
+                "key",
+                r#"{ source = "json_pointer", pointer = "/x", nmae = "y" }"#,
+                "nmae",
+            ),
+            ("key", r#"{ source = "idd" }"#, "unknown key source"),
+            (
+                "partition_key",
+                r#"{ source = "envelope_key", name = "k" }"#,
+                "`name`",
+            ),
+            (
+                "partition_key",
+                r#"{ source = "json_pointer", pointers = ["/a"] }"#,
+                "`pointers`",
+            ),
+        ] {
+            let text = format!("[[subscriber]]\nname = \"a\"\n{section} = {value}\n");
+            let err = Config::parse(&text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{value}: {err}");
+        }
+        let ok = "[[subscriber]]\nname = \"a\"\nkey = { source = \"id\" }\npartition_key = { source = \"header\", name = \"x\" }\n";
+        assert!(Config::parse(ok).is_ok());
     }
 
     #[test]

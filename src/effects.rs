@@ -12,7 +12,12 @@ pub type StateEntry = (Vec<u8>, Vec<u8>);
 #[derive(Debug, Clone, Default)]
 pub struct HandlerMessage {
     pub subscriber: String,
+    /// The idempotency key's text.
     pub id: String,
+    /// The idempotency key's 128-bit hash, the claim's key. Derived identities (operation
+    /// keys, emitted ids, the random stream) come from it when the text alone does not
+    /// identify the message (a CloudEvents `source#id`, a header id that is not UTF-8).
+    pub key_hash: u128,
     pub key: Option<String>,
     pub headers: Vec<(String, String)>,
     pub payload: Vec<u8>,

@@ -278,7 +278,7 @@ pub fn derive_entity<'e>(
     match text {
         // The NUL byte separates an entity from the keys in its state scope.
         Some(t) if t.contains('\0') => Err(KeyError::Missing(format!(
-            "partition key ({:?}) contains a NUL character",
+            "partition key ({:?}) contains a NUL character or bytes that are not UTF-8; an entity key must be text",
             settings.partition_key
         ))),
         Some(t) if t.len() > settings.max_key_bytes => Err(KeyError::Oversized {

@@ -24,6 +24,8 @@ pub enum InspectError {
     Ledger(#[from] LedgerError),
     #[error("writing the output failed: {0}")]
     Output(#[from] std::io::Error),
+    #[error("subscriber {subscriber:?} has nothing stored in {} and is not in the config; `dedupd inspect --data-dir {}` lists the subscribers it holds", .dir.display(), .dir.display())]
+    UnknownSubscriber { subscriber: String, dir: PathBuf },
 }
 
 /// Opens an existing data directory (never creates one).
@@ -181,6 +183,13 @@ pub fn dump_state(
     out: impl Write,
 ) -> Result<(), InspectError> {
     let ledger = open_existing(dir, config)?;
+    if !ledger.knows_subscriber(subscriber) {
+        ledger.close()?;
+        return Err(InspectError::UnknownSubscriber {
+            subscriber: subscriber.to_string(),
+            dir: dir.to_path_buf(),
+        });
+    }
     let entries = ledger.state_entries(subscriber);
     let scoped = ledger.subscriber(subscriber)?.state_per_entity();
     ledger.close()?;

@@ -320,3 +320,23 @@ fn json_summary_lists_subscribers_and_sources() {
     assert_eq!(v["sources"], serde_json::json!(["stdin"]));
     assert_eq!(v["http_bind"], serde_json::Value::Null);
 }
+
+/// An error's cause is said once (it was printed twice: in the error's own text and again
+/// as anyhow's cause), for a missing config file and a missing handler alike.
+#[test]
+fn error_causes_are_printed_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["config", "check"])
+        .arg(dir.path().join("no-such.toml"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("os error 2").count(), 1, "{err}");
+    let c = check(
+        dir.path(),
+        "[[subscriber]]\nname = \"orders\"\nhandler = \"missing.wasm\"\n",
+    );
+    assert_eq!(c.stderr.matches("os error 2").count(), 1, "{}", c.stderr);
+}

@@ -41,6 +41,7 @@ fn msg(id: &str, payload: &str) -> HandlerMessage {
     HandlerMessage {
         subscriber: "s".into(),
         id: id.into(),
+        key_hash: key_hash(id.as_bytes()),
         key: None,
         headers: vec![],
         payload: payload.as_bytes().to_vec(),
@@ -482,6 +483,58 @@ fn operation_keys_and_emitted_ids_are_the_same_on_every_attempt() {
     assert!(
         header.iter().any(|(k, _)| k == "operation-key"),
         "{header:?}"
+    );
+}
+
+/// Operation keys and emitted ids of two CloudEvents whose `source#id` texts are equal
+/// (`shop#eu` + `7`, `shop` + `eu#7`) differ: they are two claims, and a payment provider
+/// must not take the second capture for a retry of the first.
+#[test]
+fn cloudevents_sharing_their_id_text_get_distinct_operation_keys() {
+    use dedupd::envelope::cloudevents_key;
+    let c = load("payment_capture", roomy());
+    let body = r#"{"amount_cents":1999,"payment_id":"p-1"}"#;
+    let keyed = |source: &str, id: &str| {
+        let key = cloudevents_key(source, id);
+        HandlerMessage {
+            id: key.text.clone(),
+            key_hash: key.hash,
+            ..msg("unused", body)
+        }
+    };
+    let (a, b) = (keyed("shop#eu", "7"), keyed("shop", "eu#7"));
+    assert_eq!(a.id, b.id, "the texts are the same");
+    let (a, b) = (call(&c, &a).unwrap(), call(&c, &b).unwrap());
+    assert_ne!(a.outbox[0].id, b.outbox[0].id, "emitted ids");
+    assert_ne!(a.outbox[0].headers, b.outbox[0].headers, "operation keys");
+    assert_ne!(a.state, b.state);
+}
+
+/// Upgrade path of format 8: a message keyed by its id text (every key source but
+/// CloudEvents and non-UTF-8 header ids) keeps the operation key and emitted ids format 7
+/// gave it, so a message retried across the upgrade calls external APIs with the same key.
+#[test]
+fn operation_keys_of_text_ids_are_those_of_format_7() {
+    let c = load("payment_capture", roomy());
+    let m = msg("pay-evt-1", r#"{"amount_cents":1999,"payment_id":"p-1"}"#);
+    let effects = call(&c, &m).unwrap();
+    let format_7 = |purpose: &str, name: &str| {
+        let mut buf = Vec::new();
+        for part in [purpose, &m.subscriber, &m.id, name] {
+            buf.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            buf.extend_from_slice(part.as_bytes());
+        }
+        format!("{:032x}", key_hash(&buf))
+    };
+    assert_eq!(effects.outbox[0].id, format_7("emit", "1"));
+    let op = format_7("operation", "capture");
+    assert!(
+        effects.outbox[0]
+            .headers
+            .iter()
+            .any(|(k, v)| k == "operation-key" && *v == op),
+        "{:?}",
+        effects.outbox[0].headers
     );
 }
 

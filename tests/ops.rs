@@ -759,6 +759,38 @@ fn a_shard_keeps_at_most_one_spare_index() {
     ledger.close().unwrap();
 }
 
+/// A run whose clock is 30 days behind (TTL 7 d) starts from the engine time the directory
+/// last committed instead: its claims get their full TTL, so when the clock is right again
+/// their redeliveries are duplicates, not processed a second time (G2).
+#[test]
+fn a_clock_behind_at_start_does_not_shorten_the_claims_of_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg =
+        Config::parse("[ledger]\nshards = 2\n[[subscriber]]\nname = \"orders\"\nttl = \"7d\"\n")
+            .unwrap();
+    let right = 1_800_000_000_000u64;
+    let day = 86_400_000u64;
+    let run = |at: u64, ids: &[&str]| -> Vec<Outcome> {
+        let ledger = Ledger::open(dir.path(), &cfg, Arc::new(ManualClock::new(at))).unwrap();
+        let outcomes = ids
+            .iter()
+            .map(|id| deliver(&ledger, "orders", id, b"{}"))
+            .collect();
+        ledger.close().unwrap();
+        outcomes
+    };
+    assert_eq!(run(right, &["before"]), [Outcome::Processed]);
+    let ids = ["m-1", "m-2", "m-3", "m-4", "m-5"];
+    assert!(run(right - 30 * day, &ids)
+        .iter()
+        .all(|o| *o == Outcome::Processed));
+    let later = run(right + 60_000, &ids);
+    assert!(
+        later.iter().all(|o| *o == Outcome::Duplicate),
+        "claims made while the clock was behind expired early: {later:?}"
+    );
+}
+
 /// The wall clock steps forward by three days while the engine runs (a bad NTP server, an
 /// operator). Claims expire by engine time, which follows the monotonic clock: the sealed
 /// generation must not be dropped, and a redelivery stays a duplicate (G2). Run against a

@@ -671,6 +671,53 @@ fn missing_shard_file_is_refused() {
     assert!(!shard.exists());
 }
 
+/// A shard file truncated to zero bytes is refused, not initialised as a new empty shard
+/// (which would answer its claimed ids `processed` again).
+#[test]
+fn zero_length_shard_file_is_refused_not_used_as_empty() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = populated_dir(tmp.path());
+    let shard = dir.join("shard-001.redb");
+    std::fs::File::create(&shard).unwrap();
+    let run = pipe(&dir, jsonl(&[json!({"id": "evt-1"})]));
+    run.assert_refused(&["shard-001.redb", "is empty", "Restore it from a backup"]);
+    assert_eq!(
+        std::fs::metadata(&shard).unwrap().len(),
+        0,
+        "left as it was"
+    );
+}
+
+/// A shard file that is a store but holds no dedupd data (a fresh redb file put in its
+/// place) is refused as well.
+#[test]
+fn shard_file_without_dedupd_data_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = populated_dir(tmp.path());
+    let shard = dir.join("shard-001.redb");
+    std::fs::remove_file(&shard).unwrap();
+    dedupd::ledger::close_copied_shard(&shard).unwrap();
+    let run = pipe(&dir, jsonl(&[json!({"id": "evt-1"})]));
+    run.assert_refused(&["shard-001.redb", "holds no dedupd data"]);
+}
+
+/// A shard file that is a symlink to a file on a disk that is not there (not mounted) is
+/// missing: the target is not created.
+#[test]
+fn shard_symlink_to_a_missing_target_is_refused_and_nothing_is_created() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = populated_dir(tmp.path());
+    let disk = tmp.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    let shard = dir.join("shard-001.redb");
+    std::fs::remove_file(&shard).unwrap();
+    let target = disk.join("shard-001.redb");
+    std::os::unix::fs::symlink(&target, &shard).unwrap();
+    let run = pipe(&dir, jsonl(&[json!({"id": "evt-1"})]));
+    run.assert_refused(&["shard-001.redb", "missing"]);
+    assert!(!target.exists(), "the symlink's target was created");
+}
+
 /// Overwrites `len` bytes of `path` at `at` with a fixed non-zero pattern.
 fn clobber(path: &Path, at: u64, len: usize) {
     use std::io::{Seek, SeekFrom};
@@ -1088,4 +1135,138 @@ fn line_length_cap_violated_rejects_the_line_and_goes_on() {
     );
     assert_eq!(lines[1]["id"], Value::Null);
     assert_eq!(lines[2]["id"], "c");
+}
+
+/// A handler uploaded through the API (stored under `DATA_DIR/handlers/`) is installed by
+/// pipe mode too, which has no API: its messages run it instead of being claimed without it.
+#[test]
+fn handler_uploaded_through_the_api_runs_in_pipe_mode() {
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let component = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("plugins/target/wasm32-wasip2/release/shipping_label.wasm");
+    let bytes = std::fs::read(&component)
+        .unwrap_or_else(|e| panic!("{}: {e}; run plugins/build.sh", component.display()));
+    {
+        // What `PUT /v1/subscribers/u/handler` does.
+        let config = dedupd::config::Config::default();
+        let clock = Arc::new(dedupd::clock::SystemClock);
+        let ledger = dedupd::ledger::Ledger::open(&dir, &config, clock).unwrap();
+        dedupd::pipeline::UploadStore::new(&dir)
+            .upload(&ledger, "u", &bytes)
+            .unwrap();
+        ledger.close().unwrap();
+    }
+    let event = json!({"subscriber": "u", "id": "m-2",
+        "payload": {"type": "OrderPlaced", "order_id": "o-2"}});
+    let run = pipe(&dir, jsonl(&[event]));
+    run.assert_success();
+    assert_eq!(as_strs(&run.outcomes()), ["processed"]);
+    let dump = dedupd(
+        &[
+            "state".as_ref(),
+            "dump".as_ref(),
+            "--subscriber".as_ref(),
+            "u".as_ref(),
+            "--data-dir".as_ref(),
+            dir.as_os_str(),
+        ],
+        b"",
+    );
+    dump.assert_success();
+    assert!(
+        dump.stdout.contains("\"key\":\"label/o-2\""),
+        "the uploaded handler made no label:\n{}",
+        dump.stdout
+    );
+}
+
+/// A key source changed in the config file between runs while the subscriber has live
+/// claims is refused at start, naming the subscriber and both sources; the same message
+/// would otherwise be processed again under its new key.
+#[test]
+fn key_source_change_between_runs_with_live_claims_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let config = |pointer: &str| {
+        write_config(
+            tmp.path(),
+            &format!("key{}.toml", pointer.len()),
+            &format!("[[subscriber]]\nname = \"orders\"\nkey = {{ source = \"json_pointer\", pointer = \"{pointer}\" }}\n"),
+        )
+    };
+    let event = jsonl(&[json!({"subscriber": "orders",
+        "payload": {"event": "e-1", "order_id": "o-1"}})]);
+    let first = pipe_cfg(&dir, Some(&config("/event")), &event);
+    first.assert_success();
+    assert_eq!(as_strs(&first.outcomes()), ["processed"]);
+    let changed = pipe_cfg(&dir, Some(&config("/order_id")), &event);
+    changed.assert_refused(&["\"orders\"", "/event", "/order_id", "new subscriber name"]);
+    let same = pipe_cfg(&dir, Some(&config("/event")), &event);
+    same.assert_success();
+    assert_eq!(as_strs(&same.outcomes()), ["duplicate"]);
+}
+
+/// The data directory, its files and a backup of it hold payloads: they are created
+/// readable by their owner only (0700 / 0600), whatever the umask lets through.
+#[test]
+fn data_files_and_backups_are_private_to_their_owner() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = populated_dir(tmp.path());
+    let backup = tmp.path().join("backup");
+    let run = dedupd(
+        &[
+            "backup".as_ref(),
+            "--data-dir".as_ref(),
+            dir.as_os_str(),
+            "--to".as_ref(),
+            backup.as_os_str(),
+        ],
+        b"",
+    );
+    run.assert_success();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    for d in [&dir, &backup] {
+        assert_eq!(mode(d), 0o700, "{}", d.display());
+        for entry in std::fs::read_dir(d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_file() {
+                assert_eq!(mode(&path), 0o600, "{}", path.display());
+            }
+        }
+    }
+}
+
+/// `state dump` of a subscriber the directory does not hold (and the config does not name)
+/// fails naming it, instead of printing nothing and exiting 0 as for an empty store.
+#[test]
+fn state_dump_of_an_unknown_subscriber_fails_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = populated_dir(tmp.path());
+    let dump = dedupd(
+        &[
+            "state".as_ref(),
+            "dump".as_ref(),
+            "--subscriber".as_ref(),
+            "nosuch".as_ref(),
+            "--data-dir".as_ref(),
+            dir.as_os_str(),
+        ],
+        b"",
+    );
+    dump.assert_refused(&["\"nosuch\"", "dedupd inspect"]);
+    let known = dedupd(
+        &[
+            "state".as_ref(),
+            "dump".as_ref(),
+            "--subscriber".as_ref(),
+            "default".as_ref(),
+            "--data-dir".as_ref(),
+            dir.as_os_str(),
+        ],
+        b"",
+    );
+    known.assert_success();
 }

@@ -54,6 +54,7 @@ fn msg(id: &str, payload: &Value) -> HandlerMessage {
     HandlerMessage {
         subscriber: "orders".into(),
         id: id.into(),
+        key_hash: dedupd::envelope::key_hash(id.as_bytes()),
         key: None,
         headers: vec![],
         payload: payload.to_string().into_bytes(),

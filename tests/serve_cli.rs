@@ -174,6 +174,35 @@ fn serve_logs_its_lifecycle_as_json_lines() {
     assert!(ready["open_ms"].is_u64(), "{ready}");
 }
 
+/// On SIGTERM `serve` logs the `stopped` line the operations guide lists.
+#[test]
+fn serve_logs_stopped_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = dedupd()
+        .args(["--log-format", "json", "serve", "--bind", "127.0.0.1:0"])
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .env_remove("RUST_LOG")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    address_and_logs(&mut stderr);
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = exit_within_30s(&mut child, "dedupd serve did not stop on SIGTERM");
+    assert!(status.success(), "{status:?}");
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest).unwrap();
+    assert!(
+        rest.lines().any(|l| l.contains("\"message\":\"stopped")),
+        "no stopped line in: {rest}"
+    );
+}
+
 #[test]
 fn run_with_http_serves_stdin_and_http_over_one_ledger() {
     let dir = tempfile::tempdir().unwrap();
@@ -214,6 +243,34 @@ fn run_with_http_serves_stdin_and_http_over_one_ledger() {
     assert!(kill.success());
     let status = exit_within_30s(&mut child, "dedupd run did not stop on SIGTERM");
     assert!(status.success(), "{status:?}");
+}
+
+/// SIGTERM while stdin is still open: the stdin reader still holds the ledger, but the
+/// exit closes it all the same, so `inspect` (which refuses a directory not closed
+/// cleanly) reads it at once.
+#[test]
+fn sigterm_with_stdin_open_leaves_a_clean_data_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, _addr, stdin) = run_and_process_one(
+        dir.path(),
+        "[http]\nbind = \"127.0.0.1:0\"\n",
+        &[],
+        "open-1",
+    );
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = exit_within_30s(&mut child, "dedupd run did not stop on SIGTERM");
+    assert!(status.success(), "{status:?}");
+    drop(stdin);
+    let report = inspect(&dir.path().join("data"), &[]);
+    assert!(
+        report.status.success(),
+        "{}",
+        String::from_utf8_lossy(&report.stderr)
+    );
 }
 
 fn inspect(data: &std::path::Path, extra: &[&str]) -> std::process::Output {

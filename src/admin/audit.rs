@@ -41,7 +41,7 @@ impl Audit {
         let mut text = line.to_string();
         text.push('\n');
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut f = std::fs::OpenOptions::new()
+        let mut f = crate::ledger::private_file()
             .create(true)
             .append(true)
             .open(&self.path)?;

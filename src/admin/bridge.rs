@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 use crate::ledger::{AckSender, Done, Job, Ledger, Outcome, SubscriberId};
 
@@ -33,16 +33,18 @@ struct Waiter {
 #[derive(Default)]
 struct Pending {
     waiters: HashMap<u64, Waiter>,
-    /// Keys in flight, each with the requests waiting for it to be released
-    /// (`Prefer: wait`).
-    in_flight: HashMap<(SubscriberId, u128), Vec<oneshot::Sender<()>>>,
+    /// Keys in flight, each with what wakes the requests waiting for it to be released
+    /// (`Prefer: wait`). A waiter is held in its own future (`Notify`'s list is intrusive),
+    /// so a request that stopped waiting leaves nothing behind: the map holds one entry
+    /// per key in flight however many requests wait or waited for it.
+    in_flight: HashMap<(SubscriberId, u128), Arc<Notify>>,
 }
 
 impl Pending {
     /// Releases `key` and wakes the requests waiting for it.
     fn release(&mut self, key: &(SubscriberId, u128)) {
-        for w in self.in_flight.remove(key).into_iter().flatten() {
-            let _ = w.send(());
+        if let Some(n) = self.in_flight.remove(key) {
+            n.notify_waiters();
         }
     }
 }
@@ -122,7 +124,7 @@ impl Ingest {
             if p.in_flight.contains_key(&k) {
                 return Err(StartError::InFlight);
             }
-            p.in_flight.insert(k, Vec::new());
+            p.in_flight.insert(k, Arc::new(Notify::new()));
         }
         p.waiters.insert(seq, Waiter { reply: tx, key });
         Ok((seq, rx))
@@ -140,16 +142,41 @@ impl Ingest {
 
     /// Resolves when `key` is no longer in flight (at once if it is not now). A request
     /// that found its key in flight and prefers to wait registers again after this.
-    pub fn released(&self, key: (SubscriberId, u128)) -> oneshot::Receiver<()> {
-        let (tx, rx) = oneshot::channel();
-        let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        match p.in_flight.get_mut(&key) {
-            Some(waiting) => waiting.push(tx),
-            None => {
-                let _ = tx.send(());
+    pub async fn released(&self, key: (SubscriberId, u128)) {
+        let notify = {
+            let p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            match p.in_flight.get(&key) {
+                Some(n) => n.clone(),
+                None => return,
             }
+        };
+        let released = notify.notified();
+        tokio::pin!(released);
+        // Registered before the key is looked at again: a release in between is not lost
+        // (`notify_waiters` wakes every `Notified` that is enabled).
+        released.as_mut().enable();
+        if !self.still_in_flight(key, &notify) {
+            return;
         }
-        rx
+        released.await;
+    }
+
+    /// Whether `key` is still held by the registration `notify` belongs to.
+    fn still_in_flight(&self, key: (SubscriberId, u128), notify: &Arc<Notify>) -> bool {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .in_flight
+            .get(&key)
+            .is_some_and(|n| Arc::ptr_eq(n, notify))
+    }
+
+    /// Keys in flight, and requests waiting for one of them right now (`Prefer: wait`):
+    /// a waiter holds memory only while it waits.
+    pub fn in_flight(&self) -> (usize, usize) {
+        let p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let waiting = p.in_flight.values().map(|n| Arc::strong_count(n) - 1).sum();
+        (p.in_flight.len(), waiting)
     }
 
     /// Where shards send outcomes for registered sequence numbers.

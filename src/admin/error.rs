@@ -45,6 +45,9 @@ pub enum ApiError {
     /// 409: the outbox is relayed to Kafka, so it cannot be pulled too.
     #[error("{0}")]
     Relayed(String),
+    /// 409: a settings change the subscriber's live claims forbid (another key source).
+    #[error("{0}")]
+    LiveClaims(String),
     /// 421: the `Host` is not a name this server answers to (DNS rebinding); the text
     /// names `http.allowed_hosts`.
     #[error("{0}")]
@@ -96,9 +99,10 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::Conflict(_) | ApiError::Exists(_) | ApiError::Relayed(_) => {
-                StatusCode::CONFLICT
-            }
+            ApiError::Conflict(_)
+            | ApiError::Exists(_)
+            | ApiError::Relayed(_)
+            | ApiError::LiveClaims(_) => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::HandlerFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -122,6 +126,7 @@ impl ApiError {
             ApiError::Conflict(_) => "in_flight",
             ApiError::Exists(_) => "exists",
             ApiError::Relayed(_) => "relayed_to_kafka",
+            ApiError::LiveClaims(_) => "live_claims",
             ApiError::TooLarge { .. } => "too_large",
             ApiError::Unprocessable(_) => "payload_mismatch",
             ApiError::HandlerFailed(_) => "dead_lettered",
@@ -141,6 +146,7 @@ impl From<LedgerError> for ApiError {
             }
             LedgerError::InvalidSubscriber(m) => ApiError::bad("subscriber", m),
             e @ LedgerError::TooManySubscribers { .. } => ApiError::SubscriberLimit(e.to_string()),
+            e @ LedgerError::KeySourceChanged { .. } => ApiError::LiveClaims(e.to_string()),
             LedgerError::Invalid(m) => ApiError::BadRequest {
                 field: None,
                 message: m,

@@ -13,8 +13,9 @@
 //!    does not pass the same host check (or is `null`) is 403; without a configured token,
 //!    the three content types a page may send cross-origin without a CORS preflight
 //!    (`text/plain`, `application/x-www-form-urlencoded`, `multipart/form-data`) are 415,
-//!    for browsers that omit `Origin`. The server never answers CORS preflights, so any
-//!    other cross-origin write is stopped by the browser itself.
+//!    for browsers that omit `Origin`, and so is a body sent with no `Content-Type` at all
+//!    (a page's `fetch` with a `Blob` body may omit it). The server never answers CORS
+//!    preflights, so any other cross-origin write is stopped by the browser itself.
 //! 3. **Token.** With a token configured, every method but GET, HEAD and OPTIONS needs it
 //!    (401/403); payload reads check it in their route ([`super::Authorized`]).
 //! 4. **Admission.** At most `http.max_concurrency` requests run; `http.max_queued` more
@@ -152,11 +153,15 @@ pub(crate) fn media_type(headers: &HeaderMap) -> Option<String> {
     )
 }
 
-fn check_simple_type(headers: &HeaderMap) -> Result<(), ApiError> {
-    match media_type(headers) {
+fn check_simple_type(req: &Request) -> Result<(), ApiError> {
+    use axum::body::HttpBody;
+    match media_type(req.headers()) {
         Some(t) if SIMPLE_TYPES.contains(&t.as_str()) => Err(ApiError::UnsupportedMediaType(format!(
             "`Content-Type: {t}` is refused on a server without a token (any web page can send it): send application/json, or application/octet-stream (or another type) for an opaque payload"
         ))),
+        None if req.body().size_hint().upper() != Some(0) => Err(ApiError::UnsupportedMediaType(
+            "a request body without a `Content-Type` is refused on a server without a token (a web page can send one): send application/json, or application/octet-stream (or another type) for an opaque payload".into(),
+        )),
         _ => Ok(()),
     }
 }
@@ -243,7 +248,7 @@ async fn admit_and_run(st: &AdminState, req: Request, next: Next) -> Result<Resp
     if !is_safe(req.method()) {
         inner.hosts.check_origin(req.headers())?;
         match inner.token.as_deref() {
-            None => check_simple_type(req.headers())?,
+            None => check_simple_type(&req)?,
             Some(token) => {
                 check_token(req.headers(), Some(token))?;
             }

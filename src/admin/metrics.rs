@@ -55,7 +55,7 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
     for row in &report.subscribers {
         sample_storage(row);
     }
-    gauge!(metric::DISK_BYTES).set(report.file_bytes as f64);
+    gauge!(metric::DISK_BYTES).set(crate::ledger::tree_bytes(ledger.data_dir()) as f64);
     gauge!(metric::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"),
         "format" => crate::ledger::FORMAT_VERSION.to_string())
     .set(1.0);

@@ -18,8 +18,7 @@
 //!
 //! Layout: `routes/` (the [`router`] and one file per resource), `guard` (what every
 //! request passes first), `error` ([`ApiError`] and its statuses), [`bridge`] (requests
-//! to shard threads and durable outcomes back), `uploads` (the uploaded handler
-//! components on disk), `audit`, `metrics` (`/metrics`), `openapi`, `config`
+//! to shard threads and durable outcomes back), `audit`, `metrics` (`/metrics`), `openapi`, `config`
 //! (`[http]`). What a request means as a message is `crate::source::http`.
 
 mod audit;
@@ -30,7 +29,6 @@ mod guard;
 mod metrics;
 mod openapi;
 mod routes;
-mod uploads;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -41,12 +39,12 @@ use axum::http::request::Parts;
 use axum::http::HeaderMap;
 use subtle::ConstantTimeEq;
 
+pub use crate::pipeline::{HandlerInfo, UploadError, UploadStore};
 pub use audit::Audit;
 pub use config::HttpConfig;
 pub use error::ApiError;
 pub use openapi::{openapi, ROUTES};
 pub use routes::{metrics_router, router};
-pub use uploads::{HandlerInfo, UploadError, UploadStore};
 
 use crate::config::Config;
 use crate::ledger::Ledger;
@@ -125,6 +123,12 @@ impl AdminState {
     /// Requests (ingest and replays) waiting for their durable outcome right now.
     pub fn waiting(&self) -> usize {
         self.0.ingest.waiting()
+    }
+
+    /// Idempotency keys in flight, and requests waiting for one of them to be released
+    /// (`Prefer: wait`) right now.
+    pub fn in_flight(&self) -> (usize, usize) {
+        self.0.ingest.in_flight()
     }
 
     fn ingest(&self) -> &Ingest {

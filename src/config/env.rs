@@ -1,8 +1,11 @@
 //! `${NAME}` in config strings: replaced by the environment variable `NAME` before the
 //! file is read into a [`super::Config`], so secrets (`sasl.password`, tokens) need not be
 //! written into the file. Only string values are expanded, after TOML parsing, so a value
-//! with quotes or newlines cannot change the file's structure. `$${` is a literal `${`.
-//! An unset variable is an error naming the field, never an empty string.
+//! with quotes or newlines cannot change the file's structure; any setting written as a
+//! string may use it (durations such as `ttl = "${TTL}"`, addresses, paths). `$${` is a
+//! literal `${`. An unset variable is an error naming the field, never an empty string,
+//! unless it gives a default: `${NAME:-default}` (as in Vector and the shell) takes
+//! `default` when `NAME` is unset or empty.
 
 use super::{invalid, ConfigError};
 
@@ -54,7 +57,10 @@ fn expand_str(
                     "has `${` without a closing `}` (write `$${` for a literal `${`)",
                 )
             })?;
-            let name = &after[..end];
+            let (name, default) = match after[..end].split_once(":-") {
+                Some((name, default)) => (name, Some(default)),
+                None => (&after[..end], None),
+            };
             let valid =
                 !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
             if !valid {
@@ -63,12 +69,17 @@ fn expand_str(
                     format!("names environment variable {name:?}: use letters, digits and `_`"),
                 ));
             }
-            let v = lookup(name).ok_or_else(|| {
-                invalid(
-                    field,
-                    format!("uses environment variable {name}, which is not set"),
-                )
-            })?;
+            let v = match (lookup(name), default) {
+                (Some(v), Some(d)) if v.is_empty() => d.to_string(),
+                (Some(v), _) => v,
+                (None, Some(d)) => d.to_string(),
+                (None, None) => {
+                    return Err(invalid(
+                        field,
+                        format!("uses environment variable {name}, which is not set (write `${{{name}:-default}}` for a default)"),
+                    ))
+                }
+            };
             out.push_str(&v);
             rest = &after[end + 1..];
         } else {
@@ -109,6 +120,15 @@ mod tests {
         assert_eq!(o["sasl.password"].as_str(), Some("s3\"cr}et"));
         assert_eq!(o["list"][0].as_str(), Some("a-svc-b"));
         assert_eq!(o["price"].as_str(), Some("$5 and ${LITERAL}"));
+    }
+
+    #[test]
+    fn a_default_is_taken_when_the_variable_is_unset() {
+        let v =
+            expanded("a = \"${NOPE:-7d}\"\nb = \"${USER:-other}\"\nc = \"${NOPE:-}x\"\n").unwrap();
+        assert_eq!(v["a"].as_str(), Some("7d"));
+        assert_eq!(v["b"].as_str(), Some("svc"));
+        assert_eq!(v["c"].as_str(), Some("x"));
     }
 
     #[test]

@@ -121,6 +121,11 @@ impl wasmtime::ResourceLimiter for MemoryCap {
 struct Call {
     subscriber: String,
     id: String,
+    /// The id text is the message's identity: the key hash is the hash of exactly these
+    /// bytes (see [`HostState::seed`]).
+    id_is_identity: bool,
+    /// The idempotency key's hash: what the claim is stored under.
+    key_hash: u128,
     received_at_ms: u64,
     emits: usize,
     /// State writes so far (see [`Limits::max_writes`]).
@@ -181,6 +186,8 @@ impl HostState {
         let call = &mut self.call;
         call.subscriber.clone_from(&msg.subscriber);
         call.id.clone_from(&msg.id);
+        call.key_hash = msg.key_hash;
+        call.id_is_identity = crate::envelope::key_hash(msg.id.as_bytes()) == msg.key_hash;
         call.received_at_ms = msg.received_at_ms;
         call.emits = 0;
         call.writes = 0;
@@ -265,20 +272,38 @@ impl HostState {
         }
     }
 
-    /// Deterministic per (subscriber, message id, purpose).
+    /// Deterministic per (subscriber, message, purpose).
     fn derive(&self, purpose: &str, name: &str) -> wasmtime::Result<String> {
         Ok(hex128(self.seed(purpose, name)?))
     }
 
     /// The number behind [`HostState::derive`]'s keys; also seeds the call's random
-    /// stream (`determinism.rs`).
+    /// stream (`determinism.rs`). It hashes a sequence of length-prefixed parts, which
+    /// decodes one way only, so two different sequences never share their bytes:
+    ///
+    /// - `[purpose, subscriber, id text, name]` when the id text is the message's identity
+    ///   (its hash is the claim's key: ids from `id`, a UTF-8 header, JSON pointers, HTTP
+    ///   `Idempotency-Key`). These are the parts of format 7, so such keys did not change.
+    /// - `[purpose, subscriber, "", key hash, name]` otherwise: a CloudEvents id, whose
+    ///   text `source#id` two different pairs can share, and a Kafka header id that is not
+    ///   UTF-8. Two messages then share derived ids only if they share their claim
+    ///   (format 8; before, `("shop#eu", "7")` and `("shop", "eu#7")` did).
     fn seed(&self, purpose: &str, name: &str) -> wasmtime::Result<u128> {
         let call = self.call()?;
-        let mut buf = Vec::with_capacity(call.subscriber.len() + call.id.len() + name.len() + 32);
-        for part in [purpose, &call.subscriber, &call.id, name] {
-            buf.extend_from_slice(&(part.len() as u64).to_le_bytes());
-            buf.extend_from_slice(part.as_bytes());
+        let mut buf = Vec::with_capacity(call.subscriber.len() + call.id.len() + name.len() + 64);
+        let mut part = |bytes: &[u8]| {
+            buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            buf.extend_from_slice(bytes);
+        };
+        part(purpose.as_bytes());
+        part(call.subscriber.as_bytes());
+        if call.id_is_identity {
+            part(call.id.as_bytes());
+        } else {
+            part(b"");
+            part(&call.key_hash.to_le_bytes());
         }
+        part(name.as_bytes());
         Ok(xxh3_128(&buf))
     }
 }

@@ -78,7 +78,7 @@ fn ensure_dir(dir: &Path) -> Result<(), LedgerError> {
     if dir.exists() {
         return Ok(());
     }
-    std::fs::create_dir_all(dir).map_err(|e| data_dir_error(dir, e))?;
+    create_private_dir_all(dir).map_err(|e| data_dir_error(dir, e))?;
     // The new directory's own entry, durable with the files about to go in it.
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         sync_dir(parent).map_err(|e| data_dir_error(dir, e))?;
@@ -165,10 +165,18 @@ fn create_manifest(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError>
 
 /// A shard file may only be created in the open that creates the manifest: one missing
 /// later is a lost file, and recreating it empty would forget its claims without a word.
+/// A symlink counts by its target (a shard on a disk that is not mounted is missing), and
+/// an empty file is refused too: redb would initialise it as a new store.
 pub(super) fn require_shard_files(dir: &Path, shards: usize) -> Result<(), LedgerError> {
     for index in 0..shards {
         let path = shard_path(dir, index);
-        match std::fs::symlink_metadata(&path) {
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() && m.len() == 0 => {
+                return Err(LedgerError::EmptyShard {
+                    path,
+                    detail: "is empty (0 bytes)".into(),
+                })
+            }
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(LedgerError::MissingShard { path })
@@ -182,6 +190,25 @@ pub(super) fn require_shard_files(dir: &Path, shards: usize) -> Result<(), Ledge
         }
     }
     Ok(())
+}
+
+/// Creates `dir` and its missing parents readable by the owner only (0700): data
+/// directories, handler uploads and backups hold payloads.
+pub fn create_private_dir_all(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// Options that create a file readable by the owner only (0600; an existing file keeps
+/// its mode): shard files, manifests, uploads, the audit log and backups hold payloads.
+pub fn private_file() -> std::fs::OpenOptions {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut o = std::fs::OpenOptions::new();
+    o.mode(0o600);
+    o
 }
 
 /// Makes the entries of `dir` (files created, renamed or removed in it) durable.
@@ -201,9 +228,34 @@ fn write_manifest(dir: &Path, m: &Manifest) -> std::io::Result<()> {
 
 fn write_durably(path: &Path, body: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
+    let mut f = private_file()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?;
     f.write_all(body)?;
     f.sync_all()
+}
+
+/// Sum of the sizes of the files in `dir` and every directory below it (uploaded handlers,
+/// backups kept inside it), not following symlinks.
+pub fn tree_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| Some((e.path(), e.file_type().ok()?)))
+        .map(|(path, kind)| {
+            if kind.is_dir() {
+                tree_bytes(&path)
+            } else if kind.is_file() {
+                std::fs::symlink_metadata(&path).map_or(0, |m| m.len())
+            } else {
+                0
+            }
+        })
+        .sum()
 }
 
 /// Sum of the sizes of the files in a directory (not recursive).

@@ -167,6 +167,10 @@ pub(crate) struct SubState {
     pub disk_mask: u8,
     /// Bits of claims written in the current batch, recorded with its commit.
     pub mask_pending: u8,
+    /// The key source in force ([`crate::ledger::key_source_text`]), and the one this
+    /// shard's `key_sources_v1` records for the subscriber's claims.
+    pub key_source: Arc<str>,
+    pub key_source_on_disk: Option<Arc<str>>,
     /// Where this batch's changes are published before it commits (`changelog.rs`).
     pub changelog: Option<std::sync::Arc<dyn super::changelog::ChangelogSink>>,
     /// This batch's processed messages, for `changelog`.

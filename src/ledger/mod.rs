@@ -62,8 +62,8 @@ use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
 pub use datadir::{
-    dir_allocated_bytes, dir_bytes, read_manifest, shard_path, sync_dir, AUDIT_LOG, HANDLERS_DIR,
-    MANIFEST,
+    create_private_dir_all, dir_allocated_bytes, dir_bytes, private_file, read_manifest,
+    shard_path, sync_dir, tree_bytes, AUDIT_LOG, HANDLERS_DIR, MANIFEST,
 };
 pub use naive::{NaiveBaseline, NaiveError};
 pub use offline::{close_copied_shard, hold_closed_shards, offline_report, ClosedShards};
@@ -79,6 +79,53 @@ pub use registry::{
 pub use report::{LedgerReport, ShardMetrics, SubscriberReport};
 use shard::{Control, PeerMsg, ShardMsg};
 pub use usage::{disk_usage, DiskUsage, TableGroup};
+
+/// A key source as shards record it with the claims made by it (`key_sources_v1`).
+pub(crate) fn key_source_text(key: &crate::config::KeySource) -> String {
+    serde_json::to_string(key).unwrap_or_else(|_| format!("{key:?}"))
+}
+
+/// Refuses `key` for `sub` while it has live claims made with another key source.
+pub(crate) fn check_key_source(
+    sub: &Subscriber,
+    key: &crate::config::KeySource,
+    now_ms: u64,
+) -> Result<(), LedgerError> {
+    let configured = key_source_text(key);
+    let Some((stored, until)) = sub.live_claims_of_another_key_source(&configured, now_ms) else {
+        return Ok(());
+    };
+    Err(LedgerError::KeySourceChanged {
+        subscriber: sub.name.to_string(),
+        stored: stored.to_string(),
+        configured,
+        until: humantime::format_rfc3339_millis(
+            std::time::UNIX_EPOCH + std::time::Duration::from_millis(until),
+        )
+        .to_string(),
+    })
+}
+
+/// A wall clock this far ahead of the last committed engine time is worth a warning.
+const CLOCK_AHEAD_WARN_MS: u64 = 86_400_000;
+
+/// Starts engine time at the newest time any shard committed (`engine_time_ms` in
+/// `meta_v1`, written with every commit) when the clock is behind it, and says so: a run
+/// whose clock is behind would otherwise store claims that expire early. A clock far ahead
+/// is logged too: claims then expire as if that time had passed (irreversible).
+fn start_at_time_mark(data_dir: &Path, floor: &crate::clock::FloorClock, mark: u64) {
+    if mark == 0 {
+        return;
+    }
+    let now = floor.now_ms();
+    if let Some(behind) = floor.raise_to(mark) {
+        tracing::warn!(data_dir = %data_dir.display(), behind_ms = behind, engine_time_ms = mark,
+            "the system clock is behind the engine time this data directory last committed; engine time starts from that time instead (claims would otherwise expire early), and advances from it");
+    } else if now - mark > CLOCK_AHEAD_WARN_MS {
+        tracing::warn!(data_dir = %data_dir.display(), ahead_ms = now - mark, engine_time_ms = mark,
+            "the system clock is more than a day ahead of the engine time this data directory last committed; if dedupd was not stopped that long, the clock is wrong and claims expire as if that time had passed");
+    }
+}
 
 /// What a caller should do about a ledger error is in its text; every variant is fatal for
 /// acking: after one, nothing more is acknowledged (G7).
@@ -106,6 +153,10 @@ pub enum LedgerError {
     Corrupt { path: PathBuf, detail: String },
     #[error("shard file {path} is missing although the manifest names it; an empty one would forget every claim it held. Restore it from a backup (or, if this data directory never acknowledged anything, remove the directory)")]
     MissingShard { path: PathBuf },
+    /// A shard file that is there but empty (zero bytes, or a store with no dedupd data in
+    /// it): treating it as a new shard would forget every claim it held.
+    #[error("shard file {path} {detail} although the manifest names it; using it as an empty shard would forget every claim it held. Restore it from a backup (or, if this data directory never acknowledged anything, remove the directory)")]
+    EmptyShard { path: PathBuf, detail: String },
     #[error("storage error in {path}: {detail}. The ledger stopped acknowledging; restart dedupd after fixing the cause")]
     Storage { path: PathBuf, detail: String },
     #[error("the writer thread of {path} panicked: {detail}. Nothing of its batch was committed and the ledger stopped acknowledging; restart dedupd (a native handler's bug repeats on the same message)")]
@@ -122,6 +173,15 @@ pub enum LedgerError {
     Poisoned(String),
     #[error("the changelog of subscriber {subscriber:?} did not take a batch: {detail}. Nothing of the batch was committed or acknowledged and the ledger stopped; restart dedupd once the changelog topic is reachable (the next owner of the partitions restores what was published)")]
     Changelog { subscriber: String, detail: String },
+    /// A subscriber's key source differs from the one its live claims were made with: the
+    /// same message would get another key and be processed again.
+    #[error("subscriber {subscriber:?} has claims made with key source {stored} that live until {until}, and its key source would now be {configured}: every redelivery would get another key and be processed again. Keep the old key source, or give the new one a new subscriber name (or wait until its claims expired, or `forget` them)")]
+    KeySourceChanged {
+        subscriber: String,
+        stored: String,
+        configured: String,
+        until: String,
+    },
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -326,12 +386,15 @@ impl Job {
 struct ShardHandle {
     tx: Sender<ShardMsg>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The shard's file for read transactions that need not wait for its writer (record
+    /// pages); empty if it failed to open. Weak: the file closes when its writer stops.
+    reader: std::sync::Weak<redb::Database>,
 }
 
 /// A shard whose writer thread runs but may not have finished opening its file.
 struct StartingShard {
     handle: ShardHandle,
-    ready: Receiver<Result<(), LedgerError>>,
+    ready: Receiver<Result<Arc<redb::Database>, LedgerError>>,
     metrics: Arc<Mutex<ShardMetrics>>,
 }
 
@@ -356,6 +419,7 @@ impl StartingShard {
         let handle = ShardHandle {
             tx,
             thread: Mutex::new(Some(thread)),
+            reader: std::sync::Weak::new(),
         };
         Ok((
             StartingShard {
@@ -380,9 +444,9 @@ impl StartingShard {
         let mut shards = Vec::with_capacity(starting.len());
         let mut metrics = Vec::with_capacity(starting.len());
         let mut first_err = None;
-        for s in starting {
+        for mut s in starting {
             match s.ready.recv() {
-                Ok(Ok(())) => {}
+                Ok(Ok(db)) => s.handle.reader = Arc::downgrade(&db),
                 Ok(Err(e)) => {
                     first_err.get_or_insert(e);
                 }
@@ -470,6 +534,11 @@ impl Ledger {
         if !created {
             datadir::require_shard_files(data_dir, shard_count)?;
         }
+        // Engine time never starts below what the directory last committed (raised below,
+        // once every shard read its mark).
+        let floor = Arc::new(crate::clock::FloorClock::new(clock));
+        let clock: Arc<dyn Clock> = floor.clone();
+        let time_mark = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let registry = Arc::new(Registry::new(config.clone()));
         let poison = Arc::new(poison::Poison::default());
         let builder = generation::Builder::spawn();
@@ -496,6 +565,8 @@ impl Ledger {
                 presences: presences.clone(),
                 writes: Default::default(),
                 engine_commits: engine_commits.clone(),
+                create: created,
+                time_mark: time_mark.clone(),
             };
             let (shard, peer_tx) = StartingShard::spawn(data_dir, ctx)?;
             peer_txs.push(peer_tx);
@@ -504,6 +575,14 @@ impl Ledger {
         // Set before any shard can receive a job: `open` has not returned yet.
         let _ = peers.set(peer_txs);
         let (shards, metrics, mut first_err) = StartingShard::wait_all(data_dir, starting);
+        if first_err.is_none() {
+            start_at_time_mark(data_dir, &floor, time_mark.load(Ordering::SeqCst));
+            let now = floor.now_ms();
+            first_err = registry
+                .all()
+                .iter()
+                .find_map(|sub| check_key_source(sub, &sub.settings().key, now).err());
+        }
         let ledger = Ledger {
             data_dir: data_dir.to_path_buf(),
             shards,
@@ -551,6 +630,21 @@ impl Ledger {
     /// Looks up or registers a subscriber by name.
     pub fn subscriber(&self, name: &str) -> Result<Arc<Subscriber>, LedgerError> {
         self.registry.resolve(name, false)
+    }
+
+    /// Whether subscriber `name` is configured or has anything stored here; registers
+    /// nothing.
+    pub fn knows_subscriber(&self, name: &str) -> bool {
+        self.registry.known(name)
+    }
+
+    /// The settings of subscriber `name`, registered or not; registers nothing. Refuses a
+    /// name the config does not allow.
+    pub fn settings_of(
+        &self,
+        name: &str,
+    ) -> Result<Arc<crate::config::SubscriberSettings>, LedgerError> {
+        self.registry.settings_of(name)
     }
 
     /// Sets (or removes) a subscriber's handler. Each shard switches between two batches,
@@ -694,6 +788,14 @@ impl Ledger {
     /// Stops accepting work, lets every shard finish what it was sent, and joins them.
     /// Returns the poison error if a shard failed.
     pub fn close(self) -> Result<(), LedgerError> {
+        self.stop()
+    }
+
+    /// Stops every shard and closes its file cleanly, like [`Ledger::close`], while other
+    /// parts may still hold the ledger (a stdin reader blocked on input, say): what they
+    /// submit afterwards fails, and nothing more is acknowledged. A clean exit stops the
+    /// ledger one way or the other, so `inspect` and offline backups take the directory.
+    pub fn stop(&self) -> Result<(), LedgerError> {
         self.shutdown();
         match self.poison_reason() {
             Some(r) => Err(LedgerError::Poisoned(r)),

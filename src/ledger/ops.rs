@@ -76,6 +76,18 @@ pub struct StoredRecord {
     pub body: serde_json::Value,
 }
 
+/// Stored bytes of records one page holds at most (beyond its first record): a list of
+/// large records is paged by size as well as by count.
+pub const RECORD_PAGE_BYTES: usize = 1 << 20;
+
+/// One page of records ([`Ledger::record_page`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct RecordPage {
+    pub records: Vec<StoredRecord>,
+    /// The id to pass as `after` for the next page; `None`: this was the last.
+    pub next: Option<String>,
+}
+
 /// A message a handler emitted, waiting to be relayed.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct OutboxRow {
@@ -214,7 +226,7 @@ impl Ledger {
     }
 
     /// Records of one subscriber in id order (shard, then sequence), starting after
-    /// `after`, at most `limit`.
+    /// `after`, at most `limit` (see [`Ledger::record_page`], which may return fewer).
     pub fn records(
         &self,
         kind: RecordKind,
@@ -222,6 +234,33 @@ impl Ledger {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<StoredRecord>, LedgerError> {
+        let mut out = Vec::new();
+        let mut after = after.map(str::to_string);
+        while out.len() < limit {
+            let page = self.record_page(kind, subscriber, after.as_deref(), limit - out.len())?;
+            out.extend(page.records);
+            match page.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// One page of a subscriber's records in id order (shard, then sequence), starting
+    /// after `after`: at most `limit` records and about [`RECORD_PAGE_BYTES`] of them
+    /// (always at least one), and the id to continue after when there may be more.
+    ///
+    /// Read through its own read transaction per shard, on the caller's thread: a page of
+    /// large records (payloads up to the line and body limits) never holds up a writer's
+    /// batches.
+    pub fn record_page(
+        &self,
+        kind: RecordKind,
+        subscriber: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<RecordPage, LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
         let (first_shard, from) = match after {
             None => (0, 0),
@@ -230,29 +269,56 @@ impl Ledger {
                 (shard, seq.saturating_add(1))
             }
         };
-        let mut out = Vec::new();
+        let mut records = Vec::new();
+        let mut bytes = 0usize;
         for shard in first_shard..self.shards.len() {
-            if out.len() >= limit {
-                break;
-            }
             let from = if shard == first_shard { from } else { 0 };
-            let rows = self.ask(shard, |reply| Control::Records {
-                kind,
-                subscriber: sub.name.clone(),
-                from,
-                limit: limit - out.len(),
-                reply,
-            })?;
-            out.extend(rows.into_iter().map(|(seq, bytes)| StoredRecord {
-                kind,
-                id: format!("{shard}-{seq}"),
-                subscriber: sub.name.to_string(),
-                body: super::records::with_defaults(
-                    serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
-                ),
-            }));
+            let rows = self.read_records(shard, kind, &sub.name, from, limit - records.len())?;
+            for (seq, body) in rows {
+                if !records.is_empty() && bytes + body.len() > RECORD_PAGE_BYTES {
+                    let next = records.last().map(|r: &StoredRecord| r.id.clone());
+                    return Ok(RecordPage { records, next });
+                }
+                bytes += body.len();
+                records.push(StoredRecord {
+                    kind,
+                    id: format!("{shard}-{seq}"),
+                    subscriber: sub.name.to_string(),
+                    body: super::records::with_defaults(
+                        serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+                    ),
+                });
+            }
+            if records.len() >= limit {
+                let next = records.last().map(|r| r.id.clone());
+                return Ok(RecordPage { records, next });
+            }
         }
-        Ok(out)
+        Ok(RecordPage {
+            records,
+            next: None,
+        })
+    }
+
+    /// Up to `limit` stored records of one shard from sequence number `from`, read through
+    /// a read transaction of the caller's (never on the writer thread).
+    fn read_records(
+        &self,
+        shard: usize,
+        kind: RecordKind,
+        subscriber: &str,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, Vec<u8>)>, LedgerError> {
+        if let Some(reason) = self.poison.reason() {
+            return Err(LedgerError::Poisoned(reason));
+        }
+        let Some(db) = self.shards[shard].reader.upgrade() else {
+            return Err(LedgerError::Poisoned("the shard is stopped".into()));
+        };
+        let path = super::shard_path(&self.data_dir, shard);
+        super::records::page(&db, kind, subscriber, from, limit)
+            .map_err(|e| super::shard::storage(&path, e))
     }
 
     /// One record by id, or `None`.
@@ -264,13 +330,7 @@ impl Ledger {
     ) -> Result<Option<StoredRecord>, LedgerError> {
         let (shard, seq) = self.record_ref(id)?;
         let sub = self.registry.resolve(subscriber, true)?;
-        let rows = self.ask(shard, |reply| Control::Records {
-            kind,
-            subscriber: sub.name.clone(),
-            from: seq,
-            limit: 1,
-            reply,
-        })?;
+        let rows = self.read_records(shard, kind, &sub.name, seq, 1)?;
         Ok(rows
             .into_iter()
             .find(|(s, _)| *s == seq)
@@ -672,7 +732,7 @@ impl Ledger {
                 return Err(bad("backup directory is not empty".into()));
             }
         }
-        std::fs::create_dir_all(dir).map_err(|e| bad(e.to_string()))?;
+        super::create_private_dir_all(dir).map_err(|e| bad(e.to_string()))?;
         std::fs::copy(self.data_dir.join(MANIFEST), dir.join(MANIFEST))
             .map_err(|e| bad(format!("cannot copy the manifest: {e}")))?;
         let sources = match self.ask_all(|reply| Control::BackupBegin { reply }) {
@@ -727,6 +787,7 @@ impl Ledger {
         settings: SubscriberSettings,
     ) -> Result<(), LedgerError> {
         let sub = self.registry.resolve(subscriber, true)?;
+        super::check_key_source(&sub, &settings.key, self.clock.now_ms())?;
         let keyed = settings.partition_key != crate::config::PartitionSource::IdempotencyKey;
         self.prepare_placement(&sub, Placement::of(sub.handler().is_some(), keyed))?;
         *sub.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(settings);

@@ -23,7 +23,13 @@
 ///   instead of binary fuse filters; an older binary would take one for damage and
 ///   rebuild it at every open. Format-6 shards are read as they are (fuse filters stay
 ///   until their generations merge).
-pub const FORMAT_VERSION: u64 = 7;
+/// - 8: handlers' derived identities (operation keys, emitted message ids, the random
+///   stream) of messages whose id text does not identify them alone (a CloudEvents
+///   `source#id`, a Kafka header id that is not UTF-8) are made from the key hash
+///   (`handler/host.rs`, `seed`); those of every other message are unchanged. `meta_v1`
+///   holds `engine_time_ms`, the engine time of the last commit, below which a start never
+///   begins. An older binary would derive other ids for the same messages.
+pub const FORMAT_VERSION: u64 = 8;
 
 /// Bytes of an encoded [`ClaimRecord`].
 pub const CLAIM_LEN: usize = 32;

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use super::{placement, LedgerError, Placement};
 use crate::config::{validate_subscriber_name, Config, SubscriberSettings};
@@ -94,6 +94,10 @@ pub struct Subscriber {
     pub(super) changelog: super::changelog::SinkSlot,
     /// Whether `changelog` holds one (read per message by sources, like `has_handler`).
     pub(super) has_changelog: AtomicBool,
+    /// The key sources its stored claims were made with (as the shards recorded them in
+    /// `key_sources_v1`), each with the engine time no claim made with it lives past (an
+    /// upper bound: the newest expiry a shard loaded or wrote). A few entries at most.
+    pub(super) claims_key_sources: Mutex<Vec<(Arc<str>, u64)>>,
 }
 
 impl Subscriber {
@@ -128,6 +132,32 @@ impl Subscriber {
     /// written under an entity placement (mixing scopes is refused at start).
     pub fn state_per_entity(&self) -> bool {
         self.placements.load(Ordering::Acquire) & placement::ENTITY != 0
+    }
+
+    /// Notes claims made with key source `key` that live until `until_ms` at most.
+    pub(super) fn note_claims(&self, key: &Arc<str>, until_ms: u64) {
+        let mut sources = self
+            .claims_key_sources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match sources.iter_mut().find(|(k, _)| **k == **key) {
+            Some((_, until)) => *until = (*until).max(until_ms),
+            None => sources.push((key.clone(), until_ms)),
+        }
+    }
+
+    /// A key source other than `key` whose claims live after `now_ms`, and until when.
+    pub(super) fn live_claims_of_another_key_source(
+        &self,
+        key: &str,
+        now_ms: u64,
+    ) -> Option<(Arc<str>, u64)> {
+        self.claims_key_sources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|(k, until)| **k != *key && *until > now_ms)
+            .cloned()
     }
 
     /// Whether its processed messages are published to a changelog.
@@ -181,6 +211,46 @@ impl Registry {
     /// name (`existing` false) is refused once `ledger.max_implicit_subscribers`
     /// unconfigured subscribers are registered (those found on disk count too): each one
     /// costs memory on every shard, and sources create them from message content.
+    /// Whether `name` is configured or has anything stored (it was registered, by the
+    /// shards as they opened or by a message since).
+    pub(super) fn known(&self, name: &str) -> bool {
+        self.config.subscribers.iter().any(|s| s.name == name)
+            || self
+                .inner
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .by_name
+                .contains_key(name)
+    }
+
+    /// The settings `name` has or would get, without registering it: a source checks a
+    /// request against them first, so one that is refused uses up no implicit subscriber.
+    pub(super) fn settings_of(
+        &self,
+        name: &str,
+    ) -> Result<Arc<crate::config::SubscriberSettings>, LedgerError> {
+        if let Some(s) = self
+            .inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_name
+            .get(name)
+        {
+            return Ok(s.settings());
+        }
+        validate_subscriber_name("subscriber", name).map_err(|_| {
+            LedgerError::InvalidSubscriber(format!(
+                "{name:?} is not a valid subscriber name (1-64 of A-Z a-z 0-9 . _ -, not only dots)"
+            ))
+        })?;
+        self.config
+            .settings_for(name)
+            .map(Arc::new)
+            .ok_or_else(|| LedgerError::UnknownSubscriber {
+                name: name.to_string(),
+            })
+    }
+
     pub(super) fn resolve(
         &self,
         name: &str,
@@ -236,6 +306,7 @@ impl Registry {
             placements: AtomicU8::new(0),
             changelog: RwLock::new(None),
             has_changelog: AtomicBool::new(false),
+            claims_key_sources: Mutex::new(Vec::new()),
         });
         inner.by_id.push(sub.clone());
         inner.by_name.insert(name.to_string(), sub.clone());

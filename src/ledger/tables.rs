@@ -15,6 +15,9 @@ pub const META: TableDefinition<&str, u64> = TableDefinition::new("meta_v1");
 /// Subscriber -> placement mask: the placements its claims in this shard were written
 /// under (`placement.rs`).
 pub const PLACEMENTS: TableDefinition<&str, u8> = TableDefinition::new("placements_v1");
+/// Subscriber -> the key source its claims in this shard were made with (JSON, as
+/// [`crate::ledger::key_source_text`] writes it): a change while they live is refused.
+pub const KEY_SOURCES: TableDefinition<&str, &str> = TableDefinition::new("key_sources_v1");
 
 // ---- Claims (generations, see `generation.rs`) -------------------------------------------
 
@@ -236,6 +239,7 @@ mod tests {
         let fixed = [
             META.name(),
             PLACEMENTS.name(),
+            KEY_SOURCES.name(),
             GENERATIONS.name(),
             FILTERS.name(),
             QUARANTINE.name(),
@@ -250,6 +254,7 @@ mod tests {
             [
                 "meta_v1",
                 "placements_v1",
+                "key_sources_v1",
                 "generations_v1",
                 "filters_v1",
                 "quarantine_v1",

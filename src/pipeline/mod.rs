@@ -8,11 +8,13 @@ mod run;
 mod sequencer;
 mod serve;
 mod shutdown;
+mod uploads;
 
 pub use check::{check, check_file, CheckError, ConfigReport, SubscriberReport};
 pub use run::{run, Mode, RunError, Summary};
 pub use serve::HttpServer;
 pub use shutdown::{Cause, Shutdown};
+pub use uploads::{HandlerInfo, UploadError, UploadStore};
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -33,9 +35,13 @@ pub fn limits_of(s: &SubscriberSettings) -> Limits {
     }
 }
 
-/// Loads every handler the config names (each file once per set of limits) and installs
-/// them on the ledger before any message is accepted.
-pub fn install_handlers(ledger: &Ledger, config: &Config) -> Result<(), HandlerError> {
+/// Installs every subscriber's handler before any message is accepted: those the config
+/// names (each file loaded once per set of limits), then the ones uploaded through the API
+/// (`DATA_DIR/handlers/`), which replace the config's as they do while the API runs. Every
+/// run mode calls this, with or without the API: the handler a subscriber has is part of
+/// what its claims mean, so a mode that skipped an upload would claim its messages without
+/// running it (G2).
+pub fn install_handlers(ledger: &Ledger, config: &Config) -> Result<(), RunError> {
     let mut loaded: HashMap<(PathBuf, Limits), Arc<dyn HandlerFactory>> = HashMap::new();
     let mut load =
         |path: &PathBuf, limits: Limits| -> Result<Arc<dyn HandlerFactory>, HandlerError> {
@@ -57,6 +63,10 @@ pub fn install_handlers(ledger: &Ledger, config: &Config) -> Result<(), HandlerE
     }
     if let Some(path) = &config.defaults.handler {
         ledger.set_default_handler(Some(load(path, limits_of(&config.defaults))?));
+    }
+    let uploaded = UploadStore::new(ledger.data_dir()).install_all(ledger)?;
+    if !uploaded.is_empty() {
+        tracing::info!(subscribers = ?uploaded, "uploaded handlers installed");
     }
     Ok(())
 }

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::serve::HttpServer;
+use super::UploadError;
 use super::{install_handlers, Cause, Shutdown};
-use crate::admin::{HttpConfig, UploadError};
+use crate::admin::HttpConfig;
 use crate::clock::SystemClock;
 use crate::config::{Config, ConfigError};
 use crate::handler::HandlerError;
@@ -122,11 +123,12 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
     if let Some(server) = metrics {
         server.stop()?;
     }
-    // A stdin thread in serve mode may still hold the ledger: then the process exits and
-    // the OS closes the files; every acknowledged outcome was committed first (G1).
+    // A stdin thread in serve mode may still hold the ledger (blocked reading input):
+    // the shards stop and close their files all the same, so a clean exit leaves a clean
+    // directory; what that thread submits afterwards is never acknowledged (G1).
     let closed = match Arc::try_unwrap(ledger) {
         Ok(l) => l.close(),
-        Err(_) => Ok(()),
+        Err(shared) => shared.stop(),
     };
     let summary = result?;
     closed?;
@@ -179,6 +181,7 @@ fn serve(
             })?;
     }
     server.join()?;
+    tracing::info!(cause = ?shutdown.cause(), "stopped; every answered request was durable first");
     match shutdown.cause() {
         Some(Cause::Failed(reason)) => Err(RunError::Stopped(reason)),
         _ => Ok(Summary::Serve),

@@ -13,14 +13,12 @@
 //! delivery as for every other source.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use serde_json::Value;
 
 use super::delivery::{Delivery, Keying, Payload, Target};
-use crate::config::KeySource;
+use crate::config::{KeySource, SubscriberSettings};
 use crate::envelope::IdempotencyKey;
-use crate::ledger::Subscriber;
 
 /// The request header carrying the idempotency key (IETF draft `Idempotency-Key`).
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -72,6 +70,8 @@ pub enum RequestError {
     KeyTooLong { limit: usize },
     #[error("missing idempotency key: send an `Idempotency-Key` header")]
     MissingKey,
+    #[error("the `Idempotency-Key` header starts with a quote but is not a structured-field string (RFC 8941: printable ASCII between two quotes, `\\\"` and `\\\\` escaped)")]
+    BadQuotedKey,
 }
 
 impl RequestError {
@@ -80,9 +80,10 @@ impl RequestError {
         match self {
             RequestError::HeaderNotText(name) => name,
             RequestError::NotJson(_) => "body",
-            RequestError::EmptyKey | RequestError::KeyTooLong { .. } | RequestError::MissingKey => {
-                IDEMPOTENCY_KEY
-            }
+            RequestError::EmptyKey
+            | RequestError::KeyTooLong { .. }
+            | RequestError::MissingKey
+            | RequestError::BadQuotedKey => IDEMPOTENCY_KEY,
         }
     }
 }
@@ -104,11 +105,15 @@ pub fn keying(given: Option<&IdempotencyKey>) -> Keying<'_> {
     }
 }
 
-/// Reads `request` as a message for `sub`. Checks, in this order: the body against its
-/// content type, the `Idempotency-Key` and `Partition-Key` headers as text, then the given
-/// key (or, without one, that the subscriber's key source can find a key in this body).
-pub fn message(request: &Request<'_>, sub: Arc<Subscriber>) -> Result<Message, RequestError> {
-    let settings = sub.settings();
+/// Reads `request` as a message for `subscriber`, which has `settings`. Checks, in this
+/// order: the body against its content type, the `Idempotency-Key` and `Partition-Key`
+/// headers as text, then the given key (or, without one, that the subscriber's key source
+/// can find a key in this body).
+pub fn message(
+    request: &Request<'_>,
+    subscriber: Target,
+    settings: &SubscriberSettings,
+) -> Result<Message, RequestError> {
     let json_body = payload_json(request.media_type, request.body)?;
     let given = header(request, IDEMPOTENCY_KEY)?;
     let key = header(request, PARTITION_KEY)?.map(str::to_string);
@@ -143,7 +148,7 @@ pub fn message(request: &Request<'_>, sub: Arc<Subscriber>) -> Result<Message, R
         lowercase_header_names: true,
         origin: Some("http".into()),
         received_at_ms: request.received_at_ms,
-        ..Delivery::new(Target::Resolved(sub), payload)
+        ..Delivery::new(subscriber, payload)
     };
     Ok(Message { delivery, given })
 }
@@ -157,9 +162,19 @@ fn header<'a>(request: &Request<'a>, name: &'static str) -> Result<Option<&'a st
     }
 }
 
-/// An `Idempotency-Key` value, trimmed: not empty, at most `max_bytes`.
+/// An `Idempotency-Key` value: an RFC 8941 string (`"k-1"`, as the IETF draft defines
+/// the header) is its content, unquoted; any other value is taken as written (a bare
+/// token, as clients send it in practice), trimmed. Not empty, at most `max_bytes`.
 fn given_key(value: &str, max_bytes: usize) -> Result<IdempotencyKey, RequestError> {
     let k = value.trim();
+    let unquoted;
+    let k = match k.strip_prefix('"') {
+        Some(quoted) => {
+            unquoted = sf_string(quoted).ok_or(RequestError::BadQuotedKey)?;
+            unquoted.as_str()
+        }
+        None => k,
+    };
     if k.is_empty() {
         return Err(RequestError::EmptyKey);
     }
@@ -167,6 +182,25 @@ fn given_key(value: &str, max_bytes: usize) -> Result<IdempotencyKey, RequestErr
         return Err(RequestError::KeyTooLong { limit: max_bytes });
     }
     Ok(IdempotencyKey::from_id(k))
+}
+
+/// The content of an RFC 8941 sf-string whose opening quote is already taken: printable
+/// ASCII up to the closing quote, which ends the value; `\"` and `\\` are the only escapes.
+fn sf_string(rest: &str) -> Option<String> {
+    let mut out = String::with_capacity(rest.len());
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return chars.as_str().is_empty().then_some(out),
+            '\\' => match chars.next() {
+                Some(e @ ('"' | '\\')) => out.push(e),
+                _ => return None,
+            },
+            ' '..='~' => out.push(c),
+            _ => return None,
+        }
+    }
+    None
 }
 
 /// Whether a media type promises JSON: absent, `application/json` or `application/*+json`.
@@ -257,5 +291,26 @@ mod tests {
             given_key("123456789", 8),
             Err(RequestError::KeyTooLong { limit: 8 })
         ));
+    }
+
+    /// RFC 8941 strings (the IETF draft's form) are their content: `"k-1"` and `k-1` are
+    /// one key. Escapes are unescaped; a malformed quoted value is refused.
+    #[test]
+    fn quoted_keys_are_structured_field_strings() {
+        assert_eq!(
+            given_key("\"k-1\"", 64).unwrap(),
+            given_key("k-1", 64).unwrap()
+        );
+        assert_eq!(given_key(" \"k 1\" ", 64).unwrap().text, "k 1");
+        assert_eq!(given_key(r#""a\"b\\c""#, 64).unwrap().text, r#"a"b\c"#);
+        for bad in [r#""open"#, r#""a"b""#, r#""a\x""#, "\"tab\there\""] {
+            assert!(
+                matches!(given_key(bad, 64), Err(RequestError::BadQuotedKey)),
+                "{bad}"
+            );
+        }
+        assert!(matches!(given_key("\"\"", 64), Err(RequestError::EmptyKey)));
+        // Bare tokens are taken as written, as before.
+        assert_eq!(given_key("k-\"1", 64).unwrap().text, "k-\"1");
     }
 }

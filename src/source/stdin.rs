@@ -2,14 +2,15 @@
 //! printed only after its outcome is durable (G1).
 //!
 //! Memory is bounded by `[pipe]`: a line longer than `max_line_bytes` is skipped as it is
-//! read (answered `rejected`), and at most `window` lines are read but not yet printed.
-//! The reader takes a credit per line and the printer returns it once the line is
-//! printed, so a head line that waits (a handler retry) stops the reading of stdin
+//! read (answered `rejected`), and at most `window` lines, of at most about
+//! `max_bytes_in_flight` bytes together, are read but not yet printed. The reader takes a
+//! credit per line and its bytes from a [`ByteBudget`]; the printer returns both once the
+//! line is printed, so a head line that waits (a handler retry) stops the reading of stdin
 //! instead of letting lines pile up behind it.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 
 use crossbeam_channel::{bounded, select, unbounded, Receiver};
 use serde::Serialize;
@@ -60,6 +61,56 @@ struct OutcomeLine<'a> {
 struct LineMeta {
     subscriber: Option<Arc<str>>,
     id: Option<String>,
+    /// Bytes of the budget the line holds until it is printed.
+    bytes: usize,
+}
+
+/// Bytes of lines read but not yet printed (`pipe.max_bytes_in_flight`). The reader waits
+/// while the budget is used up; the printer gives a line's bytes back once it printed it,
+/// and closes the budget when it stops, so a reader never waits for a printer that is gone.
+#[derive(Debug)]
+struct ByteBudget {
+    limit: usize,
+    state: Mutex<(usize, bool)>,
+    freed: Condvar,
+}
+
+impl ByteBudget {
+    fn new(limit: usize) -> ByteBudget {
+        ByteBudget {
+            limit,
+            state: Mutex::new((0, false)),
+            freed: Condvar::new(),
+        }
+    }
+
+    fn exhausted(&self) -> bool {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 >= self.limit
+    }
+
+    /// Waits until some of the budget is free; `false`: the printer stopped.
+    fn wait_for_room(&self) -> bool {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        while st.0 >= self.limit && !st.1 {
+            st = self.freed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        !st.1
+    }
+
+    fn take(&self, bytes: usize) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0 += bytes;
+    }
+
+    fn give(&self, bytes: usize) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.0 = st.0.saturating_sub(bytes);
+        self.freed.notify_all();
+    }
+
+    fn close(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        self.freed.notify_all();
+    }
 }
 
 enum Event {
@@ -80,9 +131,15 @@ pub fn run_pipe(
     // Both unbounded channels carry at most `window` lines: one credit per line in flight.
     let (meta_tx, meta_rx) = unbounded::<Event>();
     let (credit_tx, credit_rx) = bounded::<()>(config.pipe.window.get());
+    let budget = ByteBudget::new(config.pipe.max_bytes_in_flight.get());
     std::thread::scope(|scope| {
-        let printer = scope.spawn(move || print_outcomes(meta_rx, ack_rx, credit_rx, output));
-        let read_result = read_lines(ledger, config, input, &ack_tx, &meta_tx, &credit_tx);
+        let budget = &budget;
+        let printer = scope.spawn(move || {
+            let printed = print_outcomes(meta_rx, ack_rx, credit_rx, budget, output);
+            budget.close();
+            printed
+        });
+        let read_result = read_lines(ledger, config, input, &ack_tx, &meta_tx, &credit_tx, budget);
         drop(meta_tx);
         drop(ack_tx);
         drop(credit_tx);
@@ -101,6 +158,7 @@ fn read_lines<R: Read>(
     ack: &crossbeam_channel::Sender<Vec<Done>>,
     meta: &crossbeam_channel::Sender<Event>,
     credits: &crossbeam_channel::Sender<()>,
+    budget: &ByteBudget,
 ) -> Result<(), PipeError> {
     let max_line = config.pipe.max_line_bytes.get();
     let mut staged: Vec<Vec<Job>> = (0..ledger.shard_count()).map(|_| Vec::new()).collect();
@@ -124,6 +182,13 @@ fn read_lines<R: Read>(
             // The printer stopped (output failed or the ledger failed): stop reading.
             break;
         }
+        if budget.exhausted() {
+            // The bytes in flight are used up: the same, by size.
+            flush(&mut staged)?;
+            if !budget.wait_for_room() {
+                break;
+            }
+        }
         let read = read_line_capped(&mut input, &mut line, max_line).map_err(PipeError::Input)?;
         if read == LineRead::Eof {
             break;
@@ -137,14 +202,20 @@ fn read_lines<R: Read>(
                 LineMeta {
                     subscriber: None,
                     id: None,
+                    bytes: 0,
                 },
                 format!("line of {bytes} bytes is longer than pipe.max_line_bytes ({max_line})"),
             )),
         };
-        let (m, job) = match decided {
+        let (mut m, job) = match decided {
             Ok((m, job)) => (m, Some(Ok(job))),
             Err((m, reason)) => (m, Some(Err(reason))),
         };
+        // What the line keeps in memory until it is printed: its job holds the payload.
+        if matches!(job, Some(Ok(_))) {
+            m.bytes = line.len();
+            budget.take(m.bytes);
+        }
         if meta.send(Event::Line(seq, m)).is_err() {
             // The printer stopped (output failed or the ledger failed): stop reading.
             break;
@@ -256,6 +327,7 @@ fn decide_line(
     let none = || LineMeta {
         subscriber: None,
         id: None,
+        bytes: 0,
     };
     if text.iter().all(|b| b.is_ascii_whitespace()) {
         return Err((none(), "empty line".into()));
@@ -280,6 +352,7 @@ fn decide_line(
             let meta = LineMeta {
                 subscriber: Some(routed.sub.name.clone()),
                 id: Some(routed.job.id.to_string()),
+                bytes: 0,
             };
             Ok((meta, routed))
         }
@@ -287,6 +360,7 @@ fn decide_line(
             LineMeta {
                 subscriber: None,
                 id,
+                bytes: 0,
             },
             e.to_string(),
         )),
@@ -295,6 +369,7 @@ fn decide_line(
                 subscriber: Some(subscriber),
                 // Never echo a huge id back; the reason already says how long it was.
                 id: id.map(|s| s.chars().take(128).collect::<String>()),
+                bytes: 0,
             },
             error.to_string(),
         )),
@@ -306,6 +381,7 @@ fn decide_line(
             LineMeta {
                 subscriber: Some(subscriber),
                 id: Some(key.text),
+                bytes: 0,
             },
             error.to_string(),
         )),
@@ -316,6 +392,7 @@ fn print_outcomes(
     meta_rx: Receiver<Event>,
     ack_rx: Receiver<Vec<Done>>,
     credits: Receiver<()>,
+    budget: &ByteBudget,
     output: impl Write,
 ) -> Result<PipeSummary, PipeError> {
     let mut out = std::io::BufWriter::with_capacity(1 << 16, output);
@@ -358,6 +435,7 @@ fn print_outcomes(
             let m = metas.remove(&seq).unwrap_or(LineMeta {
                 subscriber: None,
                 id: None,
+                bytes: 0,
             });
             match &outcome {
                 Outcome::Processed => summary.processed += 1,
@@ -381,6 +459,7 @@ fn print_outcomes(
             out.write_all(&buf).map_err(PipeError::Output)?;
             // The line is out of the window: the reader may read one more.
             let _ = credits.try_recv();
+            budget.give(m.bytes);
         }
         if ack_rx.is_empty() {
             out.flush().map_err(PipeError::Output)?;
@@ -549,6 +628,50 @@ mod tests {
             read_past_window.load(Ordering::SeqCst),
             0,
             "lines read beyond the window of 8 while line 1 waited for its retry"
+        );
+    }
+
+    /// The pair of the test above by size: a window of 1,000 lines, but a byte budget of
+    /// about eight lines, so reading pauses after eight while the head line waits.
+    #[test]
+    fn reader_stops_at_the_byte_budget_while_the_head_line_is_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.ledger.shards = std::num::NonZeroUsize::new(1);
+        config.defaults.max_attempts = 100;
+        config.defaults.retry_backoff = Duration::from_millis(20);
+        config.pipe.window = std::num::NonZeroUsize::new(1_000).unwrap();
+        // Lines are 27 bytes: seven hold 189, the eighth reaches 216.
+        config.pipe.max_bytes_in_flight = std::num::NonZeroUsize::new(200).unwrap();
+        let ledger = Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap();
+        let release = Arc::new(AtomicBool::new(false));
+        let head_done = Arc::new(AtomicBool::new(false));
+        ledger
+            .set_handler(
+                "default",
+                Some(Arc::new(HeadBlocker {
+                    release: release.clone(),
+                    head_done: head_done.clone(),
+                })),
+            )
+            .unwrap();
+        let read_past_budget = Arc::new(AtomicU64::new(0));
+        let input = Lines {
+            handed: 0,
+            total: 40,
+            window: 8,
+            release,
+            head_done: head_done.clone(),
+            read_past_window: read_past_budget.clone(),
+        };
+        let mut out = Vec::new();
+        let summary = run_pipe(&ledger, &config, input, &mut out).unwrap();
+        assert_eq!(summary.processed, 40, "{}", String::from_utf8_lossy(&out));
+        assert!(head_done.load(Ordering::SeqCst));
+        assert_eq!(
+            read_past_budget.load(Ordering::SeqCst),
+            0,
+            "lines read beyond the byte budget while line 1 waited for its retry"
         );
     }
 }

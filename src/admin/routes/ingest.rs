@@ -6,7 +6,6 @@
 //! with `Prefer: wait=N`, a bounded wait for it to be decided, then the answer a retry
 //! gets), 422 for the key reused with another payload.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
@@ -20,9 +19,10 @@ use serde::Serialize;
 use super::{body, check_name, now_ms, path, ApiResult};
 use crate::admin::bridge::StartError;
 use crate::admin::{guard, metrics, AdminState, ApiError};
+use crate::config::SubscriberSettings;
 use crate::envelope::IdempotencyKey;
 use crate::ledger::{Job, Outcome, Subscriber};
-use crate::source::delivery::{envelope, EnvelopeError, Routed};
+use crate::source::delivery::{envelope, key_delivery, Delivery, EnvelopeError, Routed, Target};
 use crate::source::http::{self, Message, IDEMPOTENCY_KEY, PARTITION_KEY};
 
 /// Set on a response that replays the stored outcome of an earlier request.
@@ -50,8 +50,26 @@ pub async fn ingest_message(
     let name = path(p)?;
     let body = body(b, st.0.http.max_body_bytes)?;
     check_name(&name)?;
+    // The request is checked (body, headers, key, partition key) under the settings the
+    // subscriber has or would get before it is registered: a refused request must not
+    // use up `max_implicit_subscribers`.
+    let settings = st.ledger().settings_of(&name)?;
+    let message = read_message(&headers, &body, Target::Name(name.clone()), &settings)?;
+    let given = message.given.clone();
+    key_delivery(
+        message.delivery.clone(),
+        &settings,
+        http::keying(given.as_ref()),
+    )
+    .map_err(refusal)?;
     let sub = st.ledger().subscriber(&name)?;
-    let message = read_message(&headers, &body, sub.clone())?;
+    let message = Message {
+        delivery: Delivery {
+            subscriber: Target::Resolved(sub.clone()),
+            ..message.delivery
+        },
+        given,
+    };
     let Routed { job, shard, .. } = route(&st, message)?;
     let key = IdempotencyKey {
         text: job.id.to_string(),
@@ -90,7 +108,12 @@ fn wait_preference(headers: &HeaderMap) -> Option<Duration> {
 }
 
 /// The request as the HTTP source reads it (400 naming the header or `body` at fault).
-fn read_message(headers: &HeaderMap, body: &[u8], sub: Arc<Subscriber>) -> ApiResult<Message> {
+fn read_message(
+    headers: &HeaderMap,
+    body: &[u8],
+    subscriber: Target,
+    settings: &SubscriberSettings,
+) -> ApiResult<Message> {
     let pairs: Vec<(&str, Option<&str>)> = headers
         .iter()
         .map(|(k, v)| (k.as_str(), v.to_str().ok()))
@@ -102,21 +125,27 @@ fn read_message(headers: &HeaderMap, body: &[u8], sub: Arc<Subscriber>) -> ApiRe
         body,
         received_at_ms: now_ms(),
     };
-    http::message(&request, sub).map_err(|e| ApiError::bad(e.field(), e.to_string()))
+    http::message(&request, subscriber, settings)
+        .map_err(|e| ApiError::bad(e.field(), e.to_string()))
 }
 
 /// Keys, fingerprints and routes the message as every source does.
 fn route(st: &AdminState, message: Message) -> ApiResult<Routed> {
     let Message { delivery, given } = message;
     let keying = http::keying(given.as_ref());
-    envelope(st.ledger(), delivery, keying, st.ingest().ack_sender()).map_err(|e| match e {
+    envelope(st.ledger(), delivery, keying, st.ingest().ack_sender()).map_err(refusal)
+}
+
+/// The answer to a message the envelope step refused.
+fn refusal(e: EnvelopeError) -> ApiError {
+    match e {
         EnvelopeError::Key { error, .. } => ApiError::bad(
             IDEMPOTENCY_KEY,
             format!("missing idempotency key: send an `Idempotency-Key` header ({error})"),
         ),
         EnvelopeError::Entity { error, .. } => ApiError::bad(PARTITION_KEY, error.to_string()),
         EnvelopeError::Subscriber(e) => e.into(),
-    })
+    }
 }
 
 /// Marks the job's key in flight, hands it to its shard and waits for its durable outcome.

@@ -78,7 +78,7 @@ pub async fn backup(
         )));
     }
     blocking(move || {
-        std::fs::create_dir_all(&root)
+        crate::ledger::create_private_dir_all(&root)
             .map_err(|e| ApiError::Internal(format!("cannot create {}: {e}", root.display())))?;
         let report = crate::backup::backup_online(st.ledger(), &dir).map_err(backup_error)?;
         let pause_ms = report.longest_writer_pause_ms();

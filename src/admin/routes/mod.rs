@@ -122,8 +122,8 @@ pub fn metrics_router(state: AdminState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics::render))
-        .fallback(no_route)
-        .method_not_allowed_fallback(wrong_method)
+        .fallback(no_metrics_route)
+        .method_not_allowed_fallback(wrong_metrics_method)
         .with_state(state)
 }
 

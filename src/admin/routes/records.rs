@@ -21,7 +21,16 @@ pub struct Page {
 /// Fields of a listed record that can quote or confirm a payload: handler failure reasons
 /// (often the offending field), fingerprints (unkeyed hashes of the payload) and the
 /// partition key (often a payload field).
-const PAYLOAD_REVEALING: &[&str] = &["reason", "fingerprint", "stored_fingerprint", "key"];
+const PAYLOAD_REVEALING: &[&str] = &[
+    "reason",
+    "fingerprint",
+    "stored_fingerprint",
+    "key",
+    // With a JSON-pointer or content-hash key source the id is payload data (an e-mail
+    // address, say), and its hash is unkeyed: both would confirm a guess.
+    "message_id",
+    "key_hash",
+];
 
 /// A record as the API shows it: `id` is the record id; the message's own id is
 /// `message_id`.
@@ -58,11 +67,10 @@ async fn list_records(
     let ledger = st.ledger().clone();
     known(&ledger, &name)?;
     blocking(move || {
-        let rows = ledger.records(kind, &name, page.after.as_deref(), limit)?;
-        let next = (rows.len() == limit)
-            .then(|| rows.last().map(|r| r.id.clone()))
-            .flatten();
-        let records: Vec<Value> = rows
+        let found = ledger.record_page(kind, &name, page.after.as_deref(), limit)?;
+        let next = found.next;
+        let records: Vec<Value> = found
+            .records
             .iter()
             .map(|r| {
                 let mut v = shown(r, false);

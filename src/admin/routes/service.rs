@@ -61,6 +61,23 @@ pub async fn wrong_method(method: Method, uri: Uri) -> Response {
     (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
 }
 
+/// The `[metrics]` listener's 405: its routes take GET.
+pub async fn wrong_metrics_method(method: Method, uri: Uri) -> Response {
+    let body = json!({
+        "error": "method_not_allowed",
+        "message": format!("{} does not take {method}; it takes GET", uri.path()),
+    });
+    (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
+}
+
+/// The `[metrics]` listener's 404: it serves three routes and no API description.
+pub async fn no_metrics_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::NotFound(format!(
+        "no route {method} {}; this listener ([metrics]) serves only /metrics, /healthz and /readyz",
+        uri.path()
+    ))
+}
+
 pub async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::NotFound(format!(
         "no route {method} {}; /openapi.json lists them",

@@ -161,21 +161,34 @@ pub async fn put_config(
     };
     let patch = settings_patch(&name, &obj)?;
     let ledger = st.ledger().clone();
-    let sub = ledger.subscriber(&name)?;
-    let settings = patch.resolve(&sub.settings());
+    // Checked before the subscriber is registered: a refused change uses up no implicit
+    // subscriber.
+    let settings = patch.resolve(&*ledger.settings_of(&name)?);
     check_settings(&settings)?;
+    let sub = ledger.subscriber(&name)?;
     let st2 = st.clone();
     let name2 = name.clone();
     let changed: Vec<String> = obj.keys().cloned().collect();
-    let limits_changed = limits_of(&sub.settings()) != limits_of(&settings);
+    let before = sub.settings();
+    let limits_changed = limits_of(&before) != limits_of(&settings);
     blocking(move || {
-        ledger.update_settings(&name2, settings)?;
-        // A handler instance carries its limits: reload it so new ones take effect.
-        if limits_changed {
-            st2.0
+        // All or nothing: a handler instance carries its limits, so with new ones it is
+        // loaded first; the settings change only once that worked, and go back if it
+        // cannot be installed.
+        let handler = match limits_changed {
+            true => st2
+                .0
                 .uploads
-                .reinstall(&ledger, &name2)
-                .map_err(upload_error)?;
+                .load_under(&name2, &settings)
+                .map_err(upload_error)?,
+            false => None,
+        };
+        ledger.update_settings(&name2, settings)?;
+        if let Some(handler) = handler {
+            if let Err(e) = ledger.set_handler(&name2, Some(handler)) {
+                ledger.update_settings(&name2, (*before).clone())?;
+                return Err(e.into());
+            }
         }
         audit(
             &st2,

@@ -26,6 +26,7 @@ pub(super) fn upload_error(e: UploadError) -> ApiError {
         UploadError::NoPrevious => ApiError::NotFound("no previous handler to roll back to".into()),
         UploadError::Ledger(l) => l.into(),
         UploadError::Io(io) => ApiError::Internal(io.to_string()),
+        e @ UploadError::Stored { .. } => ApiError::Internal(e.to_string()),
     }
 }
 

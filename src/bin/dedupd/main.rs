@@ -65,10 +65,25 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("dedupd: {e:#}");
+            eprintln!("dedupd: {}", error_text(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, each said once: many of our errors name their cause in their
+/// own text already (`cannot read config file x.toml: No such file...`), and anyhow's
+/// alternate form would repeat it after a colon.
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+    }
+    text
 }
 
 fn run(command: Command) -> Result<()> {

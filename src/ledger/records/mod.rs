@@ -158,6 +158,32 @@ pub(crate) struct Loaded {
     pub dead_lettered: u64,
 }
 
+/// Up to `limit` records of `subscriber` of one kind with sequence numbers from `from`, as
+/// stored, through a read transaction of its own (any thread).
+pub(crate) fn page(
+    db: &Database,
+    kind: RecordKind,
+    subscriber: &str,
+    from: u64,
+    limit: usize,
+) -> Result<Vec<(u64, Vec<u8>)>, redb::Error> {
+    let txn = db.begin_read()?;
+    let t = match txn.open_table(tables::record_table(kind)) {
+        Ok(t) => t,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+        Err(e) => return Err(e.into()),
+    };
+    let mut out = Vec::new();
+    for row in t
+        .range((subscriber, from)..=(subscriber, u64::MAX))?
+        .take(limit)
+    {
+        let (k, v) = row?;
+        out.push((k.value().1, v.value().to_vec()));
+    }
+    Ok(out)
+}
+
 /// Counts a subscriber's stored records and reads its outcome counters (a data directory
 /// that has none yet counts one outcome per record).
 pub(crate) fn load(db: &Database, subscriber: &str) -> Result<Loaded, redb::Error> {

@@ -41,15 +41,6 @@ impl Shard {
             Control::Forget { sub, key, reply } => {
                 let _ = reply.send(self.forget(sub, key));
             }
-            Control::Records {
-                kind,
-                subscriber,
-                from,
-                limit,
-                reply,
-            } => {
-                let _ = reply.send(self.read_records(kind, &subscriber, from, limit));
-            }
             Control::DeleteRecord {
                 kind,
                 sub,
@@ -204,34 +195,6 @@ impl Shard {
         }
         self.small_commit(|shard, txn| shard.write_logs(txn))?;
         Ok(true)
-    }
-
-    fn read_records(
-        &self,
-        kind: RecordKind,
-        subscriber: &str,
-        from: u64,
-        limit: usize,
-    ) -> Result<Vec<(u64, Vec<u8>)>, LedgerError> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
-        }
-        let txn = self.db.begin_read().map_err(|e| self.err(e))?;
-        let t = match txn.open_table(tables::record_table(kind)) {
-            Ok(t) => t,
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
-            Err(e) => return Err(self.err(e)),
-        };
-        let mut out = Vec::new();
-        for row in t
-            .range((subscriber, from)..=(subscriber, u64::MAX))
-            .map_err(|e| self.err(e))?
-            .take(limit)
-        {
-            let (k, v) = row.map_err(|e| self.err(e))?;
-            out.push((k.value().1, v.value().to_vec()));
-        }
-        Ok(out)
     }
 
     fn delete_record(

@@ -293,6 +293,7 @@ impl Shard {
         msg.subscriber.push_str(&st.name);
         msg.id.clear();
         msg.id.push_str(&job.id);
+        msg.key_hash = job.key;
         msg.key.clone_from(&job.partition_key);
         msg.headers.clone_from(&job.headers);
         msg.payload.clear();

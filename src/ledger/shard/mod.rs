@@ -126,14 +126,6 @@ pub(crate) enum Control {
         key: u128,
         reply: Sender<Result<bool, LedgerError>>,
     },
-    Records {
-        kind: RecordKind,
-        subscriber: Arc<str>,
-        /// First sequence number to return.
-        from: u64,
-        limit: usize,
-        reply: Sender<Result<Vec<SeqRow>, LedgerError>>,
-    },
     DeleteRecord {
         kind: RecordKind,
         sub: SubscriberId,
@@ -218,6 +210,12 @@ pub(crate) struct ShardContext {
     pub writes: Arc<crate::ledger::tracked::WriteLog>,
     /// Durable commits of all shards (shared): what an online backup's copies are cut at.
     pub engine_commits: Arc<std::sync::atomic::AtomicU64>,
+    /// This open created the data directory's manifest: only then is the shard file
+    /// created and initialised; otherwise a missing or empty one is refused.
+    pub create: bool,
+    /// The newest engine time any shard committed (`engine_time_ms`), raised by each
+    /// shard as it opens.
+    pub time_mark: Arc<std::sync::atomic::AtomicU64>,
 }
 
 pub(crate) struct Shard {
@@ -743,7 +741,7 @@ pub(crate) fn spawn(
     ctx: ShardContext,
     rx: Receiver<ShardMsg>,
     peer_rx: Receiver<PeerMsg>,
-    ready_tx: Sender<Result<(), LedgerError>>,
+    ready_tx: Sender<Result<Arc<Database>, LedgerError>>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     let index = ctx.index;
     std::thread::Builder::new()
@@ -763,7 +761,9 @@ pub(crate) fn spawn(
                     });
             match opened {
                 Ok(shard) => {
-                    let _ = ready_tx.send(Ok(()));
+                    // Readers (record pages) open their own read transactions on it,
+                    // off the writer thread.
+                    let _ = ready_tx.send(Ok(shard.db.clone()));
                     // A batch catches its own panics (`Shard::process_batch`); one
                     // anywhere else in the loop must stop the ledger too (I4), not
                     // leave a dead shard behind a ledger that reads as ready.

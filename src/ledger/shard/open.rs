@@ -21,13 +21,32 @@ impl Shard {
         builder.set_cache_size(ctx.config.cache_mib.get() << 20);
         builder.set_check_integrity_on_open(ctx.config.verify_on_open);
         // As `builder.create(path)` opens it, with the writes recorded during a backup.
-        let file = std::fs::OpenOptions::new()
+        // Only the open that creates the data directory creates a shard file; later, a
+        // missing file (or a symlink to a missing file) is refused, not created empty.
+        let file = crate::ledger::private_file()
             .read(true)
             .write(true)
-            .create(true)
+            .create(ctx.create)
             .truncate(false)
             .open(&ctx.path)
-            .map_err(|e| storage(&path, redb::StorageError::Io(e)))?;
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound if !ctx.create => {
+                    LedgerError::MissingShard { path: path.clone() }
+                }
+                _ => storage(&path, redb::StorageError::Io(e)),
+            })?;
+        if !ctx.create {
+            let len = file
+                .metadata()
+                .map_err(|e| storage(&path, redb::StorageError::Io(e)))?
+                .len();
+            if len == 0 {
+                return Err(LedgerError::EmptyShard {
+                    path,
+                    detail: "is empty (0 bytes)".into(),
+                });
+            }
+        }
         let writes = ctx.writes.clone();
         let db = match &ctx.fault {
             None => {
@@ -108,6 +127,12 @@ impl Shard {
             .map_err(|e| self.err(e))?
             .map(|v| v.value());
         match version {
+            None if !self.ctx.create => {
+                return Err(LedgerError::EmptyShard {
+                    path: self.ctx.path.clone(),
+                    detail: "holds no dedupd data (no format version)".into(),
+                })
+            }
             None => {
                 let index = self.ctx.index as u64;
                 let count = self.ctx.count as u64;
@@ -164,6 +189,12 @@ impl Shard {
         self.next_quarantine_seq = get("next_quarantine_seq")?;
         self.next_outbox_seq = get("next_outbox_seq")?;
         self.next_dead_seq = get("next_dead_seq")?;
+        // Written since format 8; a directory of an older one has no mark yet.
+        if let Some(t) = meta.get("engine_time_ms").map_err(|e| storage(&path, e))? {
+            self.ctx
+                .time_mark
+                .fetch_max(t.value(), std::sync::atomic::Ordering::SeqCst);
+        }
         Ok(())
     }
 
@@ -222,6 +253,8 @@ impl Shard {
             let spec = self.ctx.registry.resolve(name.value(), true)?;
             spec.placements.fetch_or(mask.value(), Ordering::AcqRel);
         }
+        txn.open_table(tables::KEY_SOURCES)
+            .map_err(|e| self.err(e))?;
         Ok(())
     }
 
@@ -240,6 +273,8 @@ impl Shard {
             gens.sort_by_key(|(_, m)| m.order);
             let mut st = new_sub_state(&spec, &self.db).map_err(|e| self.err(e))?;
             st.next_order = gens.last().map_or(1, |(_, m)| m.order + 1);
+            // How long this shard's claims of the subscriber live, for `check_key_source`.
+            let mut live_until = 0u64;
             let mut logs: Vec<(u64, GenMeta)> = Vec::new();
             for (id, m) in gens {
                 match m.state {
@@ -250,6 +285,7 @@ impl Shard {
                         }
                         let filter = self.load_filter(txn, &name, id)?;
                         keep_claims.insert(tables::claims_name(&name, id));
+                        live_until = live_until.max(m.max_expires_ms);
                         st.sealed.push(SealedGen {
                             table_id: id,
                             order: m.order,
@@ -267,7 +303,8 @@ impl Shard {
             }
             // The newest log generation stays active; older ones are sealed again as one.
             if let Some((id, m)) = logs.pop() {
-                let (map, rows) = self.replay_log(txn, &name, &[id])?;
+                let (map, rows, until) = self.replay_log(txn, &name, &[id])?;
+                live_until = live_until.max(until);
                 st.active = Some(ActiveGen {
                     table_id: id,
                     order: m.order,
@@ -278,7 +315,8 @@ impl Shard {
             }
             if !logs.is_empty() {
                 let ids: Vec<u64> = logs.iter().map(|(id, _)| *id).collect();
-                let (map, _) = self.replay_log(txn, &name, &ids)?;
+                let (map, _, until) = self.replay_log(txn, &name, &ids)?;
+                live_until = live_until.max(until);
                 let (last_id, last_meta) = logs[logs.len() - 1];
                 let gen = SealingGen {
                     table_id: last_id,
@@ -302,6 +340,10 @@ impl Shard {
                         .insert((name.as_str(), *id), sealing.encode().as_slice())
                         .map_err(|e| self.err(e))?;
                 }
+            }
+            // Directories of formats before 8 recorded no key source: nothing to compare.
+            if let Some(key) = &st.key_source_on_disk {
+                spec.note_claims(key, live_until);
             }
             let idx = spec.id.0 as usize;
             if self.subs.len() <= idx {
@@ -411,9 +453,10 @@ impl Shard {
         txn: &WriteTransaction,
         sub: &str,
         ids: &[u64],
-    ) -> Result<(KeyMap, u64), LedgerError> {
+    ) -> Result<(KeyMap, u64, u64), LedgerError> {
         let mut map = KeyMap::default();
         let mut rows = 0;
+        let mut live_until = 0;
         for id in ids {
             let name = tables::log_name(sub, *id);
             let t = txn.open_table(log_def(&name)).map_err(|e| self.err(e))?;
@@ -423,12 +466,13 @@ impl Shard {
                 let entries = LogRow::decode(v.value())
                     .map_err(|d| self.corrupt(format!("log {name} row {}: {d}", k.value())))?;
                 for (key, rec) in entries {
+                    live_until = live_until.max(rec.expires_at_ms);
                     map.insert(key, rec);
                 }
                 rows = k.value() + 1;
             }
         }
-        Ok((map, rows))
+        Ok((map, rows, live_until))
     }
 }
 
@@ -467,6 +511,8 @@ pub(super) fn new_sub_state(
         probe: false,
         disk_mask: placement_mask(db, &spec.name)?,
         mask_pending: 0,
+        key_source: Arc::from(""),
+        key_source_on_disk: recorded_key_source(db, &spec.name)?,
         changelog: None,
         changes: Vec::new(),
         record_copies: None,
@@ -491,10 +537,22 @@ fn placement_mask(db: &Database, subscriber: &str) -> Result<u8, redb::Error> {
     Ok(table.get(subscriber)?.map(|v| v.value()).unwrap_or(0))
 }
 
+/// The key source this shard recorded for a subscriber's claims.
+fn recorded_key_source(db: &Database, subscriber: &str) -> Result<Option<Arc<str>>, redb::Error> {
+    let txn = db.begin_read()?;
+    let table = match txn.open_table(tables::KEY_SOURCES) {
+        Ok(t) => t,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(table.get(subscriber)?.map(|v| Arc::from(v.value())))
+}
+
 /// Takes a subscriber's current settings into its shard state (between batches).
 pub(super) fn apply_settings(st: &mut SubState, spec: &crate::ledger::Subscriber) {
     st.settings_epoch = spec.settings_epoch();
     let settings = spec.settings();
+    st.key_source = Arc::from(crate::ledger::key_source_text(&settings.key));
     st.ttl_ms = settings.ttl.as_millis() as u64;
     st.sliding = settings.sliding_ttl;
     st.max_attempts = settings.max_attempts.max(1);

@@ -46,7 +46,7 @@ impl Shard {
         txn: &WriteTransaction,
         now: u64,
     ) -> Result<(), LedgerError> {
-        self.write_placements(txn)?;
+        self.write_placements(txn, now)?;
         self.write_logs(txn)?;
         // Before new records: a replay dead-lettered again is a new record, not a
         // repeat merged into the one it settles.
@@ -92,9 +92,16 @@ impl Shard {
 
     /// Records placements of this batch's claims that this shard had not recorded yet, so
     /// a restart knows to probe (`placement.rs`).
-    pub(super) fn write_placements(&mut self, txn: &WriteTransaction) -> Result<(), LedgerError> {
+    pub(super) fn write_placements(
+        &mut self,
+        txn: &WriteTransaction,
+        now: u64,
+    ) -> Result<(), LedgerError> {
         let mut table = None;
         for st in self.subs.iter_mut().flatten() {
+            if st.mask_pending != 0 {
+                record_key_source(&self.ctx, txn, st, now)?;
+            }
             let new = st.mask_pending & !st.disk_mask;
             st.mask_pending = 0;
             if new == 0 {
@@ -193,8 +200,36 @@ impl Shard {
             .map_err(|e| self.err(e))?;
         meta.insert("next_dead_seq", self.next_dead_seq)
             .map_err(|e| self.err(e))?;
+        // The high-water mark of engine time: the next start never begins below it.
+        meta.insert("engine_time_ms", self.ctx.clock.now_ms())
+            .map_err(|e| self.err(e))?;
         Ok(())
     }
+}
+
+/// The subscriber wrote claims in this batch: records the key source they were made with
+/// (when this shard's record says another) and how long they live, so a key source change
+/// is refused while they do (`check_key_source`).
+fn record_key_source(
+    ctx: &ShardContext,
+    txn: &WriteTransaction,
+    st: &mut SubState,
+    now: u64,
+) -> Result<(), LedgerError> {
+    let Some(spec) = ctx.registry.get(st.id) else {
+        return Ok(());
+    };
+    spec.note_claims(&st.key_source, now.saturating_add(st.ttl_ms));
+    if st.key_source_on_disk.as_deref() == Some(&*st.key_source) {
+        return Ok(());
+    }
+    let mut t = txn
+        .open_table(tables::KEY_SOURCES)
+        .map_err(|e| storage(&ctx.path, e))?;
+    t.insert(&*st.name, &*st.key_source)
+        .map_err(|e| storage(&ctx.path, e))?;
+    st.key_source_on_disk = Some(st.key_source.clone());
+    Ok(())
 }
 
 /// Deletes one quarantine or dead-letter record of a subscriber (the outcome stays counted).

@@ -5,8 +5,8 @@
 //! (structured: `source`/`id` in a JSON payload; binary: `ce_source`/`ce_id` headers).
 //! The payload fingerprint is over the record's raw bytes: a Kafka redelivery is
 //! byte-identical. Header values are bytes too: a key read from headers is hashed over
-//! the raw bytes (its text, shown to operators, is decoded lossily), so two ids that differ
-//! only in bytes that are not UTF-8 stay two messages.
+//! the raw bytes (its text, shown to operators and handlers, is [`text_of`] them), so two
+//! ids that differ only in bytes that are not UTF-8 stay two messages.
 
 use serde_json::Value;
 
@@ -34,21 +34,40 @@ pub struct Keyed {
 }
 
 /// The record as a delivery for `subscriber`: the record key is the partition key, header
-/// values are decoded lossily, the value is handed on as the bytes sent
-/// ([`Payload::Bytes`]).
+/// values and the record key become text with [`text_of`], the value is handed on as the
+/// bytes sent ([`Payload::Bytes`]).
 pub fn delivery(record: &RecordView<'_>, subscriber: Target) -> Delivery {
-    let partition_key = record
-        .key
-        .filter(|k| !k.is_empty())
-        .map(|k| String::from_utf8_lossy(k).into_owned());
+    let partition_key = record.key.filter(|k| !k.is_empty()).map(text_of);
     Delivery {
         key: partition_key,
         headers: record
             .headers
             .iter()
-            .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v).into_owned()))
+            .map(|(k, v)| (k.to_string(), text_of(v)))
             .collect(),
         ..Delivery::new(subscriber, Payload::Bytes(record.payload.to_vec()))
+    }
+}
+
+/// Bytes as text, one way only: UTF-8 as it is; anything else as a NUL character followed
+/// by the bytes in hex. A lossy decoding (every invalid byte read as U+FFFD) made two
+/// record keys or header values that differ only in such bytes one entity, whose handler
+/// state they then shared. A NUL never starts UTF-8 text a partition key may hold
+/// ([`crate::envelope::derive_entity`] refuses it), so such a key is refused as an entity
+/// with a reason instead of being merged with another.
+pub fn text_of(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => text.to_string(),
+        Err(_) => {
+            const DIGITS: &[u8; 16] = b"0123456789abcdef";
+            let mut out = String::with_capacity(1 + 2 * bytes.len());
+            out.push('\0');
+            for b in bytes {
+                out.push(DIGITS[usize::from(b >> 4)] as char);
+                out.push(DIGITS[usize::from(b & 15)] as char);
+            }
+            out
+        }
     }
 }
 
@@ -214,6 +233,34 @@ mod tests {
         assert_eq!(key(&text).hash, key_hash(b"m-1"));
     }
 
+    /// Two record keys that differ only in bytes that are not UTF-8 were one entity (both
+    /// decoded to the same U+FFFD text) and shared their handler state; now such keys are
+    /// refused as entities, and the text of any bytes is theirs alone.
+    #[test]
+    fn record_keys_differing_only_in_invalid_utf8_are_not_one_entity() {
+        let h = headers(&[("message-id", "m-1")]);
+        let mut s = settings(KeySource::Header {
+            name: "message-id".into(),
+        });
+        s.partition_key = PartitionSource::EnvelopeKey;
+        let keyed = |key: &'static [u8]| {
+            let rec = RecordView {
+                key: Some(key),
+                payload: b"{}",
+                headers: &h,
+            };
+            key_record(&rec, &s)
+        };
+        for key in [b"o-\xff".as_slice(), b"o-\xfe"] {
+            let err = keyed(key).expect_err("a key that is not text is no entity");
+            assert!(err.contains("not UTF-8"), "{err}");
+        }
+        assert_eq!(keyed(b"o-1").expect("keyed").entity.as_deref(), Some("o-1"));
+        assert_ne!(text_of(b"o-\xff"), text_of(b"o-\xfe"));
+        assert_eq!(text_of(b"o-\xff"), "\u{0}6f2dff");
+        assert_eq!(text_of("o-\u{fffd}".as_bytes()), "o-\u{fffd}");
+    }
+
     #[test]
     fn binary_cloudevents_ids_differing_only_in_invalid_utf8_are_distinct() {
         let s = settings(KeySource::Cloudevents);
@@ -344,10 +391,7 @@ mod fuzz {
                         prop_assert_eq!(k.key.hash, key_hash(raw));
                     }
                     let given = key.filter(|k| !k.is_empty());
-                    prop_assert_eq!(
-                        k.partition_key,
-                        given.map(|k| String::from_utf8_lossy(&k).into_owned())
-                    );
+                    prop_assert_eq!(k.partition_key, given.map(|k| text_of(&k)));
                 }
                 Ok(())
             },

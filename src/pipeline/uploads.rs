@@ -1,5 +1,7 @@
 //! Uploaded handler components: validated, stored under `DATA_DIR/handlers/<subscriber>/`
 //! by content hash, installed between batches, with the previous one kept for rollback.
+//! Every run mode installs the current uploads at start ([`super::install_handlers`]), with
+//! or without the API.
 //!
 //! Layout per subscriber: `<version>.wasm` files plus two pointer files, `current` and
 //! `previous`, each holding a version. Pointers are replaced atomically (write, fsync,
@@ -12,9 +14,9 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
+use super::limits_of;
 use crate::handler::{Component, HandlerError};
 use crate::ledger::{Ledger, LedgerError};
-use crate::pipeline::limits_of;
 
 /// Errors of storing or installing an uploaded component.
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +30,15 @@ pub enum UploadError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
+    /// A stored upload that cannot be installed at start: the run refuses to start rather
+    /// than claim the subscriber's messages without its handler.
+    #[error("cannot install the handler uploaded for subscriber {subscriber:?} ({path}): {detail}. It is part of what the subscriber's claims mean, so dedupd will not run without it: fix the cause, or remove {dir} to run the subscriber without it")]
+    Stored {
+        subscriber: String,
+        path: PathBuf,
+        dir: PathBuf,
+        detail: String,
+    },
 }
 
 /// What the handler routes show of a subscriber's handlers.
@@ -117,13 +128,16 @@ impl UploadStore {
         subscriber: &str,
         bytes: &[u8],
     ) -> Result<HandlerInfo, UploadError> {
-        let sub = ledger.subscriber(subscriber)?;
+        // Checked before the subscriber is registered: a refused upload uses up no
+        // implicit subscriber.
+        let settings = ledger.settings_of(subscriber)?;
         let label = PathBuf::from(format!("uploaded handler for {subscriber}"));
-        let component = Component::from_bytes(&label, bytes, limits_of(&sub.settings()))
+        let component = Component::from_bytes(&label, bytes, limits_of(&settings))
             .map_err(UploadError::Invalid)?;
+        let sub = ledger.subscriber(subscriber)?;
         let version = component.report().version.clone();
         let dir = self.dir(&sub.name);
-        std::fs::create_dir_all(&dir)?;
+        crate::ledger::create_private_dir_all(&dir)?;
         let file = dir.join(format!("{version}.wasm"));
         if !file.exists() {
             let tmp = dir.join(format!("{version}.wasm.tmp"));
@@ -155,26 +169,33 @@ impl UploadStore {
         Ok(self.info(ledger, subscriber))
     }
 
-    /// Loads the subscriber's handler again under its current settings (after its limits
-    /// changed): the uploaded current one, else the one its settings name. `Ok(false)`:
-    /// it has none.
-    pub fn reinstall(&self, ledger: &Ledger, subscriber: &str) -> Result<bool, UploadError> {
-        let sub = ledger.subscriber(subscriber)?;
-        let factory: Arc<dyn crate::effects::HandlerFactory> =
-            match self.pointer(subscriber, "current") {
-                Some(version) => Arc::new(self.load(ledger, subscriber, &version)?),
-                None => match &sub.settings().handler {
-                    Some(path) => crate::handler::load_factory(path, limits_of(&sub.settings()))
-                        .map_err(UploadError::Invalid)?,
-                    None => return Ok(false),
-                },
-            };
-        ledger.set_handler(subscriber, Some(factory))?;
-        Ok(true)
+    /// Loads the subscriber's handler again under `settings` (their limits), without
+    /// installing it: the uploaded current one, else the one `settings` name. `Ok(None)`:
+    /// it has none. A settings change loads first, so a failure changes nothing.
+    pub fn load_under(
+        &self,
+        subscriber: &str,
+        settings: &crate::config::SubscriberSettings,
+    ) -> Result<Option<Arc<dyn crate::effects::HandlerFactory>>, UploadError> {
+        let limits = limits_of(settings);
+        Ok(Some(match self.pointer(subscriber, "current") {
+            Some(version) => {
+                let path = self.dir(subscriber).join(format!("{version}.wasm"));
+                Arc::new(Component::load(&path, limits).map_err(UploadError::Invalid)?)
+            }
+            None => match &settings.handler {
+                Some(path) => {
+                    crate::handler::load_factory(path, limits).map_err(UploadError::Invalid)?
+                }
+                None => return Ok(None),
+            },
+        }))
     }
 
     /// Installs every uploaded current handler (at start-up, after the config's handlers:
-    /// an upload outlives a restart). Returns the subscribers it installed.
+    /// an upload outlives a restart; [`super::install_handlers`] calls it for every run
+    /// mode). A subscriber whose handler in force is that version already is left as it is.
+    /// Returns the subscribers it installed.
     pub fn install_all(&self, ledger: &Ledger) -> Result<Vec<String>, UploadError> {
         let mut installed = Vec::new();
         let Ok(entries) = std::fs::read_dir(&self.root) else {
@@ -188,8 +209,20 @@ impl UploadStore {
         names.sort();
         for name in names {
             if let Some(version) = self.pointer(&name, "current") {
-                let component = self.load(ledger, &name, &version)?;
-                ledger.set_handler(&name, Some(Arc::new(component)))?;
+                if self.info(ledger, &name).active_version.as_deref() == Some(version.as_str()) {
+                    continue;
+                }
+                let installed_one = self.load(ledger, &name, &version).and_then(|component| {
+                    Ok(ledger.set_handler(&name, Some(Arc::new(component)))?)
+                });
+                if let Err(e) = installed_one {
+                    return Err(UploadError::Stored {
+                        path: self.dir(&name).join(format!("{version}.wasm")),
+                        dir: self.dir(&name),
+                        subscriber: name,
+                        detail: e.to_string(),
+                    });
+                }
                 installed.push(name);
             }
         }
@@ -199,7 +232,11 @@ impl UploadStore {
 
 fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
+    let mut f = crate::ledger::private_file()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?;
     f.write_all(bytes)?;
     f.sync_all()
 }
