@@ -98,6 +98,7 @@ pub fn run(
         partition_pointer: Some("/order_id".into()),
         random_order_ids: false,
         series_step: 1_000_000,
+        rate: None,
         config: Config::default(),
     };
     let run = bench::run(&params, progress)?;

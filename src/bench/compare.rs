@@ -329,6 +329,7 @@ pub fn run_compare(
         partition_pointer: Some("/order_id".into()),
         random_order_ids: random,
         series_step: params.series_step,
+        rate: None,
         config: params.config.clone(),
     };
     let handler_rows = [

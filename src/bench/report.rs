@@ -15,6 +15,9 @@ impl fmt::Display for BenchParams {
         if self.random_order_ids {
             write!(f, ", random order ids")?;
         }
+        if let Some(rate) = self.rate {
+            write!(f, ", offered at {rate} msgs/s")?;
+        }
         if self.handler.is_some() {
             let effective = bench_config(self).defaults.partition_key;
             write!(f, ", partition key {effective:?}")?;

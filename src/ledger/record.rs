@@ -28,7 +28,9 @@
 ///   `source#id`, a Kafka header id that is not UTF-8) are made from the key hash
 ///   (`handler/host.rs`, `seed`); those of every other message are unchanged. `meta_v1`
 ///   holds `engine_time_ms`, the engine time of the last commit, below which a start never
-///   begins. An older binary would derive other ids for the same messages.
+///   begins; `key_sources_v1` the key source of each subscriber's claims; a state run list
+///   the first log row no run covers (covered rows are deleted later). An older binary
+///   would derive other ids for the same messages and replay covered rows.
 pub const FORMAT_VERSION: u64 = 8;
 
 /// Bytes of an encoded [`ClaimRecord`].

@@ -299,6 +299,12 @@ pub struct BenchArgs {
     /// Messages per point of the series.
     #[arg(long, default_value_t = 1_000_000)]
     series_step: u64,
+    /// Offer messages at this rate (per second) instead of as fast as the window allows,
+    /// to see latency below capacity: run once without it to learn the capacity, then at
+    /// half of it. Latency counts from when each message was due, so a run that falls
+    /// behind shows the wait (no coordinated omission).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    rate: Option<u64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -325,6 +331,7 @@ impl BenchArgs {
             naive_messages: self.naive_messages.unwrap_or(self.messages),
             random_order_ids: self.random_order_ids,
             series_step: self.series_step,
+            rate: self.rate,
             dir: self.dir,
             keep: self.keep,
             partition_pointer: (self.partition_key != "none").then_some(self.partition_key),

@@ -118,7 +118,8 @@ impl Shard {
             st.view = None;
         }
         let t2 = Instant::now();
-        let maintenance = self.maintenance(&txn, now, slice_budget(jobs.len()), false)?;
+        let budget = slice_budget(jobs.len(), self.maintenance_behind());
+        let maintenance = self.maintenance(&txn, now, budget, false)?;
         published.extend(self.publish_records()?);
         for (subscriber, p) in published {
             p.wait()

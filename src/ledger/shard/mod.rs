@@ -368,9 +368,20 @@ pub(super) fn storage(path: &std::path::Path, e: impl Into<redb::Error>) -> Ledg
 /// Rows per slice of sealing/merging work inside a normal batch: at least twice the batch
 /// so sealing outpaces the filling of the next generation, small enough to keep the batch
 /// short.
-fn slice_budget(batch_len: usize) -> usize {
-    (batch_len * 2).max(8192)
+fn slice_budget(batch_len: usize, behind: bool) -> usize {
+    if behind {
+        (batch_len * 2).max(BEHIND_SLICE)
+    } else {
+        batch_len * 2
+    }
 }
+
+/// The least maintenance a batch carries while maintenance is behind (see
+/// [`Shard::maintenance_behind`]): so it always catches up, however small the batches.
+const BEHIND_SLICE: usize = 8192;
+/// Maintenance of one transaction in a gap between batches (the queue empty): about
+/// 2-3 ms of work, so a message that arrives meanwhile waits for at most that.
+const GAP_SLICE: usize = 2048;
 
 const IDLE_SLICE: usize = 65_536;
 /// Handler state work per transaction, in slice budgets, shared by all subscribers: one for
@@ -467,6 +478,9 @@ impl Shard {
                     let deferred = self.gather(&rx);
                     self.serve_peers(&peer_rx);
                     self.process_batch();
+                    if deferred.is_none() {
+                        self.gap_maintenance(&rx, &peer_rx);
+                    }
                     deferred
                 }
                 // Answers completed a probe: decide those jobs with whatever else is queued.

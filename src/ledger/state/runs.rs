@@ -125,6 +125,9 @@ impl Run {
 /// The key of the merge-progress row in a subscriber's run list table (no run has it:
 /// table ids count up from 0).
 const MERGE_ROW: u64 = u64::MAX;
+/// The row of the metadata table holding the first state log row no run covers
+/// (`StateBuffer::live_from`; format 8). Absent: every row left in the log is live.
+const LOG_FROM_ROW: u64 = u64::MAX - 1;
 
 /// A merge in progress: `inputs` are adjacent in the run list.
 struct Merging {
@@ -196,6 +199,8 @@ pub(crate) struct Runs {
     /// growing with the run).
     retired: VecDeque<String>,
     merging: Option<Merging>,
+    /// The first state log row no run covers, as stored ([`LOG_FROM_ROW`]).
+    pub log_from: u64,
 }
 
 fn corrupt(what: String) -> redb::Error {
@@ -212,6 +217,13 @@ impl Runs {
         {
             for row in t.iter()? {
                 let (k, v) = row?;
+                if k.value() == LOG_FROM_ROW {
+                    let v = v.value();
+                    runs.log_from = v.try_into().map(u64::from_le_bytes).map_err(|_| {
+                        corrupt(format!("{} log row watermark", state_runs_name(sub)))
+                    })?;
+                    continue;
+                }
                 if k.value() == MERGE_ROW {
                     progress = Some(decode_progress(v.value()).ok_or_else(|| {
                         corrupt(format!(
@@ -346,6 +358,20 @@ impl Runs {
 
     /// Registers a finished run as the newest (or deletes its table when it holds
     /// nothing), writing its metadata row in `txn`.
+    /// Records the first state log row no run covers, in the transaction that registers
+    /// the run covering the rows before it.
+    pub fn set_log_from(
+        &mut self,
+        txn: &WriteTransaction,
+        sub: &str,
+        row: u64,
+    ) -> Result<(), redb::Error> {
+        txn.open_table(StateRunsDef::new(&state_runs_name(sub)))?
+            .insert(LOG_FROM_ROW, row.to_le_bytes().as_slice())?;
+        self.log_from = row;
+        Ok(())
+    }
+
     pub fn add_flushed(
         &mut self,
         txn: &WriteTransaction,
