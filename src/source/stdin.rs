@@ -4,7 +4,7 @@
 //! Memory is bounded by `[pipe]`: a line longer than `max_line_bytes` is skipped as it is
 //! read (answered `rejected`), and at most `window` lines, of at most about
 //! `max_bytes_in_flight` bytes together, are read but not yet printed. The reader takes a
-//! credit per line and its bytes from a [`ByteBudget`]; the printer returns both once the
+//! credit per line and its bytes from a byte budget; the printer returns both once the
 //! line is printed, so a head line that waits (a handler retry) stops the reading of stdin
 //! instead of letting lines pile up behind it.
 

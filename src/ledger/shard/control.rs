@@ -102,7 +102,7 @@ impl Shard {
 
     /// One durable transaction outside a batch (between batches, on the writer thread).
     /// A failure stops the shard like a failed batch (I4).
-    fn small_commit<T>(
+    pub(super) fn small_commit<T>(
         &mut self,
         work: impl FnOnce(&mut Self, &WriteTransaction) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {

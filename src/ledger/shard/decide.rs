@@ -118,6 +118,7 @@ impl Shard {
             st.view = None;
         }
         let t2 = Instant::now();
+        // In proportion to the batch, unless maintenance is behind (`gap_maintenance`).
         let budget = slice_budget(jobs.len(), self.maintenance_behind());
         let maintenance = self.maintenance(&txn, now, budget, false)?;
         published.extend(self.publish_records()?);

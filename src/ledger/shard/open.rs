@@ -77,6 +77,8 @@ impl Shard {
             map_requested: false,
             spare_bytes: 0,
             trims_deferred: false,
+
+            undurable: false,
             retired_logs: Default::default(),
             retired_claims: Default::default(),
             retries: Default::default(),

@@ -17,7 +17,10 @@ impl Shard {
     /// Commits a transaction from [`Shard::durable_txn`]; once this returns `Ok` its writes
     /// survive a crash. Counts the commit and returns how long it took. On `Err` nothing of
     /// the transaction is durable and the caller must stop the shard (I4).
-    pub(super) fn commit_durably(&self, txn: WriteTransaction) -> Result<Duration, LedgerError> {
+    pub(super) fn commit_durably(
+        &mut self,
+        txn: WriteTransaction,
+    ) -> Result<Duration, LedgerError> {
         let started = Instant::now();
         txn.commit().map_err(|e| self.err(e))?;
         let took = started.elapsed();
@@ -28,7 +31,8 @@ impl Shard {
     }
 
     /// Counts a durable commit of this shard, and of the engine (`tracked.rs`).
-    pub(super) fn count_commit(&self) {
+    pub(super) fn count_commit(&mut self) {
+        self.undurable = false;
         self.ctx
             .engine_commits
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
