@@ -9,6 +9,11 @@
 //! paced load, `--rate`, from the moment it was due) until its outcome is released in
 //! source order. A window bounds the messages in flight, as a broker consumer's fetch
 //! buffer would.
+//!
+//! Beside it here: `soak` (hours of TTL churn, checked) and `adversarial` (subscribers that
+//! misbehave). Comparisons with other stores (PostgreSQL, Redis, SQLite) and the plots
+//! live in the workspace's `dedupd-bench` crate, so the product builds without their
+//! clients.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,12 +21,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod adversarial;
-mod compare;
 mod report;
 pub mod soak;
 
 pub use adversarial::{run_adversarial, AdversarialParams, AdversarialReport};
-pub use compare::{run_compare, CompareParams, CompareReport, Machine, SystemRow, Target};
 pub use soak::{run_soak, SoakParams, SoakReport, SoakSample};
 
 use crossbeam_channel::unbounded;

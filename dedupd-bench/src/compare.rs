@@ -1,4 +1,4 @@
-//! `dedupd bench compare`: the same deterministic workload against dedupd and the stores
+//! `dedupd-bench compare`: the same deterministic workload against dedupd and the stores
 //! people deduplicate with instead (naive redb, PostgreSQL, Redis, SQLite), in one run, so
 //! the ratios compare like with like on one machine at one moment.
 //!
@@ -17,10 +17,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::{BenchParams, BenchReport, Progress};
-use crate::config::Config;
-use crate::source::generator::{Event, Expect, Traffic, TrafficSpec};
-use crate::telemetry::Latency;
+use dedupd::bench::{BenchParams, BenchReport, Progress, SeriesPoint};
+use dedupd::config::Config;
+use dedupd::source::generator::{Event, Expect, Traffic, TrafficSpec};
+use dedupd::telemetry::Latency;
 
 pub(crate) mod plot;
 mod postgres;
@@ -276,16 +276,12 @@ pub struct CompareReport {
     pub rows: Vec<SystemRow>,
     pub targets: Vec<Target>,
     /// dedupd claim-only throughput as its stored claims grew.
-    pub series: Vec<super::SeriesPoint>,
+    pub series: Vec<SeriesPoint>,
     /// PNG files written (empty without `--plots`).
     pub plots: Vec<PathBuf>,
 }
 
 impl CompareReport {
-    pub fn row(&self, key: &str) -> Option<&SystemRow> {
-        self.rows.iter().find(|r| r.key == key)
-    }
-
     /// Every measured row matched its traffic.
     pub fn verified(&self) -> bool {
         self.rows
@@ -357,7 +353,7 @@ pub fn run_compare(
             rows.push(SystemRow::skipped(key, system, "fsync per batch", reason));
             continue;
         }
-        match super::run(&engine(handler, random), &mut progress) {
+        match dedupd::bench::run(&engine(handler, random), &mut progress) {
             Ok(r) => {
                 if key == "dedupd_claim" {
                     series = r.series.clone();
@@ -507,9 +503,9 @@ fn run_naive_row(
             || std::thread::available_parallelism().map_or(1, |n| n.get()),
             |n| n.get(),
         );
-    let rss_base = crate::telemetry::rss_bytes();
+    let rss_base = dedupd::telemetry::rss_bytes();
     let started = std::time::Instant::now();
-    match super::run_naive(
+    match dedupd::bench::run_naive(
         &path,
         spec,
         params.batch.max(1),
@@ -525,7 +521,7 @@ fn run_naive_row(
                 expected: n.expected,
                 stored_keys: n.stored_keys,
                 preloaded_keys: params.naive_stored,
-                memory_bytes: crate::telemetry::rss_bytes().saturating_sub(rss_base),
+                memory_bytes: dedupd::telemetry::rss_bytes().saturating_sub(rss_base),
                 disk_bytes: server::tree_allocated_bytes(scratch.path()),
                 ..PeerRun::default()
             };

@@ -1,4 +1,5 @@
-//! `dedupd bench soak`: a long run at a steady fraction of capacity with a short TTL, so
+//! The soak (`dedupd-bench soak`, which also draws its curves; `tests/soak.rs` runs a
+//! short one): a long run at a steady fraction of capacity with a short TTL, so
 //! sealing, merging and expiry run all the time (issue 14, item 7).
 //!
 //! First a short closed-loop run on a scratch data directory measures what the engine
@@ -133,11 +134,6 @@ pub struct SoakReport {
 impl SoakReport {
     pub fn passed(&self) -> bool {
         self.checks.iter().all(|c| c.passed)
-    }
-
-    /// Draws the curves into a PNG file (needs a font; the error says which).
-    pub fn plot(&self, path: &std::path::Path) -> Result<(), String> {
-        super::compare::plot::draw_soak(self, path)
     }
 }
 

@@ -1,5 +1,5 @@
 //! The comparison's PNG plots (`--plots DIR`): throughput by system, dedupd's throughput as
-//! its stored keys grow, and bytes per key; and the soak's curves over time (`dedupd bench
+//! its stored keys grow, and bytes per key; and the soak's curves over time (`dedupd-bench
 //! soak --plot FILE`). The only module that imports `plotters`.
 //!
 //! Text needs a font file: plotters draws glyphs with `ab_glyph` from a TrueType file read
@@ -244,17 +244,17 @@ fn human(v: f64) -> String {
 /// One curve of a soak panel: its legend, points `(seconds, value)` and colour.
 type Curve<'a> = (&'a str, Vec<(f64, f64)>, RGBColor);
 
-/// The soak's curves over time (`dedupd bench soak --plot FILE`), one panel per figure:
+/// The soak's curves over time (`dedupd-bench soak --plot FILE`), one panel per figure:
 /// memory and disk, ack latency against the p99 limit, throughput and backlog, claims
 /// stored, and the generations sealed, merged and dropped.
-pub(crate) fn draw_soak(report: &crate::bench::SoakReport, path: &Path) -> Result<(), String> {
+pub fn draw_soak(report: &dedupd::bench::SoakReport, path: &Path) -> Result<(), String> {
     font()?;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)
             .map_err(|x| format!("cannot create {}: {x}", dir.display()))?;
     }
     let s = &report.samples;
-    let curve = |f: fn(&crate::bench::SoakSample) -> f64| -> Vec<(f64, f64)> {
+    let curve = |f: fn(&dedupd::bench::SoakSample) -> f64| -> Vec<(f64, f64)> {
         s.iter().map(|x| (x.t_s, f(x))).collect()
     };
     let p = &report.params;
@@ -272,7 +272,7 @@ pub(crate) fn draw_soak(report: &crate::bench::SoakReport, path: &Path) -> Resul
     root.fill(&WHITE).map_err(e)?;
     let root = root.titled(&title, ("sans-serif", 20)).map_err(e)?;
     let panels = root.split_evenly((5, 1));
-    let limit = crate::bench::soak::P99_LIMIT * report.first_minute_p99_ms;
+    let limit = dedupd::bench::soak::P99_LIMIT * report.first_minute_p99_ms;
     let drawn = [
         soak_panel(
             &panels[0],

@@ -8,7 +8,7 @@ use tokio_postgres::NoTls;
 
 use super::server::{start_postgres, tree_allocated_bytes, tree_memory_bytes};
 use super::{PeerRun, Workload};
-use crate::telemetry::Latency;
+use dedupd::telemetry::Latency;
 
 /// The seeds' table, as written there.
 const SCHEMA: &str = "create table processed_message (

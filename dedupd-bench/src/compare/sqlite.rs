@@ -8,7 +8,7 @@ use rusqlite::Connection;
 
 use super::server::tree_allocated_bytes;
 use super::{PeerRun, Workload};
-use crate::telemetry::{rss_bytes, Latency};
+use dedupd::telemetry::{rss_bytes, Latency};
 
 pub fn run(w: &Workload) -> Result<PeerRun, String> {
     let scratch = tempfile::Builder::new()

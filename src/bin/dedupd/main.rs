@@ -202,11 +202,8 @@ fn run(command: Command) -> Result<()> {
         Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics)?,
         Command::Demo { messages, handler } => demo(messages, args::demo_handler(&handler)?)?,
         Command::Bench(mut args) => {
-            match args.command.take() {
-                Some(args::BenchCommand::Compare(compare)) => return bench_compare(compare),
-                Some(args::BenchCommand::Soak(soak)) => return bench_soak(soak),
-                Some(args::BenchCommand::Adversarial(a)) => return bench_adversarial(a),
-                None => {}
+            if let Some(args::BenchCommand::Adversarial(a)) = args.command.take() {
+                return bench_adversarial(a);
             }
             let (json, series) = (args.json, args.series);
             let params = args.params()?;
@@ -248,27 +245,6 @@ fn run(command: Command) -> Result<()> {
     Ok(())
 }
 
-/// `dedupd bench soak`.
-fn bench_soak(args: args::SoakArgs) -> Result<()> {
-    let (json, plot) = (args.json, args.plot.clone());
-    let params = args.params()?;
-    let report = dedupd::bench::run_soak(&params, |line| eprintln!("{line}"))?;
-    match json {
-        true => println!("{}", serde_json::to_string(&report)?),
-        false => print!("{report}"),
-    }
-    if let Some(path) = plot {
-        match report.plot(&path) {
-            Ok(()) => eprintln!("plot: {}", path.display()),
-            Err(e) => bail!("{e}"),
-        }
-    }
-    if !report.passed() {
-        bail!("the soak failed a criterion (lines marked FAIL)");
-    }
-    Ok(())
-}
-
 /// `dedupd bench adversarial`.
 fn bench_adversarial(args: args::AdversarialArgs) -> Result<()> {
     let json = args.json;
@@ -280,36 +256,6 @@ fn bench_adversarial(args: args::AdversarialArgs) -> Result<()> {
     }
     if !report.verified() {
         bail!("outcomes, claims or counts differ from the traffic (lines marked PROBLEM)");
-    }
-    Ok(())
-}
-
-/// `dedupd bench compare`.
-fn bench_compare(args: args::CompareArgs) -> Result<()> {
-    let (json, plots) = (args.json, args.plots.clone());
-    let params = args.params()?;
-    eprintln!(
-        "bench compare: {} msgs (per-request peers {}, naive {}), dup rate {}, seed {}, batch {}, {} clients",
-        params.messages,
-        params.request_messages,
-        params.naive_messages,
-        params.dup_rate,
-        params.seed,
-        params.batch,
-        params.clients
-    );
-    let report = dedupd::bench::run_compare(
-        &params,
-        plots.as_deref(),
-        |system| eprintln!("\n== {system}"),
-        |p| progress(&p),
-    );
-    match json {
-        true => println!("{}", serde_json::to_string(&report)?),
-        false => print!("{report}"),
-    }
-    if !report.verified() {
-        bail!("a system's outcomes did not match the generated traffic (rows marked NO)");
     }
     Ok(())
 }

@@ -1,0 +1,54 @@
+//! `dedupd bench` as a process: the engine alone (with the naive redb baseline), paced or
+//! not. The comparisons with other stores are the `dedupd-bench` crate's.
+#![allow(clippy::unwrap_used)] // helpers outside #[test]: a failed unwrap is a failed test
+
+mod common;
+
+use serde_json::Value;
+
+#[test]
+fn bench_without_a_subcommand_still_runs_the_engine_bench() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = common::dedupd(&[
+        "bench",
+        "--messages",
+        "2000",
+        "--naive-messages",
+        "500",
+        "--json",
+        "--dir",
+        tmp.path().to_str().unwrap(),
+    ]);
+    run.assert_success();
+    let report: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(report["verified"], true);
+    assert!(report["naive_msgs_per_sec"].as_f64().unwrap() > 0.0);
+}
+
+/// `--rate` offers the load at that rate: 3,000 messages at 10,000 msgs/s take at least
+/// 0.3 s however fast the engine is, and every outcome is still checked.
+#[test]
+fn bench_rate_paces_the_offered_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = common::dedupd(&[
+        "bench",
+        "--messages",
+        "3000",
+        "--naive-messages",
+        "0",
+        "--rate",
+        "10000",
+        "--json",
+        "--dir",
+        tmp.path().to_str().unwrap(),
+    ]);
+    run.assert_success();
+    let report: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(report["verified"], true);
+    assert_eq!(report["params"]["rate"], 10000);
+    let rate = report["msgs_per_sec"].as_f64().unwrap();
+    assert!(rate <= 10_000.0 * 1.05, "paced at {rate} msgs/s");
+    assert!(report["elapsed_s"].as_f64().unwrap() >= 0.29, "{report}");
+    let refused = common::dedupd(&["bench", "--rate", "0"]);
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+}
