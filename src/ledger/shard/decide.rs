@@ -3,12 +3,10 @@
 //! committed in one durable transaction (I1). Kept apart from maintenance so the path
 //! every message takes reads top to bottom.
 
-use super::breaker::Transition;
 use super::open::{apply_settings, new_sub_state};
+use super::tally::{BatchCounts, Tally};
 use super::*;
-use crate::ledger::changelog::{Change, Published, RecordCopy};
 use crate::ledger::presence::PresenceWriter;
-use crate::ledger::SubscriberCounters;
 
 impl Shard {
     #[inline]
@@ -272,292 +270,9 @@ impl Shard {
         Ok(decision)
     }
 
-    /// Runs the subscriber's handler (if it has one) on a new message against the batch's
-    /// view of its state. Returns the handler version that processed it (0 without a
-    /// handler), or its failure; the effects stay in the view until `write_batch`.
-    fn call_handler(&mut self, idx: usize, job: &Job) -> Result<Result<u64, Failure>, LedgerError> {
-        let st = self.subs[idx]
-            .as_mut()
-            .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
-        let Some(h) = st.handler.as_mut() else {
-            return Ok(Ok(0));
-        };
-        let mut view = match st.view.take() {
-            Some(v) => v,
-            None => Box::new(
-                BatchView::open(&self.db, &st.name, &st.state_buf)
-                    .map_err(|e| storage(&self.ctx.path, e))?,
-            ),
-        };
-        // Reuses the previous message's buffers.
-        let msg = &mut self.handler_msg;
-        msg.subscriber.clear();
-        msg.subscriber.push_str(&st.name);
-        msg.id.clear();
-        msg.id.push_str(&job.id);
-        msg.key_hash = job.key;
-        msg.key.clone_from(&job.partition_key);
-        msg.headers.clone_from(&job.headers);
-        msg.payload.clear();
-        msg.payload.extend_from_slice(&job.payload);
-        msg.attempt = job.attempt;
-        msg.received_at_ms = job.received_at_ms;
-        view.set_scope(job.entity.as_deref());
-        let called = Instant::now();
-        let (mut view, result) = h.instance.handle(msg, view);
-        let version = h.factory.version();
-        let returned = Instant::now();
-        self.shares
-            .record_call(idx, returned.saturating_duration_since(called), returned);
-        let keep = st.changelog.is_some();
-        let handled = result.map(|mut effects| {
-            if keep {
-                // Emitted messages get a record in the changelog partition of their
-                // message; the relay tombstones it once they are relayed.
-                let partition = job
-                    .origin
-                    .as_ref()
-                    .and_then(crate::ledger::Origin::kafka_partition);
-                for m in &mut effects.outbox {
-                    m.changelog_partition = partition;
-                }
-                self.last_effects = Some(effects.clone());
-            }
-            view.absorb(effects);
-            version
-        });
-        st.view = Some(view);
-        if let Err(f) = &handled {
-            let kind = f.kind();
-            if let (Some(i), Some(spec)) = (
-                crate::ledger::HANDLER_FAILURE_KINDS
-                    .iter()
-                    .position(|k| *k == kind),
-                self.ctx.registry.get(job.subscriber),
-            ) {
-                spec.counters.handler_failures[i].fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        Ok(handled)
-    }
-
-    /// The failure a message gets without a call while its subscriber's circuit breaker is
-    /// open on this shard (`breaker.rs`).
-    fn breaker_refuses(&mut self, idx: usize, now: u64, tally: &mut Tally) -> Option<Failure> {
-        let st = self.subs[idx].as_ref()?;
-        st.handler.as_ref()?;
-        let refused = st.breaker.refuses(now)?;
-        tally.of(idx).calls_skipped += 1;
-        Some(refused)
-    }
-
-    /// Takes a call's result into the subscriber's breaker on this shard, and says when it
-    /// opens or closes.
-    fn breaker_record(
-        &mut self,
-        idx: usize,
-        handled: &Result<u64, Failure>,
-        now: u64,
-        tally: &mut Tally,
-    ) {
-        let shard = self.ctx.index;
-        let Some(st) = self.subs[idx].as_mut() else {
-            return;
-        };
-        let (threshold, cooldown_ms) = (st.breaker_threshold, st.breaker_cooldown_ms);
-        let result = handled.as_ref().map(|_| ());
-        match st.breaker.record(result, now, threshold, cooldown_ms) {
-            Transition::Opened => {
-                tally.of(idx).circuits_opened += 1;
-                let last = handled.as_ref().err().map(ToString::to_string);
-                tracing::warn!(shard, subscriber = %st.name, failures = st.breaker.failures(),
-                    cooldown_ms, last = last.as_deref().unwrap_or_default(),
-                    "handler circuit opened: its messages use up attempts without a call and wait for the cool-down (dead-lettered once their attempts are used up)");
-            }
-            Transition::Closed => {
-                tracing::info!(shard, subscriber = %st.name,
-                    "handler circuit closed: a call completed after the cool-down");
-            }
-            Transition::None => {}
-        }
-    }
-
-    /// What a handler's result decides: a claim (it commits only with the handler's
-    /// effects), a retry after a backoff, or a dead letter once attempts are used up.
-    fn settle_handled(
-        &mut self,
-        idx: usize,
-        job: &Job,
-        handled: Result<u64, Failure>,
-        now: u64,
-        tally: &mut Tally,
-    ) -> Result<Decision, LedgerError> {
-        let st = self.subs[idx]
-            .as_mut()
-            .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
-        let (ttl_ms, max_attempts) = (st.ttl_ms, st.max_attempts);
-        Ok(match handled {
-            Ok(handler_version) => {
-                let claim = ClaimRecord {
-                    fingerprint: job.fingerprint,
-                    processed_at_ms: now,
-                    expires_at_ms: now.saturating_add(ttl_ms),
-                    handler_version,
-                };
-                self.claim(idx, job, claim, now);
-                let effects = self.last_effects.take();
-                if let Some(st) = self.subs[idx].as_mut() {
-                    if st.changelog.is_some() {
-                        st.changes.push(Change::new(job, claim, effects));
-                    }
-                }
-                tally.of(idx).processed += 1;
-                tally.wrote = true;
-                Decision::Done(Outcome::Processed)
-            }
-            Err(f) if f.is_retryable() && job.attempt < max_attempts => {
-                tally.of(idx).retries += 1;
-                Decision::Retry(f)
-            }
-            Err(f) => {
-                let reason = format!("{f} (attempt {} of {max_attempts})", job.attempt);
-                self.dead_rows
-                    .push(records::dead_letter(st, job, &f, &reason, now));
-                st.dead_lettered += 1;
-                tally.of(idx).dead_lettered += 1;
-                tally.wrote = true;
-                Decision::Done(Outcome::DeadLettered {
-                    reason,
-                    attempts: job.attempt,
-                })
-            }
-        })
-    }
-
-    /// Replays a change from a changelog: its claim (unless it has expired) and its state
-    /// effects, with no handler call and nothing published again.
-    fn restore(
-        &mut self,
-        idx: usize,
-        job: &Job,
-        change: &Change,
-        now: u64,
-        tally: &mut Tally,
-    ) -> Result<Decision, LedgerError> {
-        let claim = change.claim();
-        if claim.is_live(now) {
-            self.claim(idx, job, claim, now);
-        }
-        if change.has_effects() {
-            let st = self.subs[idx]
-                .as_mut()
-                .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
-            let mut view = batch_view(st, &self.db, &self.ctx.path)?;
-            view.set_scope(change.entity.as_deref());
-            view.absorb(change.effects());
-            st.view = Some(view);
-        }
-        tally.wrote = true;
-        Ok(Decision::Done(Outcome::Processed))
-    }
-
-    /// Reads the current value of each item a snapshot names, through the batch's view
-    /// (this batch's earlier messages included), and queues the snapshot for the
-    /// changelog with the batch's changes: published in batch order, it is never older
-    /// than a change of the same items published before it.
-    fn snapshot(&mut self, idx: usize, items: &Change) -> Result<Decision, LedgerError> {
-        let st = self.subs[idx]
-            .as_mut()
-            .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
-        if st.changelog.is_none() {
-            // Nothing would be published, and the caller would then drop the records the
-            // snapshot stands for.
-            return Ok(Decision::Done(Outcome::Failed {
-                reason: format!(
-                    "subscriber {:?} has no changelog to publish a snapshot to",
-                    st.name
-                ),
-            }));
-        }
-        let mut view = batch_view(st, &self.db, &self.ctx.path)?;
-        view.set_scope(items.entity.as_deref());
-        let mut current = items.clone();
-        current.snapshot = true;
-        for (k, v) in current.state.iter_mut() {
-            *v = view.get(k);
-        }
-        // Marks are never deleted: one a change wrote exists, so it is kept with no read
-        // (a read of a mark in a merged run costs a block decompression).
-        current.versions.retain(|k, v| match view.version(k) {
-            Some(now) => {
-                *v = now;
-                true
-            }
-            None => false,
-        });
-        st.view = Some(view);
-        st.changes.push(current);
-        Ok(Decision::Done(Outcome::Processed))
-    }
-
-    /// Hands each subscriber's changes of this batch to its changelog; the caller waits
-    /// for them before it commits. A refusal stops the shard before anything of the batch
-    /// commits.
-    #[allow(clippy::type_complexity)]
-    fn publish_changes(&mut self) -> Result<Vec<(String, Box<dyn Published>)>, LedgerError> {
-        let mut out = Vec::new();
-        for st in self.subs.iter_mut().flatten() {
-            if st.changes.is_empty() {
-                continue;
-            }
-            let changes = std::mem::take(&mut st.changes);
-            hand_to_sink(st, &changes, &mut out)?;
-        }
-        Ok(out)
-    }
-
-    /// Hands the quarantine and dead-letter records this transaction stored or removed to
-    /// their subscribers' changelogs (`records/`, [`RecordCopy`]); the caller waits for
-    /// them before it commits, like for the batch's changes.
-    #[allow(clippy::type_complexity)]
-    pub(super) fn publish_records(
-        &mut self,
-    ) -> Result<Vec<(String, Box<dyn Published>)>, LedgerError> {
-        let mut out = Vec::new();
-        for st in self.subs.iter_mut().flatten() {
-            let Some(copies) = st.record_copies.as_mut().filter(|c| !c.is_empty()) else {
-                continue;
-            };
-            let changes: Vec<Change> = copies.drain(..).map(RecordCopy::into_change).collect();
-            hand_to_sink(st, &changes, &mut out)?;
-        }
-        Ok(out)
-    }
-
-    /// [`Shard::publish_records`] for a transaction outside a batch: returns once they
-    /// are acknowledged.
-    pub(super) fn publish_records_now(&mut self) -> Result<(), LedgerError> {
-        for (subscriber, p) in self.publish_records()? {
-            p.wait()
-                .map_err(|detail| LedgerError::Changelog { subscriber, detail })?;
-        }
-        Ok(())
-    }
-
-    /// Takes the subscriber's changelog sink from its registration, for the records a
-    /// transaction outside a batch stores or removes (a batch takes it in `sync_handlers`).
-    pub(super) fn refresh_changelog(&mut self, idx: usize) {
-        let Some(st) = self.subs.get_mut(idx).and_then(Option::as_mut) else {
-            return;
-        };
-        if let Some(spec) = self.ctx.registry.get(st.id) {
-            st.set_changelog(spec.changelog());
-        }
-    }
-
     /// Records a claim of `job` in memory and in the batch's log row, with the placement
     /// bit it needs (durable once the batch commits).
-    fn claim(&mut self, idx: usize, job: &Job, claim: ClaimRecord, now: u64) {
+    pub(super) fn claim(&mut self, idx: usize, job: &Job, claim: ClaimRecord, now: u64) {
         let presize = self.ctx.config.full_index_claims();
         if let Some(st) = self.subs[idx].as_mut() {
             insert_claim(
@@ -609,7 +324,7 @@ impl Shard {
 /// which holds the handler borrowed, takes it the same way inline): the one its earlier
 /// messages used, or a fresh one over its buffers and runs. Give it back
 /// (`st.view = Some(..)`) when done.
-fn batch_view(
+pub(super) fn batch_view(
     st: &mut SubState,
     db: &redb::Database,
     path: &std::path::Path,
@@ -697,85 +412,8 @@ impl<'t> SealedTables<'t> {
     }
 }
 
-/// One subscriber's outcomes in one batch, added to its counters once the batch
-/// committed (`SubscriberCounters` has the meaning of each).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(super) struct BatchCounts {
-    processed: u64,
-    duplicates: u64,
-    quarantined: u64,
-    filter_probes: u64,
-    filter_false_positives: u64,
-    sliding_refreshes: u64,
-    dead_lettered: u64,
-    retries: u64,
-    calls_skipped: u64,
-    calls_deferred: u64,
-    circuits_opened: u64,
-}
-
-impl BatchCounts {
-    fn publish(&self, k: &SubscriberCounters) {
-        k.processed.fetch_add(self.processed, Ordering::Relaxed);
-        k.duplicates.fetch_add(self.duplicates, Ordering::Relaxed);
-        k.quarantined.fetch_add(self.quarantined, Ordering::Relaxed);
-        k.filter_probes
-            .fetch_add(self.filter_probes, Ordering::Relaxed);
-        k.filter_false_positives
-            .fetch_add(self.filter_false_positives, Ordering::Relaxed);
-        k.sliding_refreshes
-            .fetch_add(self.sliding_refreshes, Ordering::Relaxed);
-        k.dead_lettered
-            .fetch_add(self.dead_lettered, Ordering::Relaxed);
-        k.retries.fetch_add(self.retries, Ordering::Relaxed);
-        k.handler_calls_skipped
-            .fetch_add(self.calls_skipped, Ordering::Relaxed);
-        k.handler_calls_deferred
-            .fetch_add(self.calls_deferred, Ordering::Relaxed);
-        k.handler_circuits_opened
-            .fetch_add(self.circuits_opened, Ordering::Relaxed);
-    }
-}
-
-/// What a batch did so far: counts per subscriber (by id) and whether it has anything
-/// to write.
-#[derive(Default)]
-pub(super) struct Tally {
-    counts: Vec<BatchCounts>,
-    wrote: bool,
-}
-
-impl Tally {
-    fn of(&mut self, idx: usize) -> &mut BatchCounts {
-        if self.counts.len() <= idx {
-            self.counts.resize(idx + 1, BatchCounts::default());
-        }
-        &mut self.counts[idx]
-    }
-
-    fn publish(&self, registry: &Registry) {
-        for (id, c) in self.counts.iter().enumerate() {
-            if *c == BatchCounts::default() {
-                continue;
-            }
-            if let Some(spec) = registry.get(SubscriberId(id as u32)) {
-                c.publish(&spec.counters);
-            }
-        }
-    }
-}
-
 /// How many jobs ahead of the one being decided a batch prefetches filter slots.
 const PREFETCH_AHEAD: usize = 4;
-
-/// How long a message whose handler failed waits before attempt `attempt + 1`: the
-/// subscriber's backoff doubled per attempt, never more than its `max_backoff`, so a
-/// message held in memory (and holding its source's offset) is retried within bounded
-/// time.
-pub(super) fn retry_delay(backoff: Duration, max_backoff: Duration, attempt: u32) -> Duration {
-    let doublings = attempt.saturating_sub(1).min(16);
-    backoff.saturating_mul(1 << doublings).min(max_backoff)
-}
 
 /// The placement bit a claim of `job` written on `shard` records: its placement's, or
 /// [`placement::ANYWHERE`] when the job was decided away from the shard its placement
@@ -795,16 +433,16 @@ fn placement_bit(job: &Job, shard: usize, count: usize, subscriber: &str) -> u8 
     }
 }
 
-/// Records a claim in the active generation (creating it if needed) and in the batch's
-/// log row. Durable only once the batch commits.
-/// The index is allocated at full size up front (growing a half-million-entry hash table
-/// inside a batch was a measured 20-60 ms stall), preferably from the spare pool.
 /// Capacity of a new generation's index.
 const FIRST_INDEX_CAPACITY: usize = 1 << 6;
 /// An index holding at least this many claims that must grow moves into a full-size one
 /// instead.
 const MOVE_TO_FULL_AT: usize = 1 << 13;
 
+/// Records a claim in the active generation (creating it if needed) and in the batch's
+/// log row. Durable only once the batch commits. A new generation's index starts small
+/// and moves into a full-size one from the spare pool once it is busy ([`make_room`]:
+/// growing a half-million-entry hash table inside a batch was a measured 20-60 ms stall).
 pub(super) fn insert_claim(
     st: &mut SubState,
     next_table_id: &mut u64,
@@ -861,27 +499,6 @@ fn make_room(map: &mut KeyMap, presize: usize, spare: &mut Vec<KeyMap>) {
     let mut full = full;
     full.extend(map.drain());
     *map = full;
-}
-
-/// Hands a subscriber's changes to its changelog sink (none: they go nowhere) and keeps
-/// the acknowledgements to wait for in `out`; a refusal stops the shard.
-#[allow(clippy::type_complexity)]
-fn hand_to_sink(
-    st: &SubState,
-    changes: &[Change],
-    out: &mut Vec<(String, Box<dyn Published>)>,
-) -> Result<(), LedgerError> {
-    let Some(sink) = &st.changelog else {
-        return Ok(());
-    };
-    let subscriber = st.name.to_string();
-    match sink.publish(changes) {
-        Ok(p) => {
-            out.push((subscriber, p));
-            Ok(())
-        }
-        Err(detail) => Err(LedgerError::Changelog { subscriber, detail }),
-    }
 }
 
 #[cfg(test)]
@@ -966,31 +583,5 @@ mod tests {
         let mut map = full_index(presize / 4);
         make_room(&mut map, presize, &mut spare);
         assert!(map.capacity() >= presize);
-    }
-}
-
-#[cfg(test)]
-mod retry_tests {
-    use super::retry_delay;
-    use std::time::Duration;
-
-    const MS: Duration = Duration::from_millis(1);
-    const MINUTE: Duration = Duration::from_secs(60);
-
-    #[test]
-    fn max_backoff_obeyed_while_the_backoff_doubles() {
-        assert_eq!(retry_delay(50 * MS, MINUTE, 1), 50 * MS);
-        assert_eq!(retry_delay(50 * MS, MINUTE, 2), 100 * MS);
-        assert_eq!(retry_delay(50 * MS, MINUTE, 11), 51_200 * MS);
-        assert_eq!(retry_delay(MINUTE, MINUTE, 1), MINUTE);
-    }
-
-    #[test]
-    fn max_backoff_violated_is_cut_to_it() {
-        // Doubling alone: 102.4 s here, and 10 min * 2^16 (about 455 days) at most.
-        assert_eq!(retry_delay(50 * MS, MINUTE, 12), MINUTE);
-        let hour = Duration::from_secs(3600);
-        assert_eq!(retry_delay(Duration::from_secs(600), hour, 17), hour);
-        assert_eq!(retry_delay(50 * MS, MINUTE, u32::MAX), MINUTE);
     }
 }

@@ -15,7 +15,12 @@
 //! - `writer.rs`: the writer thread and its loop (gather a batch, commit it, send outcomes
 //!   in order, schedule retries; peers, control requests and maintenance between batches);
 //! - `open.rs`: opening, format check and recovery;
-//! - `decide.rs`: deciding a batch's jobs (I2 lookups, handler calls) and committing it;
+//! - `decide.rs`: deciding a batch's jobs (I2 lookups) and committing it;
+//! - `handle.rs`: a new message's handler call, its circuit breaker, and the claim, retry
+//!   or dead letter its result decides;
+//! - `replicate.rs`: changelog restores and snapshots, and handing a batch's changes and
+//!   records to the changelog before it commits;
+//! - `tally.rs`: a batch's counts per subscriber;
 //! - `probe.rs`: asking the other shards about keys whose claims may be elsewhere;
 //! - `write.rs`: writing a batch's claims, records and effects into its transaction;
 //! - `maintain.rs`: sealing, expiry, retired logs and record retention, and when to merge;
@@ -26,11 +31,14 @@
 pub(super) mod breaker;
 mod control;
 mod decide;
+mod handle;
 mod maintain;
 mod merge;
 mod open;
 mod probe;
+mod replicate;
 mod share;
+mod tally;
 mod write;
 mod writer;
 

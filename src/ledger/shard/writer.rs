@@ -205,7 +205,7 @@ impl Shard {
                         _ => self.subs[job.subscriber.0 as usize]
                             .as_ref()
                             .map_or(Duration::from_millis(50), |s| {
-                                decide::retry_delay(s.retry_backoff, s.max_backoff, job.attempt)
+                                handle::retry_delay(s.retry_backoff, s.max_backoff, job.attempt)
                             }),
                     };
                     tracing::debug!(shard = self.ctx.index, id = %job.id, attempt = job.attempt,
