@@ -13,28 +13,46 @@ use dedupd::source::kafka::bench::KafkaBenchParams;
 #[command(
     name = "dedupd",
     version,
-    about = "Effectively-once consumer engine: durable claims, dedup, quarantine"
+    about = "Effectively-once consumer engine: durable claims, dedup, quarantine",
+    after_long_help = LOG_LEVELS_HELP,
 )]
 pub struct Cli {
-    /// Log lines on stderr as text or as one JSON object per line. `RUST_LOG` sets the
-    /// levels (e.g. `RUST_LOG=dedupd=debug`); the default is `info` for `run` and `serve`
-    /// (lifecycle events: start, ready, seal, merge, drop, rebalance, stop) and `warn` for
-    /// the other commands.
+    /// Log lines on stderr as text or as one JSON object per line (`RUST_LOG` sets the
+    /// levels: see `dedupd --help`).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// Said once, under the main command's `--help`, not under every subcommand's.
+const LOG_LEVELS_HELP: &str = "\
+Logging:
+  `RUST_LOG` sets the levels (e.g. `RUST_LOG=dedupd=debug`); the default is `info` for
+  `run` and `serve` (lifecycle events: start, ready, seal, merge, drop, rebalance, stop)
+  and `warn` for the other commands. `--log-format json` writes one JSON object per line.
+
+Examples:
+  dedupd demo                                   a tour on a temporary data directory
+  echo '{\"subscriber\":\"s\",\"id\":\"m-1\",\"payload\":{}}' | dedupd pipe --data-dir data
+  dedupd config check dedupd.example.toml       validate a config offline
+  dedupd run --config dedupd.toml               the engine (Kafka, HTTP, stdin)
+  dedupd inspect --data-dir data                what a stopped engine holds";
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
+    /// Human-readable lines.
     Text,
+    /// One JSON object per line.
     Json,
 }
 
 #[derive(Subcommand)]
 pub enum Command {
     /// JSON lines on stdin, one durable outcome line per input line on stdout.
+    #[command(after_help = "Example:\n  \
+        echo '{\"subscriber\":\"orders\",\"id\":\"m-1\",\"payload\":{\"order_id\":\"o-1\"}}' \\\n    \
+        | dedupd pipe --data-dir data")]
     Pipe {
         /// Data directory (created on first use).
         #[arg(long)]
@@ -48,9 +66,14 @@ pub enum Command {
     /// commits offsets, and exits 0); without one it runs the stdin pipe. With an `[http]`
     /// section it also serves the admin and ingest API (and keeps serving after stdin ends,
     /// until SIGINT/SIGTERM).
+    #[command(after_help = "Examples:\n  dedupd run --config dedupd.toml\n  \
+        dedupd run --config dedupd.toml --data-dir /var/lib/dedupd --metrics-bind 127.0.0.1:9187")]
     Run {
+        /// TOML config file (see dedupd.example.toml): subscribers, `[kafka]`, `[http]`,
+        /// `[metrics]`, ledger settings.
         #[arg(long)]
         config: PathBuf,
+        /// Data directory (created on first use); overrides the config's `data_dir`.
         #[arg(long)]
         data_dir: Option<PathBuf>,
         /// Also serve `/metrics`, `/healthz` and `/readyz` (nothing else) here; the same
@@ -63,6 +86,7 @@ pub enum Command {
         /// TOML config file; its `[http]` section sets bind address, token and limits.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Data directory (created on first use); overrides the config's `data_dir`.
         #[arg(long)]
         data_dir: Option<PathBuf>,
         /// Listen here instead of `http.bind`.
@@ -112,31 +136,45 @@ pub enum Command {
     /// the manifest, uploaded handlers and the audit log, with backup.json (sizes and
     /// checksums) written last. A running engine is backed up with `POST
     /// /v1/maintenance/backup` instead.
+    #[command(after_help = "Example:\n  dedupd backup --data-dir data --to backups/2026-12-06")]
     Backup {
+        /// The stopped engine's data directory.
         #[arg(long)]
         data_dir: PathBuf,
+        /// Where the backup goes: a new or empty directory.
         #[arg(long, value_name = "DIR")]
         to: PathBuf,
+        /// Print the summary as one JSON object.
         #[arg(long)]
         json: bool,
     },
     /// Verify a backup (backup.json, every file's size and checksum) and copy it into a new
     /// or empty data directory, then open that read-only to confirm it loads. Nothing is
     /// written when the backup does not verify.
+    #[command(
+        after_help = "Examples:\n  dedupd restore --from backups/2026-12-06 --check\n  \
+        dedupd restore --from backups/2026-12-06 --data-dir data"
+    )]
     Restore {
+        /// The backup directory (as `dedupd backup --to` or the online backup made it).
         #[arg(long, value_name = "DIR")]
         from: PathBuf,
+        /// The data directory to restore into: new or empty.
         #[arg(long, required_unless_present = "check")]
         data_dir: Option<PathBuf>,
         /// Only verify the backup; write nothing.
         #[arg(long, conflicts_with = "data_dir")]
         check: bool,
+        /// Print the summary as one JSON object.
         #[arg(long)]
         json: bool,
     },
     /// Per-subscriber counts, generations, state runs, filter sizes and where the disk
     /// bytes go, read from a stopped engine's data directory without writing it.
+    #[command(after_help = "Examples:\n  dedupd inspect --data-dir data\n  \
+        dedupd inspect --data-dir data --repair --config dedupd.toml --json")]
     Inspect {
+        /// The stopped engine's data directory.
         #[arg(long)]
         data_dir: PathBuf,
         /// Open the engine on the directory first (this writes): repairs files a killed
@@ -146,6 +184,7 @@ pub enum Command {
         /// With --repair: the config whose subscriber settings the engine opens with.
         #[arg(long, requires = "repair")]
         config: Option<PathBuf>,
+        /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
     },
@@ -156,8 +195,11 @@ pub enum ConfigCommand {
     /// Validate FILE as `dedupd run` would (subscribers, key sources, partition keys,
     /// handler components, `[http]` rules, librdkafka options) and print a summary;
     /// opens no data directory, binds no port and connects nowhere.
+    #[command(after_help = "Example:\n  dedupd config check dedupd.example.toml")]
     Check {
+        /// The TOML config file to check.
         file: PathBuf,
+        /// Print the summary as one JSON object.
         #[arg(long)]
         json: bool,
     },
@@ -167,8 +209,12 @@ pub enum ConfigCommand {
 pub enum HandlerCommand {
     /// Validate a component against the WIT contract and the capability allow-list, and
     /// list its imports and exports.
+    #[command(after_help = "Example:\n  \
+        dedupd handler check plugins/target/wasm32-wasip2/release/shipping_label.wasm")]
     Check {
+        /// The component (`.wasm`).
         file: PathBuf,
+        /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
     },
@@ -176,6 +222,11 @@ pub enum HandlerCommand {
     /// the engine would, on a temporary ledger, and print per message the outcome, the
     /// state writes, uniqueness marks, versions, emitted messages, guard answers and logs.
     /// Deterministic: `--json > expected.jsonl` makes a file for `--expect`.
+    #[command(
+        after_help = "Examples:\n  dedupd handler test label.wasm --input messages.jsonl\n  \
+        dedupd handler test label.wasm --input messages.jsonl --json > expected.jsonl\n  \
+        dedupd handler test label.wasm --input messages.jsonl --expect expected.jsonl"
+    )]
     Test(HandlerTestArgs),
     /// Create a standalone handler project DIR/NAME (the SDK and the WIT contract
     /// vendored, a sample handler, sample messages and a README). A Rust project is its
@@ -232,11 +283,18 @@ pub struct HandlerTestArgs {
 #[derive(Subcommand)]
 pub enum StateCommand {
     /// Print a subscriber's handler state as JSON lines: {"key": ..., "value": ...}.
+    #[command(
+        after_help = "Example:\n  dedupd state dump --data-dir data --subscriber orders | head"
+    )]
     Dump {
+        /// The stopped engine's data directory.
         #[arg(long)]
         data_dir: PathBuf,
+        /// The subscriber whose state to print.
         #[arg(long)]
         subscriber: String,
+        /// The config the engine runs with (its subscriber settings open the directory as
+        /// the engine would; without it, the settings stored with the data).
         #[arg(long)]
         config: Option<PathBuf>,
     },
@@ -250,6 +308,7 @@ pub const DEFAULT_DEMO_HANDLER: &str = "plugins/target/wasm32-wasip2/release/shi
 pub struct BenchArgs {
     #[command(subcommand)]
     pub command: Option<BenchCommand>,
+    /// Messages offered (redeliveries included).
     #[arg(long, default_value_t = 10_000_000)]
     messages: u64,
     /// Fraction of messages that redeliver an earlier message.
@@ -258,8 +317,10 @@ pub struct BenchArgs {
     /// Fraction of messages that reuse an id with another payload.
     #[arg(long, default_value_t = 0.0)]
     mismatch_rate: f64,
+    /// Subscribers the messages are spread over (round robin).
     #[arg(long, default_value_t = 1)]
     subscribers: u32,
+    /// Seed of the generated traffic: the same seed gives the same messages.
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Most messages in flight (handed to the engine, outcome not yet released).
@@ -414,13 +475,16 @@ impl AdversarialArgs {
 /// `dedupd kafka-bench`.
 #[derive(Args)]
 pub struct KafkaBenchArgs {
+    /// Messages produced to the input topic (redeliveries included).
     #[arg(long, default_value_t = 2_000_000)]
     messages: u64,
     /// Fraction of messages that redeliver an earlier message.
     #[arg(long, default_value_t = 0.1)]
     dup_rate: f64,
+    /// Seed of the generated traffic: the same seed gives the same messages.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Partitions of the input topic.
     #[arg(long, default_value_t = 4)]
     partitions: i32,
     /// Messages of the paced phase that measures end-to-end latency (0 skips it).
@@ -429,6 +493,7 @@ pub struct KafkaBenchArgs {
     /// Handler component run for every new message.
     #[arg(long)]
     handler: Option<PathBuf>,
+    /// Shards (default: number of cores).
     #[arg(long)]
     shards: Option<usize>,
     /// Directory in which the temporary data directory is created.
@@ -532,5 +597,50 @@ pub fn topic(t: &str) -> Result<(&str, i32)> {
                 .with_context(|| format!("--topic {t}: partitions must be a number"))?,
         )),
         None => Ok((t, 4)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// Every flag and argument of every command, with the path of commands leading to it,
+    /// that `--help` would list without a word of explanation.
+    fn undocumented(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for arg in cmd.get_arguments() {
+            let builtin = matches!(arg.get_id().as_str(), "help" | "version");
+            if !arg.is_hide_set() && !builtin && arg.get_help().is_none() {
+                out.push(format!("{path} {}", arg.get_id()));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            if sub.get_about().is_none() && sub.get_name() != "help" {
+                out.push(format!("{path} {} (the command)", sub.get_name()));
+            }
+            undocumented(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn every_flag_and_argument_has_help_text() {
+        Cli::command().debug_assert();
+        let mut missing = Vec::new();
+        undocumented(&Cli::command(), "dedupd", &mut missing);
+        assert!(missing.is_empty(), "without help text: {missing:#?}");
+    }
+
+    #[test]
+    fn the_log_levels_paragraph_is_said_once() {
+        let mut cmd = Cli::command();
+        let main = cmd.render_long_help().to_string();
+        assert!(main.contains("RUST_LOG=dedupd=debug"), "{main}");
+        let run = cmd
+            .find_subcommand_mut("run")
+            .expect("run")
+            .render_long_help()
+            .to_string();
+        assert!(!run.contains("RUST_LOG=dedupd=debug"), "{run}");
+        assert!(run.contains("Examples:"), "{run}");
     }
 }
