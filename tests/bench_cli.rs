@@ -23,6 +23,14 @@ fn bench_without_a_subcommand_still_runs_the_engine_bench() {
     let report: Value = serde_json::from_str(&run.stdout).unwrap();
     assert_eq!(report["verified"], true);
     assert!(report["naive_msgs_per_sec"].as_f64().unwrap() > 0.0);
+    // stderr is a pipe here: progress comes as whole lines, never `\r` updates that pile
+    // onto one line of a log file.
+    assert!(!run.stderr.contains('\r'), "{:?}", run.stderr);
+    assert!(
+        run.stderr.lines().count() >= 1,
+        "no progress line: {:?}",
+        run.stderr
+    );
 }
 
 /// `--rate` offers the load at that rate: 3,000 messages at 10,000 msgs/s take at least

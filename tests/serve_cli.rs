@@ -416,3 +416,33 @@ fn run_and_process_one(
     std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
     (child, addr, stdin)
 }
+
+/// Text logs written to a file, a pipe or journald carry no colour codes (a terminal gets
+/// them unless `NO_COLOR` is set).
+#[test]
+fn text_logs_into_a_pipe_have_no_colour_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = dedupd()
+        .args(["serve", "--bind", "127.0.0.1:0"])
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .env_remove("RUST_LOG")
+        .env_remove("NO_COLOR")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let (_, before) = address_and_logs(&mut stderr);
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = exit_within_30s(&mut child, "dedupd serve did not stop on SIGTERM");
+    assert!(status.success(), "{status:?}");
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest).unwrap();
+    let all = before.concat() + &rest;
+    assert!(all.contains("INFO"), "no info lines: {all}");
+    assert!(!all.contains('\u{1b}'), "colour codes in: {all:?}");
+}

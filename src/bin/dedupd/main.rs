@@ -3,7 +3,7 @@
 
 mod args;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -49,8 +49,11 @@ fn init_logs(format: LogFormat, command: &Command) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // Colour only for a person at a terminal: a log file or journald gets plain text.
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .with_env_filter(filter);
     match format {
         LogFormat::Text => logs.init(),
@@ -209,7 +212,7 @@ fn run(command: Command) -> Result<()> {
             let params = args.params()?;
             eprintln!("{params}");
             let report = dedupd::bench::run(&params, |p| progress(&p))?;
-            eprintln!();
+            end_progress();
             match json {
                 true => println!("{}", serde_json::to_string(&report)?),
                 false => print!("{report}"),
@@ -235,7 +238,7 @@ fn run(command: Command) -> Result<()> {
             let params = args.params()?;
             eprintln!("{params}");
             let report = kafka::bench::run(&params, &mut |p| progress(&p))?;
-            eprintln!();
+            end_progress();
             match json {
                 true => println!("{}", serde_json::to_string(&report)?),
                 false => print!("{report}"),
@@ -344,10 +347,32 @@ fn restore(from: &std::path::Path, data_dir: Option<PathBuf>, json: bool) -> Res
 }
 
 /// Rewrites the live progress line on stderr.
+/// A progress line: rewritten in place on a terminal; elsewhere (a log file, journald, a
+/// pipe) a plain line at most every [`PROGRESS_EVERY`], so `\r` updates never pile onto one
+/// line of a log.
 fn progress(line: &dyn std::fmt::Display) {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
     let mut err = std::io::stderr().lock();
-    let _ = write!(err, "\r{line}   ");
-    let _ = err.flush();
+    if err.is_terminal() {
+        let _ = write!(err, "\r{line}   ");
+        let _ = err.flush();
+        return;
+    }
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    if last.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
+        *last = Some(std::time::Instant::now());
+        let _ = writeln!(err, "{line}");
+    }
+}
+
+/// How often progress is printed when stderr is not a terminal.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Ends a progress line on a terminal (elsewhere every progress line is whole already).
+fn end_progress() {
+    if std::io::stderr().is_terminal() {
+        eprintln!();
+    }
 }
 
 fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
@@ -377,7 +402,7 @@ fn demo(messages: u64, handler: Option<PathBuf>) -> Result<()> {
         None => eprintln!("handler: none (claims only)"),
     }
     let report = dedupd::demo::run(messages, PathBuf::from("."), handler, |p| progress(&p))?;
-    eprintln!();
+    end_progress();
     print!("{report}");
     if !report.holds() {
         bail!("the demo saw a wrong outcome");
