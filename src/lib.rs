@@ -97,3 +97,23 @@ pub mod pipeline;
 pub mod scaffold;
 pub mod source;
 pub mod telemetry;
+
+/// The commit this build comes from (`git rev-parse --short=12 HEAD` when it was built,
+/// `unknown` outside a git checkout).
+pub const REVISION: &str = env!("DEDUPD_REVISION");
+
+/// What `dedupd --version` and `dedupd version` print after the name: the version, the
+/// commit, and the formats this build reads and writes.
+pub fn version_text() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| {
+        format!(
+            "{} (commit {REVISION})\ndata format {} (older data directories are upgraded on open), \
+             backup format {}, changelog value format {}",
+            env!("CARGO_PKG_VERSION"),
+            ledger::FORMAT_VERSION,
+            backup::BACKUP_FORMAT,
+            source::kafka::changelog::EPOCH_FORMAT,
+        )
+    })
+}

@@ -236,7 +236,7 @@ pub mod metric {
         (OUTBOX_RELAY_LAG_ROWS, "Outbox rows pending at the relay's last poll (at most outbox.batch)."),
         (OUTBOX_RELAY_LAG_SECONDS, "Age of the oldest pending outbox row at the relay's last poll."),
         (OUTBOX_ROWS, "Outbox rows waiting to be relayed or pulled, all shards (sampled at scrape time). A warning is logged per shard at 100,000 rows and at each doubling."),
-        (BUILD_INFO, "Always 1; labels: the binary's version and the data directory's format version."),
+        (BUILD_INFO, "Always 1; labels: the binary's version, the commit it was built from (`revision`) and the data directory's format version."),
     ];
 
     /// Every name above, for checks that the rendered text holds only known names.

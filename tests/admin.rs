@@ -1162,6 +1162,7 @@ async fn metrics_are_prometheus_text() {
         "# HELP dedupd_messages_processed_total Messages whose handler ran",
         "# HELP dedupd_commit_duration_seconds Each durable commit",
         "dedupd_build_info{version=\"",
+        "revision=\"",
         "dedupd_http_ingest_duration_seconds",
         "dedupd_kafka_consumer_lag{topic=\"orders\",partition=\"3\"} 17",
     ] {

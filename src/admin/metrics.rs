@@ -57,6 +57,7 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
     }
     gauge!(metric::DISK_BYTES).set(crate::ledger::tree_bytes(ledger.data_dir()) as f64);
     gauge!(metric::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"),
+        "revision" => crate::REVISION,
         "format" => crate::ledger::FORMAT_VERSION.to_string())
     .set(1.0);
     gauge!(metric::OUTBOX_ROWS).set(ledger.outbox_len()? as f64);

@@ -12,7 +12,8 @@ use dedupd::source::kafka::bench::KafkaBenchParams;
 #[derive(Parser)]
 #[command(
     name = "dedupd",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("DEDUPD_REVISION"), ")"),
+    long_version = dedupd::version_text(),
     about = "Effectively-once consumer engine: durable claims, dedup, quarantine",
     after_long_help = LOG_LEVELS_HELP,
 )]
@@ -132,6 +133,23 @@ pub enum Command {
     },
     /// Kafka source against a consume-only rdkafka baseline on the mock broker, same run.
     KafkaBench(KafkaBenchArgs),
+    /// The version, the commit it was built from and the data formats it reads (as
+    /// `--version`).
+    Version,
+    /// Shell completions on stdout.
+    #[command(
+        after_help = "Examples:\n  dedupd completions bash > ~/.local/share/bash-completion/completions/dedupd\n  \
+        dedupd completions zsh > \"${fpath[1]}/_dedupd\"\n  \
+        dedupd completions fish > ~/.config/fish/completions/dedupd.fish"
+    )]
+    Completions {
+        /// The shell to complete for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// The manual page (roff) on stdout.
+    #[command(after_help = "Example:\n  dedupd man > dedupd.1 && man ./dedupd.1")]
+    Man,
     /// Back up a stopped engine's data directory into DIR (new or empty): the shard files,
     /// the manifest, uploaded handlers and the audit log, with backup.json (sizes and
     /// checksums) written last. A running engine is backed up with `POST

@@ -203,6 +203,15 @@ fn run(command: Command) -> Result<()> {
             json,
         } => restore(&from, data_dir.filter(|_| !check), json)?,
         Command::DevBroker { brokers, topics } => dev_broker(brokers, &topics)?,
+        Command::Version => println!("dedupd {}", dedupd::version_text()),
+        Command::Completions { shell } => {
+            let mut cmd = <args::Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "dedupd", &mut std::io::stdout());
+        }
+        Command::Man => {
+            let cmd = <args::Cli as clap::CommandFactory>::command();
+            clap_mangen::Man::new(cmd).render(&mut std::io::stdout())?;
+        }
         Command::Demo { messages, handler } => demo(messages, args::demo_handler(&handler)?)?,
         Command::Bench(mut args) => {
             if let Some(args::BenchCommand::Adversarial(a)) = args.command.take() {
