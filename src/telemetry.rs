@@ -41,13 +41,21 @@ impl Latency {
     }
 }
 
-/// Resident set size of this process in bytes (Linux `/proc/self/statm`; 0 elsewhere).
+/// Resident set size of this process in bytes (Linux `/proc/self/status`; 0 elsewhere).
+/// `VmRSS` is in kB whatever the page size (`statm` counts pages, which are 16 or 64 KiB
+/// on some ARM kernels, not 4 KiB).
 pub fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
+    std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map(|pages| pages * 4096)
+        .and_then(|s| vm_rss(&s))
         .unwrap_or(0)
+}
+
+/// The `VmRSS:` line of a `/proc/<pid>/status` text, in bytes.
+fn vm_rss(status: &str) -> Option<u64> {
+    let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
+    let kib = line.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
+    Some(kib * 1024)
 }
 
 /// Makes the allocator return the freed memory it keeps for reuse to the OS now, instead
@@ -293,6 +301,16 @@ pub mod metric {
 #[cfg(test)]
 mod tests {
     use super::metric;
+
+    #[test]
+    fn resident_memory_is_read_in_bytes_whatever_the_page_size() {
+        let status = "Name:\tdedupd\nVmPeak:\t  900 kB\nVmRSS:\t   12345 kB\nThreads:\t4\n";
+        assert_eq!(super::vm_rss(status), Some(12345 * 1024));
+        assert_eq!(super::vm_rss("VmRSS:\t12 MB\n"), None);
+        // This process: at least the test binary's own pages, and not absurd.
+        let rss = super::rss_bytes();
+        assert!((1 << 20..1 << 40).contains(&rss), "{rss}");
+    }
 
     #[test]
     fn metric_names_are_prefixed_snake_case_and_unique() {
