@@ -152,6 +152,17 @@ struct Worker {
     changelog: Option<Changelog>,
 }
 
+/// Outcomes of one batch of `Done`s by kind, added to [`SourceStats`] and the metrics once
+/// per batch. A failure is not counted: it stops the subscription (G7).
+#[derive(Debug, Default)]
+struct Counts {
+    processed: u64,
+    duplicate: u64,
+    quarantined: u64,
+    /// Dead-lettered, or rejected as unusable input: both are set aside as dead letters.
+    dead_lettered: u64,
+}
+
 /// The consumer's context: rebalance callbacks and statistics.
 struct WorkerContext {
     worker: Mutex<Worker>,
@@ -478,7 +489,7 @@ impl Worker {
     }
 
     fn on_done(&mut self, consumer: &BaseConsumer<WorkerContext>, dones: Vec<Done>) {
-        let mut counts = [0u64; 5];
+        let mut counts = Counts::default();
         let mut touched: Vec<u64> = Vec::new();
         for d in dones {
             let (slot, local) = (d.seq >> LOCAL_BITS, d.seq & LOCAL_MASK);
@@ -486,23 +497,22 @@ impl Worker {
                 continue; // revoked: its offset is not ours to store
             }
             match d.outcome {
-                Outcome::Processed => counts[0] += 1,
-                Outcome::Duplicate => counts[1] += 1,
+                Outcome::Processed => counts.processed += 1,
+                Outcome::Duplicate => counts.duplicate += 1,
                 // Kept in the ledger (admin lists and replays it), not sent to the topic.
-                Outcome::Quarantined { .. } => counts[2] += 1,
+                Outcome::Quarantined { .. } => counts.quarantined += 1,
                 Outcome::DeadLettered { reason, attempts } => {
-                    counts[3] += 1;
+                    counts.dead_lettered += 1;
                     self.set_aside(consumer, slot, local, reason, attempts, &mut touched);
                     continue;
                 }
                 Outcome::Rejected { reason } => {
-                    counts[3] += 1;
+                    counts.dead_lettered += 1;
                     self.set_aside(consumer, slot, local, reason, 0, &mut touched);
                     continue;
                 }
                 Outcome::Failed { reason } => {
                     self.fatal = Some(reason);
-                    counts[4] += 1;
                     continue;
                 }
             }
@@ -514,20 +524,17 @@ impl Worker {
             }
         }
         let s = &self.stats;
-        for (i, (counter, name)) in [
-            (&s.processed, "processed"),
-            (&s.duplicate, "duplicate"),
-            (&s.quarantined, "quarantined"),
-            (&s.dead_lettered, "dead_lettered"),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            if counts[i] > 0 {
-                counter.fetch_add(counts[i], Ordering::Relaxed);
+        for (n, counter, name) in [
+            (counts.processed, &s.processed, "processed"),
+            (counts.duplicate, &s.duplicate, "duplicate"),
+            (counts.quarantined, &s.quarantined, "quarantined"),
+            (counts.dead_lettered, &s.dead_lettered, "dead_lettered"),
+        ] {
+            if n > 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
                 metrics::counter!(crate::telemetry::metric::KAFKA_MESSAGES_TOTAL,
                     "subscriber" => self.sub.name.to_string(), "outcome" => name)
-                .increment(counts[i]);
+                .increment(n);
             }
         }
         touched.sort_unstable();
