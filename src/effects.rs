@@ -36,7 +36,7 @@ pub struct OutboxMessage {
     pub headers: Vec<(String, String)>,
     pub payload: Vec<u8>,
     /// The changelog partition holding this message's emitted record, when its subscriber
-    /// publishes a changelog (`source/kafka/changelog.rs`): the relay tombstones that
+    /// publishes a changelog (`source/kafka/changelog/`): the relay tombstones that
     /// record once the broker acknowledged the message, so the partition's next owner
     /// relays only what was not. Not part of the record.
     #[serde(skip)]

@@ -2023,7 +2023,7 @@ fn expired_claims_leave_the_changelog_as_tombstones_and_their_state_as_snapshots
     );
 }
 
-/// A changelog's records by kind (`source/kafka/changelog.rs`): changes (24-byte keys),
+/// A changelog's records by kind (`source/kafka/changelog/`): changes (24-byte keys),
 /// snapshots (`S` + 16 bytes), emitted messages (`O` + 16 bytes), and tombstones.
 #[derive(Debug, Default)]
 struct Kinds {

@@ -1,7 +1,7 @@
 //! Changes a subscriber's batches publish before they commit, and their replay.
 //!
 //! A subscriber with a [`ChangelogSink`] (the Kafka source installs one per subscription
-//! with `changelog = true`, see `source/kafka/changelog.rs`) hands every processed
+//! with `changelog = true`, see `source/kafka/changelog/`) hands every processed
 //! message's claim and handler-state effects to the sink **before** the batch commits
 //! locally; the sink returns only when they are durable elsewhere (acknowledged by a
 //! topic). The local ledger therefore never holds a processed message its changelog lacks:

@@ -30,7 +30,7 @@
 //! partition's records expire roughly in the order they were produced, since the TTL is
 //! the subscriber's. Snapshot records are passed over (the cleaner replaces them); an
 //! emitted message's record that the relay has not tombstoned expires with the claim of
-//! the message that emitted it (`changelog.rs`, "Emitted"). Once the
+//! the message that emitted it (`changelog/mod.rs`, "Emitted"). Once the
 //! snapshots and then the tombstones are acknowledged, the offset the pass stopped at is
 //! committed for the compactor group, so the next pass — on this member or on whichever
 //! member owns the partition next — starts there. A pass that dies midway leaves the

@@ -12,20 +12,31 @@
 //! outcomes awaited (up to `drain_timeout`), their offsets stored and committed; then their
 //! state is dropped, so a late outcome for them is ignored and no offset is ever stored for
 //! a partition this member no longer owns.
+//!
+//! This file holds the worker (what the poll loop and the rebalance callback share) and
+//! the way of a message: accepted, routed to its shard, its outcome, its offset stored.
+//! Beside it:
+//! - `run.rs`: the subscription's thread — starting the member, the poll loop, the stop
+//!   that drains and commits;
+//! - `changelog.rs`: the changelog side (`changelog = true`) — fences and restore on
+//!   assignment, checkpoints, the outbox relayed before revoked partitions are released;
+//! - `dead_letter.rs`: rejected input and dead letters, kept in the ledger and produced to
+//!   the dead-letter topic.
 
+mod changelog;
 mod dead_letter;
+mod run;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{select, unbounded, Receiver, Sender};
+use crossbeam_channel::{select, Receiver, Sender};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
-use rdkafka::producer::ThreadedProducer;
 use rdkafka::statistics::Statistics;
 use rdkafka::topic_partition_list::TopicPartitionList;
 use rdkafka::ClientContext;
@@ -38,8 +49,10 @@ use crate::telemetry::Latency;
 
 use super::keying::{self, raw_header_key_hash, RecordView};
 use super::offsets::OffsetTracker;
-use super::{KafkaConfig, KafkaError, SubscriptionConfig};
+use super::{KafkaConfig, SubscriptionConfig};
+use changelog::{start_changelog, Changelog};
 use dead_letter::{DeadLetterTopic, DeliveryContext};
+pub use run::{run_subscription, RunOptions};
 
 /// Bits of a job's `seq` that hold the message's local number in its partition; the bits
 /// above name the partition's slot (one per assignment, never reused).
@@ -139,28 +152,15 @@ struct Worker {
     changelog: Option<Changelog>,
 }
 
-/// What a worker needs to restore newly assigned partitions and move their checkpoints.
-struct Changelog {
-    kafka: KafkaConfig,
-    topic: String,
-    /// The publisher, for the fences of newly assigned partitions.
-    sink: Arc<super::changelog::ChangelogProducer>,
-    /// The highest changelog offset acknowledged per partition.
-    acked: super::changelog::Acked,
-    /// Checkpoints waiting for their messages: (slot, local number, changelog offset) —
-    /// once every message of the slot below the local number is released, every change
-    /// before the offset is committed here.
-    pending: Vec<(u64, u64, i64)>,
-    /// Where each partition's checkpoint is (as far as this member moved it).
-    moved_to: HashMap<i32, i64>,
-    last: Instant,
-    /// The partitions this member owns, for the compaction thread.
-    owned: Arc<Mutex<Vec<i32>>>,
-    /// Held by a compaction snapshot round; a revoke takes it to remove partitions from
-    /// `owned`, so no snapshot of a partition is published once it is released.
-    gate: Arc<Mutex<()>>,
-    /// Stopped (and joined) when the subscription stops.
-    compaction: Option<super::compaction::CompactionThread>,
+/// Outcomes of one batch of `Done`s by kind, added to [`SourceStats`] and the metrics once
+/// per batch. A failure is not counted: it stops the subscription (G7).
+#[derive(Debug, Default)]
+struct Counts {
+    processed: u64,
+    duplicate: u64,
+    quarantined: u64,
+    /// Dead-lettered, or rejected as unusable input: both are set aside as dead letters.
+    dead_lettered: u64,
 }
 
 /// The consumer's context: rebalance callbacks and statistics.
@@ -272,153 +272,6 @@ impl Worker {
         }
     }
 
-    /// Moves the changelog checkpoints of these partitions (all when `None`) to the
-    /// changelog's end: call only after their in-flight work drained, so every change
-    /// before the end is durable here. A failure is logged: the next restore reads more.
-    fn checkpoint(&self, consumer: &BaseConsumer<WorkerContext>, slots: &[u64]) {
-        let Some(c) = &self.changelog else {
-            return;
-        };
-        if self.fatal.is_some() {
-            return;
-        }
-        let partitions: Vec<i32> = slots
-            .iter()
-            .filter_map(|s| self.parts.get(s).map(|p| p.partition))
-            .collect();
-        if let Err(e) = super::changelog::checkpoint(consumer, &self.ledger, &c.topic, &partitions)
-        {
-            tracing::warn!(subscriber = %self.sub.name, topic = %c.topic, error = %e,
-                "changelog checkpoint not moved; the next restore of these partitions reads more of the changelog");
-        }
-    }
-
-    /// Moves changelog checkpoints while partitions are owned, so a restart after a crash
-    /// reads only what came after the last one. Every `checkpoint_interval` it notes, per
-    /// partition, the highest acknowledged changelog offset and the next message's local
-    /// number (in that order: a change acknowledged before the note belongs to a message
-    /// received before it); once every message below that number is released (its outcome
-    /// durable), every change up to the offset is committed here and the checkpoint moves.
-    fn checkpoint_owned(&mut self) {
-        if self.fatal.is_some() {
-            return;
-        }
-        let Some(c) = &mut self.changelog else {
-            return;
-        };
-        {
-            let mut owned = c.owned.lock().unwrap_or_else(|p| p.into_inner());
-            if owned.len() != self.parts.len()
-                || self.parts.values().any(|p| !owned.contains(&p.partition))
-            {
-                *owned = self.parts.values().map(|p| p.partition).collect();
-                owned.sort_unstable();
-            }
-        }
-        if c.last.elapsed() >= c.kafka.changelog.checkpoint_interval {
-            c.last = Instant::now();
-            let acked = c.acked.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            for (slot, p) in &self.parts {
-                let Some(&top) = acked.get(&p.partition) else {
-                    continue;
-                };
-                let at = c.moved_to.get(&p.partition).copied().unwrap_or(-1);
-                if top + 1 > at && !c.pending.iter().any(|(s, _, o)| s == slot && *o > top) {
-                    c.pending.push((*slot, p.tracker.next_local(), top + 1));
-                }
-            }
-        }
-        let parts = &self.parts;
-        let (ledger, topic, sub) = (&self.ledger, &c.topic, &self.sub.name);
-        let mut moved = Vec::new();
-        c.pending.retain(|&(slot, mark, offset)| {
-            let Some(p) = parts.get(&slot) else {
-                return false; // revoked: its revoke moved the checkpoint if it drained
-            };
-            if p.tracker.released() < mark {
-                return true;
-            }
-            let key = super::changelog::checkpoint_key(topic, p.partition);
-            match ledger.set_changelog_checkpoint(&key, offset as u64) {
-                Ok(()) => {
-                    c.moved_to.insert(p.partition, offset);
-                    moved.push((p.partition, offset));
-                }
-                Err(e) => tracing::warn!(subscriber = %sub, %topic, error = %e, "changelog checkpoint not moved"),
-            }
-            false
-        });
-        if !moved.is_empty() {
-            tracing::debug!(subscriber = %sub, %topic, ?moved, "changelog checkpoints moved");
-        }
-    }
-
-    /// Restores newly assigned partitions from the changelog before any of their messages
-    /// is taken: a partition becomes this member's only once its claims and state are
-    /// here. On failure the partitions are not taken and the subscription stops.
-    fn restore(&mut self, tpl: &TopicPartitionList) -> bool {
-        let Some(c) = &self.changelog else {
-            return true;
-        };
-        let partitions: Vec<i32> = tpl
-            .elements()
-            .iter()
-            .filter(|e| self.slot_of(e.topic(), e.partition()).is_none())
-            .map(|e| e.partition())
-            .collect();
-        if partitions.is_empty() || self.fatal.is_some() {
-            return self.fatal.is_none();
-        }
-        let topic = c.topic.clone();
-        // Fenced first, so the restore below reads past the fence: what a former owner
-        // still publishes after it is skipped by every restore, this one included.
-        match c.sink.fence(&partitions) {
-            Ok(epochs) => {
-                tracing::debug!(subscriber = %self.sub.name, %topic, ?epochs, "changelog partitions fenced");
-            }
-            Err(e) => {
-                tracing::error!(subscriber = %self.sub.name, %topic, ?partitions, error = %e,
-                    "fencing assigned partitions in the changelog failed; the subscription stops");
-                self.fatal = Some(format!("changelog fence: {e}"));
-                return false;
-            }
-        }
-        let restored =
-            super::changelog::restore(&self.ledger, &self.sub, &c.kafka, &topic, &partitions);
-        match restored {
-            Ok(r) => {
-                if let Some(c) = &mut self.changelog {
-                    c.moved_to.extend(r.ends.iter().copied());
-                }
-                self.stats
-                    .restored_changes
-                    .fetch_add(r.changes, Ordering::Relaxed);
-                self.stats
-                    .restored_emitted
-                    .fetch_add(r.emitted, Ordering::Relaxed);
-                self.stats
-                    .restored_records
-                    .fetch_add(r.records, Ordering::Relaxed);
-                metrics::counter!(crate::telemetry::metric::KAFKA_CHANGELOG_RESTORED_TOTAL,
-                    "subscriber" => self.sub.name.to_string())
-                .increment(r.changes);
-                let rate = r.changes as f64 / r.elapsed.as_secs_f64().max(1e-6);
-                tracing::info!(subscriber = %self.sub.name, %topic, ?partitions,
-                    changes = r.changes, covered_by_checkpoint = r.skipped, fenced = r.fenced,
-                    emitted_not_relayed = r.emitted, records = r.records,
-                    elapsed_ms = r.elapsed.as_millis() as u64,
-                    changes_per_sec = rate as u64, "partitions restored from the changelog");
-                true
-            }
-            Err(e) => {
-                tracing::error!(subscriber = %self.sub.name, %topic, ?partitions, error = %e,
-                    "restoring assigned partitions from the changelog failed; the subscription stops");
-                self.fatal = Some(format!("changelog restore: {e}"));
-                false
-            }
-        }
-    }
-
     fn revoke(&mut self, consumer: &BaseConsumer<WorkerContext>, tpl: &TopicPartitionList) {
         let slots: Vec<u64> = tpl
             .elements()
@@ -471,58 +324,6 @@ impl Worker {
                 self.stats
                     .assigned_partitions
                     .fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// A member that lost partitions (its session expired: another member may own them
-    /// and have fenced them already) may have moved their checkpoints past changes it
-    /// does not hold — the new owner's, published after its fence. The next restore of
-    /// these partitions here replays them whole instead of trusting such a checkpoint.
-    fn forget_checkpoints(&mut self, tpl: &TopicPartitionList) {
-        let Some(c) = &mut self.changelog else {
-            return;
-        };
-        for e in tpl.elements() {
-            let p = e.partition();
-            let key = super::changelog::checkpoint_key(&c.topic, p);
-            match self.ledger.set_changelog_checkpoint(&key, 0) {
-                Ok(()) => {
-                    c.moved_to.remove(&p);
-                }
-                Err(err) => {
-                    // The next restore here may then skip changes of the new owner.
-                    tracing::warn!(subscriber = %self.sub.name, topic = %c.topic, partition = p, error = %err,
-                        "the changelog checkpoint of a lost partition was not reset");
-                }
-            }
-        }
-    }
-
-    /// With a changelog, the new owner of a revoked partition restores its claims and
-    /// never runs its handler again, so what the handler emitted here must leave from
-    /// here: the rows pending now (those of the drained partitions among them) are relayed
-    /// before the partitions are released (up to `drain_timeout`). A row not relayed in
-    /// time stays in this member's outbox and is relayed by it later.
-    fn relay_outbox_before_release(&self) {
-        if self.changelog.is_none() || !self.ledger.outbox_relayed() {
-            return;
-        }
-        let started = Instant::now();
-        match self
-            .ledger
-            .wait_outbox_relayed(started + self.drain_timeout)
-        {
-            Ok((0, _)) => {}
-            Ok((rows, true)) => {
-                tracing::info!(subscriber = %self.sub.name, rows, ms = started.elapsed().as_millis() as u64,
-                    "outbox rows relayed before the revoked partitions were released");
-            }
-            Ok((rows, false)) => {
-                tracing::warn!(subscriber = %self.sub.name, rows, "outbox rows were not all relayed within kafka.drain_timeout before the revoked partitions were released; they stay in this member's outbox and are relayed by it later");
-            }
-            Err(e) => {
-                tracing::warn!(subscriber = %self.sub.name, error = %e, "could not wait for the outbox relay before releasing revoked partitions");
             }
         }
     }
@@ -688,7 +489,7 @@ impl Worker {
     }
 
     fn on_done(&mut self, consumer: &BaseConsumer<WorkerContext>, dones: Vec<Done>) {
-        let mut counts = [0u64; 5];
+        let mut counts = Counts::default();
         let mut touched: Vec<u64> = Vec::new();
         for d in dones {
             let (slot, local) = (d.seq >> LOCAL_BITS, d.seq & LOCAL_MASK);
@@ -696,23 +497,22 @@ impl Worker {
                 continue; // revoked: its offset is not ours to store
             }
             match d.outcome {
-                Outcome::Processed => counts[0] += 1,
-                Outcome::Duplicate => counts[1] += 1,
+                Outcome::Processed => counts.processed += 1,
+                Outcome::Duplicate => counts.duplicate += 1,
                 // Kept in the ledger (admin lists and replays it), not sent to the topic.
-                Outcome::Quarantined { .. } => counts[2] += 1,
+                Outcome::Quarantined { .. } => counts.quarantined += 1,
                 Outcome::DeadLettered { reason, attempts } => {
-                    counts[3] += 1;
+                    counts.dead_lettered += 1;
                     self.set_aside(consumer, slot, local, reason, attempts, &mut touched);
                     continue;
                 }
                 Outcome::Rejected { reason } => {
-                    counts[3] += 1;
+                    counts.dead_lettered += 1;
                     self.set_aside(consumer, slot, local, reason, 0, &mut touched);
                     continue;
                 }
                 Outcome::Failed { reason } => {
                     self.fatal = Some(reason);
-                    counts[4] += 1;
                     continue;
                 }
             }
@@ -724,20 +524,17 @@ impl Worker {
             }
         }
         let s = &self.stats;
-        for (i, (counter, name)) in [
-            (&s.processed, "processed"),
-            (&s.duplicate, "duplicate"),
-            (&s.quarantined, "quarantined"),
-            (&s.dead_lettered, "dead_lettered"),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            if counts[i] > 0 {
-                counter.fetch_add(counts[i], Ordering::Relaxed);
+        for (n, counter, name) in [
+            (counts.processed, &s.processed, "processed"),
+            (counts.duplicate, &s.duplicate, "duplicate"),
+            (counts.quarantined, &s.quarantined, "quarantined"),
+            (counts.dead_lettered, &s.dead_lettered, "dead_lettered"),
+        ] {
+            if n > 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
                 metrics::counter!(crate::telemetry::metric::KAFKA_MESSAGES_TOTAL,
                     "subscriber" => self.sub.name.to_string(), "outcome" => name)
-                .increment(counts[i]);
+                .increment(n);
             }
         }
         touched.sort_unstable();
@@ -797,351 +594,8 @@ impl Worker {
     }
 }
 
-/// Settings of one running subscription that a config file does not carry.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    /// Record the latency from each message's produce timestamp to its offset being
-    /// stored (the benchmark's end-to-end figure).
-    pub record_latency: bool,
-}
-
-/// Consumes one subscription until `stop` is set, then drains in-flight work, stores and
-/// commits offsets. Returns the latency histogram when asked to record one.
-///
-/// An error leaves the ledger's durable state as it was; offsets stored before it are
-/// committed (they only cover durable outcomes), nothing after.
-pub fn run_subscription(
-    ledger: Arc<Ledger>,
-    kafka: &KafkaConfig,
-    subscription: &SubscriptionConfig,
-    stop: &AtomicBool,
-    stats: Arc<SourceStats>,
-    options: &RunOptions,
-) -> Result<Option<Latency>, KafkaError> {
-    let consumer = start_consumer(ledger, kafka, subscription, stats.clone(), options)?;
-    let name = consumer.context().subscriber.clone();
-    let mut last_log = Instant::now();
-    let mut last_released = 0;
-    while !stop.load(Ordering::Relaxed) {
-        if let Some(f) = consumer.context().lock().fatal.clone() {
-            return Err(KafkaError::Ledger(f));
-        }
-        poll_round(&consumer, &name);
-        consumer.context().lock().checkpoint_owned();
-        if std::mem::take(&mut consumer.context().lock().assignment_changed)
-            && !subscription.changelog
-        {
-            warn_if_group_is_shared(&consumer, subscription, kafka, &stats);
-        }
-        let released = stats.released.load(Ordering::Relaxed);
-        if last_log.elapsed() >= Duration::from_secs(1) && released != last_released {
-            last_log = Instant::now();
-            last_released = released;
-            tracing::info!(
-                subscriber = %name,
-                received = stats.received.load(Ordering::Relaxed),
-                released,
-                processed = stats.processed.load(Ordering::Relaxed),
-                duplicate = stats.duplicate.load(Ordering::Relaxed),
-                "kafka progress"
-            );
-        }
-    }
-    // No tombstones while the partitions drain and after (joined outside the lock).
-    let compaction = consumer
-        .context()
-        .lock()
-        .changelog
-        .as_mut()
-        .and_then(|c| c.compaction.take());
-    drop(compaction);
-    let latency = drain_and_commit(&consumer, kafka)?;
-    tracing::info!(
-        subscriber = %name,
-        received = stats.received.load(Ordering::Relaxed),
-        released = stats.released.load(Ordering::Relaxed),
-        "kafka consumer stopped; offsets committed"
-    );
-    drop(consumer);
-    Ok(latency)
-}
-
-/// After a rebalance: if this member holds only some partitions of a subscribed topic,
-/// another member of the group holds the rest. Instances do not share claims, so each
-/// partition move makes redeliveries run again: say so loudly (once per rebalance) and
-/// count it. A topic whose metadata cannot be read is skipped.
-fn warn_if_group_is_shared(
-    consumer: &BaseConsumer<WorkerContext>,
-    subscription: &SubscriptionConfig,
-    kafka: &KafkaConfig,
-    stats: &SourceStats,
-) {
-    let Ok(assignment) = consumer.assignment() else {
-        return;
-    };
-    let name = &consumer.context().subscriber;
-    for topic in &subscription.topics {
-        let held = assignment
-            .elements()
-            .iter()
-            .filter(|e| e.topic() == topic)
-            .count();
-        let total = match consumer.fetch_metadata(Some(topic), Duration::from_secs(5)) {
-            Ok(m) => m
-                .topics()
-                .iter()
-                .find(|t| t.name() == topic)
-                .map_or(0, |t| t.partitions().len()),
-            Err(e) => {
-                tracing::debug!(subscriber = %name, %topic, "no metadata to check the group's members: {e}");
-                continue;
-            }
-        };
-        if held < total {
-            stats
-                .shared_group_rebalances
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                subscriber = %name,
-                group = kafka.group_of(subscription),
-                %topic,
-                held,
-                partitions = total,
-                "other members of the consumer group hold partitions of this topic: dedupd instances do not share claims, so messages redelivered after a partition moves are processed again; run one instance per group (docs/kafka.md)"
-            );
-            return;
-        }
-    }
-}
-
-/// Creates the consumer-group member of one subscription, its worker and its dead-letter
-/// producer, and subscribes to the topics.
-fn start_consumer(
-    ledger: Arc<Ledger>,
-    kafka: &KafkaConfig,
-    subscription: &SubscriptionConfig,
-    stats: Arc<SourceStats>,
-    options: &RunOptions,
-) -> Result<BaseConsumer<WorkerContext>, KafkaError> {
-    let sub = ledger
-        .subscriber(&subscription.subscriber)
-        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
-    let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
-    let dlq = match &kafka.dead_letter_topic {
-        Some(topic) => {
-            let (tx, reports) = unbounded();
-            let producer: ThreadedProducer<DeliveryContext> = super::producer_config(kafka)
-                .create_with_context(DeliveryContext { tx })
-                .map_err(|e| KafkaError::Client(e.to_string()))?;
-            Some(DeadLetterTopic {
-                topic: topic.clone(),
-                producer,
-                reports,
-            })
-        }
-        None => None,
-    };
-    let worker = Worker {
-        ledger: ledger.clone(),
-        sub: sub.clone(),
-        ack_tx,
-        ack_rx,
-        dlq,
-        parts: HashMap::default(),
-        by_tp: Vec::new(),
-        next_slot: 0,
-        staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
-        max_in_flight: kafka.max_in_flight_per_partition.get(),
-        drain_timeout: kafka.drain_timeout,
-        stats: stats.clone(),
-        latency: options.record_latency.then(Latency::default),
-        fatal: None,
-        unsent: Vec::new(),
-        assignment_changed: false,
-        changelog: None,
-    };
-    let ctx = WorkerContext {
-        worker: Mutex::new(worker),
-        subscriber: sub.name.clone(),
-    };
-    let consumer: BaseConsumer<WorkerContext> = consumer_config(kafka, subscription)
-        .create_with_context(ctx)
-        .map_err(|e| KafkaError::Client(e.to_string()))?;
-    if subscription.changelog {
-        let changelog = start_changelog(&consumer, &ledger, kafka, subscription, stats)?;
-        consumer.context().lock().changelog = Some(changelog);
-    }
-    let topics: Vec<&str> = subscription.topics.iter().map(String::as_str).collect();
-    consumer
-        .subscribe(&topics)
-        .map_err(|e| KafkaError::Client(e.to_string()))?;
-    tracing::info!(subscriber = %sub.name, group = kafka.group_of(subscription), ?topics, "kafka consumer started");
-    Ok(consumer)
-}
-
-/// Creates the changelog topic if needed and installs its producer as the subscriber's
-/// changelog sink: from here on every batch of the subscriber publishes before it commits.
-fn start_changelog(
-    consumer: &BaseConsumer<WorkerContext>,
-    ledger: &Arc<Ledger>,
-    kafka: &KafkaConfig,
-    subscription: &SubscriptionConfig,
-    stats: Arc<SourceStats>,
-) -> Result<Changelog, KafkaError> {
-    let input = subscription.topics.first().ok_or_else(|| {
-        KafkaError::Config("a subscription with a changelog needs one topic".into())
-    })?;
-    let partitions = super::changelog::partition_count(consumer, input)?.ok_or_else(|| {
-        KafkaError::Config(format!(
-            "topic {input} does not exist (yet): a changelog is created with the input topic's partition count, so create {input} first"
-        ))
-    })?;
-    let topic = super::changelog::topic_name(&kafka.changelog.prefix, &subscription.subscriber);
-    let existing = match super::changelog::partition_count(consumer, &topic)? {
-        Some(n) => Some(n),
-        None => {
-            super::changelog::create_topic(kafka, &topic, partitions)?;
-            super::changelog::partition_count(consumer, &topic)?
-        }
-    };
-    if let Some(n) = existing {
-        if n < partitions {
-            return Err(KafkaError::Config(format!(
-                "changelog topic {topic} has {n} partitions but {input} has {partitions}: partition p of the changelog holds the changes of partition p of the input, so it needs at least as many"
-            )));
-        }
-    }
-    let sink = Arc::new(super::changelog::ChangelogProducer::new(
-        kafka,
-        topic.clone(),
-    )?);
-    let acked = sink.acked();
-    ledger
-        .set_changelog(&subscription.subscriber, Some(sink.clone()))
-        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
-    let owned = Arc::new(Mutex::new(Vec::new()));
-    let gate = Arc::new(Mutex::new(()));
-    let snapshots = super::compaction::Snapshots {
-        ledger: ledger.clone(),
-        sub: ledger
-            .subscriber(&subscription.subscriber)
-            .map_err(|e| KafkaError::Ledger(e.to_string()))?,
-        owned: owned.clone(),
-        gate: gate.clone(),
-        // A snapshot waits for one batch of its shard and that batch's acknowledgements.
-        timeout: kafka.changelog.publish_timeout + Duration::from_secs(30),
-    };
-    let compactor =
-        super::compaction::Compactor::new(kafka, sink.clone(), topic.clone(), Some(snapshots))?;
-    let name: Arc<str> = subscription.subscriber.as_str().into();
-    let counted = name.to_string();
-    let compaction = super::compaction::CompactionThread::spawn(
-        compactor,
-        name,
-        kafka.changelog.compaction_interval,
-        owned.clone(),
-        move |c| {
-            stats
-                .changelog_tombstones
-                .fetch_add(c.tombstones, Ordering::Relaxed);
-            stats
-                .changelog_snapshots
-                .fetch_add(c.snapshots, Ordering::Relaxed);
-            metrics::counter!(crate::telemetry::metric::KAFKA_CHANGELOG_TOMBSTONES_TOTAL,
-                "subscriber" => counted.clone())
-            .increment(c.tombstones);
-            metrics::counter!(crate::telemetry::metric::KAFKA_CHANGELOG_SNAPSHOTS_TOTAL,
-                "subscriber" => counted.clone())
-            .increment(c.snapshots);
-        },
-    )
-    .map_err(|e| KafkaError::Client(format!("changelog compaction thread: {e}")))?;
-    tracing::info!(subscriber = %subscription.subscriber, %topic, partitions,
-        compaction_interval = ?kafka.changelog.compaction_interval,
-        "changelog on: claims and handler state are published before each commit and restored on assignment");
-    Ok(Changelog {
-        kafka: kafka.clone(),
-        topic,
-        sink,
-        acked,
-        pending: Vec::new(),
-        moved_to: HashMap::new(),
-        last: Instant::now(),
-        owned,
-        gate,
-        compaction: Some(compaction),
-    })
-}
-
-/// One round of the consumer loop: take up to a burst of records, submit them, release
-/// the outcomes that are ready; when idle, wait briefly for the next record.
-fn poll_round(consumer: &BaseConsumer<WorkerContext>, name: &str) {
-    let mut got = 0;
-    let received_at_ms = now_ms();
-    while got < BURST {
-        match consumer.poll(Duration::ZERO) {
-            Some(Ok(m)) => {
-                consumer
-                    .context()
-                    .lock()
-                    .accept(consumer, &m, received_at_ms);
-                got += 1;
-            }
-            Some(Err(e)) => {
-                tracing::warn!(subscriber = %name, "kafka consumer error: {e}");
-                break;
-            }
-            None => break,
-        }
-    }
-    let in_flight = {
-        let mut w = consumer.context().lock();
-        w.flush();
-        w.retry_unsent(consumer);
-        w.handle_ready(consumer);
-        if got == 0 && w.any_in_flight() {
-            w.wait_and_handle(consumer, Duration::from_millis(2));
-        }
-        w.any_in_flight()
-    };
-    if got == 0 && !in_flight {
-        match consumer.poll(Duration::from_millis(50)) {
-            Some(Ok(m)) => consumer.context().lock().accept(consumer, &m, now_ms()),
-            Some(Err(e)) => tracing::warn!(subscriber = %name, "kafka consumer error: {e}"),
-            None => {}
-        }
-    }
-}
-
-/// Graceful stop: no new messages; finish what is in flight (within `drain_timeout`),
-/// store and commit the offsets.
-fn drain_and_commit(
-    consumer: &BaseConsumer<WorkerContext>,
-    kafka: &KafkaConfig,
-) -> Result<Option<Latency>, KafkaError> {
-    let name = &consumer.context().subscriber;
-    let mut w = consumer.context().lock();
-    let deadline = Instant::now() + kafka.drain_timeout;
-    let mut drained = w.drain(consumer, None, deadline);
-    while drained && !w.unsent.is_empty() && Instant::now() < deadline {
-        w.retry_unsent(consumer);
-        drained = w.drain(consumer, None, deadline);
-    }
-    if let Some(f) = w.fatal.clone() {
-        return Err(KafkaError::Ledger(f));
-    }
-    if !drained {
-        tracing::error!(subscriber = %name, "in-flight messages did not finish within kafka.drain_timeout; they will be delivered again");
-    } else {
-        let slots: Vec<u64> = w.parts.keys().copied().collect();
-        w.checkpoint(consumer, &slots);
-    }
-    commit(consumer, name, "final offset commit");
-    Ok(w.latency.take())
-}
-
-/// Commits the stored offsets synchronously; "nothing stored since the last commit" is fine.
-/// Commits the stored offsets; whether the coordinator took them (or there were none).
+/// Commits the stored offsets synchronously; whether the coordinator took them ("nothing
+/// stored since the last commit" counts as taken).
 fn commit(consumer: &BaseConsumer<WorkerContext>, subscriber: &str, what: &str) -> bool {
     match consumer.commit_consumer_state(CommitMode::Sync) {
         Ok(())

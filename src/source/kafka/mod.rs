@@ -2,7 +2,14 @@
 //!
 //! - [`consumer`](run_subscription): one consumer-group member per configured
 //!   subscription, offsets stored only up to each partition's durable watermark (G1),
-//!   flush-before-revoke, backpressure by pausing partitions, dead-letter topic.
+//!   flush-before-revoke, backpressure by pausing partitions, dead-letter topic
+//!   (`consumer.rs`; in `consumer/`: the subscription's thread `run.rs`, the changelog
+//!   side `changelog.rs`, `dead_letter.rs`). [`keying`] derives a record's key and routing
+//!   hash, [`OffsetTracker`] holds each partition's watermark.
+//! - [`changelog`] (`changelog = true`): claims and handler state that follow their
+//!   partitions between members — the record format, the producer with its fences, the
+//!   topic, restore and checkpoints (`changelog/`); [`compaction`] snapshots state and
+//!   tombstones the records of expired claims.
 //! - [`outbox`](run_relay): relays handler outbox rows with an idempotent producer.
 //! - [`DevBroker`]: librdkafka's mock cluster for development and tests.
 //! - [`check_clients`]: the options checked by creating the clients, without connecting.
