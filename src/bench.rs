@@ -76,6 +76,8 @@ pub struct BenchParams {
     pub partition_pointer: Option<String>,
     /// Random order ids instead of numbers in sequence (see `TrafficSpec`).
     pub random_order_ids: bool,
+    /// New events spread over this many orders (see `TrafficSpec::orders`).
+    pub orders: Option<u64>,
     /// Released messages between two points of [`BenchReport::series`].
     pub series_step: u64,
     /// Offered load in messages per second (`None`: as fast as the window allows). Each
@@ -271,6 +273,7 @@ pub fn run(
         mismatch_rate: params.mismatch_rate,
         subscribers: params.subscribers.max(1),
         random_order_ids: params.random_order_ids,
+        orders: params.orders,
     };
     let live = Arc::new(Live::new(params.window.max(1), params.rate));
     let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
@@ -583,6 +586,7 @@ mod tests {
             handler: None,
             partition_pointer: None,
             random_order_ids: false,
+            orders: None,
             series_step: 5_000,
             rate: None,
             config: Config::default(),

@@ -97,6 +97,7 @@ pub fn run(
         handler: handler.clone(),
         partition_pointer: Some("/order_id".into()),
         random_order_ids: false,
+        orders: None,
         series_step: 1_000_000,
         rate: None,
         config: Config::default(),
@@ -116,6 +117,7 @@ pub fn run(
         mismatch_rate: params.mismatch_rate,
         subscribers: params.subscribers,
         random_order_ids: false,
+        orders: None,
     });
     let subs: Vec<_> = (0..params.subscribers)
         .map(|i| ledger.subscriber(&format!("bench-{i}")))

@@ -307,6 +307,7 @@ pub fn run_compare(
         mismatch_rate: 0.0,
         subscribers: 1,
         random_order_ids: false,
+        orders: None,
     };
     let mut rows = Vec::new();
     let mut series = Vec::new();
@@ -324,6 +325,7 @@ pub fn run_compare(
         handler,
         partition_pointer: Some("/order_id".into()),
         random_order_ids: random,
+        orders: None,
         series_step: params.series_step,
         rate: None,
         config: params.config.clone(),
@@ -741,6 +743,7 @@ mod tests {
                 mismatch_rate: 0.0,
                 subscribers: 1,
                 random_order_ids: false,
+                orders: None,
             },
             batch: 10,
             clients: 3,

@@ -15,6 +15,9 @@ impl fmt::Display for BenchParams {
         if self.random_order_ids {
             write!(f, ", random order ids")?;
         }
+        if let Some(orders) = self.orders {
+            write!(f, ", {orders} orders")?;
+        }
         if let Some(rate) = self.rate {
             write!(f, ", offered at {rate} msgs/s")?;
         }

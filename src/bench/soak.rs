@@ -317,6 +317,7 @@ fn drive(
         mismatch_rate: 0.0,
         subscribers: params.subscribers.max(1),
         random_order_ids: false,
+        orders: None,
     });
     let window = params.window.max(1);
     let first_window = first_window(duration);

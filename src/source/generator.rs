@@ -21,6 +21,11 @@ pub struct TrafficSpec {
     /// `order_id` as 16 hex digits of a hash of the order number, instead of the number:
     /// what UUID-like ids look like to sorted state tables (any position, not appends).
     pub random_order_ids: bool,
+    /// Spread new events over this many orders (each event's order picked by a hash of
+    /// its index), so a handler keeping state per order mostly reads and updates state
+    /// that exists: the read-modify-write case. `None`: a new order per new event (and
+    /// [`ORDER_REUSE_RATE`] of them an earlier one's).
+    pub orders: Option<u64>,
 }
 
 /// Share of new events that carry an earlier event's order id under a fresh event id (a
@@ -107,6 +112,9 @@ impl Traffic {
     /// The order of event `index`: its own, or (for a few) an earlier event's.
     fn order_of(&self, index: u64) -> u64 {
         let r = mix(self.spec.seed.rotate_left(17) ^ index);
+        if let Some(orders) = self.spec.orders {
+            return mix(r) % orders.max(1);
+        }
         let unit = (r >> 11) as f64 / (1u64 << 53) as f64;
         if index > 0 && unit < ORDER_REUSE_RATE {
             mix(r) % index
@@ -172,7 +180,30 @@ mod tests {
             mismatch_rate: 0.01,
             subscribers: 3,
             random_order_ids: false,
+            orders: None,
         }
+    }
+
+    #[test]
+    fn a_fixed_number_of_orders_is_revisited() {
+        let mut t = Traffic::new(TrafficSpec {
+            orders: Some(100),
+            ..spec()
+        });
+        let mut ev = Event::default();
+        let mut orders = std::collections::HashMap::<u64, u32>::new();
+        let mut new_events = 0;
+        while t.next_into(&mut ev) {
+            if ev.expect == Some(Expect::New) {
+                new_events += 1;
+                *orders.entry(ev.order).or_default() += 1;
+            }
+        }
+        // About 8,900 new events over 100 orders: every order is revisited many times.
+        assert_eq!(orders.len(), 100);
+        assert!(orders.keys().all(|&o| o < 100));
+        assert!(orders.values().all(|&n| n > 30), "{orders:?}");
+        assert!(new_events > 8_000, "{new_events}");
     }
 
     #[test]

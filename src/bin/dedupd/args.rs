@@ -366,6 +366,11 @@ pub struct BenchArgs {
     /// numbers in sequence: handler state keys then land anywhere in the sorted tables.
     #[arg(long)]
     random_order_ids: bool,
+    /// Spread new messages over this many orders, so a handler with state per order reads
+    /// and updates existing state (e.g. `--handler …/fixture_counter.wasm --orders
+    /// 100000`); default: a new order per new message.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    orders: Option<u64>,
     /// With --handler: the subscribers' partition key, a JSON pointer into the payload
     /// (as the docs recommend for per-order state), or `none` to run each subscriber's
     /// handler on one shard. Ignored when --config sets a partition key.
@@ -409,6 +414,7 @@ impl BenchArgs {
             window: self.window,
             naive_messages: self.naive_messages.unwrap_or(self.messages),
             random_order_ids: self.random_order_ids,
+            orders: self.orders,
             series_step: self.series_step,
             rate: self.rate,
             dir: self.dir,

@@ -553,6 +553,7 @@ pub fn run(
         mismatch_rate: 0.0,
         subscribers: 1,
         random_order_ids: false,
+        orders: None,
     };
     let baseline_s = baseline(&brokers, &base_topic, spec, progress)?;
 
