@@ -90,12 +90,7 @@ fn serve_answers_over_tcp_and_stops_on_sigterm() {
     assert_eq!(first, again);
     drop(conn);
 
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let status = exit_within_30s(&mut child, "dedupd serve did not stop on SIGTERM");
+    let status = stop_with_sigterm(&mut child, "dedupd serve did not stop on SIGTERM");
     assert!(status.success(), "{status:?}");
 }
 
@@ -188,12 +183,7 @@ fn serve_logs_stopped_on_sigterm() {
         .unwrap();
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
     address_and_logs(&mut stderr);
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let status = exit_within_30s(&mut child, "dedupd serve did not stop on SIGTERM");
+    let status = stop_with_sigterm(&mut child, "dedupd serve did not stop on SIGTERM");
     assert!(status.success(), "{status:?}");
     let mut rest = String::new();
     stderr.read_to_string(&mut rest).unwrap();
@@ -236,12 +226,7 @@ fn run_with_http_serves_stdin_and_http_over_one_ledger() {
     let (status, _) = request(&mut conn, "GET", "/healthz", "", "");
     assert!(status.ends_with("200 OK"), "{status}");
     drop(conn);
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let status = exit_within_30s(&mut child, "dedupd run did not stop on SIGTERM");
+    let status = stop_with_sigterm(&mut child, "dedupd run did not stop on SIGTERM");
     assert!(status.success(), "{status:?}");
 }
 
@@ -257,12 +242,7 @@ fn sigterm_with_stdin_open_leaves_a_clean_data_directory() {
         &[],
         "open-1",
     );
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let status = exit_within_30s(&mut child, "dedupd run did not stop on SIGTERM");
+    let status = stop_with_sigterm(&mut child, "dedupd run did not stop on SIGTERM");
     assert!(status.success(), "{status:?}");
     drop(stdin);
     let report = inspect(&dir.path().join("data"), &[]);
@@ -365,6 +345,16 @@ fn run_serves_metrics_alone_on_its_own_listener() {
 }
 
 /// Waits up to 30 s for `child` to exit; panics with `what` if it does not.
+/// Sends SIGTERM to `child` and waits (at most 30 s, else fails with `what`) for it to exit.
+fn stop_with_sigterm(child: &mut std::process::Child, what: &str) -> std::process::ExitStatus {
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    exit_within_30s(child, what)
+}
+
 fn exit_within_30s(child: &mut std::process::Child, what: &str) -> std::process::ExitStatus {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -433,12 +423,7 @@ fn text_logs_into_a_pipe_have_no_colour_codes() {
         .unwrap();
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
     let (_, before) = address_and_logs(&mut stderr);
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let status = exit_within_30s(&mut child, "dedupd serve did not stop on SIGTERM");
+    let status = stop_with_sigterm(&mut child, "dedupd serve did not stop on SIGTERM");
     assert!(status.success(), "{status:?}");
     let mut rest = String::new();
     stderr.read_to_string(&mut rest).unwrap();

@@ -242,7 +242,7 @@ fn decode_value<T: serde::de::DeserializeOwned>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
     use super::*;
@@ -348,16 +348,20 @@ mod tests {
         assert_eq!(decode(&encode(&c).unwrap()).unwrap(), c);
     }
 
-    #[test]
-    fn emitted_records_round_trip() {
-        let message = |id: &str| crate::effects::OutboxMessage {
+    /// An emitted message with every field set (also for `restore.rs`'s tests).
+    pub(in crate::source::kafka::changelog) fn message(id: &str) -> crate::effects::OutboxMessage {
+        crate::effects::OutboxMessage {
             id: id.into(),
             topic: "payments.captured".into(),
             key: Some("p-1".into()),
             headers: vec![("h".into(), "v".into())],
             payload: vec![0, 255, 7],
             changelog_partition: Some(3),
-        };
+        }
+    }
+
+    #[test]
+    fn emitted_records_round_trip() {
         let e = Emitted {
             expires_at_ms: 42,
             message: message("m-1#emit#1"),

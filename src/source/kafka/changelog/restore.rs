@@ -366,14 +366,7 @@ mod tests {
 
     #[test]
     fn a_tombstone_takes_an_emitted_message_back() {
-        let message = |id: &str| crate::effects::OutboxMessage {
-            id: id.into(),
-            topic: "payments.captured".into(),
-            key: Some("p-1".into()),
-            headers: vec![("h".into(), "v".into())],
-            payload: vec![0, 255, 7],
-            changelog_partition: Some(3),
-        };
+        let message = super::super::record::tests::message;
         let (k1, k2) = (emitted_key("m-1#emit#1"), emitted_key("m-1#emit#2"));
         let mut u = Unrelayed::default();
         u.put(&k1, message("m-1#emit#1"));
