@@ -9,9 +9,25 @@ use super::RecordKind;
 
 // ---- Shard-wide -------------------------------------------------------------------------
 
-/// `format_version`, `shard_index`, `shard_count`, `next_table_id`, `next_quarantine_seq`,
-/// `next_outbox_seq`, `next_dead_seq`, and the outcome counters of `records/`.
+/// The keys of [`meta`], and the outcome counters of `records/`.
 pub const META: TableDefinition<&str, u64> = TableDefinition::new("meta_v1");
+
+/// Keys of the [`META`] table (part of the on-disk format: never rename one).
+pub mod meta {
+    /// The format the file is written in (`record::FORMAT_VERSION`).
+    pub const FORMAT_VERSION: &str = "format_version";
+    /// Which shard of how many the file is (checked against the manifest at open).
+    pub const SHARD_INDEX: &str = "shard_index";
+    pub const SHARD_COUNT: &str = "shard_count";
+    /// The next ids and sequence numbers to hand out.
+    pub const NEXT_TABLE_ID: &str = "next_table_id";
+    pub const NEXT_QUARANTINE_SEQ: &str = "next_quarantine_seq";
+    pub const NEXT_OUTBOX_SEQ: &str = "next_outbox_seq";
+    pub const NEXT_DEAD_SEQ: &str = "next_dead_seq";
+    /// Engine time of the last commit (format 8): a clock behind it at open is not
+    /// trusted.
+    pub const ENGINE_TIME_MS: &str = "engine_time_ms";
+}
 /// Subscriber -> placement mask: the placements its claims in this shard were written
 /// under (`placement.rs`).
 pub const PLACEMENTS: TableDefinition<&str, u8> = TableDefinition::new("placements_v1");

@@ -125,7 +125,7 @@ impl Shard {
     fn check_meta(&mut self, txn: &WriteTransaction) -> Result<Option<u64>, LedgerError> {
         let mut meta = txn.open_table(tables::META).map_err(|e| self.err(e))?;
         let version = meta
-            .get("format_version")
+            .get(tables::meta::FORMAT_VERSION)
             .map_err(|e| self.err(e))?
             .map(|v| v.value());
         match version {
@@ -139,13 +139,13 @@ impl Shard {
                 let index = self.ctx.index as u64;
                 let count = self.ctx.count as u64;
                 for (k, v) in [
-                    ("format_version", FORMAT_VERSION),
-                    ("shard_index", index),
-                    ("shard_count", count),
-                    ("next_table_id", 1),
-                    ("next_quarantine_seq", 1),
-                    ("next_outbox_seq", 1),
-                    ("next_dead_seq", 1),
+                    (tables::meta::FORMAT_VERSION, FORMAT_VERSION),
+                    (tables::meta::SHARD_INDEX, index),
+                    (tables::meta::SHARD_COUNT, count),
+                    (tables::meta::NEXT_TABLE_ID, 1),
+                    (tables::meta::NEXT_QUARANTINE_SEQ, 1),
+                    (tables::meta::NEXT_OUTBOX_SEQ, 1),
+                    (tables::meta::NEXT_DEAD_SEQ, 1),
                 ] {
                     meta.insert(k, v).map_err(|e| self.err(e))?;
                 }
@@ -161,7 +161,7 @@ impl Shard {
         }
         let upgrade_from = version.filter(|v| *v < FORMAT_VERSION);
         if upgrade_from.is_some() {
-            meta.insert("format_version", FORMAT_VERSION)
+            meta.insert(tables::meta::FORMAT_VERSION, FORMAT_VERSION)
                 .map_err(|e| self.err(e))?;
         }
         Ok(upgrade_from)
@@ -179,20 +179,23 @@ impl Shard {
                     detail: format!("meta key `{k}` is missing"),
                 })
         };
-        let index = get("shard_index")?;
-        let count = get("shard_count")?;
+        let index = get(tables::meta::SHARD_INDEX)?;
+        let count = get(tables::meta::SHARD_COUNT)?;
         if index != self.ctx.index as u64 || count != self.ctx.count as u64 {
             return Err(self.corrupt(format!(
                 "file says it is shard {index} of {count}, expected {} of {}",
                 self.ctx.index, self.ctx.count
             )));
         }
-        self.next_table_id = get("next_table_id")?;
-        self.next_quarantine_seq = get("next_quarantine_seq")?;
-        self.next_outbox_seq = get("next_outbox_seq")?;
-        self.next_dead_seq = get("next_dead_seq")?;
+        self.next_table_id = get(tables::meta::NEXT_TABLE_ID)?;
+        self.next_quarantine_seq = get(tables::meta::NEXT_QUARANTINE_SEQ)?;
+        self.next_outbox_seq = get(tables::meta::NEXT_OUTBOX_SEQ)?;
+        self.next_dead_seq = get(tables::meta::NEXT_DEAD_SEQ)?;
         // Written since format 8; a directory of an older one has no mark yet.
-        if let Some(t) = meta.get("engine_time_ms").map_err(|e| storage(&path, e))? {
+        if let Some(t) = meta
+            .get(tables::meta::ENGINE_TIME_MS)
+            .map_err(|e| storage(&path, e))?
+        {
             self.ctx
                 .time_mark
                 .fetch_max(t.value(), std::sync::atomic::Ordering::SeqCst);

@@ -196,16 +196,16 @@ impl Shard {
 
     pub(super) fn write_counters(&self, txn: &WriteTransaction) -> Result<(), LedgerError> {
         let mut meta = txn.open_table(tables::META).map_err(|e| self.err(e))?;
-        meta.insert("next_table_id", self.next_table_id)
+        meta.insert(tables::meta::NEXT_TABLE_ID, self.next_table_id)
             .map_err(|e| self.err(e))?;
-        meta.insert("next_quarantine_seq", self.next_quarantine_seq)
+        meta.insert(tables::meta::NEXT_QUARANTINE_SEQ, self.next_quarantine_seq)
             .map_err(|e| self.err(e))?;
-        meta.insert("next_outbox_seq", self.next_outbox_seq)
+        meta.insert(tables::meta::NEXT_OUTBOX_SEQ, self.next_outbox_seq)
             .map_err(|e| self.err(e))?;
-        meta.insert("next_dead_seq", self.next_dead_seq)
+        meta.insert(tables::meta::NEXT_DEAD_SEQ, self.next_dead_seq)
             .map_err(|e| self.err(e))?;
         // The high-water mark of engine time: the next start never begins below it.
-        meta.insert("engine_time_ms", self.ctx.clock.now_ms())
+        meta.insert(tables::meta::ENGINE_TIME_MS, self.ctx.clock.now_ms())
             .map_err(|e| self.err(e))?;
         Ok(())
     }
