@@ -26,11 +26,13 @@ const RUST_LIB: &str = include_str!("scaffold/rust/lib.rs");
 const RUST_README: &str = include_str!("scaffold/rust/README.md");
 const RUST_EVENTS: &str = include_str!("scaffold/rust/events.jsonl");
 const RUST_GITIGNORE: &str = include_str!("scaffold/rust/gitignore");
+/// What `dedupd handler test --json` prints for `events.jsonl`: the Rust and the Python
+/// template do the same, so they share it (each template's build test runs `--expect`).
+const EXPECTED: &str = include_str!("scaffold/expected.jsonl");
 
 const PY_SDK: &str = include_str!("../plugins/sdk-python/dedupd_sdk.py");
 const PY_APP: &str = include_str!("scaffold/python/app.py");
 const PY_README: &str = include_str!("scaffold/python/README.md");
-const PY_EXPECTED: &str = include_str!("scaffold/python/expected.jsonl");
 const PY_GITIGNORE: &str = include_str!("scaffold/python/gitignore");
 /// The componentize-py version the Python SDK is built and tested with (the one
 /// `plugins/build-python.sh` installs; a test keeps the two equal).
@@ -131,7 +133,7 @@ impl Project {
                  rustup target add wasm32-wasip2    # once\n\
                  cargo build --release --target wasm32-wasip2\n\
                  dedupd handler check {wasm}\n\
-                 dedupd handler test {wasm} --input events.jsonl\n"
+                 dedupd handler test {wasm} --input events.jsonl --expect expected.jsonl\n"
             ),
             Lang::Python => format!(
                 "cd {dir}\n\
@@ -265,7 +267,7 @@ pub fn files(name: &str, lang: Lang) -> Result<Vec<(&'static str, String)>, Erro
             ("dedupd_sdk.py", PY_SDK.to_string()),
             ("wit/handler.wit", WIT.to_string()),
             ("events.jsonl", RUST_EVENTS.to_string()),
-            ("expected.jsonl", PY_EXPECTED.to_string()),
+            ("expected.jsonl", EXPECTED.to_string()),
             ("README.md", fill(PY_README)),
             (".gitignore", PY_GITIGNORE.to_string()),
         ]);
@@ -284,6 +286,7 @@ pub fn files(name: &str, lang: Lang) -> Result<Vec<(&'static str, String)>, Erro
         ),
         ("wit/handler.wit", WIT.to_string()),
         ("events.jsonl", RUST_EVENTS.to_string()),
+        ("expected.jsonl", EXPECTED.to_string()),
         ("README.md", fill(RUST_README)),
         (".gitignore", RUST_GITIGNORE.to_string()),
     ])

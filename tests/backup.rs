@@ -310,9 +310,11 @@ fn restore_refuses_a_damaged_backup_naming_the_file_and_writes_nothing() {
             &target.to_string_lossy(),
         ]);
         run.assert_refused(needles);
+        run.assert_refused(&["nothing was restored"]);
         assert!(!target.exists(), "{name}: the restore wrote {target:?}");
-        common::dedupd(&["restore", "--check", "--from", &bad.to_string_lossy()])
-            .assert_refused(needles);
+        let check = common::dedupd(&["restore", "--check", "--from", &bad.to_string_lossy()]);
+        check.assert_refused(needles);
+        check.assert_refused(&["nothing would be restored"]);
     }
 
     // A non-empty data directory is refused and left as it was.

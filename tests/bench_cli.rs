@@ -60,3 +60,44 @@ fn bench_rate_paces_the_offered_load() {
     let refused = common::dedupd(&["bench", "--rate", "0"]);
     assert_eq!(refused.code, Some(2), "{}", refused.stderr);
 }
+
+/// `dedupd demo` started outside the repository finds its handler beside the checkout the
+/// binary was built in (it used to look only under the current directory); a handler that
+/// is nowhere says where it looked and how to build it.
+#[test]
+fn demo_finds_its_handler_from_any_directory_and_says_where_it_looked() {
+    let built = common::component("shipping_label");
+    let elsewhere = tempfile::tempdir().unwrap();
+    let run = common::Run::of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_dedupd"))
+            .args(["demo", "--messages", "3000"])
+            .current_dir(elsewhere.path()),
+    );
+    run.assert_success();
+    let said = run
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("handler:"))
+        .unwrap_or_else(|| panic!("no handler line:\n{}", run.stderr));
+    assert!(said.contains("shipping_label.wasm"), "{said}");
+    let found = said
+        .trim_start_matches("handler: ")
+        .split(" (")
+        .next()
+        .unwrap();
+    assert_eq!(
+        std::fs::canonicalize(found).unwrap(),
+        std::fs::canonicalize(&built).unwrap()
+    );
+
+    let missing = common::Run::of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_dedupd"))
+            .args(["demo", "--messages", "10", "--handler", "nowhere.wasm"])
+            .current_dir(elsewhere.path()),
+    );
+    missing.assert_refused(&[
+        "looked in nowhere.wasm",
+        "plugins/build.sh",
+        "--handler none",
+    ]);
+}

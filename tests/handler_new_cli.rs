@@ -43,7 +43,7 @@ fn generated_project_builds_and_passes_check_and_test() {
     for step in [
         "cargo build --release --target wasm32-wasip2",
         "dedupd handler check target/wasm32-wasip2/release/demo_handler.wasm",
-        "dedupd handler test target/wasm32-wasip2/release/demo_handler.wasm --input events.jsonl",
+        "dedupd handler test target/wasm32-wasip2/release/demo_handler.wasm --input events.jsonl --expect expected.jsonl",
     ] {
         assert!(created.stdout.contains(step), "{}", created.stdout);
     }
@@ -55,6 +55,7 @@ fn generated_project_builds_and_passes_check_and_test() {
         "sdk/src/lib.rs",
         "wit/handler.wit",
         "events.jsonl",
+        "expected.jsonl",
         "README.md",
         ".gitignore",
     ] {
@@ -124,6 +125,21 @@ fn generated_project_builds_and_passes_check_and_test() {
     assert_eq!(state[0], &json!([{"key": "count/o-1", "value": 1}]));
     assert_eq!(state[2], &json!([{"key": "count/o-1", "value": 2}]));
     assert_eq!(state[3], &json!([{"key": "count/o-2", "value": 1}]));
+
+    // The shipped expectation is this component's behaviour.
+    let expected = project.join("expected.jsonl");
+    dedupd(&[
+        "handler",
+        "test",
+        wasm,
+        "--input",
+        events.to_str().unwrap(),
+        "--cpu-budget",
+        "2s",
+        "--expect",
+        expected.to_str().unwrap(),
+    ])
+    .assert_success();
 }
 
 #[test]

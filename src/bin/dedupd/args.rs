@@ -600,16 +600,31 @@ pub fn data_dir(flag: Option<PathBuf>, config: &Config) -> Result<PathBuf> {
     }
 }
 
-/// `dedupd demo --handler`: a path, or `none` for claims only; the path must exist.
+/// `dedupd demo --handler`: a path, or `none` for claims only; the path must exist. The
+/// default path is relative to the repository: it is looked for in the current directory
+/// and then in the checkout the binary was built in (`target/release/dedupd` is two levels
+/// below it), so the demo finds its handler when started from anywhere.
 pub fn demo_handler(handler: &str) -> Result<Option<PathBuf>> {
     if handler == "none" {
         return Ok(None);
     }
-    let h = PathBuf::from(handler);
-    if !h.exists() {
-        bail!("handler {} not found: build the plugins first (plugins/build.sh), or pass --handler none", h.display());
+    let mut candidates = vec![PathBuf::from(handler)];
+    if handler == DEFAULT_DEMO_HANDLER {
+        let checkout = std::env::current_exe()
+            .ok()
+            .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()));
+        candidates.extend(checkout.map(|root| root.join(DEFAULT_DEMO_HANDLER)));
     }
-    Ok(Some(h))
+    if let Some(found) = candidates.iter().find(|c| c.is_file()) {
+        return Ok(Some(found.clone()));
+    }
+    let looked: Vec<String> = candidates.iter().map(|c| c.display().to_string()).collect();
+    bail!(
+        "handler component not found (looked in {}): build it in the repository with \
+         `plugins/build.sh -p shipping-label` (scripts/demo does), pass --handler PATH, \
+         or --handler none for claims only",
+        looked.join(", ")
+    );
 }
 
 /// `--topic NAME` or `NAME:PARTITIONS` (4 partitions by default).

@@ -1,20 +1,21 @@
-//! The `dedupd` command line: parse (`args.rs`), load config, init tracing, run a library
-//! entry point, print. Only the binary uses anyhow.
+//! The `dedupd` command line: parse (`args.rs`), load config, init tracing (`output.rs`),
+//! run a library entry point, print; the longer commands are in `commands.rs`. Only the
+//! binary uses anyhow.
 
 mod args;
+mod commands;
+mod output;
 
-use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use clap::Parser;
 
-use args::{
-    data_dir, load_config, Cli, Command, ConfigCommand, HandlerCommand, LogFormat, StateCommand,
-};
+use args::{data_dir, load_config, Cli, Command, ConfigCommand, HandlerCommand, StateCommand};
+use commands::{bench_adversarial, demo, dev_broker, handler_test, restore};
 use dedupd::pipeline::{self, Mode, Summary};
 use dedupd::source::kafka;
+use output::{end_progress, init_logs, progress};
 
 /// Shard writers free what sources allocate (ids, payloads, batches); mimalloc handles that
 /// cross-thread pattern with far less contention than glibc malloc (measured in the bench).
@@ -37,27 +38,6 @@ fn tune_allocator() {
     #[allow(unsafe_code)]
     unsafe {
         libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 10_000);
-    }
-}
-
-/// Logs to stderr, as text or JSON lines, at `RUST_LOG`'s levels or the command's default:
-/// the long-running commands say what they do at `info`, the others only what went wrong.
-fn init_logs(format: LogFormat, command: &Command) {
-    let default = match command {
-        Command::Run { .. } | Command::Serve { .. } => "info",
-        _ => "warn",
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    // Colour only for a person at a terminal: a log file or journald gets plain text.
-    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    let logs = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi)
-        .with_env_filter(filter);
-    match format {
-        LogFormat::Text => logs.init(),
-        LogFormat::Json => logs.json().flatten_event(true).init(),
     }
 }
 
@@ -253,168 +233,6 @@ fn run(command: Command) -> Result<()> {
                 false => print!("{report}"),
             }
         }
-    }
-    Ok(())
-}
-
-/// `dedupd bench adversarial`.
-fn bench_adversarial(args: args::AdversarialArgs) -> Result<()> {
-    let json = args.json;
-    let params = args.params()?;
-    let report = dedupd::bench::run_adversarial(&params, |phase| eprintln!("== {phase}"))?;
-    match json {
-        true => println!("{}", serde_json::to_string(&report)?),
-        false => print!("{report}"),
-    }
-    if !report.verified() {
-        bail!("outcomes, claims or counts differ from the traffic (lines marked PROBLEM)");
-    }
-    Ok(())
-}
-
-/// `dedupd handler test`.
-fn handler_test(args: args::HandlerTestArgs) -> Result<()> {
-    use dedupd::harness;
-    if !args.file.exists() {
-        bail!("handler {} not found", args.file.display());
-    }
-    let messages = harness::read_messages(&args.input)?;
-    let seed = match &args.state {
-        Some(p) => harness::read_state(p)?,
-        None => harness::Seed::default(),
-    };
-    let expected = match &args.expect {
-        Some(p) => Some(
-            std::fs::read_to_string(p)
-                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))?,
-        ),
-        None => None,
-    };
-    let options = harness::Options {
-        component: args.file,
-        config: load_config(args.config.as_deref())?,
-        subscriber: args.subscriber,
-        now_ms: args.now_ms,
-        cpu_budget: args.cpu_budget,
-    };
-    let reports = harness::run(&options, &messages, &seed)?;
-    if let (Some(path), Some(expected)) = (&args.expect, expected) {
-        let file = path.display().to_string();
-        match harness::compare(&file, &expected, &reports) {
-            Ok(n) => println!("ok: {n} messages as expected in {file}"),
-            Err(diff) => {
-                eprint!("{diff}");
-                bail!("the output differs from {file}");
-            }
-        }
-        return Ok(());
-    }
-    let mut out = std::io::stdout().lock();
-    match args.json {
-        true => out.write_all(harness::json_lines(&reports).as_bytes())?,
-        false => harness::write_human(&reports, &mut out)?,
-    }
-    out.flush()?;
-    Ok(())
-}
-
-/// `dedupd restore`: verify only (no data directory), or verify, restore and load.
-fn restore(from: &std::path::Path, data_dir: Option<PathBuf>, json: bool) -> Result<()> {
-    let Some(data_dir) = data_dir else {
-        let manifest = dedupd::backup::verify(from)?;
-        match json {
-            true => println!("{}", serde_json::to_string_pretty(&manifest)?),
-            false => println!(
-                "backup {}: {} files verified (taken {}, dedupd {})",
-                from.display(),
-                manifest.files.len(),
-                if manifest.online { "online" } else { "offline" },
-                manifest.dedupd_version
-            ),
-        }
-        return Ok(());
-    };
-    let (manifest, report) = dedupd::backup::restore(from, &data_dir)?;
-    match json {
-        true => println!(
-            "{}",
-            serde_json::to_string_pretty(
-                &serde_json::json!({"backup": manifest, "restored": report})
-            )?
-        ),
-        false => {
-            println!(
-                "restored {} files from {} into {}; it opens read-only:",
-                manifest.files.len(),
-                from.display(),
-                data_dir.display()
-            );
-            dedupd::inspect::write_table(&report, std::io::stdout().lock())?;
-        }
-    }
-    Ok(())
-}
-
-/// Rewrites the live progress line on stderr.
-/// A progress line: rewritten in place on a terminal; elsewhere (a log file, journald, a
-/// pipe) a plain line at most every [`PROGRESS_EVERY`], so `\r` updates never pile onto one
-/// line of a log.
-fn progress(line: &dyn std::fmt::Display) {
-    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
-    let mut err = std::io::stderr().lock();
-    if err.is_terminal() {
-        let _ = write!(err, "\r{line}   ");
-        let _ = err.flush();
-        return;
-    }
-    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
-    if last.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
-        *last = Some(std::time::Instant::now());
-        let _ = writeln!(err, "{line}");
-    }
-}
-
-/// How often progress is printed when stderr is not a terminal.
-const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Ends a progress line on a terminal (elsewhere every progress line is whole already).
-fn end_progress() {
-    if std::io::stderr().is_terminal() {
-        eprintln!();
-    }
-}
-
-fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
-    let shutdown = pipeline::Shutdown::new();
-    shutdown.on_signals()?;
-    let broker = kafka::DevBroker::start(brokers)?;
-    for t in topics {
-        let (name, partitions) = args::topic(t)?;
-        broker.create_topic(name, partitions)?;
-    }
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", broker.bootstrap_servers())?;
-    out.flush()?;
-    drop(out);
-    eprintln!(
-        "dedupd dev-broker: mock Kafka cluster at {} (in memory; stop with Ctrl-C)",
-        broker.bootstrap_servers()
-    );
-    shutdown.wait();
-    Ok(())
-}
-
-fn demo(messages: u64, handler: Option<PathBuf>) -> Result<()> {
-    eprintln!("dedupd demo: {messages} OrderPlaced events for 3 subscribers, 12% redeliveries, 0.2% reused ids with other payloads, 2% new events for an order seen before; durable commits on a temporary data directory");
-    match &handler {
-        Some(h) => eprintln!("handler: {} (one shipping label per order)", h.display()),
-        None => eprintln!("handler: none (claims only)"),
-    }
-    let report = dedupd::demo::run(messages, PathBuf::from("."), handler, |p| progress(&p))?;
-    end_progress();
-    print!("{report}");
-    if !report.holds() {
-        bail!("the demo saw a wrong outcome");
     }
     Ok(())
 }
