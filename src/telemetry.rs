@@ -3,6 +3,8 @@
 
 use hdrhistogram::Histogram;
 
+pub mod process;
+
 /// Latency histogram in microseconds, 1 µs to 1 h, 3 significant digits.
 pub struct Latency(Histogram<u64>);
 

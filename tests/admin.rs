@@ -1170,6 +1170,32 @@ async fn metrics_are_prometheus_text() {
     }
 }
 
+/// The process metrics every Prometheus client exports, so the usual "CPU, memory, file
+/// descriptors" panels work without a node exporter per host.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_include_the_process_cpu_memory_and_descriptors() {
+    let api = Api::open();
+    let r = api.call("GET", "/metrics", None).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let value = |name: &str| -> f64 {
+        let line = r
+            .text
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no {name} in:\n{}", r.text));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(value("process_resident_memory_bytes") > 1e6);
+    assert!(value("process_cpu_seconds_total") > 0.0);
+    assert!(value("process_open_fds") >= 3.0);
+    assert!(value("process_max_fds") >= value("process_open_fds"));
+    assert!(value("process_threads") >= 1.0);
+    assert!(value("process_start_time_seconds") > 1.7e9);
+    for (name, _) in dedupd::telemetry::process::HELP {
+        assert!(r.text.contains(&format!("# HELP {name} ")), "{name}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_exported_metric_name_is_listed_in_telemetry() {
     let api = Api::open();

@@ -34,7 +34,7 @@ impl Run {
                 keys.sort_unstable();
                 assert_eq!(
                     keys,
-                    ["id", "outcome", "reason", "seq", "subscriber"],
+                    ["id", "key", "outcome", "reason", "seq", "subscriber"],
                     "fields of {l}"
                 );
                 v
@@ -1269,4 +1269,88 @@ fn state_dump_of_an_unknown_subscriber_fails_naming_it() {
         b"",
     );
     known.assert_success();
+}
+
+/// The start line counts the subscribers the config names (it said `subscribers=0` while
+/// none had been used yet), and the closing summary is logged as fields, not as a Rust
+/// `Debug` dump (`summary=PipeSummary { lines: 2, … }`).
+#[test]
+fn start_and_end_lines_count_in_fields() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "two.toml",
+        "[[subscriber]]\nname = \"orders\"\n\n[[subscriber]]\nname = \"payments\"\n",
+    );
+    let input = jsonl(&[
+        json!({"subscriber": "orders", "id": "a", "payload": {}}),
+        json!({"subscriber": "orders", "id": "a", "payload": {}}),
+    ]);
+    // Pipe mode logs at `warn` unless told otherwise.
+    let input_file = tmp.path().join("in.jsonl");
+    std::fs::write(&input_file, input).unwrap();
+    let out = Command::new(BIN)
+        .args(["pipe", "--data-dir"])
+        .arg(tmp.path().join("data"))
+        .arg("--config")
+        .arg(&cfg)
+        .env("RUST_LOG", "info")
+        .stdin(std::fs::File::open(&input_file).unwrap())
+        .output()
+        .unwrap();
+    let run = Run {
+        code: out.status.code(),
+        stdout: String::from_utf8(out.stdout).unwrap(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    run.assert_success();
+    let ready = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("ready:"))
+        .unwrap_or_else(|| panic!("no ready line in:\n{}", run.stderr));
+    assert!(ready.contains("subscribers=2"), "{ready}");
+    assert!(ready.contains("handlers=0"), "{ready}");
+    let end = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("input ended"))
+        .unwrap_or_else(|| panic!("no summary line in:\n{}", run.stderr));
+    for field in ["lines=2", "processed=1", "duplicate=1", "rejected=0"] {
+        assert!(end.contains(field), "{field} missing in {end}");
+    }
+    assert!(!end.contains("PipeSummary"), "{end}");
+}
+
+/// Every outcome line says both what the line called itself (`id`, as sent) and the key
+/// its claim is under (`key`): processed lines used to print the derived key as `id`, and
+/// rejected ones the input id, so `id` meant two things.
+#[test]
+fn outcome_lines_carry_the_input_id_and_the_claim_key_apart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        "keyed.toml",
+        "[[subscriber]]\nname = \"orders\"\nkey = { source = \"json_pointer\", pointer = \"/order\" }\n",
+    );
+    let input = jsonl(&[
+        json!({"subscriber": "orders", "id": "evt-1", "payload": {"order": "o-7"}}),
+        json!({"subscriber": "orders", "id": "evt-2", "payload": {"order": "o-7"}}),
+        json!({"subscriber": "orders", "id": "evt-3", "payload": {"no_order": 1}}),
+    ]);
+    let run = pipe_cfg(&tmp.path().join("data"), Some(&cfg), input);
+    run.assert_success();
+    let lines = run.lines();
+    let fields: Vec<(&Value, &Value, &Value)> = lines
+        .iter()
+        .map(|l| (&l["id"], &l["key"], &l["outcome"]))
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            (&json!("evt-1"), &json!("o-7"), &json!("processed")),
+            (&json!("evt-2"), &json!("o-7"), &json!("duplicate")),
+            (&json!("evt-3"), &Value::Null, &json!("rejected")),
+        ]
+    );
 }

@@ -431,3 +431,40 @@ fn text_logs_into_a_pipe_have_no_colour_codes() {
     assert!(all.contains("INFO"), "no info lines: {all}");
     assert!(!all.contains('\u{1b}'), "colour codes in: {all:?}");
 }
+
+/// Under systemd's `Type=notify` (packaging/systemd/dedupd.service) the start counts as
+/// done when dedupd says `READY=1` on `NOTIFY_SOCKET`: after the API is bound, not at
+/// exec; a stop says `STOPPING=1` first.
+#[test]
+fn serve_tells_the_service_manager_when_it_is_ready_and_stopping() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket_path = dir.path().join("notify.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut child = dedupd()
+        .args(["serve", "--bind", "127.0.0.1:0"])
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .env("NOTIFY_SOCKET", &socket_path)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let addr = address(&mut stderr);
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+    let mut buf = [0u8; 512];
+    let n = socket
+        .recv(&mut buf)
+        .expect("a notification before the timeout");
+    let ready = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
+    // Ready means the API answers.
+    TcpStream::connect(&addr).unwrap();
+    let status = stop_with_sigterm(&mut child, "dedupd serve did not stop on SIGTERM");
+    assert!(status.success(), "{status:?}");
+    let n = socket.recv(&mut buf).expect("a notification on stop");
+    let stopping = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping:?}");
+}

@@ -14,7 +14,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use super::{AdminState, ApiError};
 use crate::ledger::{ShardMetrics, SubscriberCounters, SubscriberReport};
-use crate::telemetry::metric;
+use crate::telemetry::{metric, process};
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -31,7 +31,7 @@ pub(super) fn install() {
         let handle = recorder.handle();
         match metrics::set_global_recorder(recorder) {
             Ok(()) => {
-                for (name, help) in metric::HELP {
+                for (name, help) in metric::HELP.iter().chain(process::HELP) {
                     // One description per name, whatever its kind.
                     metrics::describe_gauge!(*name, *help);
                 }
@@ -70,7 +70,25 @@ fn sample(st: &AdminState) -> Result<(), ApiError> {
     } else {
         0.0
     });
+    sample_process();
     Ok(())
+}
+
+/// The `process_*` metrics of this process (Linux; none elsewhere). CPU seconds are a
+/// gauge to the facade (its counters are integers) and render as such.
+fn sample_process() {
+    let Some(p) = process::read() else {
+        return;
+    };
+    gauge!(process::CPU_SECONDS_TOTAL).set(p.cpu_seconds);
+    gauge!(process::RESIDENT_MEMORY_BYTES).set(p.resident_bytes as f64);
+    gauge!(process::VIRTUAL_MEMORY_BYTES).set(p.virtual_bytes as f64);
+    gauge!(process::OPEN_FDS).set(p.open_fds as f64);
+    if let Some(max) = p.max_fds {
+        gauge!(process::MAX_FDS).set(max as f64);
+    }
+    gauge!(process::START_TIME_SECONDS).set(p.start_time_seconds);
+    gauge!(process::THREADS).set(p.threads as f64);
 }
 
 /// One subscriber's live counters.

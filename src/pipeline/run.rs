@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::serve::HttpServer;
+use super::shutdown::notify_service_manager;
 use super::UploadError;
 use super::{install_handlers, Cause, Shutdown};
 use crate::admin::HttpConfig;
@@ -103,7 +104,12 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
     install_handlers(&ledger, config)?;
     tracing::info!(
         shards = ledger.shard_count(),
-        subscribers = ledger.subscribers().len(),
+        subscribers = config.subscribers.len(),
+        handlers = ledger
+            .subscribers()
+            .iter()
+            .filter(|s| s.has_handler())
+            .count(),
         open_ms = started.elapsed().as_millis() as u64,
         "ready: claims, filters and handlers loaded"
     );
@@ -147,13 +153,19 @@ fn pipe(ledger: &Ledger, config: &Config, shutdown: &Shutdown) -> Result<PipeSum
                 std::process::exit(1);
             }
         })?;
+    ready();
     let summary = run_pipe(ledger, config, std::io::stdin().lock(), std::io::stdout());
     if summary.is_ok() {
         shutdown.trigger(Cause::Requested);
     }
     let summary = summary?;
     tracing::info!(
-        ?summary,
+        lines = summary.lines,
+        processed = summary.processed,
+        duplicate = summary.duplicate,
+        quarantined = summary.quarantined,
+        dead_lettered = summary.dead_lettered,
+        rejected = summary.rejected,
         "input ended; every outcome is durable and printed"
     );
     Ok(summary)
@@ -168,6 +180,7 @@ fn serve(
 ) -> Result<Summary, RunError> {
     shutdown.on_signals()?;
     let server = HttpServer::start(ledger, config, http, shutdown.clone())?;
+    ready();
     if stdin {
         let (config, ledger) = (config.clone(), ledger.clone());
         // Pipe mode on its own thread, so a signal ends the process even while stdin is open.
@@ -215,14 +228,43 @@ fn run_kafka(
         Some(http) => Some(HttpServer::start(ledger, config, http, Shutdown::new())?),
         None => None,
     };
+    ready();
     let result = kafka::run(ledger.clone(), kafka_config, shutdown);
     if let Some(server) = server {
         server.stop()?;
     }
     let summary = result?;
+    let s = &summary;
     tracing::info!(
-        ?summary,
+        received = s.received,
+        released = s.released,
+        processed = s.processed,
+        duplicate = s.duplicate,
+        quarantined = s.quarantined,
+        dead_lettered = s.dead_lettered,
+        rejected = s.rejected,
+        revoked_partitions = s.revoked_partitions,
+        revoke_commit_failures = s.revoke_commit_failures,
+        shared_group_rebalances = s.shared_group_rebalances,
+        restored_changes = s.restored_changes,
+        restored_emitted = s.restored_emitted,
+        restored_records = s.restored_records,
+        changelog_tombstones = s.changelog_tombstones,
+        changelog_snapshots = s.changelog_snapshots,
+        outbox_relayed = s.outbox_relayed,
         "stopped; every stored offset covers durable outcomes"
     );
     Ok(summary)
+}
+
+/// The ledger is open, its handlers installed and the listeners bound: tells systemd
+/// (`Type=notify`). Whether a source can reach its broker is `/readyz`'s business.
+fn ready() {
+    notify_service_manager(
+        &[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status("ready"),
+        ],
+        "ready",
+    );
 }

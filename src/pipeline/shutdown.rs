@@ -45,6 +45,7 @@ impl Shutdown {
             .name("dedupd-signals".into())
             .spawn(move || {
                 if signals.forever().next().is_some() {
+                    notify_service_manager(&[sd_notify::NotifyState::Stopping], "stopping");
                     me.trigger(Cause::Signal);
                 }
             })?;
@@ -129,6 +130,15 @@ impl Shutdown {
 impl std::fmt::Debug for Shutdown {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_tuple("Shutdown").field(&self.cause()).finish()
+    }
+}
+
+/// Tells the service manager what the process is doing (`sd_notify`: the unit's
+/// `Type=notify` waits for `READY=1` before it counts the start as done); nothing when
+/// `NOTIFY_SOCKET` is unset. A failure is logged: systemd's start timeout then says the rest.
+pub(crate) fn notify_service_manager(state: &[sd_notify::NotifyState], what: &str) {
+    if let Err(e) = sd_notify::notify(state) {
+        tracing::warn!(error = %e, "could not tell the service manager (NOTIFY_SOCKET) that dedupd is {what}");
     }
 }
 

@@ -52,7 +52,11 @@ pub struct PipeSummary {
 struct OutcomeLine<'a> {
     seq: u64,
     subscriber: Option<&'a str>,
+    /// The line's `id` field as sent (`null` when it had none or did not parse).
     id: Option<&'a str>,
+    /// The idempotency key the claim is under, as the subscriber's key source derived it
+    /// (`null` when the line was rejected before it had one).
+    key: Option<&'a str>,
     outcome: &'a str,
     reason: Option<String>,
 }
@@ -61,6 +65,7 @@ struct OutcomeLine<'a> {
 struct LineMeta {
     subscriber: Option<Arc<str>>,
     id: Option<String>,
+    key: Option<String>,
     /// Bytes of the budget the line holds until it is printed.
     bytes: usize,
 }
@@ -202,6 +207,7 @@ fn read_lines<R: Read>(
                 LineMeta {
                     subscriber: None,
                     id: None,
+                    key: None,
                     bytes: 0,
                 },
                 format!("line of {bytes} bytes is longer than pipe.max_line_bytes ({max_line})"),
@@ -327,6 +333,7 @@ fn decide_line(
     let none = || LineMeta {
         subscriber: None,
         id: None,
+        key: None,
         bytes: 0,
     };
     if text.iter().all(|b| b.is_ascii_whitespace()) {
@@ -351,7 +358,8 @@ fn decide_line(
             routed.job.seq = seq;
             let meta = LineMeta {
                 subscriber: Some(routed.sub.name.clone()),
-                id: Some(routed.job.id.to_string()),
+                id,
+                key: Some(routed.job.id.to_string()),
                 bytes: 0,
             };
             Ok((meta, routed))
@@ -360,6 +368,7 @@ fn decide_line(
             LineMeta {
                 subscriber: None,
                 id,
+                key: None,
                 bytes: 0,
             },
             e.to_string(),
@@ -369,6 +378,7 @@ fn decide_line(
                 subscriber: Some(subscriber),
                 // Never echo a huge id back; the reason already says how long it was.
                 id: id.map(|s| s.chars().take(128).collect::<String>()),
+                key: None,
                 bytes: 0,
             },
             error.to_string(),
@@ -380,7 +390,8 @@ fn decide_line(
         }) => Err((
             LineMeta {
                 subscriber: Some(subscriber),
-                id: Some(key.text),
+                id,
+                key: Some(key.text),
                 bytes: 0,
             },
             error.to_string(),
@@ -435,6 +446,7 @@ fn print_outcomes(
             let m = metas.remove(&seq).unwrap_or(LineMeta {
                 subscriber: None,
                 id: None,
+                key: None,
                 bytes: 0,
             });
             match &outcome {
@@ -450,6 +462,7 @@ fn print_outcomes(
                 seq,
                 subscriber: m.subscriber.as_deref(),
                 id: m.id.as_deref(),
+                key: m.key.as_deref(),
                 outcome: outcome.name(),
                 reason: outcome.reason(),
             };

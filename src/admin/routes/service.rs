@@ -23,6 +23,17 @@ pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Value>> {
             "the engine stopped after a storage error; see its log".into(),
         ));
     }
+    let failing = crate::source::health::failing(crate::source::health::GRACE);
+    if !failing.is_empty() {
+        let why: Vec<String> = failing
+            .iter()
+            .map(|(s, why)| format!("{s}: {why}"))
+            .collect();
+        return Err(ApiError::Unavailable(format!(
+            "a source cannot do its work: {}",
+            why.join("; ")
+        )));
+    }
     Ok(Json(json!({
         "status": "ready",
         "shards": st.ledger().shard_count(),

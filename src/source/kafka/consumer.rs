@@ -45,6 +45,7 @@ use crate::config::SubscriberSettings;
 use crate::envelope::Envelope;
 use crate::ledger::{Done, Job, Ledger, Origin, Outcome, Subscriber};
 use crate::source::delivery::{envelope, Delivery, Keying, Routed, Target};
+use crate::source::health;
 use crate::telemetry::Latency;
 
 use super::keying::{self, raw_header_key_hash, RecordView};
@@ -167,6 +168,8 @@ struct Counts {
 struct WorkerContext {
     worker: Mutex<Worker>,
     subscriber: Arc<str>,
+    /// This subscription's name in `crate::source::health` (`/readyz`).
+    source: String,
 }
 
 impl WorkerContext {
@@ -176,7 +179,37 @@ impl WorkerContext {
 }
 
 impl ClientContext for WorkerContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        super::logging::log(level, fac, message);
+    }
+
+    /// librdkafka says "all brokers down" at once; `/readyz` fails after its grace period.
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        if error.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::AllBrokersDown) {
+            health::down(
+                &self.source,
+                &format!("no Kafka broker reachable: {reason}"),
+            );
+        }
+        super::logging::error(&error, reason);
+    }
+
     fn stats(&self, statistics: Statistics) {
+        // Reachable while any broker connection is up (bootstrap entries included).
+        let up = statistics.brokers.values().any(|b| b.state == "UP");
+        if up {
+            health::up(&self.source);
+        } else {
+            let states: Vec<String> = statistics
+                .brokers
+                .values()
+                .map(|b| format!("{} {}", b.nodename, b.state))
+                .collect();
+            health::down(
+                &self.source,
+                &format!("no Kafka broker reachable ({})", states.join(", ")),
+            );
+        }
         for (topic, t) in &statistics.topics {
             for (partition, p) in &t.partitions {
                 if *partition < 0 || p.consumer_lag_stored < 0 {

@@ -13,6 +13,8 @@
 //! - [`outbox`](run_relay): relays handler outbox rows with an idempotent producer.
 //! - [`DevBroker`]: librdkafka's mock cluster for development and tests.
 //! - [`check_clients`]: the options checked by creating the clients, without connecting.
+//! - `logging.rs`: librdkafka's log lines and errors at a bounded rate; broker
+//!   reachability goes to `/readyz` through `crate::source::health`.
 //! - [`bench`](mod@bench): consume-only baseline against consume -> dedup -> handler -> offsets.
 //!
 //! Dead letters on the topic carry the original key, payload and headers plus
@@ -28,6 +30,7 @@ pub mod compaction;
 mod config;
 mod consumer;
 pub mod keying;
+mod logging;
 mod offsets;
 mod outbox;
 

@@ -32,7 +32,15 @@ struct RelayContext {
     tx: Sender<(usize, Result<(), String>)>,
 }
 
-impl ClientContext for RelayContext {}
+impl ClientContext for RelayContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        crate::source::kafka::logging::log(level, fac, message);
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        crate::source::kafka::logging::error(&error, reason);
+    }
+}
 
 impl ProducerContext for RelayContext {
     type DeliveryOpaque = usize;

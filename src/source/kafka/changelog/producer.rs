@@ -49,7 +49,15 @@ struct PublishContext {
     acked: Acked,
 }
 
-impl ClientContext for PublishContext {}
+impl ClientContext for PublishContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        crate::source::kafka::logging::log(level, fac, message);
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        crate::source::kafka::logging::error(&error, reason);
+    }
+}
 
 impl ProducerContext for PublishContext {
     type DeliveryOpaque = Arc<Pending>;

@@ -21,7 +21,15 @@ pub(super) struct DeliveryContext {
     pub(super) tx: Sender<DeliveryReport>,
 }
 
-impl ClientContext for DeliveryContext {}
+impl ClientContext for DeliveryContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        crate::source::kafka::logging::log(level, fac, message);
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        crate::source::kafka::logging::error(&error, reason);
+    }
+}
 
 impl ProducerContext for DeliveryContext {
     type DeliveryOpaque = usize;

@@ -16,6 +16,7 @@ use super::{
     SourceStats, Worker, WorkerContext, BURST,
 };
 use crate::ledger::{Done, Ledger};
+use crate::source::health;
 use crate::source::kafka::{producer_config, KafkaConfig, KafkaError, SubscriptionConfig};
 use crate::telemetry::Latency;
 
@@ -41,6 +42,7 @@ pub fn run_subscription(
     options: &RunOptions,
 ) -> Result<Option<Latency>, KafkaError> {
     let consumer = start_consumer(ledger, kafka, subscription, stats.clone(), options)?;
+    let _health = HealthGuard(consumer.context().source.clone());
     let name = consumer.context().subscriber.clone();
     let mut last_log = Instant::now();
     let mut last_released = 0;
@@ -86,6 +88,15 @@ pub fn run_subscription(
     );
     drop(consumer);
     Ok(latency)
+}
+
+/// Takes the subscription out of `/readyz`'s sources when its thread ends, however it ends.
+struct HealthGuard(String);
+
+impl Drop for HealthGuard {
+    fn drop(&mut self) {
+        health::stopped(&self.0);
+    }
 }
 
 /// After a rebalance: if this member holds only some partitions of a subscribed topic,
@@ -182,9 +193,16 @@ fn start_consumer(
         assignment_changed: false,
         changelog: None,
     };
+    let source = format!(
+        "kafka subscriber {} (topics {})",
+        sub.name,
+        subscription.topics.join(", ")
+    );
+    health::starting(&source, "no Kafka broker reached yet");
     let ctx = WorkerContext {
         worker: Mutex::new(worker),
         subscriber: sub.name.clone(),
+        source,
     };
     let consumer: BaseConsumer<WorkerContext> = consumer_config(kafka, subscription)
         .create_with_context(ctx)
@@ -216,7 +234,7 @@ fn poll_round(consumer: &BaseConsumer<WorkerContext>, name: &str) {
                 got += 1;
             }
             Some(Err(e)) => {
-                tracing::warn!(subscriber = %name, "kafka consumer error: {e}");
+                super::super::logging::consumer_error(name, &e);
                 break;
             }
             None => break,
@@ -235,7 +253,7 @@ fn poll_round(consumer: &BaseConsumer<WorkerContext>, name: &str) {
     if got == 0 && !in_flight {
         match consumer.poll(Duration::from_millis(50)) {
             Some(Ok(m)) => consumer.context().lock().accept(consumer, &m, now_ms()),
-            Some(Err(e)) => tracing::warn!(subscriber = %name, "kafka consumer error: {e}"),
+            Some(Err(e)) => super::super::logging::consumer_error(name, &e),
             None => {}
         }
     }
