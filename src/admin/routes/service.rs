@@ -23,6 +23,10 @@ pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Value>> {
             "the engine stopped after a storage error; see its log".into(),
         ));
     }
+    // A broker source that lost its connection takes nothing until it reconnects.
+    if let Some(reason) = crate::source::readiness::unready() {
+        return Err(ApiError::Unavailable(format!("not ready: {reason}")));
+    }
     Ok(Json(json!({
         "status": "ready",
         "shards": st.ledger().shard_count(),
