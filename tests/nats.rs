@@ -139,10 +139,18 @@ impl Broker {
     /// Publishes and waits for every `PubAck`; returns how many JetStream stored (not
     /// dropped as duplicates of its own window).
     fn publish(&self, msgs: &[Msg]) -> usize {
+        self.publish_with(msgs, &[])
+    }
+
+    /// [`Broker::publish`], every message with the `extra` headers too.
+    fn publish_with(&self, msgs: &[Msg], extra: &[(&str, &str)]) -> usize {
         self.rt.block_on(async {
             let mut acks = Vec::new();
             for (i, m) in msgs.iter().enumerate() {
                 let mut headers = async_nats::HeaderMap::new();
+                for (k, v) in extra {
+                    headers.insert(*k, *v);
+                }
                 if let Some(id) = &m.id {
                     headers.insert("Nats-Msg-Id", id.as_str());
                 }
@@ -257,9 +265,15 @@ ack_wait = "{ack_wait}"
 }
 
 /// Runs the source in this process until the consumer has nothing pending or
-/// unacknowledged, then stops it; returns its summary and the reopened ledger.
+/// unacknowledged, then stops it; returns its summary and the ledger.
 fn run_until_drained(broker: &Broker, config: &Config, data: &Path) -> (NatsSummary, Ledger) {
+    run_until(config, data, || broker.pending(STREAM, DURABLE) == (0, 0))
+}
+
+/// Runs the source in this process until `done` (asked from 300 ms on), then stops it.
+fn run_until(config: &Config, data: &Path, done: impl Fn() -> bool) -> (NatsSummary, Ledger) {
     let ledger = Arc::new(Ledger::open(data, config, Arc::new(SystemClock)).unwrap());
+    dedupd::pipeline::install_handlers(&ledger, config).unwrap();
     let shutdown = Shutdown::new();
     let nats_config = config.nats.clone().unwrap();
     let summary = std::thread::scope(|scope| {
@@ -270,8 +284,8 @@ fn run_until_drained(broker: &Broker, config: &Config, data: &Path) -> (NatsSumm
         };
         // The consumer exists once the source started; then nothing may stay pending.
         std::thread::sleep(Duration::from_millis(300));
-        wait_until("the consumer drained", Duration::from_secs(60), || {
-            shutdown.is_triggered() || broker.pending(STREAM, DURABLE) == (0, 0)
+        wait_until("the stop condition", Duration::from_secs(60), || {
+            shutdown.is_triggered() || done()
         });
         shutdown.trigger(Cause::Requested);
         runner.join().unwrap()
@@ -671,4 +685,90 @@ fn readyz_is_503_while_nats_is_down_and_the_source_resumes_after_a_server_restar
         n["received"].as_u64().unwrap(),
         "{summary}"
     );
+}
+
+/// Two engines (data directories of their own) bound to one durable consumer: the server
+/// spreads the messages between them, each message is processed by one of them and
+/// acknowledged once.
+#[test]
+fn two_instances_share_one_durable_consumer_and_each_message_is_acked_once() {
+    let server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    broker.create_consumer(STREAM, DURABLE, Duration::from_secs(30));
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text(&server.url, None, "30s").replace("batch = 128", "batch = 16");
+    let config = Config::parse(&text).unwrap();
+    let (a, b) = std::thread::scope(|scope| {
+        let run = |name: &'static str| {
+            let (config, data, url) = (&config, dir.path().join(name), &server.url);
+            scope.spawn(move || {
+                let mine = Broker::connect(url);
+                let started = Instant::now();
+                run_until(config, &data, || {
+                    started.elapsed() > Duration::from_secs(2)
+                        && mine.pending(STREAM, DURABLE) == (0, 0)
+                })
+            })
+        };
+        let (a, b) = (run("a"), run("b"));
+        // Both pull before anything is published.
+        std::thread::sleep(Duration::from_millis(1000));
+        assert_eq!(broker.publish(&order_msgs(0..2000)), 2000);
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let (sa, la) = a;
+    let (sb, lb) = b;
+    eprintln!("a: {sa:?}\nb: {sb:?}");
+    assert_eq!(sa.processed + sb.processed, 2000);
+    assert_eq!(sa.acked + sb.acked, 2000);
+    assert!(sa.processed > 0 && sb.processed > 0, "both took messages");
+    assert_eq!(claims(&la) + claims(&lb), 2000);
+    la.close().unwrap();
+    lb.close().unwrap();
+}
+
+/// A stop whose in-flight messages do not finish within `drain_timeout` (a handler that
+/// sleeps 400 ms per message) gives them back with `Nak`; the next run gets them again
+/// after `nak_delay`, each is acknowledged, and there is one claim per message.
+#[test]
+fn a_stop_naks_unfinished_messages_and_the_next_run_processes_each_once() {
+    let server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    assert_eq!(
+        broker.publish_with(&order_msgs(0..8), &[("sleep-ms", "400")]),
+        8
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let text = config_text(&server.url, Some(&component("fixture_sleep")), "2s")
+        .replace("drain_timeout = \"10s\"", "drain_timeout = \"100ms\"")
+        .replace(
+            "ack_wait = \"2s\"",
+            "ack_wait = \"2s\"\nnak_delay = \"200ms\"",
+        );
+    let config = Config::parse(&text).unwrap();
+    let started = Instant::now();
+    let (first, ledger) = run_until(&config, &data, || {
+        started.elapsed() > Duration::from_millis(1000)
+    });
+    ledger.close().unwrap();
+    assert!(first.naked > 0, "{first:?}");
+    assert_eq!(first.received, 8, "{first:?}");
+    assert_eq!(first.acked + first.naked, 8, "{first:?}");
+    let (second, ledger) = run_until_drained(&broker, &config, &data);
+    eprintln!("first: {first:?}\nsecond: {second:?}");
+    // What the first run had submitted was still decided (and committed) as its ledger
+    // closed: given back, it is a duplicate now.
+    assert!(second.redelivered >= first.naked, "{second:?}");
+    assert_eq!(
+        second.processed + second.duplicate,
+        second.received,
+        "{second:?}"
+    );
+    assert_eq!(second.acked, second.received, "{second:?}");
+    assert_eq!(claims(&ledger), 8);
+    ledger.close().unwrap();
+    assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
 }
