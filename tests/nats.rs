@@ -603,7 +603,7 @@ fn http_get(addr: &str, path: &str) -> (u16, String) {
 }
 
 /// `/readyz` of `dedupd run` says 503 with the reason while its NATS server is down (killed)
-/// and 200 once the client reconnected; messages published across the restart are all
+/// and 200 once the client reconnected; `/metrics` has the source's counters; messages published across the restart are all
 /// processed once and acknowledged, and what the killed server delivers again is a
 /// duplicate.
 #[test]
@@ -660,6 +660,21 @@ fn readyz_is_503_while_nats_is_down_and_the_source_resumes_after_a_server_restar
     wait_until("the next 100 acknowledged", Duration::from_secs(60), || {
         broker.pending(STREAM, DURABLE) == (0, 0)
     });
+    // The source's counters, per subscriber, on /metrics.
+    let (status, text) = http_get(&metrics, "/metrics");
+    assert_eq!(status, 200);
+    for name in [
+        "dedupd_nats_received_total",
+        "dedupd_nats_acked_total",
+        "dedupd_nats_messages_total",
+        "dedupd_nats_consumer_pending",
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(name) && l.contains("subscriber=\"orders\"")),
+            "{name} missing:\n{text}"
+        );
+    }
 
     let status = Command::new("kill")
         .args(["-TERM", &child.0.id().to_string()])
