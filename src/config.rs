@@ -87,6 +87,9 @@ pub struct Config {
     /// The Kafka source (`dedupd run` consumes it when present).
     #[serde(default)]
     pub kafka: Option<crate::source::kafka::KafkaConfig>,
+    /// The NATS JetStream source (`dedupd run` consumes it when present).
+    #[serde(default)]
+    pub nats: Option<crate::source::nats::NatsConfig>,
     /// A listener for `/metrics`, `/healthz` and `/readyz` only (`dedupd run`), for
     /// deployments without the admin API or with it on another address.
     #[serde(default)]
@@ -115,6 +118,7 @@ impl Default for Config {
             subscribers: Vec::new(),
             http: None,
             kafka: None,
+            nats: None,
             metrics: None,
             pipe: PipeConfig::default(),
         }
@@ -245,6 +249,15 @@ impl Config {
         }
         if let Some(kafka) = &self.kafka {
             kafka.validate(self)?;
+        }
+        if let Some(nats) = &self.nats {
+            if self.kafka.is_some() {
+                return Err(invalid(
+                    "nats",
+                    "cannot run beside [kafka] in one instance yet; run one dedupd per broker",
+                ));
+            }
+            nats.validate(self)?;
         }
         Ok(())
     }

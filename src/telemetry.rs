@@ -187,6 +187,25 @@ pub mod metric {
     /// Counter: snapshot records (the current value of one item of handler state)
     /// produced to a subscription's changelog by compaction; label `subscriber`.
     pub const KAFKA_CHANGELOG_SNAPSHOTS_TOTAL: &str = "dedupd_kafka_changelog_snapshots_total";
+    // NATS JetStream.
+
+    /// Counter: NATS messages received (redeliveries included); label `subscriber`.
+    pub const NATS_RECEIVED_TOTAL: &str = "dedupd_nats_received_total";
+    /// Counter: NATS messages received that the server had delivered before
+    /// (`delivered > 1`); label `subscriber`.
+    pub const NATS_REDELIVERED_TOTAL: &str = "dedupd_nats_redelivered_total";
+    /// Counter: acknowledgements sent after the outcome was durable; labels `subscriber`,
+    /// `kind` (ack, term, nak).
+    pub const NATS_ACKED_TOTAL: &str = "dedupd_nats_acked_total";
+    /// Counter: NATS messages decided; labels `subscriber`, `outcome` (processed,
+    /// duplicate, quarantined, dead_lettered, rejected).
+    pub const NATS_MESSAGES_TOTAL: &str = "dedupd_nats_messages_total";
+    /// Gauge, messages: the durable consumer's `num_pending` (not yet delivered), read
+    /// every 5 s; label `subscriber`.
+    pub const NATS_CONSUMER_PENDING: &str = "dedupd_nats_consumer_pending";
+    /// Gauge, messages: the durable consumer's `num_ack_pending` (delivered, not yet
+    /// acknowledged, all instances), read every 5 s; label `subscriber`.
+    pub const NATS_CONSUMER_ACK_PENDING: &str = "dedupd_nats_consumer_ack_pending";
     /// Gauge, rows: outbox rows pending at the relay's last poll (at most `outbox.batch`).
     pub const OUTBOX_RELAY_LAG_ROWS: &str = "dedupd_outbox_relay_lag_rows";
     /// Gauge, seconds: age of the oldest pending outbox row at the relay's last poll.
@@ -243,6 +262,12 @@ pub mod metric {
         (KAFKA_CHANGELOG_RESTORED_TOTAL, "Changes replayed from a subscription's changelog when partitions were assigned; label subscriber."),
         (KAFKA_CHANGELOG_TOMBSTONES_TOTAL, "Tombstones produced to a subscription's changelog for the records of expired claims; label subscriber."),
         (KAFKA_CHANGELOG_SNAPSHOTS_TOTAL, "Snapshot records (the current value of one item of handler state) produced to a subscription's changelog by compaction; label subscriber."),
+        (NATS_RECEIVED_TOTAL, "NATS messages received (redeliveries included); label subscriber."),
+        (NATS_REDELIVERED_TOTAL, "NATS messages received that the server had delivered before (delivered > 1); label subscriber."),
+        (NATS_ACKED_TOTAL, "NATS acknowledgements sent after the outcome was durable; labels subscriber, kind (ack, term, nak)."),
+        (NATS_MESSAGES_TOTAL, "NATS messages decided; labels subscriber, outcome (processed, duplicate, quarantined, dead_lettered, rejected)."),
+        (NATS_CONSUMER_PENDING, "The durable consumer's num_pending (not yet delivered), read every 5 s; label subscriber."),
+        (NATS_CONSUMER_ACK_PENDING, "The durable consumer's num_ack_pending (delivered, not yet acknowledged, all instances), read every 5 s; label subscriber."),
         (OUTBOX_RELAY_LAG_ROWS, "Outbox rows pending at the relay's last poll (at most outbox.batch)."),
         (OUTBOX_RELAY_LAG_SECONDS, "Age of the oldest pending outbox row at the relay's last poll."),
         (OUTBOX_ROWS, "Outbox rows waiting to be relayed or pulled, all shards (sampled at scrape time). A warning is logged per shard at 100,000 rows and at each doubling."),
@@ -293,6 +318,12 @@ pub mod metric {
         KAFKA_CHANGELOG_RESTORED_TOTAL,
         KAFKA_CHANGELOG_TOMBSTONES_TOTAL,
         KAFKA_CHANGELOG_SNAPSHOTS_TOTAL,
+        NATS_RECEIVED_TOTAL,
+        NATS_REDELIVERED_TOTAL,
+        NATS_ACKED_TOTAL,
+        NATS_MESSAGES_TOTAL,
+        NATS_CONSUMER_PENDING,
+        NATS_CONSUMER_ACK_PENDING,
         OUTBOX_RELAY_LAG_ROWS,
         OUTBOX_RELAY_LAG_SECONDS,
         OUTBOX_ROWS,

@@ -13,6 +13,7 @@ use crate::config::{Config, ConfigError, KeySource, PartitionSource, SubscriberS
 use crate::handler::{Component, HandlerError, Limits};
 use crate::ledger::Placement;
 use crate::source::kafka::{self, KafkaError};
+use crate::source::nats::{self, NatsError};
 
 /// Why a configuration would not run.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +34,9 @@ pub enum CheckError {
     /// librdkafka refused an option of the `[kafka]` section.
     #[error(transparent)]
     Kafka(#[from] KafkaError),
+    /// The `[nats]` section's client options could not be built (a credentials file).
+    #[error(transparent)]
+    Nats(#[from] NatsError),
 }
 
 /// What a valid configuration would run.
@@ -41,12 +45,14 @@ pub struct ConfigReport {
     /// Configured subscribers, then `defaults` (what unlisted subscribers get), if they
     /// are allowed.
     pub subscribers: Vec<SubscriberReport>,
-    /// Sources `dedupd run` starts: `kafka`, `http`, `stdin`.
+    /// Sources `dedupd run` starts: `kafka`, `nats`, `http`, `stdin`.
     pub sources: Vec<&'static str>,
     /// Where the HTTP API would listen (not bound by the check).
     pub http_bind: Option<SocketAddr>,
     /// Kafka subscriptions as `subscriber <- topic, topic`.
     pub kafka_subscriptions: Vec<String>,
+    /// NATS bindings as `subscriber <- stream/durable`.
+    pub nats_bindings: Vec<String>,
 }
 
 /// One subscriber as it would run.
@@ -112,9 +118,21 @@ pub fn check(config: &Config) -> Result<ConfigReport, CheckError> {
             kafka_subscriptions.push(format!("{} <- {}", s.subscriber, s.topics.join(", ")));
         }
     }
-    let sources = match (&config.kafka, &config.http) {
-        (Some(_), Some(_)) => vec!["kafka", "http"],
-        (Some(_), None) => vec!["kafka"],
+    let mut nats_bindings = Vec::new();
+    if let Some(n) = &config.nats {
+        nats::check_options(n)?;
+        for b in &n.bindings {
+            nats_bindings.push(format!("{} <- {}/{}", b.subscriber, b.stream, b.durable));
+        }
+    }
+    let broker = match (&config.kafka, &config.nats) {
+        (Some(_), _) => Some("kafka"),
+        (None, Some(_)) => Some("nats"),
+        (None, None) => None,
+    };
+    let sources = match (broker, &config.http) {
+        (Some(b), Some(_)) => vec![b, "http"],
+        (Some(b), None) => vec![b],
         (None, Some(_)) => vec!["http", "stdin"],
         (None, None) => vec!["stdin"],
     };
@@ -123,6 +141,7 @@ pub fn check(config: &Config) -> Result<ConfigReport, CheckError> {
         sources,
         http_bind,
         kafka_subscriptions,
+        nats_bindings,
     })
 }
 
@@ -179,6 +198,9 @@ impl fmt::Display for ConfigReport {
         writeln!(f, "sources    {}", self.sources.join(", "))?;
         for s in &self.kafka_subscriptions {
             writeln!(f, "kafka      {s} (options accepted; not connected)")?;
+        }
+        for s in &self.nats_bindings {
+            writeln!(f, "nats       {s} (options accepted; not connected)")?;
         }
         if let Some(bind) = self.http_bind {
             writeln!(f, "http       {bind} (token rules checked; not bound)")?;

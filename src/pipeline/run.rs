@@ -16,6 +16,7 @@ use crate::config::{Config, ConfigError};
 use crate::handler::HandlerError;
 use crate::ledger::{Ledger, LedgerError};
 use crate::source::kafka::{self, KafkaConfig, KafkaError, KafkaSummary};
+use crate::source::nats::{self, NatsConfig, NatsError, NatsSummary};
 use crate::source::stdin::{run_pipe, PipeError, PipeSummary};
 
 /// What to run over the data directory.
@@ -30,12 +31,24 @@ pub enum Mode {
         kafka: Box<KafkaConfig>,
         http: Option<HttpConfig>,
     },
+    /// The NATS JetStream source (and the HTTP API when given) until SIGINT/SIGTERM.
+    Nats {
+        nats: Box<NatsConfig>,
+        http: Option<HttpConfig>,
+    },
 }
 
 impl Mode {
-    /// The mode a config describes: Kafka when it has a `[kafka]` section, else the HTTP
-    /// API with stdin when it has `[http]`, else pipe mode.
+    /// The mode a config describes: Kafka when it has a `[kafka]` section, NATS when it
+    /// has `[nats]` (validation refuses both), else the HTTP API with stdin when it has
+    /// `[http]`, else pipe mode.
     pub fn of(config: &Config) -> Mode {
+        if let (None, Some(nats)) = (&config.kafka, &config.nats) {
+            return Mode::Nats {
+                nats: Box::new(nats.clone()),
+                http: config.http.clone(),
+            };
+        }
         match (config.kafka.clone(), config.http.clone()) {
             (None, None) => Mode::Pipe,
             (None, Some(http)) => Mode::Serve { http, stdin: true },
@@ -54,6 +67,7 @@ pub enum Summary {
     Pipe(PipeSummary),
     Serve,
     Kafka(KafkaSummary),
+    Nats(NatsSummary),
 }
 
 /// Why a run failed.
@@ -79,6 +93,8 @@ pub enum RunError {
     Pipe(#[from] PipeError),
     #[error(transparent)]
     Kafka(#[from] KafkaError),
+    #[error(transparent)]
+    Nats(#[from] NatsError),
     #[error("HTTP server task failed: {0}")]
     Server(String),
     /// The ledger or a source failed while running (G7).
@@ -93,7 +109,7 @@ pub enum RunError {
 /// Pipe mode ends the process (exit 1) when the ledger fails while stdin is still open:
 /// nothing more will be acknowledged (G7), and waiting for stdin to close would hide it.
 pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError> {
-    if let Mode::Kafka { .. } = &mode {
+    if let Mode::Kafka { .. } | Mode::Nats { .. } = &mode {
         // Sources that record through the metrics facade before the server starts are kept.
         crate::admin::install_metrics();
     }
@@ -124,6 +140,9 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
         Mode::Serve { http, stdin } => serve(&ledger, config, http, stdin, &shutdown),
         Mode::Kafka { kafka, http } => {
             run_kafka(&ledger, config, &kafka, http, &shutdown).map(Summary::Kafka)
+        }
+        Mode::Nats { nats, http } => {
+            run_nats(&ledger, config, &nats, http, &shutdown).map(Summary::Nats)
         }
     };
     if let Some(server) = metrics {
@@ -253,6 +272,54 @@ fn run_kafka(
         changelog_snapshots = s.changelog_snapshots,
         outbox_relayed = s.outbox_relayed,
         "stopped; every stored offset covers durable outcomes"
+    );
+    Ok(summary)
+}
+
+/// Like [`run_kafka`]: the API keeps answering while the bindings drain and acknowledge
+/// what is durable; a stop that takes far longer than the drain allows ends the process
+/// (unacknowledged messages are delivered again and answered `duplicate`).
+fn run_nats(
+    ledger: &Arc<Ledger>,
+    config: &Config,
+    nats_config: &NatsConfig,
+    http: Option<HttpConfig>,
+    shutdown: &Shutdown,
+) -> Result<NatsSummary, RunError> {
+    shutdown.on_signals()?;
+    let limit = nats_config.drain_timeout * 2 + Duration::from_secs(10);
+    let watchdog = shutdown.clone();
+    std::thread::Builder::new()
+        .name("dedupd-stop-watchdog".into())
+        .spawn(move || {
+            watchdog.wait();
+            std::thread::sleep(limit);
+            eprintln!("dedupd: shutdown did not finish within {limit:?} (NATS unreachable?); exiting; unacknowledged messages will be redelivered as duplicates");
+            std::process::exit(1);
+        })?;
+    let server = match http {
+        Some(http) => Some(HttpServer::start(ledger, config, http, Shutdown::new())?),
+        None => None,
+    };
+    ready();
+    let result = nats::run(ledger.clone(), nats_config, shutdown);
+    if let Some(server) = server {
+        server.stop()?;
+    }
+    let summary = result?;
+    let s = &summary;
+    tracing::info!(
+        received = s.received,
+        redelivered = s.redelivered,
+        acked = s.acked,
+        terminated = s.terminated,
+        naked = s.naked,
+        processed = s.processed,
+        duplicate = s.duplicate,
+        quarantined = s.quarantined,
+        dead_lettered = s.dead_lettered,
+        rejected = s.rejected,
+        "stopped; every acknowledgement covers a durable outcome"
     );
     Ok(summary)
 }

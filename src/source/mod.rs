@@ -8,12 +8,15 @@
 //! - HTTP ingest (`POST /v1/subscribers/{s}/messages`): [`http`] reads a request as a
 //!   delivery; the route itself is in `crate::admin` (the only user of axum);
 //! - Kafka: [`kafka`] (the only importer of rdkafka);
-//! - the deterministic traffic generator used by `bench` and `demo`: [`generator`];
-//! - whether each running source can do its work, for `/readyz`: [`health`].
+//! - NATS JetStream: [`nats`] (the only importer of async-nats);
+//! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
+//!
+//! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection).
 
 pub mod delivery;
 pub mod generator;
-pub mod health;
 pub mod http;
 pub mod kafka;
+pub mod nats;
+pub mod readiness;
 pub mod stdin;

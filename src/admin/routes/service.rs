@@ -23,16 +23,9 @@ pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Value>> {
             "the engine stopped after a storage error; see its log".into(),
         ));
     }
-    let failing = crate::source::health::failing(crate::source::health::GRACE);
-    if !failing.is_empty() {
-        let why: Vec<String> = failing
-            .iter()
-            .map(|(s, why)| format!("{s}: {why}"))
-            .collect();
-        return Err(ApiError::Unavailable(format!(
-            "a source cannot do its work: {}",
-            why.join("; ")
-        )));
+    // A broker source that lost its connection takes nothing until it reconnects.
+    if let Some(reason) = crate::source::readiness::unready() {
+        return Err(ApiError::Unavailable(format!("not ready: {reason}")));
     }
     Ok(Json(json!({
         "status": "ready",

@@ -88,8 +88,10 @@ fn run(command: Command) -> Result<()> {
                 config.metrics = Some(dedupd::config::MetricsConfig { bind });
             }
             let summary = pipeline::run(&config, &data_dir(dir, &config)?, Mode::of(&config))?;
-            if let Summary::Kafka(kafka) = summary {
-                println!("{}", serde_json::json!({ "kafka": kafka }));
+            match summary {
+                Summary::Kafka(kafka) => println!("{}", serde_json::json!({ "kafka": kafka })),
+                Summary::Nats(nats) => println!("{}", serde_json::json!({ "nats": nats })),
+                _ => {}
             }
         }
         Command::Serve {

@@ -45,7 +45,6 @@ use crate::config::SubscriberSettings;
 use crate::envelope::Envelope;
 use crate::ledger::{Done, Job, Ledger, Origin, Outcome, Subscriber};
 use crate::source::delivery::{envelope, Delivery, Keying, Routed, Target};
-use crate::source::health;
 use crate::telemetry::Latency;
 
 use super::keying::{self, raw_header_key_hash, RecordView};
@@ -168,8 +167,44 @@ struct Counts {
 struct WorkerContext {
     worker: Mutex<Worker>,
     subscriber: Arc<str>,
-    /// This subscription's name in `crate::source::health` (`/readyz`).
-    source: String,
+    /// Since when and why no broker has been reachable (`None`: one is), for the
+    /// subscription's `/readyz` probe.
+    brokers: Arc<BrokerState>,
+}
+
+/// Whether the subscription's consumer reaches a broker, as its callbacks last said.
+pub(super) struct BrokerState(Mutex<Option<(String, Instant)>>);
+
+/// How long no broker may be reachable before `/readyz` says so: a broker restart or a
+/// leader election is shorter, and a probe that flaps on them does harm.
+pub(super) const BROKER_GRACE: Duration = Duration::from_secs(10);
+
+impl BrokerState {
+    /// Not reached yet, as of now.
+    pub(super) fn starting() -> BrokerState {
+        BrokerState(Mutex::new(Some((
+            "no Kafka broker reached yet".into(),
+            Instant::now(),
+        ))))
+    }
+
+    fn set(&self, down: Option<String>) {
+        let mut s = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        *s = match (down, s.take()) {
+            (None, _) => None,
+            // Still down: a new reason, the same start.
+            (Some(why), Some((_, since))) => Some((why, since)),
+            (Some(why), None) => Some((why, Instant::now())),
+        };
+    }
+
+    /// The `/readyz` reason: no broker reachable for longer than `grace`.
+    pub(super) fn probe(&self, grace: Duration) -> Option<String> {
+        let s = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (why, since) = s.as_ref()?;
+        let down = since.elapsed();
+        (down >= grace).then(|| format!("{why} (for {} s)", down.as_secs()))
+    }
 }
 
 impl WorkerContext {
@@ -186,10 +221,8 @@ impl ClientContext for WorkerContext {
     /// librdkafka says "all brokers down" at once; `/readyz` fails after its grace period.
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
         if error.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::AllBrokersDown) {
-            health::down(
-                &self.source,
-                &format!("no Kafka broker reachable: {reason}"),
-            );
+            self.brokers
+                .set(Some(format!("no Kafka broker reachable: {reason}")));
         }
         super::logging::error(&error, reason);
     }
@@ -198,17 +231,17 @@ impl ClientContext for WorkerContext {
         // Reachable while any broker connection is up (bootstrap entries included).
         let up = statistics.brokers.values().any(|b| b.state == "UP");
         if up {
-            health::up(&self.source);
+            self.brokers.set(None);
         } else {
             let states: Vec<String> = statistics
                 .brokers
                 .values()
                 .map(|b| format!("{} {}", b.nodename, b.state))
                 .collect();
-            health::down(
-                &self.source,
-                &format!("no Kafka broker reachable ({})", states.join(", ")),
-            );
+            self.brokers.set(Some(format!(
+                "no Kafka broker reachable ({})",
+                states.join(", ")
+            )));
         }
         for (topic, t) in &statistics.topics {
             for (partition, p) in &t.partitions {

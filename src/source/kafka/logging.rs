@@ -3,7 +3,7 @@
 //! consumer on loopback): each kind of line (facility, or error code) is logged at most
 //! once per [`EVERY`], and the next one says how many were left out; so is each
 //! consumer's poll error, which repeats them. Broker reachability
-//! itself goes to `/readyz` (`crate::source::health`).
+//! itself goes to `/readyz` (the subscription's probe in `crate::source::readiness`).
 
 use std::collections::HashMap;
 use std::sync::Mutex;

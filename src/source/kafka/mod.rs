@@ -14,7 +14,7 @@
 //! - [`DevBroker`]: librdkafka's mock cluster for development and tests.
 //! - [`check_clients`]: the options checked by creating the clients, without connecting.
 //! - `logging.rs`: librdkafka's log lines and errors at a bounded rate; broker
-//!   reachability goes to `/readyz` through `crate::source::health`.
+//!   reachability goes to `/readyz` through `crate::source::readiness`.
 //! - [`bench`](mod@bench): consume-only baseline against consume -> dedup -> handler -> offsets.
 //!
 //! Dead letters on the topic carry the original key, payload and headers plus

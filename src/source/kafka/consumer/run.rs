@@ -12,12 +12,12 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::ThreadedProducer;
 
 use super::{
-    commit, consumer_config, now_ms, start_changelog, DeadLetterTopic, DeliveryContext,
-    SourceStats, Worker, WorkerContext, BURST,
+    commit, consumer_config, now_ms, start_changelog, BrokerState, DeadLetterTopic,
+    DeliveryContext, SourceStats, Worker, WorkerContext, BROKER_GRACE, BURST,
 };
 use crate::ledger::{Done, Ledger};
-use crate::source::health;
 use crate::source::kafka::{producer_config, KafkaConfig, KafkaError, SubscriptionConfig};
+use crate::source::readiness;
 use crate::telemetry::Latency;
 
 /// Settings of one running subscription that a config file does not carry.
@@ -42,7 +42,16 @@ pub fn run_subscription(
     options: &RunOptions,
 ) -> Result<Option<Latency>, KafkaError> {
     let consumer = start_consumer(ledger, kafka, subscription, stats.clone(), options)?;
-    let _health = HealthGuard(consumer.context().source.clone());
+    // `/readyz` fails while no broker has been reachable for the grace period.
+    let brokers = consumer.context().brokers.clone();
+    let _probe = readiness::register(
+        &format!(
+            "kafka subscriber {} (topics {})",
+            consumer.context().subscriber,
+            subscription.topics.join(", ")
+        ),
+        Arc::new(move || brokers.probe(BROKER_GRACE)),
+    );
     let name = consumer.context().subscriber.clone();
     let mut last_log = Instant::now();
     let mut last_released = 0;
@@ -88,15 +97,6 @@ pub fn run_subscription(
     );
     drop(consumer);
     Ok(latency)
-}
-
-/// Takes the subscription out of `/readyz`'s sources when its thread ends, however it ends.
-struct HealthGuard(String);
-
-impl Drop for HealthGuard {
-    fn drop(&mut self) {
-        health::stopped(&self.0);
-    }
 }
 
 /// After a rebalance: if this member holds only some partitions of a subscribed topic,
@@ -193,16 +193,10 @@ fn start_consumer(
         assignment_changed: false,
         changelog: None,
     };
-    let source = format!(
-        "kafka subscriber {} (topics {})",
-        sub.name,
-        subscription.topics.join(", ")
-    );
-    health::starting(&source, "no Kafka broker reached yet");
     let ctx = WorkerContext {
         worker: Mutex::new(worker),
         subscriber: sub.name.clone(),
-        source,
+        brokers: Arc::new(BrokerState::starting()),
     };
     let consumer: BaseConsumer<WorkerContext> = consumer_config(kafka, subscription)
         .create_with_context(ctx)

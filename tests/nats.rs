@@ -1,0 +1,789 @@
+//! The NATS JetStream source against a real `nats-server` (Debian's package, 2.9 with
+//! JetStream; `scripts/test` installs it), started by each test on a free port with its
+//! store in a temporary directory: end to end with duplicates past the stream's own
+//! duplicate window and redeliveries, a poison message, kill -9 rounds of `dedupd run`
+//! with the non-idempotent counter handler, and `config check` of a bad section.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
+use futures_util::StreamExt;
+
+use dedupd::clock::SystemClock;
+use dedupd::config::Config;
+use dedupd::ledger::{Ledger, RecordKind};
+use dedupd::pipeline::{Cause, Shutdown};
+use dedupd::source::nats::{self, NatsSummary};
+
+use common::component;
+
+/// A `nats-server -js` of the test's own, killed when dropped.
+struct NatsServer {
+    child: Child,
+    port: u16,
+    url: String,
+    store: tempfile::TempDir,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn_server(port: u16, store: &Path) -> Child {
+    let child = Command::new("nats-server")
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(store)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("cannot start nats-server (Debian package nats-server; scripts/test installs it): {e}")
+        });
+    wait_until("nats-server listening", Duration::from_secs(20), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    child
+}
+
+impl NatsServer {
+    fn start() -> NatsServer {
+        let port = free_port();
+        let store = tempfile::tempdir().unwrap();
+        NatsServer {
+            child: spawn_server(port, store.path()),
+            port,
+            url: format!("nats://127.0.0.1:{port}"),
+            store,
+        }
+    }
+
+    /// Kills the server (its store stays).
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same port and store.
+    fn restart(&mut self) {
+        self.child = spawn_server(self.port, self.store.path());
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The test's own client: streams, publishing, the consumer's counts.
+struct Broker {
+    rt: tokio::runtime::Runtime,
+    js: jetstream::Context,
+}
+
+/// One message to publish: its `Nats-Msg-Id` (none: no header) and payload.
+struct Msg {
+    id: Option<String>,
+    payload: String,
+}
+
+impl Broker {
+    fn connect(url: &str) -> Broker {
+        let rt = runtime();
+        let js = rt.block_on(async { jetstream::new(async_nats::connect(url).await.unwrap()) });
+        Broker { rt, js }
+    }
+
+    /// A stream on `orders.>` whose own duplicate window is `window`.
+    fn create_stream(&self, name: &str, window: Duration) {
+        self.rt.block_on(async {
+            self.js
+                .create_stream(stream::Config {
+                    name: name.to_string(),
+                    subjects: vec!["orders.>".to_string()],
+                    duplicate_window: window,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        });
+    }
+
+    /// Publishes and waits for every `PubAck`; returns how many JetStream stored (not
+    /// dropped as duplicates of its own window).
+    fn publish(&self, msgs: &[Msg]) -> usize {
+        self.publish_with(msgs, &[])
+    }
+
+    /// [`Broker::publish`], every message with the `extra` headers too.
+    fn publish_with(&self, msgs: &[Msg], extra: &[(&str, &str)]) -> usize {
+        self.rt.block_on(async {
+            let mut acks = Vec::new();
+            for (i, m) in msgs.iter().enumerate() {
+                let mut headers = async_nats::HeaderMap::new();
+                for (k, v) in extra {
+                    headers.insert(*k, *v);
+                }
+                if let Some(id) = &m.id {
+                    headers.insert("Nats-Msg-Id", id.as_str());
+                }
+                let subject = format!("orders.{}", i % 4);
+                acks.push(
+                    self.js
+                        .publish_with_headers(subject, headers, m.payload.clone().into())
+                        .await
+                        .unwrap(),
+                );
+            }
+            let mut stored = 0;
+            for a in acks {
+                if !a.await.unwrap().duplicate {
+                    stored += 1;
+                }
+            }
+            stored
+        })
+    }
+
+    /// The durable consumer's (num_pending, num_ack_pending); both `MAX` while it does
+    /// not exist yet.
+    fn pending(&self, stream: &str, durable: &str) -> (u64, usize) {
+        self.rt.block_on(async {
+            let s = self.js.get_stream(stream).await.unwrap();
+            let Ok(mut c) = s.get_consumer::<pull::Config>(durable).await else {
+                return (u64::MAX, usize::MAX);
+            };
+            let info = c.info().await.unwrap();
+            (info.num_pending, info.num_ack_pending)
+        })
+    }
+
+    /// Creates the durable consumer as dedupd would (explicit acks), with `ack_wait`.
+    fn create_consumer(&self, stream: &str, durable: &str, ack_wait: Duration) {
+        self.rt.block_on(async {
+            let s = self.js.get_stream(stream).await.unwrap();
+            s.create_consumer(pull::Config {
+                durable_name: Some(durable.to_string()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        });
+    }
+
+    /// Takes `n` messages from the durable consumer and never acknowledges them: an
+    /// instance that died holding them. The server delivers them again after AckWait.
+    fn take_without_ack(&self, stream: &str, durable: &str, n: usize) {
+        self.rt.block_on(async {
+            let s = self.js.get_stream(stream).await.unwrap();
+            let c: jetstream::consumer::PullConsumer = s.get_consumer(durable).await.unwrap();
+            let mut got = 0;
+            let mut batch = c.fetch().max_messages(n).messages().await.unwrap();
+            while let Some(m) = batch.next().await {
+                m.unwrap();
+                got += 1;
+            }
+            assert_eq!(got, n, "messages taken");
+        });
+    }
+}
+
+fn order_msgs(range: std::ops::Range<usize>) -> Vec<Msg> {
+    range
+        .map(|n| Msg {
+            id: Some(format!("e-{n}")),
+            payload: format!(
+                r#"{{"type":"OrderPlaced","order_id":"o-{}","n":{n}}}"#,
+                n / 2
+            ),
+        })
+        .collect()
+}
+
+const STREAM: &str = "ORDERS";
+const DURABLE: &str = "dedupd-orders";
+
+fn config_text(url: &str, handler: Option<&Path>, ack_wait: &str) -> String {
+    let handler = handler
+        .map(|h| {
+            format!(
+                "partition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\nhandler = {:?}\nhandler_cpu_budget = \"2s\"\n",
+                h.display().to_string()
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        r#"
+[ledger]
+state_buffer_entries = 64
+
+[[subscriber]]
+name = "orders"
+{handler}
+[nats]
+servers = ["{url}"]
+drain_timeout = "10s"
+
+[[nats.binding]]
+subscriber = "orders"
+stream = "{STREAM}"
+durable = "{DURABLE}"
+max_ack_pending = 512
+batch = 128
+ack_wait = "{ack_wait}"
+"#
+    )
+}
+
+/// Runs the source in this process until the consumer has nothing pending or
+/// unacknowledged, then stops it; returns its summary and the ledger.
+fn run_until_drained(broker: &Broker, config: &Config, data: &Path) -> (NatsSummary, Ledger) {
+    run_until(config, data, || broker.pending(STREAM, DURABLE) == (0, 0))
+}
+
+/// Runs the source in this process until `done` (asked from 300 ms on), then stops it.
+fn run_until(config: &Config, data: &Path, done: impl Fn() -> bool) -> (NatsSummary, Ledger) {
+    let ledger = Arc::new(Ledger::open(data, config, Arc::new(SystemClock)).unwrap());
+    dedupd::pipeline::install_handlers(&ledger, config).unwrap();
+    let shutdown = Shutdown::new();
+    let nats_config = config.nats.clone().unwrap();
+    let summary = std::thread::scope(|scope| {
+        let runner = {
+            let (ledger, shutdown) = (ledger.clone(), shutdown.clone());
+            let nats_config = &nats_config;
+            scope.spawn(move || nats::run(ledger, nats_config, &shutdown))
+        };
+        // The consumer exists once the source started; then nothing may stay pending.
+        std::thread::sleep(Duration::from_millis(300));
+        wait_until("the stop condition", Duration::from_secs(60), || {
+            shutdown.is_triggered() || done()
+        });
+        shutdown.trigger(Cause::Requested);
+        runner.join().unwrap()
+    });
+    assert_eq!(
+        shutdown.cause(),
+        Some(Cause::Requested),
+        "the source failed"
+    );
+    let summary = summary.unwrap();
+    let ledger = Arc::try_unwrap(ledger).ok().unwrap();
+    (summary, ledger)
+}
+
+fn claims(ledger: &Ledger) -> u64 {
+    ledger
+        .report()
+        .unwrap()
+        .subscribers
+        .iter()
+        .map(|s| s.claims)
+        .sum()
+}
+
+/// 400 events, 100 of them published again after the stream's own duplicate window
+/// (200 ms) passed, so JetStream stores them twice; 50 taken by a client that never
+/// acknowledges them (delivered again after AckWait). Each event is processed once, every
+/// message is acknowledged in the end, and the redeliveries are counted.
+#[test]
+fn each_message_is_processed_once_and_acked_with_duplicates_past_the_stream_window() {
+    let server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_millis(200));
+    let first = order_msgs(0..400);
+    assert_eq!(broker.publish(&first), 400);
+    std::thread::sleep(Duration::from_millis(400));
+    let again = order_msgs(100..200);
+    assert_eq!(
+        broker.publish(&again),
+        100,
+        "past its window JetStream stores a repeated Nats-Msg-Id again"
+    );
+    broker.create_consumer(STREAM, DURABLE, Duration::from_secs(1));
+    broker.take_without_ack(STREAM, DURABLE, 50);
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::parse(&config_text(&server.url, None, "1s")).unwrap();
+    let (summary, ledger) = run_until_drained(&broker, &config, &dir.path().join("data"));
+    assert_eq!(summary.processed, 400, "{summary:?}");
+    assert_eq!(summary.duplicate, 100, "{summary:?}");
+    assert_eq!(summary.acked, 500, "{summary:?}");
+    assert_eq!(
+        (summary.terminated, summary.rejected),
+        (0, 0),
+        "{summary:?}"
+    );
+    assert!(summary.redelivered >= 50, "{summary:?}");
+    assert_eq!(claims(&ledger), 400);
+    ledger.close().unwrap();
+    assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
+}
+
+/// A message with no `Nats-Msg-Id` (the subscriber keys by it) is kept as a dead-letter
+/// record and terminated, not acknowledged as processed; the messages around it are.
+#[test]
+fn unkeyable_message_is_dead_lettered_and_terminated_not_acked() {
+    let server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    let mut msgs = order_msgs(0..10);
+    msgs.insert(
+        5,
+        Msg {
+            id: None,
+            payload: "poison: no id".into(),
+        },
+    );
+    assert_eq!(broker.publish(&msgs), 11);
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::parse(&config_text(&server.url, None, "30s")).unwrap();
+    let (summary, ledger) = run_until_drained(&broker, &config, &dir.path().join("data"));
+    assert_eq!(summary.processed, 10, "{summary:?}");
+    assert_eq!(
+        summary.acked, 10,
+        "only the keyed messages are acked: {summary:?}"
+    );
+    assert_eq!(
+        (summary.rejected, summary.terminated),
+        (1, 1),
+        "{summary:?}"
+    );
+    let records = ledger
+        .records(RecordKind::DeadLetter, "orders", None, 10)
+        .unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    let body = &records[0].body;
+    assert_eq!(body["payload"], "poison: no id", "{body}");
+    assert!(
+        body["origin"].as_str().unwrap().starts_with("nats:ORDERS/"),
+        "{body}"
+    );
+    assert!(body["reason"].as_str().unwrap().contains("id"), "{body}");
+    assert_eq!(claims(&ledger), 10);
+    ledger.close().unwrap();
+    assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
+}
+
+/// Kills a child process when dropped.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn mix_u64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z ^ (z >> 31)
+}
+
+/// How many messages the log's last `nats progress` line says were acknowledged.
+fn acked_in_log(log: &Path) -> u64 {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(" acked=").nth(1))
+        .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .next_back()
+        .unwrap_or(0)
+}
+
+/// `dedupd run` on NATS with the non-idempotent `fixture-counter` handler (`count/<order>`
+/// = get + 1), killed with kill -9 in six seeded rounds (half of them just after
+/// acknowledgements were sent), with a short AckWait so that what a killed run held comes
+/// back quickly; the stream's own duplicate window is 100 ms (its least), so events published again
+/// reach dedupd. Afterwards every order's count is exactly 2 and the consumer has nothing
+/// pending or unacknowledged: an ack sent before its effect was durable would lose the
+/// effect (a count of 1), an effect applied twice would make a 3.
+#[test]
+fn counts_are_exact_after_kill_9_rounds_on_nats() {
+    const EVENTS: usize = 6_000;
+    const ROUNDS: usize = 6;
+    let server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_millis(100));
+    let mut msgs = Vec::new();
+    for n in 0..EVENTS {
+        msgs.extend(order_msgs(n..n + 1));
+        if n % 10 == 9 {
+            msgs.extend(order_msgs(n - 7..n - 6)); // an earlier event published again
+        }
+    }
+    let parts: Vec<&[Msg]> = msgs.chunks(msgs.len().div_ceil(ROUNDS + 1)).collect();
+    assert_eq!(parts.len(), ROUNDS + 1);
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cfg = dir.path().join("dedupd.toml");
+    let handler = component("fixture_counter");
+    std::fs::write(&cfg, config_text(&server.url, Some(&handler), "2s")).unwrap();
+    let log = dir.path().join("run.log");
+    let start = || {
+        KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_dedupd"))
+                .args(["run", "--config"])
+                .arg(&cfg)
+                .arg("--data-dir")
+                .arg(&data)
+                .env("NO_COLOR", "1")
+                .env("RUST_LOG", "dedupd=info")
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let started =
+        || std::fs::read_to_string(&log).is_ok_and(|l| l.contains("nats consumer started"));
+    let mut acked_at_kills = Vec::new();
+    for (round, part) in parts[..ROUNDS].iter().enumerate() {
+        broker.publish(part);
+        let child = start();
+        wait_until("the consumer started", Duration::from_secs(60), started);
+        let r = mix_u64((round as u64) ^ common::seed(0x4a75));
+        if round % 2 == 1 {
+            wait_until("acknowledgements", Duration::from_secs(60), || {
+                acked_in_log(&log) > 0
+            });
+            std::thread::sleep(Duration::from_millis(r % 150));
+        } else {
+            std::thread::sleep(Duration::from_millis(r % 400));
+        }
+        drop(child); // SIGKILL
+        acked_at_kills.push(acked_in_log(&log));
+    }
+    broker.publish(parts[ROUNDS]);
+    let mut child = start();
+    wait_until("the consumer started", Duration::from_secs(60), started);
+    wait_until(
+        "every message acknowledged",
+        Duration::from_secs(180),
+        || broker.pending(STREAM, DURABLE) == (0, 0),
+    );
+    let status = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut printed = String::new();
+    std::io::Read::read_to_string(child.0.stdout.as_mut().unwrap(), &mut printed).unwrap();
+    let exit = child.0.wait().unwrap();
+    assert!(
+        exit.success(),
+        "graceful stop exits 0, got {exit:?}: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let summary: serde_json::Value = serde_json::from_str(printed.trim()).unwrap();
+    eprintln!("acked at the kills: {acked_at_kills:?}; last run: {summary}");
+    assert_counts_exact(&data, &Config::load(&cfg).unwrap(), EVENTS);
+    assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
+}
+
+/// One claim per distinct event and every `fixture-counter` order (two events) at 2.
+fn assert_counts_exact(data: &Path, config: &Config, events: usize) {
+    let ledger = Ledger::open(data, config, Arc::new(SystemClock)).unwrap();
+    let counts: Vec<(Vec<u8>, Vec<u8>)> = ledger.state_entries("orders").unwrap();
+    let claims = claims(&ledger);
+    ledger.close().unwrap();
+    assert_eq!(claims, events as u64, "one claim per distinct event");
+    assert_eq!(counts.len(), events / 2, "orders lost or split");
+    let wrong: Vec<_> = counts
+        .iter()
+        .filter(|(_, v)| v.as_slice() != b"2")
+        .take(5)
+        .map(|(k, v)| {
+            (
+                String::from_utf8_lossy(k).into_owned(),
+                String::from_utf8_lossy(v).into_owned(),
+            )
+        })
+        .collect();
+    assert!(wrong.is_empty(), "counts doubled or lost: {wrong:?}");
+}
+
+/// `dedupd config check` names the field of a bad `[nats]` section and accepts a good one
+/// without connecting (no server runs here).
+#[test]
+fn config_check_names_the_bad_nats_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = |text: &str| -> common::Run {
+        let path: PathBuf = dir.path().join("dedupd.toml");
+        std::fs::write(&path, text).unwrap();
+        common::dedupd(&["config", "check", path.to_str().unwrap()])
+    };
+    let good = config_text("nats://127.0.0.1:1", None, "30s");
+    let ok = check(&good);
+    ok.assert_success();
+    assert!(
+        ok.stdout
+            .contains("nats       orders <- ORDERS/dedupd-orders"),
+        "{}",
+        ok.stdout
+    );
+    for (bad, field) in [
+        (
+            good.replace("\"ORDERS\"", "\"OR.DERS\""),
+            "nats.binding[0].stream",
+        ),
+        (
+            good.replace("batch = 128", "batch = 1024"),
+            "nats.binding[0].batch",
+        ),
+        (
+            good.replace("nats://127.0.0.1:1", "http://x"),
+            "nats.servers",
+        ),
+        (
+            good.replace("ack_wait = \"30s\"", "ack_wait = \"10ms\""),
+            "nats.binding[0].ack_wait",
+        ),
+        (
+            good.replace(
+                "drain_timeout",
+                "credentials_file = \"/nonexistent.creds\"\ndrain_timeout",
+            ),
+            "nats.credentials_file",
+        ),
+    ] {
+        check(&bad).assert_refused(&[field]);
+    }
+}
+
+/// `GET path` on `addr`: the status code and the body.
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return (0, String::new());
+    };
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, out)
+}
+
+/// `/readyz` of `dedupd run` says 503 with the reason while its NATS server is down (killed)
+/// and 200 once the client reconnected; `/metrics` has the source's counters; messages published across the restart are all
+/// processed once and acknowledged, and what the killed server delivers again is a
+/// duplicate.
+#[test]
+fn readyz_is_503_while_nats_is_down_and_the_source_resumes_after_a_server_restart() {
+    let mut server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    assert_eq!(broker.publish(&order_msgs(0..100)), 100);
+    drop(broker);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("dedupd.toml");
+    let metrics = format!("127.0.0.1:{}", free_port());
+    std::fs::write(
+        &cfg,
+        format!(
+            "{}\n[metrics]\nbind = \"{metrics}\"\n",
+            config_text(&server.url, None, "30s")
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("run.log");
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_dedupd"))
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .env("RUST_LOG", "dedupd=info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = || http_get(&metrics, "/readyz").0 == 200;
+    wait_until("ready", Duration::from_secs(60), ready);
+    let broker = Broker::connect(&server.url);
+    wait_until(
+        "the first 100 acknowledged",
+        Duration::from_secs(60),
+        || broker.pending(STREAM, DURABLE) == (0, 0),
+    );
+    drop(broker);
+
+    server.stop();
+    wait_until("readyz 503", Duration::from_secs(30), || {
+        let (status, body) = http_get(&metrics, "/readyz");
+        status == 503 && body.contains("nats: not connected")
+    });
+    server.restart();
+    wait_until("ready again", Duration::from_secs(60), ready);
+    let broker = Broker::connect(&server.url);
+    assert_eq!(broker.publish(&order_msgs(100..200)), 100);
+    wait_until("the next 100 acknowledged", Duration::from_secs(60), || {
+        broker.pending(STREAM, DURABLE) == (0, 0)
+    });
+    // The source's counters, per subscriber, on /metrics.
+    let (status, text) = http_get(&metrics, "/metrics");
+    assert_eq!(status, 200);
+    for name in [
+        "dedupd_nats_received_total",
+        "dedupd_nats_acked_total",
+        "dedupd_nats_messages_total",
+        "dedupd_nats_consumer_pending",
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(name) && l.contains("subscriber=\"orders\"")),
+            "{name} missing:\n{text}"
+        );
+    }
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut printed = String::new();
+    std::io::Read::read_to_string(child.0.stdout.as_mut().unwrap(), &mut printed).unwrap();
+    let exit = child.0.wait().unwrap();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        exit.success(),
+        "graceful stop exits 0, got {exit:?}: {text}"
+    );
+    let summary: serde_json::Value = serde_json::from_str(printed.trim()).unwrap();
+    // A killed nats-server may forget acknowledgements it had not written yet and
+    // deliver those messages again: they are duplicates, each acknowledged once more.
+    let n = &summary["nats"];
+    assert_eq!(n["processed"], 200, "{summary}");
+    assert_eq!(n["acked"], n["received"], "{summary}");
+    assert_eq!(
+        n["duplicate"].as_u64().unwrap() + 200,
+        n["received"].as_u64().unwrap(),
+        "{summary}"
+    );
+}
+
+/// Two engines (data directories of their own) bound to one durable consumer: the server
+/// spreads the messages between them, each message is processed by one of them and
+/// acknowledged once.
+#[test]
+fn two_instances_share_one_durable_consumer_and_each_message_is_acked_once() {
+    let server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    broker.create_consumer(STREAM, DURABLE, Duration::from_secs(30));
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text(&server.url, None, "30s").replace("batch = 128", "batch = 16");
+    let config = Config::parse(&text).unwrap();
+    let (a, b) = std::thread::scope(|scope| {
+        let run = |name: &'static str| {
+            let (config, data, url) = (&config, dir.path().join(name), &server.url);
+            scope.spawn(move || {
+                let mine = Broker::connect(url);
+                let started = Instant::now();
+                run_until(config, &data, || {
+                    started.elapsed() > Duration::from_secs(2)
+                        && mine.pending(STREAM, DURABLE) == (0, 0)
+                })
+            })
+        };
+        let (a, b) = (run("a"), run("b"));
+        // Both pull before anything is published.
+        std::thread::sleep(Duration::from_millis(1000));
+        assert_eq!(broker.publish(&order_msgs(0..2000)), 2000);
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let (sa, la) = a;
+    let (sb, lb) = b;
+    eprintln!("a: {sa:?}\nb: {sb:?}");
+    assert_eq!(sa.processed + sb.processed, 2000);
+    assert_eq!(sa.acked + sb.acked, 2000);
+    assert!(sa.processed > 0 && sb.processed > 0, "both took messages");
+    assert_eq!(claims(&la) + claims(&lb), 2000);
+    la.close().unwrap();
+    lb.close().unwrap();
+}
+
+/// A stop whose in-flight messages do not finish within `drain_timeout` (a handler that
+/// sleeps 400 ms per message) gives them back with `Nak`; the next run gets them again
+/// after `nak_delay`, each is acknowledged, and there is one claim per message.
+#[test]
+fn a_stop_naks_unfinished_messages_and_the_next_run_processes_each_once() {
+    let server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    assert_eq!(
+        broker.publish_with(&order_msgs(0..8), &[("sleep-ms", "400")]),
+        8
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let text = config_text(&server.url, Some(&component("fixture_sleep")), "2s")
+        .replace("drain_timeout = \"10s\"", "drain_timeout = \"100ms\"")
+        .replace(
+            "ack_wait = \"2s\"",
+            "ack_wait = \"2s\"\nnak_delay = \"200ms\"",
+        );
+    let config = Config::parse(&text).unwrap();
+    let started = Instant::now();
+    let (first, ledger) = run_until(&config, &data, || {
+        started.elapsed() > Duration::from_millis(1000)
+    });
+    ledger.close().unwrap();
+    assert!(first.naked > 0, "{first:?}");
+    assert_eq!(first.received, 8, "{first:?}");
+    assert_eq!(first.acked + first.naked, 8, "{first:?}");
+    let (second, ledger) = run_until_drained(&broker, &config, &data);
+    eprintln!("first: {first:?}\nsecond: {second:?}");
+    // What the first run had submitted was still decided (and committed) as its ledger
+    // closed: given back, it is a duplicate now.
+    assert!(second.redelivered >= first.naked, "{second:?}");
+    assert_eq!(
+        second.processed + second.duplicate,
+        second.received,
+        "{second:?}"
+    );
+    assert_eq!(second.acked, second.received, "{second:?}");
+    assert_eq!(claims(&ledger), 8);
+    ledger.close().unwrap();
+    assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
+}
