@@ -13,7 +13,7 @@ use crate::bench::{self, BenchError, BenchParams, BenchReport, Progress};
 use crate::clock::SystemClock;
 use crate::config::Config;
 use crate::envelope::{fingerprint, key_hash};
-use crate::ledger::{Job, Ledger, Outcome};
+use crate::ledger::{disk_usage, DiskUsage, Job, Ledger, Outcome};
 use crate::source::generator::{Event, Traffic, TrafficSpec};
 
 /// What the demo shows at the end.
@@ -26,6 +26,47 @@ pub struct DemoReport {
     pub redelivered_quarantined: u64,
     /// Handler state entries (labels) before and after the redelivery: equal.
     pub labels_after_redelivery: u64,
+    /// Where the bytes on disk went, after the restart.
+    pub disk: DiskShares,
+}
+
+/// The data directory's bytes by what they hold, so the demo's bytes per claim can be
+/// read against the per-key figures elsewhere (which count claims alone).
+#[derive(Debug, Default, Serialize, PartialEq, Eq)]
+pub struct DiskShares {
+    /// Claim blocks and logs, generations, filters, placements, key sources.
+    pub claims: u64,
+    /// Handler state: runs, the state log, marks, versions.
+    pub handler_state: u64,
+    /// Quarantine and dead-letter records, the outbox, changelog checkpoints, meta.
+    pub records_and_other_tables: u64,
+    /// Free pages kept for reuse and redb's own tables and headers.
+    pub free_and_redb: u64,
+}
+
+impl DiskShares {
+    /// Shares of `usage`, by table kind (the prefix of a table's name).
+    pub fn of(usage: &DiskUsage) -> DiskShares {
+        let mut d = DiskShares {
+            free_and_redb: usage.other_bytes,
+            ..DiskShares::default()
+        };
+        for g in &usage.groups {
+            let bytes = g.page_bytes();
+            match g.kind.as_str() {
+                "claimblk_v1" | "claims_v1" | "claimlog_v1" | "generations_v1" | "filters_v1"
+                | "placements_v1" | "key_sources_v1" => d.claims += bytes,
+                "state_v2" | "unique_v2" | "versions_v2" | "statelog_v1" | "staterun_v1"
+                | "stateruns_v1" => d.handler_state += bytes,
+                _ => d.records_and_other_tables += bytes,
+            }
+        }
+        d
+    }
+
+    pub fn total(&self) -> u64 {
+        self.claims + self.handler_state + self.records_and_other_tables + self.free_and_redb
+    }
 }
 
 impl DemoReport {
@@ -60,12 +101,32 @@ impl std::fmt::Display for DemoReport {
             "ack latency    p50 {:.2} ms, p99 {:.2} ms",
             r.p50_ack_ms, r.p99_ack_ms
         )?;
+        let mib = |b: u64| b as f64 / 1048576.0;
+        let per_claim = |b: u64| b as f64 / r.stored_keys.max(1) as f64;
+        let d = &self.disk;
         writeln!(
             f,
-            "on disk        {:.1} MiB for {} claims",
-            r.disk_bytes as f64 / 1048576.0,
-            r.stored_keys
+            "on disk        {:.1} MiB for {} claims ({:.0} B per claim, everything in):",
+            mib(d.total()),
+            r.stored_keys,
+            per_claim(d.total())
         )?;
+        for (what, bytes) in [
+            ("claims (the per-key figures count these)", d.claims),
+            ("handler state (labels, marks, logs)", d.handler_state),
+            (
+                "records, outbox and other tables",
+                d.records_and_other_tables,
+            ),
+            ("free pages kept for reuse, redb's own", d.free_and_redb),
+        ] {
+            writeln!(
+                f,
+                "  {what:<42} {:>8.1} MiB  {:>5.0} B per claim",
+                mib(bytes),
+                per_claim(bytes)
+            )?;
+        }
         if r.params.handler.is_some() {
             writeln!(f, "labels         {} created for {} processed events ({} events repeated an order and made no label); {} dead-lettered",
                 r.state_entries, r.processed, r.processed - r.state_entries, r.dead_lettered)?;
@@ -173,7 +234,9 @@ pub fn run(
     for s in &subs {
         labels_after += ledger.state_len(&s.name)?;
     }
+    let shards = ledger.shard_count();
     ledger.close()?;
+    let disk = DiskShares::of(&disk_usage(&run.data_dir, shards)?);
     let _ = std::fs::remove_dir_all(run.data_dir.parent().unwrap_or(&run.data_dir));
     Ok(DemoReport {
         run,
@@ -182,5 +245,6 @@ pub fn run(
         redelivered_duplicates: counts[1],
         redelivered_quarantined: counts[2],
         labels_after_redelivery: labels_after,
+        disk,
     })
 }

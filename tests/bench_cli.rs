@@ -89,6 +89,37 @@ fn demo_finds_its_handler_from_any_directory_and_says_where_it_looked() {
         std::fs::canonicalize(found).unwrap(),
         std::fs::canonicalize(&built).unwrap()
     );
+    // The disk figure is explained: its parts add up to it, and claims and labels both
+    // take some.
+    let mib = |line: &str| -> f64 {
+        line.split(" MiB")
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .last()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let out: Vec<&str> = run.stdout.lines().collect();
+    let at = out
+        .iter()
+        .position(|l| l.starts_with("on disk"))
+        .unwrap_or_else(|| panic!("no disk line:\n{}", run.stdout));
+    let total = mib(out[at]);
+    let parts: Vec<f64> = out[at + 1..at + 5].iter().map(|l| mib(l)).collect();
+    assert!(
+        out[at + 1].contains("claims") && out[at + 2].contains("handler state"),
+        "{}",
+        run.stdout
+    );
+    assert!(parts[0] > 0.0 && parts[1] > 0.0, "{}", run.stdout);
+    let sum: f64 = parts.iter().sum();
+    assert!(
+        (sum - total).abs() <= 0.25,
+        "{sum} != {total}:\n{}",
+        run.stdout
+    );
 
     let missing = common::Run::of(
         std::process::Command::new(env!("CARGO_BIN_EXE_dedupd"))
