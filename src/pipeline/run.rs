@@ -229,30 +229,14 @@ fn run_kafka(
     http: Option<HttpConfig>,
     shutdown: &Shutdown,
 ) -> Result<KafkaSummary, RunError> {
-    shutdown.on_signals()?;
-    // librdkafka can block a consumer's close for long when no broker answers; durable
-    // outcomes are safe without it (uncommitted offsets only mean redelivery), so a stop
-    // that takes far longer than the drain allows ends the process.
-    let limit = kafka_config.drain_timeout * 2 + Duration::from_secs(10);
-    let watchdog = shutdown.clone();
-    std::thread::Builder::new()
-        .name("dedupd-stop-watchdog".into())
-        .spawn(move || {
-            watchdog.wait();
-            std::thread::sleep(limit);
-            eprintln!("dedupd: shutdown did not finish within {limit:?} (Kafka unreachable?); exiting; uncommitted offsets will be redelivered as duplicates");
-            std::process::exit(1);
-        })?;
-    let server = match http {
-        Some(http) => Some(HttpServer::start(ledger, config, http, Shutdown::new())?),
-        None => None,
+    let broker = Broker {
+        name: "Kafka",
+        drain_timeout: kafka_config.drain_timeout,
+        left: "uncommitted offsets will be redelivered as duplicates",
     };
-    ready();
-    let result = kafka::run(ledger.clone(), kafka_config, shutdown);
-    if let Some(server) = server {
-        server.stop()?;
-    }
-    let summary = result?;
+    let summary = run_broker(ledger, config, http, shutdown, broker, || {
+        Ok(kafka::run(ledger.clone(), kafka_config, shutdown)?)
+    })?;
     let s = &summary;
     tracing::info!(
         received = s.received,
@@ -277,8 +261,7 @@ fn run_kafka(
 }
 
 /// Like [`run_kafka`]: the API keeps answering while the bindings drain and acknowledge
-/// what is durable; a stop that takes far longer than the drain allows ends the process
-/// (unacknowledged messages are delivered again and answered `duplicate`).
+/// what is durable (unacknowledged messages are delivered again and answered `duplicate`).
 fn run_nats(
     ledger: &Arc<Ledger>,
     config: &Config,
@@ -286,27 +269,14 @@ fn run_nats(
     http: Option<HttpConfig>,
     shutdown: &Shutdown,
 ) -> Result<NatsSummary, RunError> {
-    shutdown.on_signals()?;
-    let limit = nats_config.drain_timeout * 2 + Duration::from_secs(10);
-    let watchdog = shutdown.clone();
-    std::thread::Builder::new()
-        .name("dedupd-stop-watchdog".into())
-        .spawn(move || {
-            watchdog.wait();
-            std::thread::sleep(limit);
-            eprintln!("dedupd: shutdown did not finish within {limit:?} (NATS unreachable?); exiting; unacknowledged messages will be redelivered as duplicates");
-            std::process::exit(1);
-        })?;
-    let server = match http {
-        Some(http) => Some(HttpServer::start(ledger, config, http, Shutdown::new())?),
-        None => None,
+    let broker = Broker {
+        name: "NATS",
+        drain_timeout: nats_config.drain_timeout,
+        left: "unacknowledged messages will be redelivered as duplicates",
     };
-    ready();
-    let result = nats::run(ledger.clone(), nats_config, shutdown);
-    if let Some(server) = server {
-        server.stop()?;
-    }
-    let summary = result?;
+    let summary = run_broker(ledger, config, http, shutdown, broker, || {
+        Ok(nats::run(ledger.clone(), nats_config, shutdown)?)
+    })?;
     let s = &summary;
     tracing::info!(
         received = s.received,
@@ -322,6 +292,54 @@ fn run_nats(
         "stopped; every acknowledgement covers a durable outcome"
     );
     Ok(summary)
+}
+
+/// A broker source as a stop sees it.
+struct Broker {
+    name: &'static str,
+    drain_timeout: Duration,
+    /// What a stop cut short leaves for the broker to do.
+    left: &'static str,
+}
+
+/// What every broker mode shares around its source: signals, the stop watchdog, the
+/// optional API (answering while the source drains), the readiness notice.
+///
+/// A client library can block its close for long when no broker answers; durable outcomes
+/// are safe without it (what was not acknowledged is only delivered again), so a stop that
+/// takes far longer than the drain allows ends the process.
+fn run_broker<S>(
+    ledger: &Arc<Ledger>,
+    config: &Config,
+    http: Option<HttpConfig>,
+    shutdown: &Shutdown,
+    broker: Broker,
+    source: impl FnOnce() -> Result<S, RunError>,
+) -> Result<S, RunError> {
+    shutdown.on_signals()?;
+    let limit = broker.drain_timeout * 2 + Duration::from_secs(10);
+    let watchdog = shutdown.clone();
+    std::thread::Builder::new()
+        .name("dedupd-stop-watchdog".into())
+        .spawn(move || {
+            watchdog.wait();
+            std::thread::sleep(limit);
+            eprintln!(
+                "dedupd: shutdown did not finish within {limit:?} ({} unreachable?); exiting; {}",
+                broker.name, broker.left
+            );
+            std::process::exit(1);
+        })?;
+    let server = match http {
+        Some(http) => Some(HttpServer::start(ledger, config, http, Shutdown::new())?),
+        None => None,
+    };
+    ready();
+    let result = source();
+    if let Some(server) = server {
+        server.stop()?;
+    }
+    result
 }
 
 /// The ledger is open, its handlers installed and the listeners bound: tells systemd
