@@ -383,7 +383,7 @@ impl StateBuffer {
         let sorted = Sorted::start(&effects);
         let (table_id, order) = self.runs.next_flush();
         self.frozen = Some(Frozen {
-            writer: RunWriter::new(effects.len() as u64, false),
+            writer: self.runs.flush_writer(effects.len() as u64),
             effects,
             sorted,
             last_row: self.next_row.saturating_sub(1),

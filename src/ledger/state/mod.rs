@@ -23,6 +23,7 @@
 //! - `log_row.rs`: the encoding of one batch's effects as a log row;
 //! - `run.rs`: the block format of one run, its writer, lookups and scans;
 //! - `runs.rs`: the run list, its metadata and filters, and the merge policy;
+//! - `cover.rs`: filters over the keys of many runs, so a key no run holds costs one probe;
 //! - `view.rs`: the layered read view a handler gets during a batch ([`BatchView`]);
 //! - `blocks.rs`, `upgrade.rs`: the earlier layouts, read once to rewrite them as runs.
 //!
@@ -30,6 +31,7 @@
 
 mod blocks;
 mod buffer;
+mod cover;
 #[cfg(test)]
 mod fuzz;
 mod log_row;

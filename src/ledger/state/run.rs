@@ -24,9 +24,12 @@
 
 use std::borrow::Cow;
 use std::cell::RefCell;
+use std::sync::Arc;
 
 use fastbloom::BloomFilter;
 use redb::{ReadOnlyTable, ReadableTable, StorageError, Table};
+
+use super::cover::CoverBits;
 
 /// Handler state entries (`state::put`).
 pub(crate) const KIND_STATE: u8 = b's';
@@ -289,13 +292,17 @@ pub(crate) struct RunWriter {
     raw_target: usize,
     /// Compressed over raw bytes of this run's blocks so far (a moving average).
     ratio: Option<f64>,
+    /// The cover every key written also goes into (`cover.rs`), if any.
+    cover: Option<Arc<CoverBits>>,
 }
 
-/// What a finished run holds: its filter, entries and bytes written.
+/// What a finished run holds: its filter, entries and bytes written, and the cover that
+/// holds every key of it, if any.
 pub(crate) struct Written {
     pub filter: BloomFilter,
     pub entries: u64,
     pub bytes: u64,
+    pub cover: Option<Arc<CoverBits>>,
 }
 
 impl RunWriter {
@@ -316,7 +323,15 @@ impl RunWriter {
             bytes: 0,
             raw_target: BLOCK_TARGET,
             ratio: None,
+            cover: None,
         }
+    }
+
+    /// The same writer inserting every key it writes into `cover` too.
+    pub fn covered_by(mut self, cover: Option<Arc<CoverBits>>) -> RunWriter {
+        debug_assert_eq!(self.entries, 0, "a cover must see every key of the run");
+        self.cover = cover;
+        self
     }
 
     /// Entries written so far.
@@ -358,7 +373,11 @@ impl RunWriter {
         }
         self.last.clear();
         self.last.extend_from_slice(key);
-        self.filter.insert_hash(key_hash(key));
+        let hash = key_hash(key);
+        self.filter.insert_hash(hash);
+        if let Some(c) = &self.cover {
+            c.insert(hash);
+        }
         self.entries += 1;
         Ok(())
     }
@@ -448,6 +467,7 @@ impl RunWriter {
             filter: self.filter,
             entries: self.entries,
             bytes: self.bytes,
+            cover: self.cover,
         })
     }
 }

@@ -35,6 +35,7 @@ use redb::{
 };
 use redb::{StorageError, WriteTransaction};
 
+use super::cover::{CoverBits, CoverView, Covers};
 use super::run::{self, Merge, RunScan, RunWriter, Written};
 use crate::ledger::tables::{
     missing_is_none, state_run_name, state_runs_name, BlockDef, StateRunsDef, STATE_RUN_PREFIX,
@@ -137,6 +138,9 @@ struct Merging {
     out_id: u64,
     compress: bool,
     writer: RunWriter,
+    /// The cover (id) of every input, which the output joins as it is (its keys are
+    /// theirs); `None` when the writer inserts into a cover of its own, or none.
+    inherit: Option<u64>,
     /// Run key the next slice starts at. Every key before it is in the output table (and
     /// gone from the inputs' tables); readers take keys before it from the output.
     resume: Vec<u8>,
@@ -201,6 +205,8 @@ pub(crate) struct Runs {
     merging: Option<Merging>,
     /// The first state log row no run covers, as stored ([`LOG_FROM_ROW`]).
     pub log_from: u64,
+    /// Filters over the keys of many runs (`cover.rs`), in memory only.
+    pub covers: Covers,
 }
 
 fn corrupt(what: String) -> redb::Error {
@@ -305,12 +311,14 @@ impl Runs {
                 Some(t) => RunWriter::resume(&t, expected, compress)?,
                 None => RunWriter::new(expected, compress),
             };
+        // Its written part went through no cover: the output joins none.
         Ok(Merging {
             inputs,
             bottom,
             out_id,
             compress,
             writer,
+            inherit: None,
             resume,
         })
     }
@@ -341,6 +349,7 @@ impl Runs {
     pub fn filter_bytes(&self) -> u64 {
         self.list.iter().map(|r| r.filter_bytes()).sum::<u64>()
             + self.merging.as_ref().map_or(0, |m| m.writer.filter_bytes())
+            + self.covers.heap_bytes()
     }
 
     /// A fresh table id and the order of a new flush (newer than every run).
@@ -378,12 +387,40 @@ impl Runs {
         sub: &str,
         table_id: u64,
         order: u64,
-        written: Written,
+        mut written: Written,
     ) -> Result<(), redb::Error> {
+        let cover = written.cover.take();
         if let Some(run) = register(txn, sub, table_id, order, written)? {
+            if let Some(c) = &cover {
+                self.covers.add_written(c, table_id);
+            }
             self.list.insert(0, run);
         }
         Ok(())
+    }
+
+    /// A writer for a flushed run of about `expected` entries, inserting into the newest
+    /// cover.
+    pub fn flush_writer(&mut self, expected: u64) -> RunWriter {
+        RunWriter::new(expected, false).covered_by(self.cover_for(expected, expected))
+    }
+
+    /// The cover a writer of about `expected` keys inserts into, when its run adds `adds`
+    /// entries to those of the list.
+    fn cover_for(&mut self, expected: u64, adds: u64) -> Option<Arc<CoverBits>> {
+        let total = self.list.iter().map(|r| r.entries).sum::<u64>() + adds;
+        let list = &self.list;
+        let entries = |id: u64| {
+            list.iter()
+                .find(|r| r.table_id == id)
+                .map_or(0, |r| r.entries)
+        };
+        self.covers.for_writer(expected, total, entries)
+    }
+
+    /// The covers as of the current run list, for a reader that snapshots it.
+    pub fn cover_view(&self) -> CoverView {
+        self.covers.view(&self.list)
     }
 
     /// Empties retired tables by a slice, starts a merge when the policy asks for one, and
@@ -404,12 +441,20 @@ impl Runs {
                 let inputs: Vec<Arc<Run>> = self.list[window.clone()].to_vec();
                 let expected = inputs.iter().map(|r| r.entries).sum();
                 let compress = compress_tier(expected, base);
+                // Inputs of one cover: the output is covered as it is. Otherwise its keys
+                // go into the newest cover as they are written (once per key and cover).
+                let inherit = self.covers.shared_by(&inputs);
+                let mut writer = RunWriter::new(expected, compress);
+                if inherit.is_none() {
+                    writer = writer.covered_by(self.cover_for(expected, 0));
+                }
                 self.merging = Some(Merging {
                     bottom: window.end == self.list.len(),
                     inputs,
                     out_id: self.next_id,
                     compress,
-                    writer: RunWriter::new(expected, compress),
+                    writer,
+                    inherit,
                     resume: Vec::new(),
                 });
                 self.next_id += 1;
@@ -504,7 +549,8 @@ impl Runs {
             return Ok(written);
         };
         let started = std::time::Instant::now();
-        let done = m.writer.finish(&mut out)?;
+        let mut done = m.writer.finish(&mut out)?;
+        let written_cover = done.cover.take();
         drop(out);
         let mut meta = txn.open_table(StateRunsDef::new(&state_runs_name(sub)))?;
         meta.remove(MERGE_ROW)?;
@@ -524,6 +570,16 @@ impl Runs {
         };
         tracing::info!(subscriber = %sub, runs = m.inputs.len(), entries = self.list[at..at + m.inputs.len()].iter().map(|r| r.entries).sum::<u64>(),
             finish_ms = started.elapsed().as_millis() as u64, "handler state runs merged");
+        // The output joins its cover before the inputs leave theirs, so a cover that held
+        // only the inputs is not dropped in between.
+        if let Some(run) = &merged {
+            if let Some(c) = &written_cover {
+                self.covers.add_written(c, run.table_id);
+            } else if let Some(id) = m.inherit {
+                self.covers.add_merged(id, run.table_id);
+            }
+        }
+        self.covers.remove(m.inputs.iter().map(|r| r.table_id));
         self.list.splice(at..at + m.inputs.len(), merged);
         Ok(written.max(1))
     }
@@ -607,16 +663,22 @@ pub(crate) fn lookup(
     runs: &[Arc<Run>],
     tables: &[RunTable],
     partial: Option<&(Partial, RunTable)>,
+    covers: &CoverView,
     key: &[u8],
 ) -> Result<Option<Option<Vec<u8>>>, StorageError> {
     let hash = run::key_hash(key);
+    // One probe per cover first: the runs of a cover that says "no" are skipped.
+    let absent = covers.absent(hash);
     let mut i = 0;
     while i < runs.len() {
         if let Some((p, out)) = partial.filter(|(p, _)| p.at == i && key < p.resume.as_slice()) {
             // Merged already: the output holds the newest entry of the inputs (no filter
             // of its own yet, but it holds only keys of theirs).
-            let inputs = &runs[i..(i + p.inputs).min(runs.len())];
-            if inputs.iter().any(|r| r.may_contain(hash)) {
+            let inputs = i..(i + p.inputs).min(runs.len());
+            if inputs
+                .clone()
+                .any(|j| !absent(j) && runs[j].may_contain(hash))
+            {
                 if let Some(found) = run::get(out, key)? {
                     return Ok(Some(found));
                 }
@@ -624,7 +686,7 @@ pub(crate) fn lookup(
             i += p.inputs;
             continue;
         }
-        if runs[i].may_contain(hash) {
+        if !absent(i) && runs[i].may_contain(hash) {
             if let Some(found) = run::get(&tables[i], key)? {
                 return Ok(Some(found));
             }

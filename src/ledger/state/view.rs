@@ -10,6 +10,7 @@ use std::sync::Arc;
 use redb::{Database, ReadTransaction, ReadableDatabase, StorageError};
 
 use super::buffer::{Buffered, StateBuffer};
+use super::cover::CoverView;
 use super::run::{run_key, Entry, Merge, RunScan, KIND_MARK, KIND_STATE, KIND_VERSION};
 use super::runs::{self, Partial, Run, RunTable};
 use crate::effects::{Effects, StateEntry, StateReader};
@@ -22,6 +23,7 @@ pub(super) struct RunTables {
     runs: Vec<Arc<Run>>,
     tables: Vec<RunTable>,
     partial: Option<(Partial, RunTable)>,
+    covers: CoverView,
 }
 
 impl RunTables {
@@ -45,6 +47,7 @@ impl RunTables {
         };
         Ok(RunTables {
             _txn: txn,
+            covers: buffer.runs.cover_view(),
             runs,
             tables,
             partial,
@@ -60,6 +63,7 @@ impl RunTables {
             &self.runs,
             &self.tables,
             self.partial.as_ref(),
+            &self.covers,
             &run_key(kind, key),
         )
     }

@@ -50,7 +50,7 @@ fn flush(db: &Database, runs: &mut Runs, keys: std::ops::Range<u64>) {
         let mut t = txn
             .open_table(BlockDef::new(&state_run_name("s", id)))
             .unwrap();
-        let mut w = RunWriter::new(keys.end - keys.start, false);
+        let mut w = runs.flush_writer(keys.end - keys.start);
         for i in keys {
             let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
             w.push(&mut t, &k, Some(format!("{{\"n\":{i}}}").as_bytes()))
@@ -164,7 +164,14 @@ fn check_reads(db: &Database, runs: &Runs, keys: u64, value: &dyn Fn(u64) -> Vec
     for i in 0..keys {
         let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
         assert_eq!(
-            lookup(&runs.list, &tables, partial.as_ref(), &k).unwrap(),
+            lookup(
+                &runs.list,
+                &tables,
+                partial.as_ref(),
+                &runs.cover_view(),
+                &k
+            )
+            .unwrap(),
             Some(Some(value(i))),
             "key {i}"
         );
@@ -204,7 +211,7 @@ fn a_merge_frees_its_inputs_behind_its_cursor_and_survives_a_restart() {
             let mut t = txn
                 .open_table(BlockDef::new(&state_run_name("s", id)))
                 .unwrap();
-            let mut w = RunWriter::new(64, false);
+            let mut w = runs.flush_writer(64);
             for i in (j..256).step_by(4) {
                 let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
                 w.push(&mut t, &k, Some(&value(i))).unwrap();
@@ -267,6 +274,93 @@ fn a_merge_frees_its_inputs_behind_its_cursor_and_survives_a_restart() {
         .open_table(StateRunsDef::new(&state_runs_name("s")))
         .unwrap();
     assert!(meta.get(MERGE_ROW).unwrap().is_none());
+}
+
+/// What the lookup of state key `i` finds, and in how many runs a cover let it skip the
+/// run's own filter.
+fn lookup_counting(db: &Database, runs: &Runs, i: u64) -> (Option<Option<Vec<u8>>>, usize) {
+    let txn = db.begin_read().unwrap();
+    let tables: Vec<RunTable> = runs
+        .list
+        .iter()
+        .map(|r| open_run(&txn, "s", r).unwrap())
+        .collect();
+    let partial = runs.partial().map(|p| {
+        let t = txn
+            .open_table(BlockDef::new(&state_run_name("s", p.out_id)))
+            .unwrap();
+        (p, t)
+    });
+    let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
+    let view = runs.cover_view();
+    let found = lookup(&runs.list, &tables, partial.as_ref(), &view, &k).unwrap();
+    let absent = view.absent(run::key_hash(&k));
+    (found, (0..runs.list.len()).filter(|j| absent(*j)).count())
+}
+
+/// Covers never hide a key (every written key is found through flushes, merges within one
+/// cover and across covers, covers filling up, and a restart that forgets them all), and
+/// they do their work: once the runs are covered, a key no run holds skips nearly every
+/// run's own filter.
+#[test]
+fn covers_skip_runs_for_absent_keys_and_never_hide_a_written_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.redb");
+    let mut db = Database::create(&path).unwrap();
+    let base = 40;
+    let mut runs = Runs {
+        covers: Covers::with_min_capacity(100),
+        ..Runs::default()
+    };
+    let check = |db: &Database, runs: &Runs, written: u64| {
+        for i in 0..written {
+            assert!(lookup_counting(db, runs, i).0.is_some(), "key {i} hidden");
+        }
+    };
+    let mut written = 0;
+    for round in 0..24u64 {
+        flush(&db, &mut runs, written..written + 40);
+        written += 40;
+        if round % 3 == 2 {
+            settle(&db, &mut runs, base);
+        }
+        check(&db, &runs, written);
+    }
+    settle(&db, &mut runs, base);
+    assert!(runs.list.len() > 1, "{} runs", runs.list.len());
+    assert_eq!(runs.covers.covered(), runs.list.len(), "every run covered");
+    let skipped = |db: &Database, runs: &Runs| -> usize {
+        (100_000..101_000)
+            .map(|i| {
+                let (found, skipped) = lookup_counting(db, runs, i);
+                assert_eq!(found, None);
+                skipped
+            })
+            .sum()
+    };
+    let possible = 1000 * runs.list.len();
+    let before_restart = skipped(&db, &runs);
+    assert!(
+        before_restart * 100 >= possible * 95,
+        "{before_restart} of {possible} run probes skipped"
+    );
+    // A restart forgets the covers: nothing is skipped, nothing is hidden, and runs join
+    // covers again as they are flushed and merged.
+    drop(runs);
+    drop(db);
+    db = Database::open(&path).unwrap();
+    runs = Runs::load(&db.begin_read().unwrap(), "s").unwrap();
+    runs.covers = Covers::with_min_capacity(100);
+    assert_eq!(skipped(&db, &runs), 0);
+    check(&db, &runs, written);
+    for _ in 0..8 {
+        flush(&db, &mut runs, written..written + 40);
+        written += 40;
+        settle(&db, &mut runs, base);
+        check(&db, &runs, written);
+    }
+    assert!(runs.covers.covered() > 0);
+    assert!(skipped(&db, &runs) > 0);
 }
 
 #[test]
