@@ -114,6 +114,18 @@ pub enum BackupError {
     Ledger(#[from] LedgerError),
 }
 
+/// What a backup, a restore or a check reports as it goes, for a progress bar: a step and
+/// the bytes it reads in all, then the bytes read, a chunk at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Progress {
+    Step { what: &'static str, bytes: u64 },
+    Read(u64),
+}
+
+/// Receives [`Progress`]; `&mut |_| {}` when nobody watches.
+pub type Observer<'a> = &'a mut dyn FnMut(Progress);
+
 fn io(path: &Path) -> impl Fn(std::io::Error) -> BackupError + '_ {
     move |e| BackupError::Io {
         path: path.to_path_buf(),
@@ -125,6 +137,15 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> BackupError + '_ {
 /// files are held open read-only for the whole copy, so an engine cannot start on the
 /// directory meanwhile; one running already is [`BackupError::Running`].
 pub fn backup_offline(data_dir: &Path, to: &Path) -> Result<BackupReport, BackupError> {
+    backup_offline_observed(data_dir, to, &mut |_| {})
+}
+
+/// [`backup_offline`], reporting its progress to `observe` (one step: the shard files).
+pub fn backup_offline_observed(
+    data_dir: &Path,
+    to: &Path,
+    observe: Observer,
+) -> Result<BackupReport, BackupError> {
     if !data_dir.join(MANIFEST).is_file() {
         return Err(BackupError::NotADataDir(data_dir.to_path_buf()));
     }
@@ -133,13 +154,22 @@ pub fn backup_offline(data_dir: &Path, to: &Path) -> Result<BackupReport, Backup
         e => e.into(),
     })?;
     prepare_empty(to, "a backup")?;
-    let mut files = vec![copy_hashed(data_dir, to, MANIFEST)?];
+    let bytes = held
+        .paths
+        .iter()
+        .map(|p| std::fs::metadata(p).map(|m| m.len()).map_err(io(p)))
+        .sum::<Result<u64, _>>()?;
+    observe(Progress::Step {
+        what: "copying shard files",
+        bytes,
+    });
+    let mut files = vec![copy_hashed(data_dir, to, MANIFEST, &mut |_| {})?];
     for path in &held.paths {
         let name = path
             .file_name()
             .and_then(|n| n.to_str())
             .ok_or_else(|| BackupError::NotADataDir(data_dir.to_path_buf()))?;
-        files.push(copy_hashed(data_dir, to, name)?);
+        files.push(copy_hashed(data_dir, to, name, observe)?);
     }
     files.extend(copy_side_files(data_dir, to)?);
     drop(held);
@@ -163,6 +193,11 @@ pub fn backup_online(ledger: &Ledger, to: &Path) -> Result<BackupReport, BackupE
 /// Checks a backup against its `backup.json` without writing anything: the format, and
 /// that exactly the files it lists are there with their sizes and checksums.
 pub fn verify(dir: &Path) -> Result<BackupManifest, BackupError> {
+    verify_observed(dir, &mut |_| {})
+}
+
+/// [`verify`], reporting its progress to `observe` (one step: checking every file).
+pub fn verify_observed(dir: &Path, observe: Observer) -> Result<BackupManifest, BackupError> {
     let damaged = |file: &str, problem: String| BackupError::Damaged {
         dir: dir.to_path_buf(),
         file: file.to_string(),
@@ -209,6 +244,10 @@ pub fn verify(dir: &Path) -> Result<BackupManifest, BackupError> {
             "is not listed in backup.json (an extra file)".into(),
         ));
     }
+    observe(Progress::Step {
+        what: "checking the backup",
+        bytes: manifest.files.iter().map(|f| f.bytes).sum(),
+    });
     for f in &manifest.files {
         let path = dir.join(&f.path);
         let bytes = match std::fs::metadata(&path) {
@@ -225,7 +264,7 @@ pub fn verify(dir: &Path) -> Result<BackupManifest, BackupError> {
                 format!("has {bytes} bytes, backup.json says {}", f.bytes),
             ));
         }
-        let (sum, _) = hash_file(&path, None)?;
+        let (sum, _) = hash_file(&path, None, observe)?;
         if sum != f.xxh3_128 {
             return Err(damaged(
                 &f.path,
@@ -244,9 +283,23 @@ pub fn restore(
     from: &Path,
     data_dir: &Path,
 ) -> Result<(BackupManifest, LedgerReport), BackupError> {
+    restore_observed(from, data_dir, &mut |_| {})
+}
+
+/// [`restore`], reporting its progress to `observe` (two steps: checking the backup, then
+/// copying it).
+pub fn restore_observed(
+    from: &Path,
+    data_dir: &Path,
+    observe: Observer,
+) -> Result<(BackupManifest, LedgerReport), BackupError> {
     check_empty(data_dir, "a restore")?;
-    let manifest = verify(from)?;
+    let manifest = verify_observed(from, observe)?;
     prepare_empty(data_dir, "a restore")?;
+    observe(Progress::Step {
+        what: "restoring",
+        bytes: manifest.files.iter().map(|f| f.bytes).sum(),
+    });
     let mut dirs = std::collections::BTreeSet::new();
     let ordered = manifest
         .files
@@ -254,7 +307,7 @@ pub fn restore(
         .filter(|f| f.path != MANIFEST)
         .chain(manifest.files.iter().filter(|f| f.path == MANIFEST));
     for f in ordered {
-        let copied = copy_hashed(from, data_dir, &f.path)?;
+        let copied = copy_hashed(from, data_dir, &f.path, observe)?;
         if copied.xxh3_128 != f.xxh3_128 || copied.bytes != f.bytes {
             return Err(BackupError::Damaged {
                 dir: from.to_path_buf(),
@@ -320,7 +373,12 @@ fn copy_side_files(data_dir: &Path, to: &Path) -> Result<Vec<BackupFile>, Backup
     if data_dir.join(HANDLERS_DIR).is_dir() {
         for rel in list_files(&data_dir.join(HANDLERS_DIR))? {
             if !rel.ends_with(".tmp") {
-                files.push(copy_hashed(data_dir, to, &format!("{HANDLERS_DIR}/{rel}"))?);
+                files.push(copy_hashed(
+                    data_dir,
+                    to,
+                    &format!("{HANDLERS_DIR}/{rel}"),
+                    &mut |_| {},
+                )?);
             }
         }
     }
@@ -387,7 +445,12 @@ fn finish(
 }
 
 /// Copies `from/rel` to `to/rel` (creating parents), hashing on the way, and fsyncs it.
-fn copy_hashed(from: &Path, to: &Path, rel: &str) -> Result<BackupFile, BackupError> {
+fn copy_hashed(
+    from: &Path,
+    to: &Path,
+    rel: &str,
+    observe: Observer,
+) -> Result<BackupFile, BackupError> {
     let src = from.join(rel);
     let dst = to.join(rel);
     if let Some(parent) = dst.parent() {
@@ -398,7 +461,7 @@ fn copy_hashed(from: &Path, to: &Path, rel: &str) -> Result<BackupFile, BackupEr
         .create_new(true)
         .open(&dst)
         .map_err(io(&dst))?;
-    let (sum, bytes) = hash_file(&src, Some(&mut out))?;
+    let (sum, bytes) = hash_file(&src, Some(&mut out), observe)?;
     out.sync_all().map_err(io(&dst))?;
     Ok(BackupFile {
         path: rel.to_string(),
@@ -410,7 +473,7 @@ fn copy_hashed(from: &Path, to: &Path, rel: &str) -> Result<BackupFile, BackupEr
 /// Hashes a file already copied into the backup, and fsyncs it.
 fn hash_in_place(dir: &Path, rel: &str) -> Result<BackupFile, BackupError> {
     let path = dir.join(rel);
-    let (sum, bytes) = hash_file(&path, None)?;
+    let (sum, bytes) = hash_file(&path, None, &mut |_| {})?;
     std::fs::File::open(&path)
         .and_then(|f| f.sync_all())
         .map_err(io(&path))?;
@@ -445,6 +508,7 @@ fn write_new(dir: &Path, rel: &str, body: &[u8]) -> Result<BackupFile, BackupErr
 fn hash_file(
     path: &Path,
     mut copy: Option<&mut std::fs::File>,
+    observe: Observer,
 ) -> Result<(String, u64), BackupError> {
     let mut f = std::fs::File::open(path).map_err(io(path))?;
     let mut h = Xxh3::new();
@@ -460,6 +524,7 @@ fn hash_file(
             out.write_all(&buf[..n]).map_err(io(path))?;
         }
         total += n as u64;
+        observe(Progress::Read(n as u64));
     }
     Ok((format!("{:032x}", h.digest128()), total))
 }

@@ -171,6 +171,21 @@ fn offline_backup_restores_every_claim_and_the_handler_state() {
     assert!(run.stdout.contains("backup.json"), "{}", run.stdout);
     let files = backup_files(&backup);
     assert!(files.contains("dedupd.manifest.json") && files.contains("shard-000.redb"));
+    // Progress, with stderr not a terminal: plain lines, no escapes; the step's bytes are
+    // the shard files' and all of them were read.
+    let shard_bytes: u64 = files
+        .iter()
+        .filter(|f| f.starts_with("shard-"))
+        .map(|f| std::fs::metadata(backup.join(f)).unwrap().len())
+        .sum();
+    assert!(shard_bytes > 0);
+    for line in [
+        format!("copying shard files: {shard_bytes} bytes"),
+        format!("copying shard files: done, {shard_bytes} bytes"),
+    ] {
+        assert!(run.stderr.contains(&line), "no {line:?} in {}", run.stderr);
+    }
+    assert!(!run.stderr.contains('\x1b'), "{:?}", run.stderr);
     // A non-empty target is refused.
     common::dedupd(&[
         "backup",
@@ -191,6 +206,18 @@ fn offline_backup_restores_every_claim_and_the_handler_state() {
     ]);
     run.assert_success();
     assert!(run.stdout.contains("opens read-only"), "{}", run.stdout);
+    // Both steps said, each with every byte of the backup read.
+    let backup_bytes: u64 = files
+        .iter()
+        .filter(|f| *f != "backup.json")
+        .map(|f| std::fs::metadata(backup.join(f)).unwrap().len())
+        .sum();
+    for line in [
+        format!("checking the backup: done, {backup_bytes} bytes"),
+        format!("restoring: done, {backup_bytes} bytes"),
+    ] {
+        assert!(run.stderr.contains(&line), "no {line:?} in {}", run.stderr);
+    }
     assert_eq!(claims(&restored), claims(&data));
     assert_eq!(counts(&restored, &config), counts(&data, &config));
 

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use crate::args::{self, load_config};
-use crate::output::{end_progress, progress};
+use crate::output::{end_progress, progress, CopyProgress};
 use dedupd::pipeline;
 use dedupd::source::kafka;
 
@@ -75,7 +75,10 @@ pub fn handler_test(args: args::HandlerTestArgs) -> Result<()> {
 /// `dedupd restore`: verify only (no data directory), or verify, restore and load.
 pub fn restore(from: &std::path::Path, data_dir: Option<PathBuf>, json: bool) -> Result<()> {
     let Some(data_dir) = data_dir else {
-        let manifest = dedupd::backup::verify(from).with_context(|| {
+        let mut shown = CopyProgress::new();
+        let manifest = dedupd::backup::verify_observed(from, &mut |p| shown.observe(p));
+        drop(shown);
+        let manifest = manifest.with_context(|| {
             format!(
                 "{} is not a sound backup; nothing would be restored",
                 from.display()
@@ -93,8 +96,11 @@ pub fn restore(from: &std::path::Path, data_dir: Option<PathBuf>, json: bool) ->
         }
         return Ok(());
     };
-    let (manifest, report) = dedupd::backup::restore(from, &data_dir)
-        .with_context(|| format!("nothing was restored into {}", data_dir.display()))?;
+    let mut shown = CopyProgress::new();
+    let restored = dedupd::backup::restore_observed(from, &data_dir, &mut |p| shown.observe(p));
+    drop(shown);
+    let (manifest, report) =
+        restored.with_context(|| format!("nothing was restored into {}", data_dir.display()))?;
     match json {
         true => println!(
             "{}",

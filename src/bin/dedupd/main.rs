@@ -166,7 +166,10 @@ fn run(command: Command) -> Result<()> {
             }
         }
         Command::Backup { data_dir, to, json } => {
-            let report = dedupd::backup::backup_offline(&data_dir, &to)?;
+            let report = {
+                let mut shown = output::CopyProgress::new();
+                dedupd::backup::backup_offline_observed(&data_dir, &to, &mut |p| shown.observe(p))?
+            };
             match json {
                 true => println!("{}", serde_json::to_string_pretty(&report)?),
                 false => println!(

@@ -1,5 +1,5 @@
 //! Where the binary writes for people: logs on stderr (text or JSON lines, colour only at
-//! a terminal) and progress lines.
+//! a terminal), progress lines, and progress bars for copies (indicatif, at a terminal).
 
 use std::io::{IsTerminal, Write};
 
@@ -51,5 +51,88 @@ const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 pub fn end_progress() {
     if std::io::stderr().is_terminal() {
         eprintln!();
+    }
+}
+
+/// An observer of a backup, a restore or a check ([`dedupd::backup::Progress`]): a bar per
+/// step at a terminal (bytes, rate, time left); elsewhere a plain line per step and at most
+/// every [`PROGRESS_EVERY`] while it lasts, then one when it ends.
+pub struct CopyProgress {
+    bar: Option<indicatif::ProgressBar>,
+    step: &'static str,
+    done: u64,
+    total: u64,
+    last: std::time::Instant,
+}
+
+impl CopyProgress {
+    pub fn new() -> CopyProgress {
+        CopyProgress {
+            bar: None,
+            step: "",
+            done: 0,
+            total: 0,
+            last: std::time::Instant::now(),
+        }
+    }
+
+    pub fn observe(&mut self, p: dedupd::backup::Progress) {
+        use dedupd::backup::Progress;
+        match p {
+            Progress::Step { what, bytes } => {
+                self.finish_step();
+                self.step = what;
+                self.done = 0;
+                self.total = bytes;
+                self.last = std::time::Instant::now();
+                if std::io::stderr().is_terminal() {
+                    let bar = indicatif::ProgressBar::new(bytes).with_message(what);
+                    bar.set_style(
+                        indicatif::ProgressStyle::with_template(
+                            "{msg:22} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+                        )
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                        .progress_chars("=> "),
+                    );
+                    self.bar = Some(bar);
+                } else {
+                    eprintln!("{what}: {bytes} bytes");
+                }
+            }
+            Progress::Read(n) => {
+                self.done += n;
+                match &self.bar {
+                    Some(bar) => bar.inc(n),
+                    None if self.last.elapsed() >= PROGRESS_EVERY => {
+                        self.last = std::time::Instant::now();
+                        eprintln!("{}: {} of {} bytes", self.step, self.done, self.total);
+                    }
+                    None => {}
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn finish_step(&mut self) {
+        match self.bar.take() {
+            Some(bar) => bar.finish(),
+            None if !self.step.is_empty() => {
+                eprintln!("{}: done, {} bytes", self.step, self.done)
+            }
+            None => {}
+        }
+        self.step = "";
+    }
+}
+
+impl Drop for CopyProgress {
+    fn drop(&mut self) {
+        // A bar left as it stood when the copy failed; a step that ended is said to.
+        if let Some(bar) = self.bar.take() {
+            bar.abandon();
+        } else {
+            self.finish_step();
+        }
     }
 }
