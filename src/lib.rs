@@ -44,11 +44,11 @@
 //! ```
 //!
 //! [`pipeline::run`] composes a process from these parts (pipe mode, the HTTP API with or
-//! without stdin, Kafka or NATS with or without the API), stopped by one [`pipeline::Shutdown`]
+//! without stdin, Kafka, NATS or MQTT with or without the API), stopped by one [`pipeline::Shutdown`]
 //! that signals, a ledger failure and a source failure all trigger.
 //!
 //! Modules, in the order of the flow: [`source`] (stdin, Kafka — the only rdkafka user —,
-//! NATS JetStream — the only async-nats user —, the generator, and the shared envelope step), [`envelope`] (keys and fingerprints),
+//! NATS JetStream — the only async-nats user —, MQTT — the only rumqttc user —, the generator, and the shared envelope step), [`envelope`] (keys and fingerprints),
 //! [`config`] (validated settings), [`ledger`] (the only redb user), [`effects`] (the seam
 //! between the ledger and handlers), [`handler`] (the only wasmtime user), [`harness`]
 //! (`dedupd handler test`: a component over test messages on a temporary ledger), [`pipeline`]

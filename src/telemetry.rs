@@ -206,6 +206,23 @@ pub mod metric {
     /// Gauge, messages: the durable consumer's `num_ack_pending` (delivered, not yet
     /// acknowledged, all instances), read every 5 s; label `subscriber`.
     pub const NATS_CONSUMER_ACK_PENDING: &str = "dedupd_nats_consumer_ack_pending";
+    // MQTT.
+
+    /// Counter: MQTT messages received (redeliveries included); label `subscriber`.
+    pub const MQTT_RECEIVED_TOTAL: &str = "dedupd_mqtt_received_total";
+    /// Counter: MQTT messages received with the DUP flag (sent before, on a connection
+    /// that was lost or to a run that was killed); label `subscriber`.
+    pub const MQTT_REDELIVERED_TOTAL: &str = "dedupd_mqtt_redelivered_total";
+    /// Counter: PUBACKs queued after the outcome was durable; label `subscriber`.
+    pub const MQTT_ACKED_TOTAL: &str = "dedupd_mqtt_acked_total";
+    /// Counter: outcomes made durable after their message's connection was lost, so not
+    /// acknowledged (the broker delivers them again); label `subscriber`.
+    pub const MQTT_UNACKED_LOST_TOTAL: &str = "dedupd_mqtt_unacked_lost_total";
+    /// Counter: MQTT messages decided; labels `subscriber`, `outcome` (processed,
+    /// duplicate, quarantined, dead_lettered, rejected).
+    pub const MQTT_MESSAGES_TOTAL: &str = "dedupd_mqtt_messages_total";
+    /// Counter: connections made to the MQTT broker (the first included).
+    pub const MQTT_CONNECTIONS_TOTAL: &str = "dedupd_mqtt_connections_total";
     /// Gauge, rows: outbox rows pending at the relay's last poll (at most `outbox.batch`).
     pub const OUTBOX_RELAY_LAG_ROWS: &str = "dedupd_outbox_relay_lag_rows";
     /// Gauge, seconds: age of the oldest pending outbox row at the relay's last poll.

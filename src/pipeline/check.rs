@@ -13,6 +13,7 @@ use crate::config::{Config, ConfigError, KeySource, PartitionSource, SubscriberS
 use crate::handler::{Component, HandlerError, Limits};
 use crate::ledger::Placement;
 use crate::source::kafka::{self, KafkaError};
+use crate::source::mqtt::{self, MqttError};
 use crate::source::nats::{self, NatsError};
 
 /// Why a configuration would not run.
@@ -37,6 +38,9 @@ pub enum CheckError {
     /// The `[nats]` section's client options could not be built (a credentials file).
     #[error(transparent)]
     Nats(#[from] NatsError),
+    /// The `[mqtt]` section's password variable or TLS files are unusable.
+    #[error(transparent)]
+    Mqtt(#[from] MqttError),
 }
 
 /// What a valid configuration would run.
@@ -45,7 +49,7 @@ pub struct ConfigReport {
     /// Configured subscribers, then `defaults` (what unlisted subscribers get), if they
     /// are allowed.
     pub subscribers: Vec<SubscriberReport>,
-    /// Sources `dedupd run` starts: `kafka`, `nats`, `http`, `stdin`.
+    /// Sources `dedupd run` starts: `kafka`, `nats`, `mqtt`, `http`, `stdin`.
     pub sources: Vec<&'static str>,
     /// Where the HTTP API would listen (not bound by the check).
     pub http_bind: Option<SocketAddr>,
@@ -53,6 +57,8 @@ pub struct ConfigReport {
     pub kafka_subscriptions: Vec<String>,
     /// NATS bindings as `subscriber <- stream/durable`.
     pub nats_bindings: Vec<String>,
+    /// MQTT subscriptions as `subscriber <- filter, filter`.
+    pub mqtt_subscriptions: Vec<String>,
 }
 
 /// One subscriber as it would run.
@@ -125,10 +131,22 @@ pub fn check(config: &Config) -> Result<ConfigReport, CheckError> {
             nats_bindings.push(format!("{} <- {}/{}", b.subscriber, b.stream, b.durable));
         }
     }
-    let broker = match (&config.kafka, &config.nats) {
-        (Some(_), _) => Some("kafka"),
-        (None, Some(_)) => Some("nats"),
-        (None, None) => None,
+    let mut mqtt_subscriptions = Vec::new();
+    if let Some(m) = &config.mqtt {
+        mqtt::check_options(m)?;
+        for s in &m.subscriptions {
+            mqtt_subscriptions.push(format!("{} <- {}", s.subscriber, s.topics.join(", ")));
+        }
+    }
+    // Validation refuses more than one broker section.
+    let broker = if config.kafka.is_some() {
+        Some("kafka")
+    } else if config.nats.is_some() {
+        Some("nats")
+    } else if config.mqtt.is_some() {
+        Some("mqtt")
+    } else {
+        None
     };
     let sources = match (broker, &config.http) {
         (Some(b), Some(_)) => vec![b, "http"],
@@ -142,6 +160,7 @@ pub fn check(config: &Config) -> Result<ConfigReport, CheckError> {
         http_bind,
         kafka_subscriptions,
         nats_bindings,
+        mqtt_subscriptions,
     })
 }
 
@@ -201,6 +220,9 @@ impl fmt::Display for ConfigReport {
         }
         for s in &self.nats_bindings {
             writeln!(f, "nats       {s} (options accepted; not connected)")?;
+        }
+        for s in &self.mqtt_subscriptions {
+            writeln!(f, "mqtt       {s} (options accepted; not connected)")?;
         }
         if let Some(bind) = self.http_bind {
             writeln!(f, "http       {bind} (token rules checked; not bound)")?;

@@ -16,6 +16,7 @@ use crate::config::{Config, ConfigError};
 use crate::handler::HandlerError;
 use crate::ledger::{Ledger, LedgerError};
 use crate::source::kafka::{self, KafkaConfig, KafkaError, KafkaSummary};
+use crate::source::mqtt::{self, MqttConfig, MqttError, MqttSummary};
 use crate::source::nats::{self, NatsConfig, NatsError, NatsSummary};
 use crate::source::stdin::{run_pipe, PipeError, PipeSummary};
 
@@ -36,16 +37,27 @@ pub enum Mode {
         nats: Box<NatsConfig>,
         http: Option<HttpConfig>,
     },
+    /// The MQTT source (and the HTTP API when given) until SIGINT/SIGTERM.
+    Mqtt {
+        mqtt: Box<MqttConfig>,
+        http: Option<HttpConfig>,
+    },
 }
 
 impl Mode {
     /// The mode a config describes: Kafka when it has a `[kafka]` section, NATS when it
-    /// has `[nats]` (validation refuses both), else the HTTP API with stdin when it has
+    /// has `[nats]`, MQTT when it has `[mqtt]` (validation refuses two), else the HTTP API with stdin when it has
     /// `[http]`, else pipe mode.
     pub fn of(config: &Config) -> Mode {
         if let (None, Some(nats)) = (&config.kafka, &config.nats) {
             return Mode::Nats {
                 nats: Box::new(nats.clone()),
+                http: config.http.clone(),
+            };
+        }
+        if let (None, None, Some(mqtt)) = (&config.kafka, &config.nats, &config.mqtt) {
+            return Mode::Mqtt {
+                mqtt: Box::new(mqtt.clone()),
                 http: config.http.clone(),
             };
         }
@@ -68,6 +80,7 @@ pub enum Summary {
     Serve,
     Kafka(KafkaSummary),
     Nats(NatsSummary),
+    Mqtt(MqttSummary),
 }
 
 /// Why a run failed.
@@ -95,6 +108,8 @@ pub enum RunError {
     Kafka(#[from] KafkaError),
     #[error(transparent)]
     Nats(#[from] NatsError),
+    #[error(transparent)]
+    Mqtt(#[from] MqttError),
     #[error("HTTP server task failed: {0}")]
     Server(String),
     /// The ledger or a source failed while running (G7).
@@ -109,7 +124,7 @@ pub enum RunError {
 /// Pipe mode ends the process (exit 1) when the ledger fails while stdin is still open:
 /// nothing more will be acknowledged (G7), and waiting for stdin to close would hide it.
 pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError> {
-    if let Mode::Kafka { .. } | Mode::Nats { .. } = &mode {
+    if let Mode::Kafka { .. } | Mode::Nats { .. } | Mode::Mqtt { .. } = &mode {
         // Sources that record through the metrics facade before the server starts are kept.
         crate::admin::install_metrics();
     }
@@ -143,6 +158,9 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
         }
         Mode::Nats { nats, http } => {
             run_nats(&ledger, config, &nats, http, &shutdown).map(Summary::Nats)
+        }
+        Mode::Mqtt { mqtt, http } => {
+            run_mqtt(&ledger, config, &mqtt, http, &shutdown).map(Summary::Mqtt)
         }
     };
     if let Some(server) = metrics {
@@ -289,6 +307,40 @@ fn run_nats(
         quarantined = s.quarantined,
         dead_lettered = s.dead_lettered,
         rejected = s.rejected,
+        "stopped; every acknowledgement covers a durable outcome"
+    );
+    Ok(summary)
+}
+
+/// Like [`run_nats`]: what was not acknowledged stays in the broker's session and is
+/// delivered again at the next start (a `duplicate` once durable).
+fn run_mqtt(
+    ledger: &Arc<Ledger>,
+    config: &Config,
+    mqtt_config: &MqttConfig,
+    http: Option<HttpConfig>,
+    shutdown: &Shutdown,
+) -> Result<MqttSummary, RunError> {
+    let broker = Broker {
+        name: "MQTT",
+        drain_timeout: mqtt_config.drain_timeout,
+        left: "unacknowledged messages stay in the session and come again as duplicates",
+    };
+    let summary = run_broker(ledger, config, http, shutdown, broker, || {
+        Ok(mqtt::run(ledger.clone(), mqtt_config, shutdown)?)
+    })?;
+    let s = &summary;
+    tracing::info!(
+        received = s.received,
+        redelivered = s.redelivered,
+        acked = s.acked,
+        unacked_lost = s.unacked_lost,
+        processed = s.processed,
+        duplicate = s.duplicate,
+        quarantined = s.quarantined,
+        dead_lettered = s.dead_lettered,
+        rejected = s.rejected,
+        connections = s.connections,
         "stopped; every acknowledgement covers a durable outcome"
     );
     Ok(summary)

@@ -9,6 +9,7 @@
 //!   delivery; the route itself is in `crate::admin` (the only user of axum);
 //! - Kafka: [`kafka`] (the only importer of rdkafka);
 //! - NATS JetStream: [`nats`] (the only importer of async-nats);
+//! - MQTT 3.1.1 and 5: [`mqtt`] (the only importer of rumqttc);
 //! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
 //!
 //! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection).
@@ -17,6 +18,7 @@ pub mod delivery;
 pub mod generator;
 pub mod http;
 pub mod kafka;
+pub mod mqtt;
 pub mod nats;
 pub mod readiness;
 pub mod stdin;

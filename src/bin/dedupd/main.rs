@@ -91,6 +91,7 @@ fn run(command: Command) -> Result<()> {
             match summary {
                 Summary::Kafka(kafka) => println!("{}", serde_json::json!({ "kafka": kafka })),
                 Summary::Nats(nats) => println!("{}", serde_json::json!({ "nats": nats })),
+                Summary::Mqtt(mqtt) => println!("{}", serde_json::json!({ "mqtt": mqtt })),
                 _ => {}
             }
         }

@@ -1,0 +1,539 @@
+//! The session's messages, keyed, decided and acknowledged.
+//!
+//! Acknowledgement (G1): a message's PUBACK is queued only after the shard's `Done` for
+//! it says its outcome is durable, and in the order the messages arrived (MQTT 3.1.1
+//! §4.6 and MQTT 5 §4.6 ask for PUBACKs in PUBLISH order): one slow message holds back the
+//! acks behind it, never the work. `processed`, `duplicate`, `quarantined`,
+//! `dead_lettered` and `rejected` are all acknowledged — MQTT has no reject, so input
+//! that cannot be keyed is kept as a dead-letter record first, then acknowledged. A crash
+//! before an ack leaves the message in the broker's session: it is delivered again (DUP)
+//! when dedupd reconnects, and the ledger answers `duplicate`.
+//!
+//! A lost connection voids the packet ids of its messages ([`super::link`]): their
+//! outcomes still become durable, but they are not acknowledged; the broker delivers them
+//! again on the new connection, and that delivery is acknowledged.
+//!
+//! Backpressure: at most `receive_maximum` messages are held (the broker honours it with
+//! MQTT 5; with 3.1.1 its `max_inflight_messages` should be no larger); while the window is
+//! full the consumer stops taking events, the connection task's channel fills and it stops
+//! reading the socket.
+//!
+//! Stop: no new messages are taken (those still arriving stay unacknowledged in the
+//! session); in-flight ones are acknowledged as their outcomes become durable, up to
+//! `mqtt.drain_timeout`; then a DISCONNECT after the queued acks, which keeps the session.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use super::config::match_filter;
+use super::link::{self, Acked, Link, LinkEvent};
+use super::session::{self, AckHandle, Client, Message};
+use super::{MqttConfig, MqttError, MqttStats};
+use crate::ledger::{Done, Job, Ledger, Origin, Outcome, StoredPayload, Subscriber};
+use crate::pipeline::Shutdown;
+use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
+use crate::telemetry::metric;
+
+/// Events buffered between the connection task and the consumer.
+const LINK_BUFFER: usize = 64;
+/// How long a stop waits for the DISCONNECT (after the queued acks) to be written.
+const DISCONNECT_WAIT: Duration = Duration::from_secs(5);
+
+/// One `[[mqtt.subscription]]` at run time.
+struct Route {
+    sub: Arc<Subscriber>,
+    filters: Vec<String>,
+    id_level: Option<usize>,
+    stats: Arc<MqttStats>,
+}
+
+/// A message of the current connection, waiting for its outcome or for the acks before
+/// it.
+struct Held {
+    seq: u64,
+    route: usize,
+    gen: u64,
+    ack: AckHandle,
+    done: bool,
+}
+
+/// What a dead-letter record keeps of a message that could not be keyed.
+struct Refused {
+    topic: String,
+    headers: Vec<(String, String)>,
+    payload: bytes::Bytes,
+}
+
+struct Consumer {
+    ledger: Arc<Ledger>,
+    client: Client,
+    link: Arc<Link>,
+    routes: Vec<Route>,
+    ack_tx: crossbeam_channel::Sender<Vec<Done>>,
+    /// The current connection's messages in arrival order (seqs ascending).
+    queue: VecDeque<Held>,
+    /// Messages of lost connections whose outcomes are not durable yet: seq -> route.
+    stale: HashMap<u64, usize>,
+    next_seq: u64,
+    staged: Vec<Vec<Job>>,
+    window: usize,
+    /// Messages that arrived during the stop and were left to the session.
+    left_at_stop: u64,
+}
+
+/// Runs the session until `shutdown` triggers, then drains; returns the connections
+/// made. An error leaves every message it did not acknowledge in the session.
+pub(crate) async fn run(
+    ledger: Arc<Ledger>,
+    mqtt: &MqttConfig,
+    shutdown: &Shutdown,
+    stats: &[Arc<MqttStats>],
+) -> Result<u64, MqttError> {
+    let mut routes = Vec::new();
+    for (s, st) in mqtt.subscriptions.iter().zip(stats) {
+        let sub = ledger
+            .subscriber(&s.subscriber)
+            .map_err(|e| MqttError::Ledger(e.to_string()))?;
+        routes.push(Route {
+            sub,
+            filters: s.topics.clone(),
+            id_level: s.id_topic_level,
+            stats: st.clone(),
+        });
+    }
+    let (client, events) = session::open(mqtt)?;
+    let link = Arc::new(Link::new());
+    let probe = link.clone();
+    let _ready = crate::source::readiness::register("mqtt", Arc::new(move || probe.unready()));
+    let (tx, mut rx) = mpsc::channel(LINK_BUFFER);
+    let task = link::spawn(events, link.clone(), tx, mqtt.reconnect_backoff_max);
+    let (ack_tx, mut done_rx) = bridge_dones();
+    tracing::info!(broker = %mqtt.broker, client_id = %mqtt.client_id, protocol = ?mqtt.protocol,
+        window = mqtt.receive_maximum.get(), "mqtt consumer started");
+    let mut c = Consumer {
+        staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
+        ledger,
+        client,
+        link: link.clone(),
+        routes,
+        ack_tx,
+        queue: VecDeque::new(),
+        stale: HashMap::new(),
+        next_seq: 0,
+        window: usize::from(mqtt.receive_maximum.get()),
+        left_at_stop: 0,
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut logged = 0;
+    let result = async {
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.triggered() => break,
+                dones = done_rx.recv() => match dones {
+                    Some(dones) => c.on_done(dones)?,
+                    None => return Err(MqttError::Ledger("the ledger stopped answering".into())),
+                },
+                ev = rx.recv(), if c.held() < c.window => {
+                    c.on_event(ev).await?;
+                    // Whatever else arrived already joins the same submission.
+                    while c.held() < c.window {
+                        match rx.try_recv() {
+                            Ok(ev) => c.on_event(Some(ev)).await?,
+                            Err(_) => break,
+                        }
+                    }
+                    c.flush()?;
+                },
+                _ = tick.tick() => {
+                    let now = c.total(|s| &s.received) + c.total(|s| &s.acked);
+                    if now != logged {
+                        logged = now;
+                        c.log_progress("mqtt progress");
+                    }
+                }
+            }
+        }
+        c.drain(&mut rx, &mut done_rx, mqtt.drain_timeout).await
+    }
+    .await;
+    task.abort();
+    c.log_progress("mqtt consumer stopped");
+    result.map(|()| link.connections())
+}
+
+/// Outcomes arrive on a crossbeam channel from the shard threads; a thread hands them to
+/// the async loop. It ends when every job (each holds a sender) and the consumer are gone.
+fn bridge_dones() -> (
+    crossbeam_channel::Sender<Vec<Done>>,
+    mpsc::UnboundedReceiver<Vec<Done>>,
+) {
+    let (ack_tx, ack_rx) = crossbeam_channel::unbounded::<Vec<Done>>();
+    // Unbounded, but never longer than the in-flight window: one `Done` per message held.
+    let (tx, rx) = mpsc::unbounded_channel();
+    let spawned = std::thread::Builder::new()
+        .name("dedupd-mqtt-acks".into())
+        .spawn(move || {
+            for dones in ack_rx {
+                if tx.send(dones).is_err() {
+                    break;
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        // Without the thread no outcome arrives and nothing is acknowledged: G1 holds.
+        tracing::error!("cannot start the mqtt ack thread: {e}");
+    }
+    (ack_tx, rx)
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Consumer {
+    fn held(&self) -> usize {
+        self.queue.len() + self.stale.len()
+    }
+
+    fn total(&self, f: impl Fn(&MqttStats) -> &AtomicU64) -> u64 {
+        self.routes
+            .iter()
+            .map(|r| f(&r.stats).load(Ordering::Relaxed))
+            .sum()
+    }
+
+    fn counter(&self, name: &'static str, route: usize) -> metrics::Counter {
+        metrics::counter!(name, "subscriber" => self.routes[route].sub.name.to_string())
+    }
+
+    async fn on_event(&mut self, ev: Option<LinkEvent>) -> Result<(), MqttError> {
+        match ev {
+            None => Err(MqttError::Client("the connection task ended".into())),
+            Some(LinkEvent::Message { gen, msg }) => self.accept(gen, msg).await,
+            Some(LinkEvent::Connected { session_present }) => {
+                let first = self.link.connections() == 1;
+                if session_present || first {
+                    tracing::info!(session_present, "mqtt connected");
+                } else {
+                    tracing::warn!("mqtt connected, but the broker had no session for this client id (expired, or the broker lost it): messages published while dedupd was away were not kept for it");
+                }
+                metrics::counter!(metric::MQTT_CONNECTIONS_TOTAL).increment(1);
+                // Every connect: the config is the truth (a filter added since the session
+                // began is subscribed too).
+                let filters: Vec<String> =
+                    self.routes.iter().flat_map(|r| r.filters.clone()).collect();
+                self.client.subscribe(&filters)
+            }
+            Some(LinkEvent::Subscribed) => {
+                tracing::info!("mqtt subscribed");
+                Ok(())
+            }
+            Some(LinkEvent::Lost { reason }) => {
+                self.lose();
+                tracing::warn!(%reason, stale = self.stale.len(), "mqtt connection lost; reconnecting (unacknowledged messages come again, answered duplicate once durable)");
+                Ok(())
+            }
+            Some(LinkEvent::Disconnected) => Ok(()),
+            Some(LinkEvent::Fatal(e)) => Err(e),
+        }
+    }
+
+    /// The connection is gone: its messages are no longer acknowledged (their packet ids
+    /// are void); the broker delivers them again on the next one.
+    fn lose(&mut self) {
+        let mut unacked = Vec::new();
+        for h in std::mem::take(&mut self.queue) {
+            if h.done {
+                unacked.push(h.route);
+            } else {
+                self.stale.insert(h.seq, h.route);
+            }
+        }
+        for route in unacked {
+            self.count_unacked(route);
+        }
+    }
+
+    fn count_unacked(&self, route: usize) {
+        self.routes[route]
+            .stats
+            .unacked_lost
+            .fetch_add(1, Ordering::Relaxed);
+        self.counter(metric::MQTT_UNACKED_LOST_TOTAL, route)
+            .increment(1);
+    }
+
+    /// The subscription whose filter the topic matches (the first listed).
+    fn route_of(&self, topic: &str) -> Option<usize> {
+        self.routes.iter().position(|r| {
+            r.filters
+                .iter()
+                .any(|f| rumqttc::matches(topic, match_filter(f)))
+        })
+    }
+
+    /// Keys and routes one message; input that cannot be keyed (or a topic no
+    /// subscription names, left in the session by an earlier config) is dead-lettered.
+    async fn accept(&mut self, gen: u64, m: Message) -> Result<(), MqttError> {
+        let routed = self.route_of(&m.topic);
+        let route = routed.unwrap_or(0);
+        let stats = self.routes[route].stats.clone();
+        stats.received.fetch_add(1, Ordering::Relaxed);
+        self.counter(metric::MQTT_RECEIVED_TOTAL, route)
+            .increment(1);
+        if m.dup {
+            stats.redelivered.fetch_add(1, Ordering::Relaxed);
+            self.counter(metric::MQTT_REDELIVERED_TOTAL, route)
+                .increment(1);
+        }
+        let kept = Refused {
+            topic: m.topic.clone(),
+            headers: m.properties.clone(),
+            payload: m.payload.clone(),
+        };
+        if routed.is_none() {
+            let reason = format!(
+                "the topic {:?} matches no [[mqtt.subscription]] filter (a subscription the session kept from an earlier config?)",
+                m.topic
+            );
+            return self.reject(kept, reason, route, gen, m.ack).await;
+        }
+        let r = &self.routes[route];
+        let id = r
+            .id_level
+            .and_then(|l| m.topic.split('/').nth(l))
+            .map(str::to_string);
+        let delivery = Delivery {
+            id,
+            key: Some(m.topic.clone()),
+            headers: m.properties,
+            origin: Some(Origin::from(format!("mqtt:{}", m.topic))),
+            received_at_ms: now_ms(),
+            ..Delivery::new(
+                Target::Resolved(r.sub.clone()),
+                Payload::Bytes(m.payload.to_vec()),
+            )
+        };
+        match envelope(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
+            Ok(Routed { mut job, shard, .. }) => {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                job.seq = seq;
+                self.queue.push_back(Held {
+                    seq,
+                    route,
+                    gen,
+                    ack: m.ack,
+                    done: false,
+                });
+                self.staged[shard].push(job);
+                Ok(())
+            }
+            Err(e) => self.reject(kept, e.to_string(), route, gen, m.ack).await,
+        }
+    }
+
+    /// Unusable input: a durable dead-letter record first, then the ack in its turn (G1:
+    /// never an ack for a message whose record is not durable).
+    async fn reject(
+        &mut self,
+        d: Refused,
+        reason: String,
+        route: usize,
+        gen: u64,
+        ack: AckHandle,
+    ) -> Result<(), MqttError> {
+        tracing::warn!(subscriber = %self.routes[route].sub.name, %reason, "mqtt message rejected: kept as a dead letter, then acknowledged");
+        // The payload as records keep it: text when it is UTF-8, else base64.
+        let mut record = serde_json::json!({
+            "reason": reason,
+            "attempts": 0,
+            "origin": format!("mqtt:{}", d.topic),
+            "key": d.topic,
+            "headers": d.headers,
+        });
+        if let (Some(o), Ok(serde_json::Value::Object(p))) = (
+            record.as_object_mut(),
+            serde_json::to_value(StoredPayload::of(&d.payload)),
+        ) {
+            o.extend(p);
+        }
+        let (ledger, name) = (self.ledger.clone(), self.routes[route].sub.name.clone());
+        tokio::task::spawn_blocking(move || ledger.add_dead_letter(&name, record))
+            .await
+            .map_err(|e| MqttError::Ledger(format!("dead-letter write panicked: {e}")))?
+            .map_err(|e| MqttError::Ledger(e.to_string()))?;
+        self.routes[route]
+            .stats
+            .rejected
+            .fetch_add(1, Ordering::Relaxed);
+        self.count_outcome(route, "rejected");
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queue.push_back(Held {
+            seq,
+            route,
+            gen,
+            ack,
+            done: true,
+        });
+        self.release();
+        Ok(())
+    }
+
+    fn count_outcome(&self, route: usize, outcome: &'static str) {
+        metrics::counter!(metric::MQTT_MESSAGES_TOTAL,
+            "subscriber" => self.routes[route].sub.name.to_string(), "outcome" => outcome)
+        .increment(1);
+    }
+
+    /// Submits the staged jobs to their shards.
+    fn flush(&mut self) -> Result<(), MqttError> {
+        for shard in 0..self.staged.len() {
+            if !self.staged[shard].is_empty() {
+                let jobs = std::mem::take(&mut self.staged[shard]);
+                self.ledger
+                    .submit(shard, jobs)
+                    .map_err(|e| MqttError::Ledger(e.to_string()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records durable outcomes and acknowledges what they release.
+    fn on_done(&mut self, dones: Vec<Done>) -> Result<(), MqttError> {
+        for d in dones {
+            let (route, stale) = match self.stale.remove(&d.seq) {
+                Some(route) => (route, true),
+                None => match self.queue.binary_search_by_key(&d.seq, |h| h.seq) {
+                    Ok(i) => {
+                        self.queue[i].done = true;
+                        (self.queue[i].route, false)
+                    }
+                    Err(_) => continue,
+                },
+            };
+            let st = &self.routes[route].stats;
+            let (counter, name) = match &d.outcome {
+                Outcome::Processed => (&st.processed, "processed"),
+                Outcome::Duplicate => (&st.duplicate, "duplicate"),
+                Outcome::Quarantined { .. } => (&st.quarantined, "quarantined"),
+                Outcome::DeadLettered { .. } => (&st.dead_lettered, "dead_lettered"),
+                Outcome::Rejected { .. } => (&st.rejected, "rejected"),
+                // G7: nothing more is acknowledged; the session keeps the rest.
+                Outcome::Failed { reason } => return Err(MqttError::Ledger(reason.clone())),
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            self.count_outcome(route, name);
+            if stale {
+                self.count_unacked(route);
+            }
+        }
+        self.release();
+        Ok(())
+    }
+
+    /// Acknowledges the durable messages at the front of the arrival order.
+    fn release(&mut self) {
+        while self.queue.front().is_some_and(|h| h.done) {
+            let Some(h) = self.queue.pop_front() else {
+                break;
+            };
+            match self.link.ack(&self.client, h.gen, &h.ack) {
+                Acked::Queued => {
+                    self.routes[h.route]
+                        .stats
+                        .acked
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.counter(metric::MQTT_ACKED_TOTAL, h.route).increment(1);
+                }
+                Acked::Stale => self.count_unacked(h.route),
+                Acked::Failed(e) => {
+                    self.count_unacked(h.route);
+                    tracing::warn!(subscriber = %self.routes[h.route].sub.name, "mqtt ack not queued (the message will be delivered again): {e}");
+                }
+            }
+        }
+    }
+
+    /// Stop: acknowledges what becomes durable within `timeout`, then disconnects after
+    /// the queued acks. Messages still arriving are left in the session.
+    async fn drain(
+        &mut self,
+        rx: &mut mpsc::Receiver<LinkEvent>,
+        done_rx: &mut mpsc::UnboundedReceiver<Vec<Done>>,
+        timeout: Duration,
+    ) -> Result<(), MqttError> {
+        self.flush()?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.held() > 0 {
+            tokio::select! {
+                dones = done_rx.recv() => match dones {
+                    Some(dones) => self.on_done(dones)?,
+                    None => break,
+                },
+                ev = rx.recv() => if !self.at_stop(ev) { break },
+                () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        if self.held() > 0 {
+            tracing::error!(left = self.held(), "in-flight mqtt messages did not finish within mqtt.drain_timeout; left unacknowledged in the session (delivered again at the next start)");
+        }
+        self.client.disconnect();
+        let deadline = tokio::time::Instant::now() + DISCONNECT_WAIT;
+        loop {
+            tokio::select! {
+                ev = rx.recv() => match ev {
+                    Some(LinkEvent::Disconnected) => break,
+                    ev => if !self.at_stop(ev) { break },
+                },
+                () = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!("the mqtt DISCONNECT was not written in time; acks still queued are lost (those messages come again, answered duplicate)");
+                    break;
+                }
+            }
+        }
+        if self.left_at_stop > 0 {
+            tracing::info!(
+                left = self.left_at_stop,
+                "messages that arrived during the stop stay in the session"
+            );
+        }
+        Ok(())
+    }
+
+    /// An event during the stop: messages are left to the session. False when the
+    /// connection task is gone.
+    fn at_stop(&mut self, ev: Option<LinkEvent>) -> bool {
+        match ev {
+            Some(LinkEvent::Message { .. }) => self.left_at_stop += 1,
+            Some(LinkEvent::Lost { .. }) => self.lose(),
+            Some(LinkEvent::Connected { .. } | LinkEvent::Subscribed | LinkEvent::Disconnected) => {
+            }
+            Some(LinkEvent::Fatal(_)) | None => return false,
+        }
+        true
+    }
+
+    fn log_progress(&self, what: &str) {
+        tracing::info!(
+            received = self.total(|s| &s.received),
+            acked = self.total(|s| &s.acked),
+            redelivered = self.total(|s| &s.redelivered),
+            processed = self.total(|s| &s.processed),
+            duplicate = self.total(|s| &s.duplicate),
+            rejected = self.total(|s| &s.rejected),
+            unacked_lost = self.total(|s| &s.unacked_lost),
+            in_flight = self.held(),
+            "{what}"
+        );
+    }
+}
