@@ -90,6 +90,9 @@ pub struct Config {
     /// The NATS JetStream source (`dedupd run` consumes it when present).
     #[serde(default)]
     pub nats: Option<crate::source::nats::NatsConfig>,
+    /// The RabbitMQ source (`dedupd run` consumes it when present).
+    #[serde(default)]
+    pub rabbitmq: Option<crate::source::rabbitmq::RabbitMqConfig>,
     /// A listener for `/metrics`, `/healthz` and `/readyz` only (`dedupd run`), for
     /// deployments without the admin API or with it on another address.
     #[serde(default)]
@@ -119,6 +122,7 @@ impl Default for Config {
             http: None,
             kafka: None,
             nats: None,
+            rabbitmq: None,
             metrics: None,
             pipe: PipeConfig::default(),
         }
@@ -250,14 +254,28 @@ impl Config {
         if let Some(kafka) = &self.kafka {
             kafka.validate(self)?;
         }
+        // One broker source per instance: each owns the stop, the drain and `/readyz`.
+        let brokers: Vec<&str> = [
+            ("kafka", self.kafka.is_some()),
+            ("nats", self.nats.is_some()),
+            ("rabbitmq", self.rabbitmq.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(name, present)| present.then_some(name))
+        .collect();
+        if let [first, second, ..] = brokers[..] {
+            return Err(invalid(
+                second,
+                format!(
+                    "cannot run beside [{first}] in one instance yet; run one dedupd per broker"
+                ),
+            ));
+        }
         if let Some(nats) = &self.nats {
-            if self.kafka.is_some() {
-                return Err(invalid(
-                    "nats",
-                    "cannot run beside [kafka] in one instance yet; run one dedupd per broker",
-                ));
-            }
             nats.validate(self)?;
+        }
+        if let Some(rabbitmq) = &self.rabbitmq {
+            rabbitmq.validate(self)?;
         }
         Ok(())
     }

@@ -14,6 +14,7 @@ use crate::handler::{Component, HandlerError, Limits};
 use crate::ledger::Placement;
 use crate::source::kafka::{self, KafkaError};
 use crate::source::nats::{self, NatsError};
+use crate::source::rabbitmq::{self, RabbitMqError};
 
 /// Why a configuration would not run.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +38,9 @@ pub enum CheckError {
     /// The `[nats]` section's client options could not be built (a credentials file).
     #[error(transparent)]
     Nats(#[from] NatsError),
+    /// The `[rabbitmq]` section's TLS files could not be read.
+    #[error(transparent)]
+    RabbitMq(#[from] RabbitMqError),
 }
 
 /// What a valid configuration would run.
@@ -53,6 +57,8 @@ pub struct ConfigReport {
     pub kafka_subscriptions: Vec<String>,
     /// NATS bindings as `subscriber <- stream/durable`.
     pub nats_bindings: Vec<String>,
+    /// RabbitMQ bindings as `subscriber <- queue`.
+    pub rabbitmq_bindings: Vec<String>,
 }
 
 /// One subscriber as it would run.
@@ -125,10 +131,18 @@ pub fn check(config: &Config) -> Result<ConfigReport, CheckError> {
             nats_bindings.push(format!("{} <- {}/{}", b.subscriber, b.stream, b.durable));
         }
     }
-    let broker = match (&config.kafka, &config.nats) {
-        (Some(_), _) => Some("kafka"),
-        (None, Some(_)) => Some("nats"),
-        (None, None) => None,
+    let mut rabbitmq_bindings = Vec::new();
+    if let Some(r) = &config.rabbitmq {
+        rabbitmq::check_options(r)?;
+        for b in &r.bindings {
+            rabbitmq_bindings.push(format!("{} <- {}", b.subscriber, b.queue));
+        }
+    }
+    let broker = match (&config.kafka, &config.nats, &config.rabbitmq) {
+        (Some(_), _, _) => Some("kafka"),
+        (None, Some(_), _) => Some("nats"),
+        (None, None, Some(_)) => Some("rabbitmq"),
+        (None, None, None) => None,
     };
     let sources = match (broker, &config.http) {
         (Some(b), Some(_)) => vec![b, "http"],
@@ -142,6 +156,7 @@ pub fn check(config: &Config) -> Result<ConfigReport, CheckError> {
         http_bind,
         kafka_subscriptions,
         nats_bindings,
+        rabbitmq_bindings,
     })
 }
 
@@ -201,6 +216,9 @@ impl fmt::Display for ConfigReport {
         }
         for s in &self.nats_bindings {
             writeln!(f, "nats       {s} (options accepted; not connected)")?;
+        }
+        for s in &self.rabbitmq_bindings {
+            writeln!(f, "rabbitmq   {s} (options accepted; not connected)")?;
         }
         if let Some(bind) = self.http_bind {
             writeln!(f, "http       {bind} (token rules checked; not bound)")?;

@@ -17,6 +17,7 @@ use crate::handler::HandlerError;
 use crate::ledger::{Ledger, LedgerError};
 use crate::source::kafka::{self, KafkaConfig, KafkaError, KafkaSummary};
 use crate::source::nats::{self, NatsConfig, NatsError, NatsSummary};
+use crate::source::rabbitmq::{self, RabbitMqConfig, RabbitMqError, RabbitMqSummary};
 use crate::source::stdin::{run_pipe, PipeError, PipeSummary};
 
 /// What to run over the data directory.
@@ -36,16 +37,27 @@ pub enum Mode {
         nats: Box<NatsConfig>,
         http: Option<HttpConfig>,
     },
+    /// The RabbitMQ source (and the HTTP API when given) until SIGINT/SIGTERM.
+    RabbitMq {
+        rabbitmq: Box<RabbitMqConfig>,
+        http: Option<HttpConfig>,
+    },
 }
 
 impl Mode {
     /// The mode a config describes: Kafka when it has a `[kafka]` section, NATS when it
-    /// has `[nats]` (validation refuses both), else the HTTP API with stdin when it has
-    /// `[http]`, else pipe mode.
+    /// has `[nats]`, RabbitMQ when it has `[rabbitmq]` (validation refuses two of them),
+    /// else the HTTP API with stdin when it has `[http]`, else pipe mode.
     pub fn of(config: &Config) -> Mode {
         if let (None, Some(nats)) = (&config.kafka, &config.nats) {
             return Mode::Nats {
                 nats: Box::new(nats.clone()),
+                http: config.http.clone(),
+            };
+        }
+        if let (None, None, Some(rabbitmq)) = (&config.kafka, &config.nats, &config.rabbitmq) {
+            return Mode::RabbitMq {
+                rabbitmq: Box::new(rabbitmq.clone()),
                 http: config.http.clone(),
             };
         }
@@ -68,6 +80,7 @@ pub enum Summary {
     Serve,
     Kafka(KafkaSummary),
     Nats(NatsSummary),
+    RabbitMq(RabbitMqSummary),
 }
 
 /// Why a run failed.
@@ -95,6 +108,8 @@ pub enum RunError {
     Kafka(#[from] KafkaError),
     #[error(transparent)]
     Nats(#[from] NatsError),
+    #[error(transparent)]
+    RabbitMq(#[from] RabbitMqError),
     #[error("HTTP server task failed: {0}")]
     Server(String),
     /// The ledger or a source failed while running (G7).
@@ -109,7 +124,7 @@ pub enum RunError {
 /// Pipe mode ends the process (exit 1) when the ledger fails while stdin is still open:
 /// nothing more will be acknowledged (G7), and waiting for stdin to close would hide it.
 pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError> {
-    if let Mode::Kafka { .. } | Mode::Nats { .. } = &mode {
+    if let Mode::Kafka { .. } | Mode::Nats { .. } | Mode::RabbitMq { .. } = &mode {
         // Sources that record through the metrics facade before the server starts are kept.
         crate::admin::install_metrics();
     }
@@ -143,6 +158,9 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
         }
         Mode::Nats { nats, http } => {
             run_nats(&ledger, config, &nats, http, &shutdown).map(Summary::Nats)
+        }
+        Mode::RabbitMq { rabbitmq, http } => {
+            run_rabbitmq(&ledger, config, &rabbitmq, http, &shutdown).map(Summary::RabbitMq)
         }
     };
     if let Some(server) = metrics {
@@ -289,6 +307,41 @@ fn run_nats(
         quarantined = s.quarantined,
         dead_lettered = s.dead_lettered,
         rejected = s.rejected,
+        "stopped; every acknowledgement covers a durable outcome"
+    );
+    Ok(summary)
+}
+
+/// Like [`run_nats`]: the API keeps answering while the bindings drain and acknowledge
+/// what is durable (unacknowledged messages are requeued and answered `duplicate`).
+fn run_rabbitmq(
+    ledger: &Arc<Ledger>,
+    config: &Config,
+    rabbitmq_config: &RabbitMqConfig,
+    http: Option<HttpConfig>,
+    shutdown: &Shutdown,
+) -> Result<RabbitMqSummary, RunError> {
+    let broker = Broker {
+        name: "RabbitMQ",
+        drain_timeout: rabbitmq_config.drain_timeout,
+        left: "unacknowledged messages are requeued by the server and redelivered as duplicates",
+    };
+    let summary = run_broker(ledger, config, http, shutdown, broker, || {
+        Ok(rabbitmq::run(ledger.clone(), rabbitmq_config, shutdown)?)
+    })?;
+    let s = &summary;
+    tracing::info!(
+        received = s.received,
+        redelivered = s.redelivered,
+        acked = s.acked,
+        dead_letter_rejects = s.dead_letter_rejects,
+        requeued = s.requeued,
+        processed = s.processed,
+        duplicate = s.duplicate,
+        quarantined = s.quarantined,
+        dead_lettered = s.dead_lettered,
+        rejected = s.rejected,
+        reconnects = s.reconnects,
         "stopped; every acknowledgement covers a durable outcome"
     );
     Ok(summary)

@@ -9,6 +9,7 @@
 //!   delivery; the route itself is in `crate::admin` (the only user of axum);
 //! - Kafka: [`kafka`] (the only importer of rdkafka);
 //! - NATS JetStream: [`nats`] (the only importer of async-nats);
+//! - RabbitMQ (AMQP 0-9-1): [`rabbitmq`] (the only importer of lapin);
 //! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
 //!
 //! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection).
@@ -18,5 +19,6 @@ pub mod generator;
 pub mod http;
 pub mod kafka;
 pub mod nats;
+pub mod rabbitmq;
 pub mod readiness;
 pub mod stdin;

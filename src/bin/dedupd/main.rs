@@ -91,6 +91,7 @@ fn run(command: Command) -> Result<()> {
             match summary {
                 Summary::Kafka(kafka) => println!("{}", serde_json::json!({ "kafka": kafka })),
                 Summary::Nats(nats) => println!("{}", serde_json::json!({ "nats": nats })),
+                Summary::RabbitMq(r) => println!("{}", serde_json::json!({ "rabbitmq": r })),
                 _ => {}
             }
         }
@@ -229,6 +230,20 @@ fn run(command: Command) -> Result<()> {
             let params = args.params()?;
             eprintln!("{params}");
             let report = kafka::bench::run(&params, &mut |p| progress(&p))?;
+            end_progress();
+            match json {
+                true => println!("{}", serde_json::to_string(&report)?),
+                false => print!("{report}"),
+            }
+        }
+        Command::RabbitmqBench(args) => {
+            let json = args.json;
+            let params = args.params()?;
+            eprintln!("{params}");
+            let report =
+                dedupd::source::rabbitmq::bench::run(&params, &mut |phase, done, total| {
+                    progress(&format!("{phase}: {done}/{total}"))
+                })?;
             end_progress();
             match json {
                 true => println!("{}", serde_json::to_string(&report)?),
