@@ -93,6 +93,9 @@ pub struct Config {
     /// The MQTT source (`dedupd run` consumes it when present).
     #[serde(default)]
     pub mqtt: Option<crate::source::mqtt::MqttConfig>,
+    /// The RabbitMQ source (`dedupd run` consumes it when present).
+    #[serde(default)]
+    pub rabbitmq: Option<crate::source::rabbitmq::RabbitMqConfig>,
     /// A listener for `/metrics`, `/healthz` and `/readyz` only (`dedupd run`), for
     /// deployments without the admin API or with it on another address.
     #[serde(default)]
@@ -123,6 +126,7 @@ impl Default for Config {
             kafka: None,
             nats: None,
             mqtt: None,
+            rabbitmq: None,
             metrics: None,
             pipe: PipeConfig::default(),
         }
@@ -254,10 +258,12 @@ impl Config {
         if let Some(kafka) = &self.kafka {
             kafka.validate(self)?;
         }
+        // One broker source per instance: each owns the stop, the drain and `/readyz`.
         let brokers: Vec<&str> = [
             ("kafka", self.kafka.is_some()),
             ("nats", self.nats.is_some()),
             ("mqtt", self.mqtt.is_some()),
+            ("rabbitmq", self.rabbitmq.is_some()),
         ]
         .into_iter()
         .filter_map(|(name, present)| present.then_some(name))
@@ -275,6 +281,9 @@ impl Config {
         }
         if let Some(mqtt) = &self.mqtt {
             mqtt.validate(self)?;
+        }
+        if let Some(rabbitmq) = &self.rabbitmq {
+            rabbitmq.validate(self)?;
         }
         Ok(())
     }

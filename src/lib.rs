@@ -26,7 +26,8 @@
 //! ## Architecture
 //!
 //! ```text
-//! source/    stdin JSON lines | HTTP ingest | Kafka records | NATS JetStream | generator
+//! source/    stdin JSON lines | HTTP ingest | Kafka records | NATS JetStream | RabbitMQ
+//!            | generator
 //!   -> source::delivery::envelope (one step for every source and for replay):
 //!      decode, idempotency key (xxh3-128), payload fingerprint, entity
 //!   -> Ledger::place: shard by key (no handler), by subscriber (handler), or by entity
@@ -40,15 +41,18 @@
 //!        commit (Immediate)
 //!   -> outcomes -> Sequencer releases them in source order
 //!   -> ack: stdin line printed | HTTP response | Kafka offset stored | NATS Ack/Term
+//!      | RabbitMQ basic.ack/basic.reject
 //!      | bench acker
 //! ```
 //!
 //! [`pipeline::run`] composes a process from these parts (pipe mode, the HTTP API with or
-//! without stdin, Kafka, NATS or MQTT with or without the API), stopped by one [`pipeline::Shutdown`]
-//! that signals, a ledger failure and a source failure all trigger.
+//! without stdin, Kafka, NATS, MQTT or RabbitMQ with or without the API), stopped by one
+//! [`pipeline::Shutdown`] that signals, a ledger failure and a source failure all trigger.
 //!
 //! Modules, in the order of the flow: [`source`] (stdin, Kafka — the only rdkafka user —,
-//! NATS JetStream — the only async-nats user —, MQTT — the only rumqttc user —, the generator, and the shared envelope step), [`envelope`] (keys and fingerprints),
+//! NATS JetStream — the only async-nats user —, MQTT — the only rumqttc user —, RabbitMQ —
+//! the only lapin user —, the generator, and the shared envelope step), [`envelope`] (keys
+//! and fingerprints),
 //! [`config`] (validated settings), [`ledger`] (the only redb user), [`effects`] (the seam
 //! between the ledger and handlers), [`handler`] (the only wasmtime user), [`harness`]
 //! (`dedupd handler test`: a component over test messages on a temporary ledger), [`pipeline`]

@@ -223,6 +223,26 @@ pub mod metric {
     pub const MQTT_MESSAGES_TOTAL: &str = "dedupd_mqtt_messages_total";
     /// Counter: connections made to the MQTT broker (the first included).
     pub const MQTT_CONNECTIONS_TOTAL: &str = "dedupd_mqtt_connections_total";
+
+    // RabbitMQ.
+
+    /// Counter: RabbitMQ messages received (redeliveries included); labels `subscriber`,
+    /// `queue`.
+    pub const RABBITMQ_RECEIVED_TOTAL: &str = "dedupd_rabbitmq_received_total";
+    /// Counter: RabbitMQ messages received with the `redelivered` flag; labels
+    /// `subscriber`, `queue`.
+    pub const RABBITMQ_REDELIVERED_TOTAL: &str = "dedupd_rabbitmq_redelivered_total";
+    /// Counter: messages settled after the outcome was durable; labels `subscriber`,
+    /// `queue`, `kind` (ack, reject, nack).
+    pub const RABBITMQ_ACKED_TOTAL: &str = "dedupd_rabbitmq_acked_total";
+    /// Counter: RabbitMQ messages decided; labels `subscriber`, `queue`, `outcome`
+    /// (processed, duplicate, quarantined, dead_lettered, rejected).
+    pub const RABBITMQ_MESSAGES_TOTAL: &str = "dedupd_rabbitmq_messages_total";
+    /// Gauge, messages: the queue's ready messages (not yet delivered), read every 5 s;
+    /// labels `subscriber`, `queue`.
+    pub const RABBITMQ_QUEUE_MESSAGES: &str = "dedupd_rabbitmq_queue_messages";
+    /// Counter: sessions lost (connection or channel) and started again.
+    pub const RABBITMQ_RECONNECTS_TOTAL: &str = "dedupd_rabbitmq_reconnects_total";
     /// Gauge, rows: outbox rows pending at the relay's last poll (at most `outbox.batch`).
     pub const OUTBOX_RELAY_LAG_ROWS: &str = "dedupd_outbox_relay_lag_rows";
     /// Gauge, seconds: age of the oldest pending outbox row at the relay's last poll.
@@ -285,6 +305,12 @@ pub mod metric {
         (NATS_MESSAGES_TOTAL, "NATS messages decided; labels subscriber, outcome (processed, duplicate, quarantined, dead_lettered, rejected)."),
         (NATS_CONSUMER_PENDING, "The durable consumer's num_pending (not yet delivered), read every 5 s; label subscriber."),
         (NATS_CONSUMER_ACK_PENDING, "The durable consumer's num_ack_pending (delivered, not yet acknowledged, all instances), read every 5 s; label subscriber."),
+        (RABBITMQ_RECEIVED_TOTAL, "RabbitMQ messages received (redeliveries included); labels subscriber, queue."),
+        (RABBITMQ_REDELIVERED_TOTAL, "RabbitMQ messages received with the redelivered flag; labels subscriber, queue."),
+        (RABBITMQ_ACKED_TOTAL, "RabbitMQ messages settled after the outcome was durable; labels subscriber, queue, kind (ack, reject, nack)."),
+        (RABBITMQ_MESSAGES_TOTAL, "RabbitMQ messages decided; labels subscriber, queue, outcome (processed, duplicate, quarantined, dead_lettered, rejected)."),
+        (RABBITMQ_QUEUE_MESSAGES, "The queue's ready messages (not yet delivered), read every 5 s; labels subscriber, queue."),
+        (RABBITMQ_RECONNECTS_TOTAL, "RabbitMQ sessions lost (connection or channel) and started again."),
         (OUTBOX_RELAY_LAG_ROWS, "Outbox rows pending at the relay's last poll (at most outbox.batch)."),
         (OUTBOX_RELAY_LAG_SECONDS, "Age of the oldest pending outbox row at the relay's last poll."),
         (OUTBOX_ROWS, "Outbox rows waiting to be relayed or pulled, all shards (sampled at scrape time). A warning is logged per shard at 100,000 rows and at each doubling."),
@@ -341,6 +367,12 @@ pub mod metric {
         NATS_MESSAGES_TOTAL,
         NATS_CONSUMER_PENDING,
         NATS_CONSUMER_ACK_PENDING,
+        RABBITMQ_RECEIVED_TOTAL,
+        RABBITMQ_REDELIVERED_TOTAL,
+        RABBITMQ_ACKED_TOTAL,
+        RABBITMQ_MESSAGES_TOTAL,
+        RABBITMQ_QUEUE_MESSAGES,
+        RABBITMQ_RECONNECTS_TOTAL,
         OUTBOX_RELAY_LAG_ROWS,
         OUTBOX_RELAY_LAG_SECONDS,
         OUTBOX_ROWS,

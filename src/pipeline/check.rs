@@ -15,6 +15,7 @@ use crate::ledger::Placement;
 use crate::source::kafka::{self, KafkaError};
 use crate::source::mqtt::{self, MqttError};
 use crate::source::nats::{self, NatsError};
+use crate::source::rabbitmq::{self, RabbitMqError};
 
 /// Why a configuration would not run.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +42,9 @@ pub enum CheckError {
     /// The `[mqtt]` section's password variable or TLS files are unusable.
     #[error(transparent)]
     Mqtt(#[from] MqttError),
+    /// The `[rabbitmq]` section's TLS files could not be read.
+    #[error(transparent)]
+    RabbitMq(#[from] RabbitMqError),
 }
 
 /// What a valid configuration would run.
@@ -49,7 +53,7 @@ pub struct ConfigReport {
     /// Configured subscribers, then `defaults` (what unlisted subscribers get), if they
     /// are allowed.
     pub subscribers: Vec<SubscriberReport>,
-    /// Sources `dedupd run` starts: `kafka`, `nats`, `mqtt`, `http`, `stdin`.
+    /// Sources `dedupd run` starts: `kafka`, `nats`, `mqtt`, `rabbitmq`, `http`, `stdin`.
     pub sources: Vec<&'static str>,
     /// Where the HTTP API would listen (not bound by the check).
     pub http_bind: Option<SocketAddr>,
@@ -59,6 +63,8 @@ pub struct ConfigReport {
     pub nats_bindings: Vec<String>,
     /// MQTT subscriptions as `subscriber <- filter, filter`.
     pub mqtt_subscriptions: Vec<String>,
+    /// RabbitMQ bindings as `subscriber <- queue`.
+    pub rabbitmq_bindings: Vec<String>,
 }
 
 /// One subscriber as it would run.
@@ -138,16 +144,22 @@ pub fn check(config: &Config) -> Result<ConfigReport, CheckError> {
             mqtt_subscriptions.push(format!("{} <- {}", s.subscriber, s.topics.join(", ")));
         }
     }
+    let mut rabbitmq_bindings = Vec::new();
+    if let Some(r) = &config.rabbitmq {
+        rabbitmq::check_options(r)?;
+        for b in &r.bindings {
+            rabbitmq_bindings.push(format!("{} <- {}", b.subscriber, b.queue));
+        }
+    }
     // Validation refuses more than one broker section.
-    let broker = if config.kafka.is_some() {
-        Some("kafka")
-    } else if config.nats.is_some() {
-        Some("nats")
-    } else if config.mqtt.is_some() {
-        Some("mqtt")
-    } else {
-        None
-    };
+    let broker = [
+        ("kafka", config.kafka.is_some()),
+        ("nats", config.nats.is_some()),
+        ("mqtt", config.mqtt.is_some()),
+        ("rabbitmq", config.rabbitmq.is_some()),
+    ]
+    .into_iter()
+    .find_map(|(name, present)| present.then_some(name));
     let sources = match (broker, &config.http) {
         (Some(b), Some(_)) => vec![b, "http"],
         (Some(b), None) => vec![b],
@@ -161,6 +173,7 @@ pub fn check(config: &Config) -> Result<ConfigReport, CheckError> {
         kafka_subscriptions,
         nats_bindings,
         mqtt_subscriptions,
+        rabbitmq_bindings,
     })
 }
 
@@ -223,6 +236,9 @@ impl fmt::Display for ConfigReport {
         }
         for s in &self.mqtt_subscriptions {
             writeln!(f, "mqtt       {s} (options accepted; not connected)")?;
+        }
+        for s in &self.rabbitmq_bindings {
+            writeln!(f, "rabbitmq   {s} (options accepted; not connected)")?;
         }
         if let Some(bind) = self.http_bind {
             writeln!(f, "http       {bind} (token rules checked; not bound)")?;

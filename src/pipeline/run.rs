@@ -18,6 +18,7 @@ use crate::ledger::{Ledger, LedgerError};
 use crate::source::kafka::{self, KafkaConfig, KafkaError, KafkaSummary};
 use crate::source::mqtt::{self, MqttConfig, MqttError, MqttSummary};
 use crate::source::nats::{self, NatsConfig, NatsError, NatsSummary};
+use crate::source::rabbitmq::{self, RabbitMqConfig, RabbitMqError, RabbitMqSummary};
 use crate::source::stdin::{run_pipe, PipeError, PipeSummary};
 
 /// What to run over the data directory.
@@ -42,11 +43,17 @@ pub enum Mode {
         mqtt: Box<MqttConfig>,
         http: Option<HttpConfig>,
     },
+    /// The RabbitMQ source (and the HTTP API when given) until SIGINT/SIGTERM.
+    RabbitMq {
+        rabbitmq: Box<RabbitMqConfig>,
+        http: Option<HttpConfig>,
+    },
 }
 
 impl Mode {
     /// The mode a config describes: Kafka when it has a `[kafka]` section, NATS when it
-    /// has `[nats]`, MQTT when it has `[mqtt]` (validation refuses two), else the HTTP API with stdin when it has
+    /// has `[nats]`, MQTT when it has `[mqtt]`, RabbitMQ when it has `[rabbitmq]`
+    /// (validation refuses two of them), else the HTTP API with stdin when it has
     /// `[http]`, else pipe mode.
     pub fn of(config: &Config) -> Mode {
         if let (None, Some(nats)) = (&config.kafka, &config.nats) {
@@ -58,6 +65,12 @@ impl Mode {
         if let (None, None, Some(mqtt)) = (&config.kafka, &config.nats, &config.mqtt) {
             return Mode::Mqtt {
                 mqtt: Box::new(mqtt.clone()),
+                http: config.http.clone(),
+            };
+        }
+        if let (None, None, Some(rabbitmq)) = (&config.kafka, &config.nats, &config.rabbitmq) {
+            return Mode::RabbitMq {
+                rabbitmq: Box::new(rabbitmq.clone()),
                 http: config.http.clone(),
             };
         }
@@ -81,6 +94,7 @@ pub enum Summary {
     Kafka(KafkaSummary),
     Nats(NatsSummary),
     Mqtt(MqttSummary),
+    RabbitMq(RabbitMqSummary),
 }
 
 /// Why a run failed.
@@ -110,6 +124,8 @@ pub enum RunError {
     Nats(#[from] NatsError),
     #[error(transparent)]
     Mqtt(#[from] MqttError),
+    #[error(transparent)]
+    RabbitMq(#[from] RabbitMqError),
     #[error("HTTP server task failed: {0}")]
     Server(String),
     /// The ledger or a source failed while running (G7).
@@ -124,7 +140,9 @@ pub enum RunError {
 /// Pipe mode ends the process (exit 1) when the ledger fails while stdin is still open:
 /// nothing more will be acknowledged (G7), and waiting for stdin to close would hide it.
 pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError> {
-    if let Mode::Kafka { .. } | Mode::Nats { .. } | Mode::Mqtt { .. } = &mode {
+    if let Mode::Kafka { .. } | Mode::Nats { .. } | Mode::Mqtt { .. } | Mode::RabbitMq { .. } =
+        &mode
+    {
         // Sources that record through the metrics facade before the server starts are kept.
         crate::admin::install_metrics();
     }
@@ -161,6 +179,9 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
         }
         Mode::Mqtt { mqtt, http } => {
             run_mqtt(&ledger, config, &mqtt, http, &shutdown).map(Summary::Mqtt)
+        }
+        Mode::RabbitMq { rabbitmq, http } => {
+            run_rabbitmq(&ledger, config, &rabbitmq, http, &shutdown).map(Summary::RabbitMq)
         }
     };
     if let Some(server) = metrics {
@@ -341,6 +362,41 @@ fn run_mqtt(
         dead_lettered = s.dead_lettered,
         rejected = s.rejected,
         connections = s.connections,
+        "stopped; every acknowledgement covers a durable outcome"
+    );
+    Ok(summary)
+}
+
+/// Like [`run_nats`]: the API keeps answering while the bindings drain and acknowledge
+/// what is durable (unacknowledged messages are requeued and answered `duplicate`).
+fn run_rabbitmq(
+    ledger: &Arc<Ledger>,
+    config: &Config,
+    rabbitmq_config: &RabbitMqConfig,
+    http: Option<HttpConfig>,
+    shutdown: &Shutdown,
+) -> Result<RabbitMqSummary, RunError> {
+    let broker = Broker {
+        name: "RabbitMQ",
+        drain_timeout: rabbitmq_config.drain_timeout,
+        left: "unacknowledged messages are requeued by the server and redelivered as duplicates",
+    };
+    let summary = run_broker(ledger, config, http, shutdown, broker, || {
+        Ok(rabbitmq::run(ledger.clone(), rabbitmq_config, shutdown)?)
+    })?;
+    let s = &summary;
+    tracing::info!(
+        received = s.received,
+        redelivered = s.redelivered,
+        acked = s.acked,
+        dead_letter_rejects = s.dead_letter_rejects,
+        requeued = s.requeued,
+        processed = s.processed,
+        duplicate = s.duplicate,
+        quarantined = s.quarantined,
+        dead_lettered = s.dead_lettered,
+        rejected = s.rejected,
+        reconnects = s.reconnects,
         "stopped; every acknowledgement covers a durable outcome"
     );
     Ok(summary)

@@ -10,6 +10,7 @@
 //! - Kafka: [`kafka`] (the only importer of rdkafka);
 //! - NATS JetStream: [`nats`] (the only importer of async-nats);
 //! - MQTT 3.1.1 and 5: [`mqtt`] (the only importer of rumqttc);
+//! - RabbitMQ (AMQP 0-9-1): [`rabbitmq`] (the only importer of lapin);
 //! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
 //!
 //! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection).
@@ -20,5 +21,6 @@ pub mod http;
 pub mod kafka;
 pub mod mqtt;
 pub mod nats;
+pub mod rabbitmq;
 pub mod readiness;
 pub mod stdin;

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use dedupd::bench::{AdversarialParams, BenchParams};
 use dedupd::config::Config;
 use dedupd::source::kafka::bench::KafkaBenchParams;
+use dedupd::source::rabbitmq::bench::RabbitBenchParams;
 
 #[derive(Parser)]
 #[command(
@@ -133,6 +134,8 @@ pub enum Command {
     },
     /// Kafka source against a consume-only rdkafka baseline on the mock broker, same run.
     KafkaBench(KafkaBenchArgs),
+    /// RabbitMQ source against a consume-only lapin consumer on a real server, same run.
+    RabbitmqBench(RabbitmqBenchArgs),
     /// The version, the commit it was built from and the data formats it reads (as
     /// `--version`).
     Version,
@@ -570,6 +573,67 @@ impl KafkaBenchArgs {
             brokers: self.brokers,
             changelog: self.changelog,
             ttl: self.ttl,
+        })
+    }
+}
+
+/// `dedupd rabbitmq-bench`.
+#[derive(Args)]
+pub struct RabbitmqBenchArgs {
+    /// The server (`amqp://host:5672/%2f`); the bench declares and deletes queues of its own.
+    #[arg(long, default_value = "amqp://127.0.0.1:5672/%2f")]
+    uri: String,
+    /// Messages published to each phase's queue (redeliveries included).
+    #[arg(long, default_value_t = 200_000)]
+    messages: u64,
+    /// Fraction of messages that redeliver an earlier message.
+    #[arg(long, default_value_t = 0.1)]
+    dup_rate: f64,
+    /// Seed of the generated traffic: the same seed gives the same messages.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// `basic.qos` prefetch of every consumer.
+    #[arg(long, default_value_t = 1024)]
+    prefetch: u16,
+    /// Handler component for a third phase (the engine with it).
+    #[arg(long)]
+    handler: Option<PathBuf>,
+    /// Shards (default: number of cores).
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Directory in which the temporary data directories are created.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl RabbitmqBenchArgs {
+    pub fn params(self) -> Result<RabbitBenchParams> {
+        if !(0.0..1.0).contains(&self.dup_rate) {
+            bail!("--dup-rate must be in [0, 1)");
+        }
+        if self.messages == 0 || self.prefetch == 0 {
+            bail!("--messages and --prefetch must be at least 1");
+        }
+        if let Some(h) = &self.handler {
+            if !h.exists() {
+                bail!(
+                    "handler {} not found: build the plugins first (plugins/build.sh)",
+                    h.display()
+                );
+            }
+        }
+        Ok(RabbitBenchParams {
+            uri: self.uri,
+            messages: self.messages,
+            dup_rate: self.dup_rate,
+            seed: self.seed,
+            prefetch: self.prefetch,
+            handler: self.handler,
+            shards: self.shards,
+            dir: self.dir,
         })
     }
 }

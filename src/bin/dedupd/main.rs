@@ -92,6 +92,7 @@ fn run(command: Command) -> Result<()> {
                 Summary::Kafka(kafka) => println!("{}", serde_json::json!({ "kafka": kafka })),
                 Summary::Nats(nats) => println!("{}", serde_json::json!({ "nats": nats })),
                 Summary::Mqtt(mqtt) => println!("{}", serde_json::json!({ "mqtt": mqtt })),
+                Summary::RabbitMq(r) => println!("{}", serde_json::json!({ "rabbitmq": r })),
                 _ => {}
             }
         }
@@ -233,6 +234,20 @@ fn run(command: Command) -> Result<()> {
             let params = args.params()?;
             eprintln!("{params}");
             let report = kafka::bench::run(&params, &mut |p| progress(&p))?;
+            end_progress();
+            match json {
+                true => println!("{}", serde_json::to_string(&report)?),
+                false => print!("{report}"),
+            }
+        }
+        Command::RabbitmqBench(args) => {
+            let json = args.json;
+            let params = args.params()?;
+            eprintln!("{params}");
+            let report =
+                dedupd::source::rabbitmq::bench::run(&params, &mut |phase, done, total| {
+                    progress(&format!("{phase}: {done}/{total}"))
+                })?;
             end_progress();
             match json {
                 true => println!("{}", serde_json::to_string(&report)?),

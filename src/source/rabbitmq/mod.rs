@@ -1,0 +1,353 @@
+//! The RabbitMQ source (AMQP 0-9-1): the only module that imports lapin.
+//!
+//! - [`RabbitMqConfig`] (`config.rs`): the `[rabbitmq]` section — URI, credentials, TLS
+//!   and `[[rabbitmq.binding]]`s (queue, subscriber, prefetch), checked offline by
+//!   `dedupd config check`.
+//! - `consumer.rs`: one channel and one consumer per binding — every message keyed by the
+//!   shared step ([`crate::source::delivery::envelope`]), acknowledged (`basic.ack`,
+//!   `multiple` over contiguous runs) only after its outcome is durable (G1), rejected
+//!   without requeue (`basic.reject`, to the queue's dead-letter target) when it is
+//!   dead-lettered or cannot be keyed, the in-flight window bounded by `basic.qos`
+//!   `prefetch`, `basic.nack` with requeue for what a stop gives back.
+//! - `bench.rs`: `dedupd rabbitmq-bench`, the source against a consume-only consumer.
+//! - [`run`] (here): the connection and its reconnection with backoff, a probe for
+//!   `/readyz` while it is down, the bindings of one connection (a session), the stop.
+//!
+//! Keying: a subscriber whose key source is `id` takes the `message_id` property as its
+//! idempotency key; other key sources read headers (the `headers` table, values as text)
+//! and payload as for every source. The routing key is the envelope `key` (a
+//! `partition_key = { source = "envelope_key" }` places handler state by it).
+//!
+//! A lost connection, or a channel the server closed (a `consumer_timeout`, a deleted
+//! queue), ends the session: the server requeues every message that was not acknowledged
+//! and delivers it again, flagged `redelivered`, to the next session; the ledger answers
+//! `duplicate` for what was durable already. Instances do not share claims: several
+//! dedupd instances consuming one queue must share nothing they would do twice, or run one
+//! instance per queue (docs/rabbitmq.md).
+
+pub mod bench;
+mod config;
+mod consumer;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lapin::{Connection, ConnectionProperties};
+
+pub use config::{BindingConfig, RabbitMqConfig};
+
+use crate::ledger::Ledger;
+use crate::pipeline::{Cause, Shutdown};
+use crate::telemetry::metric;
+
+/// Why the RabbitMQ source stopped.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum RabbitMqError {
+    /// The server refused a queue operation (a missing queue with `declare = false`, a
+    /// queue declared with other arguments, no permission); fix the queue or the section.
+    #[error("rabbitmq: {0}")]
+    Client(String),
+    /// The ledger failed (G7): nothing more was acknowledged; restart after fixing it.
+    #[error("the ledger stopped: {0}")]
+    Ledger(String),
+    /// The section, or a file it names, is unusable.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Live counters of one binding (all sessions).
+#[derive(Debug, Default)]
+pub struct RabbitMqStats {
+    /// Messages received from the server (redeliveries included).
+    pub received: AtomicU64,
+    /// Messages received with the `redelivered` flag: the server delivered them before.
+    pub redelivered: AtomicU64,
+    /// Messages acknowledged (outcome durable: processed, duplicate or quarantined); a
+    /// `multiple` ack counts every message it covers.
+    pub acked: AtomicU64,
+    /// `basic.reject` without requeue sent (dead-lettered or rejected, kept in the
+    /// ledger's dead letters first): to the queue's dead-letter exchange if it has one.
+    pub dead_letter_rejects: AtomicU64,
+    /// `basic.nack` with requeue sent (given back at stop, not durable).
+    pub requeued: AtomicU64,
+    pub processed: AtomicU64,
+    pub duplicate: AtomicU64,
+    pub quarantined: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub rejected: AtomicU64,
+}
+
+/// What a stopped RabbitMQ source did, all bindings together.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RabbitMqSummary {
+    pub received: u64,
+    pub redelivered: u64,
+    pub acked: u64,
+    pub dead_letter_rejects: u64,
+    pub requeued: u64,
+    pub processed: u64,
+    pub duplicate: u64,
+    pub quarantined: u64,
+    pub dead_lettered: u64,
+    pub rejected: u64,
+    /// Sessions that ended without a stop (connection or channel lost), each followed by
+    /// a reconnection.
+    pub reconnects: u64,
+}
+
+impl RabbitMqSummary {
+    fn add(&mut self, s: &RabbitMqStats) {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        self.received += get(&s.received);
+        self.redelivered += get(&s.redelivered);
+        self.acked += get(&s.acked);
+        self.dead_letter_rejects += get(&s.dead_letter_rejects);
+        self.requeued += get(&s.requeued);
+        self.processed += get(&s.processed);
+        self.duplicate += get(&s.duplicate);
+        self.quarantined += get(&s.quarantined);
+        self.dead_lettered += get(&s.dead_lettered);
+        self.rejected += get(&s.rejected);
+    }
+}
+
+/// The TLS settings of the section (reads the PEM files; no connection).
+fn tls_config(r: &RabbitMqConfig) -> Result<lapin::tcp::OwnedTLSConfig, RabbitMqError> {
+    let read = |field: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| {
+            RabbitMqError::Config(format!(
+                "rabbitmq.{field}: cannot read {}: {e}",
+                path.display()
+            ))
+        })
+    };
+    let cert_chain = match &r.tls_ca_file {
+        Some(p) => Some(String::from_utf8(read("tls_ca_file", p)?).map_err(|_| {
+            RabbitMqError::Config(format!(
+                "rabbitmq.tls_ca_file: {} is not a PEM file",
+                p.display()
+            ))
+        })?),
+        None => None,
+    };
+    let identity = match (&r.tls_cert_file, &r.tls_key_file) {
+        (Some(cert), Some(key)) => Some(lapin::tcp::OwnedIdentity::PKCS8 {
+            pem: read("tls_cert_file", cert)?,
+            key: read("tls_key_file", key)?,
+        }),
+        _ => None,
+    };
+    Ok(lapin::tcp::OwnedTLSConfig {
+        identity,
+        cert_chain,
+    })
+}
+
+/// `dedupd config check`: parses the URI and reads the TLS files without connecting.
+pub fn check_options(r: &RabbitMqConfig) -> Result<(), RabbitMqError> {
+    r.amqp_uri()
+        .map_err(|e| RabbitMqError::Config(e.to_string()))?;
+    tls_config(r).map(|_| ())
+}
+
+/// One connection attempt, bounded by `connect_timeout`.
+async fn connect(r: &RabbitMqConfig) -> Result<Connection, String> {
+    let uri = r.amqp_uri().map_err(|e| e.to_string())?;
+    let tls = tls_config(r).map_err(|e| e.to_string())?;
+    let props = ConnectionProperties::default().with_connection_name(r.name.clone().into());
+    let runtime = lapin::runtime::default_runtime().map_err(|e| e.to_string())?;
+    let attempt = Connection::connect_uri_with_config(uri, props, tls, runtime);
+    match tokio::time::timeout(r.connect_timeout, attempt).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {:?}", r.connect_timeout)),
+    }
+}
+
+/// Runs every binding until `shutdown` triggers; then each drains and acknowledges what
+/// is durable. A lost connection is reestablished with backoff (the server redelivers
+/// what was not acknowledged); a failure of the ledger or of a queue operation stops the
+/// source and triggers `shutdown`.
+pub fn run(
+    ledger: Arc<Ledger>,
+    r: &RabbitMqConfig,
+    shutdown: &Shutdown,
+) -> Result<RabbitMqSummary, RabbitMqError> {
+    let stats: Vec<Arc<RabbitMqStats>> = r
+        .bindings
+        .iter()
+        .map(|_| Arc::new(RabbitMqStats::default()))
+        .collect();
+    run_with(ledger, r, shutdown, &stats)
+}
+
+/// [`run`], counting into `stats` (one per binding) as it goes.
+pub(crate) fn run_with(
+    ledger: Arc<Ledger>,
+    r: &RabbitMqConfig,
+    shutdown: &Shutdown,
+    stats: &[Arc<RabbitMqStats>],
+) -> Result<RabbitMqSummary, RabbitMqError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("dedupd-rabbitmq")
+        .enable_all()
+        .build()
+        .map_err(|e| RabbitMqError::Client(format!("cannot start the rabbitmq runtime: {e}")))?;
+    let outcomes: Vec<consumer::Outcomes> = r
+        .bindings
+        .iter()
+        .map(|b| consumer::Outcomes::new(&b.subscriber))
+        .collect();
+    let mut reconnects = 0;
+    let result = rt.block_on(run_sessions(
+        ledger,
+        r,
+        shutdown,
+        (stats, &outcomes),
+        &mut reconnects,
+    ));
+    // lapin's I/O threads end with the runtime.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    if let Err(e) = &result {
+        shutdown.trigger(Cause::Failed(e.to_string()));
+    }
+    result?;
+    let mut summary = RabbitMqSummary {
+        reconnects,
+        ..Default::default()
+    };
+    for s in stats {
+        summary.add(s);
+    }
+    Ok(summary)
+}
+
+/// How a session ended.
+pub(crate) enum Ended {
+    /// `shutdown` triggered; the bindings drained.
+    Stopped,
+    /// The connection or a channel was lost; the server requeues what was not acknowledged.
+    Lost(String),
+}
+
+/// Sleeps `d` unless `shutdown` triggers first (`false` then).
+async fn pause(d: Duration, shutdown: &Shutdown) -> bool {
+    tokio::select! {
+        () = shutdown.triggered() => false,
+        () = tokio::time::sleep(d) => true,
+    }
+}
+
+async fn run_sessions(
+    ledger: Arc<Ledger>,
+    r: &RabbitMqConfig,
+    shutdown: &Shutdown,
+    (stats, outcomes): (&[Arc<RabbitMqStats>], &[consumer::Outcomes]),
+    reconnects: &mut u64,
+) -> Result<(), RabbitMqError> {
+    // Why the source cannot take messages now; `None` while a session runs.
+    let down: Arc<Mutex<Option<String>>> =
+        Arc::new(Mutex::new(Some("connecting to the RabbitMQ server".into())));
+    let probe = down.clone();
+    let _ready = crate::source::readiness::register(
+        "rabbitmq",
+        Arc::new(move || probe.lock().unwrap_or_else(|p| p.into_inner()).clone()),
+    );
+    let set_down = |reason: Option<String>| {
+        *down.lock().unwrap_or_else(|p| p.into_inner()) = reason;
+    };
+    let first_delay = Duration::from_millis(100);
+    let mut delay = first_delay;
+    let mut session = 0;
+    loop {
+        if shutdown.is_triggered() {
+            return Ok(());
+        }
+        let conn = tokio::select! {
+            () = shutdown.triggered() => return Ok(()),
+            c = connect(r) => c,
+        };
+        let conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(uri = %redacted(&r.uri), "cannot connect to RabbitMQ (retrying in {delay:?}): {e}");
+                set_down(Some(format!(
+                    "cannot connect to the RabbitMQ server ({e}); messages wait in their queues"
+                )));
+                if !pause(delay, shutdown).await {
+                    return Ok(());
+                }
+                delay = (delay * 2).min(r.reconnect_delay_max);
+                continue;
+            }
+        };
+        tracing::info!(uri = %redacted(&r.uri), "rabbitmq connected");
+        set_down(None);
+        delay = first_delay;
+        session += 1;
+        let ended =
+            consumer::run_session(&conn, session, &ledger, r, shutdown, stats, outcomes).await;
+        match ended {
+            Ok(Ended::Stopped) => {
+                if let Err(e) = conn.close(200, "dedupd stopped".into()).await {
+                    tracing::debug!("rabbitmq close at stop: {e}");
+                }
+                return Ok(());
+            }
+            Ok(Ended::Lost(reason)) => {
+                set_down(Some(format!(
+                    "not connected to the RabbitMQ server ({reason}); messages wait in their queues until it reconnects"
+                )));
+                *reconnects += 1;
+                metrics::counter!(metric::RABBITMQ_RECONNECTS_TOTAL).increment(1);
+                tracing::warn!("rabbitmq session lost ({reason}); unacknowledged messages are requeued by the server and delivered again; reconnecting");
+                // Closing hands back every other channel's messages now (not at a timeout).
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    conn.close(200, "dedupd reconnecting".into()),
+                )
+                .await;
+                if !pause(delay, shutdown).await {
+                    return Ok(());
+                }
+            }
+            Err(e) => {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    conn.close(200, "dedupd failed".into()),
+                )
+                .await;
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// The URI without its password, for logs.
+fn redacted(uri: &str) -> String {
+    match (uri.find("://"), uri.rfind('@')) {
+        (Some(s), Some(at)) if at > s => match uri[s + 3..at].find(':') {
+            Some(colon) => format!("{}:***{}", &uri[..s + 3 + colon], &uri[at..]),
+            None => uri.to_string(),
+        },
+        _ => uri.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logged_uris_hide_the_password() {
+        assert_eq!(
+            redacted("amqp://u:secret@h:5672/v"),
+            "amqp://u:***@h:5672/v"
+        );
+        assert_eq!(redacted("amqp://h:5672/v"), "amqp://h:5672/v");
+        assert_eq!(redacted("amqp://u@h/v"), "amqp://u@h/v");
+    }
+}

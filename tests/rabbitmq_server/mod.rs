@@ -1,0 +1,361 @@
+//! The RabbitMQ nodes and the client `tests/rabbitmq.rs` uses: a `rabbitmq-server` of the
+//! tests' own on free loopback ports (own epmd, cookie, database, logs; no plugins), one
+//! shared by the tests that leave it alone, and a publisher/inspector over lapin.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+/// Where Debian's package puts the scripts (`/usr/sbin/rabbitmq-server` runs them as the
+/// `rabbitmq` user; the tests run them as they are, with their own directories).
+pub const SBIN: &str = "/usr/lib/rabbitmq/bin";
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn wait_until(what: &str, timeout: Duration, f: impl FnMut() -> bool) {
+    wait_logged(what, timeout, None, f);
+}
+
+/// [`wait_until`]; a timeout shows the end of `log` (a `dedupd run`'s).
+pub fn wait_logged(what: &str, timeout: Duration, log: Option<&Path>, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        if start.elapsed() >= timeout {
+            let text = log
+                .map(|l| std::fs::read_to_string(l).unwrap_or_default())
+                .unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(30).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!("timed out waiting for {what}; log:\n{}", tail.join("\n"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A `rabbitmq-server` node of the tests' own: its epmd, ports, cookie and directories.
+pub struct RabbitServer {
+    /// The process group (`sh` leading epmd, the server and a watcher of this process).
+    group: Option<Child>,
+    port: u16,
+    epmd_port: u16,
+    dist_port: u16,
+    node: String,
+    dir: tempfile::TempDir,
+    pub uri: String,
+}
+
+impl RabbitServer {
+    /// Starts a node; `rabbit_env` is added to the `rabbit` application's settings
+    /// (advanced.config), e.g. `{consumer_timeout, 1000}`.
+    pub fn start(rabbit_env: &[&str]) -> RabbitServer {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        std::fs::create_dir_all(dir.path().join("home")).unwrap();
+        let cookie = dir.path().join("home/.erlang.cookie");
+        std::fs::write(&cookie, format!("dedupdtest{}x{n}", std::process::id())).unwrap();
+        std::fs::set_permissions(&cookie, std::os::unix::fs::PermissionsExt::from_mode(0o400))
+            .unwrap();
+        std::fs::write(
+            dir.path().join("rabbitmq.conf"),
+            format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("advanced.config"),
+            format!("[{{rabbit, [{}]}}].\n", rabbit_env.join(", ")),
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("enabled_plugins"), "[].\n").unwrap();
+        let mut server = RabbitServer {
+            group: None,
+            port,
+            epmd_port: free_port(),
+            dist_port: free_port(),
+            node: format!("dedupd-test-{}-{n}@localhost", std::process::id()),
+            uri: format!("amqp://127.0.0.1:{port}/%2f"),
+            dir,
+        };
+        server.spawn();
+        server
+    }
+
+    pub fn env(&self, cmd: &mut Command) {
+        let d = self.dir.path();
+        cmd.env("HOME", d.join("home"))
+            .env("ERL_EPMD_PORT", self.epmd_port.to_string())
+            .env("RABBITMQ_NODENAME", &self.node)
+            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d.join("log"))
+            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
+            .env("RABBITMQ_ADVANCED_CONFIG_FILE", d.join("advanced.config"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
+            .env("RABBITMQ_ENABLED_PLUGINS", "");
+    }
+
+    /// Starts the group and waits until the server takes connections.
+    pub fn spawn(&mut self) {
+        let script = format!(
+            "epmd -port {epmd} & \
+             until epmd -port {epmd} -names >/dev/null 2>&1; do sleep 0.1; done; \
+             {SBIN}/rabbitmq-server & \
+             while kill -0 {parent} 2>/dev/null; do sleep 1; done; kill -KILL 0",
+            epmd = self.epmd_port,
+            parent = std::process::id()
+        );
+        let log = std::fs::File::create(self.dir.path().join("server.out")).unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(script)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        self.env(&mut cmd);
+        self.group = Some(cmd.spawn().unwrap_or_else(|e| {
+            panic!("cannot start rabbitmq-server (Debian package rabbitmq-server; scripts/test installs it): {e}")
+        }));
+        let out = self.dir.path().join("server.out");
+        wait_until("rabbitmq-server ready", Duration::from_secs(90), || {
+            assert!(
+                self.group.as_mut().unwrap().try_wait().unwrap().is_none(),
+                "rabbitmq-server exited: {}",
+                std::fs::read_to_string(&out).unwrap_or_default()
+            );
+            let uri = self.uri.clone();
+            runtime().block_on(async move {
+                match Connection::connect(&uri, ConnectionProperties::default()).await {
+                    Ok(c) => {
+                        let _ = c.close(200, "probe".into()).await;
+                        true
+                    }
+                    Err(_) => false,
+                }
+            })
+        });
+    }
+
+    /// Kills the node and its epmd at once (kill -9; its database stays).
+    pub fn kill(&mut self) {
+        if let Some(mut g) = self.group.take() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", g.id())])
+                .status();
+            let _ = g.wait();
+        }
+    }
+
+    /// Starts it again on the same ports and database.
+    pub fn restart(&mut self) {
+        self.spawn();
+    }
+
+    /// (ready, unacknowledged) messages of `queue`, from `rabbitmqctl list_queues`.
+    pub fn pending(&self, queue: &str) -> (u64, u64) {
+        let mut cmd = Command::new(format!("{SBIN}/rabbitmqctl"));
+        cmd.args([
+            "-q",
+            "-n",
+            &self.node,
+            "list_queues",
+            "name",
+            "messages_ready",
+            "messages_unacknowledged",
+        ]);
+        self.env(&mut cmd);
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "rabbitmqctl: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split('\t').collect();
+                (f.len() == 3 && f[0] == queue)
+                    .then(|| (f[1].parse().unwrap(), f[2].parse().unwrap()))
+            })
+            .next()
+            .unwrap_or((u64::MAX, u64::MAX))
+    }
+}
+
+impl Drop for RabbitServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The server the tests that leave it running share: started by the first, stopped when
+/// the last drops it.
+pub fn shared_server() -> Arc<RabbitServer> {
+    static SHARED: Mutex<Weak<RabbitServer>> = Mutex::new(Weak::new());
+    let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = shared.upgrade() {
+        return s;
+    }
+    let s = Arc::new(RabbitServer::start(&[]));
+    *shared = Arc::downgrade(&s);
+    s
+}
+
+/// The test's own client: queues, publishing with confirms, a consumer that dies.
+pub struct Broker {
+    rt: tokio::runtime::Runtime,
+    conn: Connection,
+    ch: Channel,
+}
+
+/// One message to publish: its `message_id` (none: no property) and payload.
+pub struct Msg {
+    pub id: Option<String>,
+    pub payload: String,
+}
+
+impl Broker {
+    pub fn connect(uri: &str) -> Broker {
+        let rt = runtime();
+        let (conn, ch) = rt.block_on(async {
+            let conn = Connection::connect(uri, ConnectionProperties::default())
+                .await
+                .unwrap();
+            let ch = conn.create_channel().await.unwrap();
+            ch.confirm_select(ConfirmSelectOptions::default())
+                .await
+                .unwrap();
+            (conn, ch)
+        });
+        Broker { rt, conn, ch }
+    }
+
+    /// Declares `queue` as dedupd does (durable; with `dead_letter_queue`, that one too).
+    pub fn declare(&self, queue: &str, dead_letter_queue: Option<&str>) {
+        self.rt.block_on(async {
+            let mut args = FieldTable::default();
+            if let Some(dlq) = dead_letter_queue {
+                self.ch
+                    .queue_declare(
+                        dlq.into(),
+                        QueueDeclareOptions::durable(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .unwrap();
+                args.insert(
+                    "x-dead-letter-exchange".into(),
+                    AMQPValue::LongString("".into()),
+                );
+                args.insert(
+                    "x-dead-letter-routing-key".into(),
+                    AMQPValue::LongString(dlq.into()),
+                );
+            }
+            self.ch
+                .queue_declare(queue.into(), QueueDeclareOptions::durable(), args)
+                .await
+                .unwrap();
+        });
+    }
+
+    /// Publishes persistent messages to `queue` (the default exchange) with `extra`
+    /// headers, and waits for every confirm.
+    pub fn publish(&self, queue: &str, msgs: &[Msg], extra: &[(&str, &str)]) {
+        self.rt.block_on(async {
+            let mut confirms = Vec::new();
+            for m in msgs {
+                let mut headers = FieldTable::default();
+                for (k, v) in extra {
+                    headers.insert((*k).into(), AMQPValue::LongString((*v).into()));
+                }
+                let mut props = BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_headers(headers);
+                if let Some(id) = &m.id {
+                    props = props.with_message_id(id.as_str().into());
+                }
+                confirms.push(
+                    self.ch
+                        .basic_publish(
+                            "".into(),
+                            queue.into(),
+                            BasicPublishOptions::default(),
+                            m.payload.as_bytes(),
+                            props,
+                        )
+                        .await
+                        .unwrap(),
+                );
+            }
+            for c in confirms {
+                assert!(c.await.unwrap().is_ack(), "publish confirmed");
+            }
+        });
+    }
+
+    /// (ready messages, consumers) of `queue` (a passive declare).
+    pub fn ready(&self, queue: &str) -> (u32, u32) {
+        self.rt.block_on(async {
+            let q = self
+                .ch
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions::default().passive(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            (q.message_count(), q.consumer_count())
+        })
+    }
+
+    /// Takes `n` messages on a channel of its own and closes it without acknowledging
+    /// them: a consumer that died holding them. The server requeues them, `redelivered`.
+    pub fn take_without_ack(&self, queue: &str, n: u16) {
+        self.rt.block_on(async {
+            let ch = self.conn.create_channel().await.unwrap();
+            ch.basic_qos(n, BasicQosOptions::default()).await.unwrap();
+            let mut c = ch
+                .basic_consume(
+                    queue.into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            for _ in 0..n {
+                c.next().await.unwrap().unwrap();
+            }
+            ch.close(200, "dies".into()).await.unwrap();
+        });
+    }
+}
