@@ -538,9 +538,15 @@ fn counts_are_exact_after_kill_9_rounds_on_mqtt() {
     wait_quiet(&log, Duration::from_secs(180));
     let summary = stop_gracefully(child, &log);
     eprintln!("acked at the kills: {acked_at_kills:?}; last run: {summary}");
+    // The rounds cut the stream: some run was killed holding messages it had not
+    // acknowledged (sent again with DUP to the next run) or before it acknowledged all of
+    // its part (left queued in the session). Which of the two a busy machine's timing
+    // gives varies; the DUP path itself is checked every time by the slow-handler test.
+    let part = parts[0].len() as u64;
     assert!(
-        summary["mqtt"]["redelivered"].as_u64().unwrap() > 0,
-        "{summary}"
+        summary["mqtt"]["redelivered"].as_u64().unwrap() > 0
+            || acked_at_kills.iter().any(|a| *a < part),
+        "no round was cut mid-stream: {acked_at_kills:?}, {summary}"
     );
     assert_eq!(
         left_in_session(broker.port, CLIENT_ID, Duration::from_secs(1)),
