@@ -123,6 +123,10 @@ impl RabbitServer {
             epmd = self.epmd_port,
             parent = std::process::id()
         );
+        // One node boots at a time: two Erlang VMs starting together beside the rest of
+        // the suite on two cores took past the wait (seen once in a full run).
+        static BOOTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _booting = BOOTING.lock().unwrap_or_else(|p| p.into_inner());
         let log = std::fs::File::create(self.dir.path().join("server.out")).unwrap();
         let mut cmd = Command::new("sh");
         cmd.arg("-c")
@@ -135,7 +139,7 @@ impl RabbitServer {
             panic!("cannot start rabbitmq-server (Debian package rabbitmq-server; scripts/test installs it): {e}")
         }));
         let out = self.dir.path().join("server.out");
-        wait_until("rabbitmq-server ready", Duration::from_secs(90), || {
+        wait_until("rabbitmq-server ready", Duration::from_secs(240), || {
             assert!(
                 self.group.as_mut().unwrap().try_wait().unwrap().is_none(),
                 "rabbitmq-server exited: {}",
