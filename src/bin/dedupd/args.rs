@@ -7,8 +7,9 @@ use clap::{Args, Parser, Subcommand};
 
 use dedupd::bench::{AdversarialParams, BenchParams};
 use dedupd::config::Config;
-use dedupd::source::kafka::bench::KafkaBenchParams;
-use dedupd::source::rabbitmq::bench::RabbitBenchParams;
+
+mod brokers;
+pub use brokers::{KafkaBenchArgs, MqttBenchArgs, RabbitmqBenchArgs};
 
 #[derive(Parser)]
 #[command(
@@ -136,6 +137,8 @@ pub enum Command {
     KafkaBench(KafkaBenchArgs),
     /// RabbitMQ source against a consume-only lapin consumer on a real server, same run.
     RabbitmqBench(RabbitmqBenchArgs),
+    /// MQTT source against a consume-only client on a real broker, same run.
+    MqttBench(MqttBenchArgs),
     /// The version, the commit it was built from and the data formats it reads (as
     /// `--version`).
     Version,
@@ -495,145 +498,6 @@ impl AdversarialArgs {
             components: self.components,
             dir: self.dir,
             config,
-        })
-    }
-}
-
-/// `dedupd kafka-bench`.
-#[derive(Args)]
-pub struct KafkaBenchArgs {
-    /// Messages produced to the input topic (redeliveries included).
-    #[arg(long, default_value_t = 2_000_000)]
-    messages: u64,
-    /// Fraction of messages that redeliver an earlier message.
-    #[arg(long, default_value_t = 0.1)]
-    dup_rate: f64,
-    /// Seed of the generated traffic: the same seed gives the same messages.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    /// Partitions of the input topic.
-    #[arg(long, default_value_t = 4)]
-    partitions: i32,
-    /// Messages of the paced phase that measures end-to-end latency (0 skips it).
-    #[arg(long, default_value_t = 200_000)]
-    live_messages: u64,
-    /// Handler component run for every new message.
-    #[arg(long)]
-    handler: Option<PathBuf>,
-    /// Shards (default: number of cores).
-    #[arg(long)]
-    shards: Option<usize>,
-    /// Directory in which the temporary data directory is created.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
-    /// Use this cluster instead of the built-in mock broker.
-    #[arg(long)]
-    brokers: Option<String>,
-    /// Publish a changelog (`changelog = true`) and then time restoring it into an empty
-    /// data directory.
-    #[arg(long)]
-    changelog: bool,
-    /// Claims expire this long after processing (e.g. `2s`; default: the subscriber
-    /// default, 7 days). With `--changelog`, compaction then runs every second with no
-    /// grace, so the engine phase pays for tombstoning expired claims (and, with a
-    /// `--handler` that writes state, for snapshotting that state first); the restore
-    /// phase is skipped (expired claims restore nothing to check).
-    #[arg(long, value_parser = humantime::parse_duration)]
-    ttl: Option<std::time::Duration>,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-impl KafkaBenchArgs {
-    pub fn params(self) -> Result<KafkaBenchParams> {
-        if !(0.0..1.0).contains(&self.dup_rate) {
-            bail!("--dup-rate must be in [0, 1)");
-        }
-        if self.messages == 0 || self.partitions < 1 {
-            bail!("--messages and --partitions must be at least 1");
-        }
-        if let Some(h) = &self.handler {
-            if !h.exists() {
-                bail!(
-                    "handler {} not found: build the plugins first (plugins/build.sh)",
-                    h.display()
-                );
-            }
-        }
-        Ok(KafkaBenchParams {
-            messages: self.messages,
-            dup_rate: self.dup_rate,
-            seed: self.seed,
-            partitions: self.partitions,
-            live_messages: self.live_messages,
-            handler: self.handler,
-            shards: self.shards,
-            dir: self.dir,
-            brokers: self.brokers,
-            changelog: self.changelog,
-            ttl: self.ttl,
-        })
-    }
-}
-
-/// `dedupd rabbitmq-bench`.
-#[derive(Args)]
-pub struct RabbitmqBenchArgs {
-    /// The server (`amqp://host:5672/%2f`); the bench declares and deletes queues of its own.
-    #[arg(long, default_value = "amqp://127.0.0.1:5672/%2f")]
-    uri: String,
-    /// Messages published to each phase's queue (redeliveries included).
-    #[arg(long, default_value_t = 200_000)]
-    messages: u64,
-    /// Fraction of messages that redeliver an earlier message.
-    #[arg(long, default_value_t = 0.1)]
-    dup_rate: f64,
-    /// Seed of the generated traffic: the same seed gives the same messages.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    /// `basic.qos` prefetch of every consumer.
-    #[arg(long, default_value_t = 1024)]
-    prefetch: u16,
-    /// Handler component for a third phase (the engine with it).
-    #[arg(long)]
-    handler: Option<PathBuf>,
-    /// Shards (default: number of cores).
-    #[arg(long)]
-    shards: Option<usize>,
-    /// Directory in which the temporary data directories are created.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-impl RabbitmqBenchArgs {
-    pub fn params(self) -> Result<RabbitBenchParams> {
-        if !(0.0..1.0).contains(&self.dup_rate) {
-            bail!("--dup-rate must be in [0, 1)");
-        }
-        if self.messages == 0 || self.prefetch == 0 {
-            bail!("--messages and --prefetch must be at least 1");
-        }
-        if let Some(h) = &self.handler {
-            if !h.exists() {
-                bail!(
-                    "handler {} not found: build the plugins first (plugins/build.sh)",
-                    h.display()
-                );
-            }
-        }
-        Ok(RabbitBenchParams {
-            uri: self.uri,
-            messages: self.messages,
-            dup_rate: self.dup_rate,
-            seed: self.seed,
-            prefetch: self.prefetch,
-            handler: self.handler,
-            shards: self.shards,
-            dir: self.dir,
         })
     }
 }

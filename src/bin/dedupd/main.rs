@@ -229,6 +229,17 @@ fn run(command: Command) -> Result<()> {
                 bail!("outcomes did not match the generated traffic");
             }
         }
+        Command::MqttBench(args) => {
+            let json = args.json;
+            let params = args.params()?;
+            eprintln!("{params}");
+            let report =
+                dedupd::source::mqtt::bench::run(&params, &mut |phase| eprintln!("{phase}"))?;
+            match json {
+                true => println!("{}", serde_json::to_string(&report)?),
+                false => print!("{report}"),
+            }
+        }
         Command::KafkaBench(args) => {
             let json = args.json;
             let params = args.params()?;

@@ -13,6 +13,7 @@
 //!   only after its outcome is durable (G1); what cannot be keyed is kept as a dead-letter
 //!   record first (MQTT has no reject), then acknowledged.
 //! - [`run`] (here): the runtime, the `/readyz` probe, the stop.
+//! - [`bench`]: `dedupd mqtt-bench`, the source against a consume-only client.
 //!
 //! Keying: the topic is the envelope `key` (a `partition_key = { source = "envelope_key"
 //! }` places handler state by topic); MQTT 5 user properties are the headers a `header`
@@ -25,6 +26,7 @@
 //! another member after a disconnect is processed there again unless they share a ledger
 //! (docs/mqtt.md).
 
+pub mod bench;
 mod config;
 mod consumer;
 mod link;
@@ -119,18 +121,28 @@ pub fn run(
     mqtt: &MqttConfig,
     shutdown: &Shutdown,
 ) -> Result<MqttSummary, MqttError> {
+    let stats: Vec<Arc<MqttStats>> = mqtt
+        .subscriptions
+        .iter()
+        .map(|_| Arc::new(MqttStats::default()))
+        .collect();
+    run_with(ledger, mqtt, shutdown, &stats)
+}
+
+/// [`run`] counting into `stats`, one per subscription (`mqtt-bench` watches them).
+pub fn run_with(
+    ledger: Arc<Ledger>,
+    mqtt: &MqttConfig,
+    shutdown: &Shutdown,
+    stats: &[Arc<MqttStats>],
+) -> Result<MqttSummary, MqttError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("dedupd-mqtt")
         .enable_all()
         .build()
         .map_err(|e| MqttError::Client(format!("cannot start the mqtt runtime: {e}")))?;
-    let stats: Vec<Arc<MqttStats>> = mqtt
-        .subscriptions
-        .iter()
-        .map(|_| Arc::new(MqttStats::default()))
-        .collect();
-    let result = rt.block_on(consumer::run(ledger, mqtt, shutdown, &stats));
+    let result = rt.block_on(consumer::run(ledger, mqtt, shutdown, stats));
     if let Err(e) = &result {
         shutdown.trigger(Cause::Failed(e.to_string()));
     }
@@ -139,7 +151,7 @@ pub fn run(
         connections,
         ..MqttSummary::default()
     };
-    for s in &stats {
+    for s in stats {
         summary.add(s);
     }
     Ok(summary)

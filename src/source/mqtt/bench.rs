@@ -1,0 +1,328 @@
+//! `dedupd mqtt-bench`: the MQTT source against a consume-only baseline, in one run, on a
+//! real broker (loopback).
+//!
+//! Each phase has a persistent session of its own (MQTT 5, `bench/<phase>/#` at QoS 1):
+//! the session is created, `messages` generated OrderPlaced events (fixed seed,
+//! `dup_rate` redeliveries; user property `message-id` = event id) are published to it and
+//! queued by the broker, then the phase's consumer connects and is timed from its
+//! connection to its last message:
+//!
+//! 1. Baseline: a plain rumqttc client acknowledges each message as it arrives.
+//! 2. Engine: the MQTT source — dedup, durable commit, then PUBACK — until every distinct
+//!    event is claimed.
+//! 3. With `--handler`: the same with the handler run for every new event.
+//!
+//! The broker must queue a phase's messages for an offline session: mosquitto's
+//! `max_queued_messages` at least `messages` (docs/mqtt.md).
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+use serde::Serialize;
+
+use super::config::BrokerAddr;
+use super::{MqttError, MqttStats};
+use crate::clock::SystemClock;
+use crate::config::Config;
+use crate::ledger::Ledger;
+use crate::pipeline::{Cause, Shutdown};
+use crate::source::generator::{Event as Generated, Traffic, TrafficSpec};
+
+/// What to measure.
+#[derive(Debug, Clone, Serialize)]
+pub struct MqttBenchParams {
+    pub broker: String,
+    pub messages: u64,
+    pub dup_rate: f64,
+    pub seed: u64,
+    /// The in-flight window of both consumers (Receive Maximum).
+    pub window: u16,
+    pub handler: Option<PathBuf>,
+    /// Directory for the temporary data directories.
+    pub dir: PathBuf,
+}
+
+/// The figures (messages per second, from the consumer's connection to its last message).
+#[derive(Debug, Clone, Serialize)]
+pub struct MqttBenchReport {
+    pub params: MqttBenchParams,
+    pub baseline_msgs_per_sec: f64,
+    pub engine_msgs_per_sec: f64,
+    pub engine_ratio: f64,
+    pub handler_msgs_per_sec: Option<f64>,
+    pub handler_ratio: Option<f64>,
+}
+
+impl std::fmt::Display for MqttBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "consume-only  {:>10.0} msgs/s",
+            self.baseline_msgs_per_sec
+        )?;
+        writeln!(
+            f,
+            "engine        {:>10.0} msgs/s ({:.2}x consume-only)",
+            self.engine_msgs_per_sec, self.engine_ratio
+        )?;
+        if let (Some(h), Some(r)) = (self.handler_msgs_per_sec, self.handler_ratio) {
+            writeln!(f, "with handler  {h:>10.0} msgs/s ({r:.2}x consume-only)")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for MqttBenchParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "mqtt-bench: broker {}, {} messages ({:.0} % redeliveries, seed {}), window {}, handler {}",
+            self.broker,
+            self.messages,
+            self.dup_rate * 100.0,
+            self.seed,
+            self.window,
+            self.handler
+                .as_ref()
+                .map_or("none".into(), |h| h.display().to_string())
+        )
+    }
+}
+
+fn client_error(e: impl std::fmt::Display) -> MqttError {
+    MqttError::Client(e.to_string())
+}
+
+/// Runs the phases; `progress` hears each phase's name as it starts.
+pub fn run(
+    params: &MqttBenchParams,
+    progress: &mut dyn FnMut(&str),
+) -> Result<MqttBenchReport, MqttError> {
+    let addr = BrokerAddr::parse(&params.broker).map_err(MqttError::Config)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(client_error)?;
+    let tag = std::process::id();
+    let mut phase = |name: &str| -> Result<String, MqttError> {
+        progress(&format!("{name}: publishing"));
+        let id = format!("dedupd-bench-{name}-{tag}");
+        let filter = format!("bench/{name}-{tag}/#");
+        rt.block_on(create_session(&addr, &id, &filter, params.window))?;
+        rt.block_on(publish(&addr, params, &format!("bench/{name}-{tag}")))?;
+        progress(&format!("{name}: consuming"));
+        Ok(id)
+    };
+    let id = phase("baseline")?;
+    let baseline = rt.block_on(consume_only(&addr, &id, params))?;
+    let id = phase("engine")?;
+    let filter = format!("bench/engine-{tag}/#");
+    let engine = run_engine(params, &id, &filter, None)?;
+    let handler = match &params.handler {
+        Some(h) => {
+            let id = phase("handler")?;
+            let filter = format!("bench/handler-{tag}/#");
+            Some(run_engine(params, &id, &filter, Some(h))?)
+        }
+        None => None,
+    };
+    Ok(MqttBenchReport {
+        params: params.clone(),
+        baseline_msgs_per_sec: baseline,
+        engine_msgs_per_sec: engine,
+        engine_ratio: engine / baseline,
+        handler_msgs_per_sec: handler,
+        handler_ratio: handler.map(|h| h / baseline),
+    })
+}
+
+fn options(addr: &BrokerAddr, id: &str, window: u16) -> MqttOptions {
+    let mut o = MqttOptions::new(id, &addr.host, addr.port);
+    o.set_clean_start(false)
+        .set_session_expiry_interval(Some(3600))
+        .set_receive_maximum(Some(window))
+        .set_manual_acks(true);
+    o
+}
+
+async fn create_session(
+    addr: &BrokerAddr,
+    id: &str,
+    filter: &str,
+    window: u16,
+) -> Result<(), MqttError> {
+    let (client, mut events) = AsyncClient::new(options(addr, id, window), 16);
+    client
+        .subscribe(filter, QoS::AtLeastOnce)
+        .await
+        .map_err(client_error)?;
+    loop {
+        if let Event::Incoming(Packet::SubAck(_)) = events.poll().await.map_err(client_error)? {
+            break;
+        }
+    }
+    client.disconnect().await.map_err(client_error)?;
+    let _ = tokio::time::timeout(Duration::from_secs(1), events.poll()).await;
+    Ok(())
+}
+
+/// Publishes the generated traffic under `prefix` at QoS 1 and waits for every PUBACK.
+async fn publish(
+    addr: &BrokerAddr,
+    params: &MqttBenchParams,
+    prefix: &str,
+) -> Result<(), MqttError> {
+    let mut traffic = Traffic::new(TrafficSpec {
+        seed: params.seed,
+        messages: params.messages,
+        dup_rate: params.dup_rate,
+        mismatch_rate: 0.0,
+        subscribers: 1,
+        random_order_ids: false,
+        orders: None,
+    });
+    let id = format!("dedupd-bench-publisher-{}", std::process::id());
+    let mut o = MqttOptions::new(id, &addr.host, addr.port);
+    o.set_clean_start(true)
+        .set_outgoing_inflight_upper_limit(1000);
+    let (client, mut events) = AsyncClient::new(o, 1024);
+    let mut msgs = Vec::new();
+    let mut ev = Generated::default();
+    while traffic.next_into(&mut ev) {
+        msgs.push((
+            format!("{prefix}/{}", ev.order % 4),
+            ev.payload.clone(),
+            ev.id.clone(),
+        ));
+    }
+    let n = msgs.len();
+    let sender = tokio::spawn(async move {
+        for (topic, payload, id) in msgs {
+            let props = PublishProperties {
+                user_properties: vec![("message-id".into(), id)],
+                ..Default::default()
+            };
+            if client
+                .publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props)
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        client
+    });
+    let mut acked = 0;
+    while acked < n {
+        if let Event::Incoming(Packet::PubAck(_)) = events.poll().await.map_err(client_error)? {
+            acked += 1;
+        }
+    }
+    let client = sender.await.map_err(client_error)?;
+    client.disconnect().await.map_err(client_error)?;
+    let _ = tokio::time::timeout(Duration::from_secs(1), events.poll()).await;
+    Ok(())
+}
+
+/// Takes over the session and acknowledges every message as it arrives.
+async fn consume_only(
+    addr: &BrokerAddr,
+    id: &str,
+    params: &MqttBenchParams,
+) -> Result<f64, MqttError> {
+    let (client, mut events) =
+        AsyncClient::new(options(addr, id, params.window), usize::from(u16::MAX) + 16);
+    let mut start = None;
+    let mut got = 0;
+    while got < params.messages {
+        if let Event::Incoming(Packet::Publish(p)) = events.poll().await.map_err(client_error)? {
+            start.get_or_insert_with(Instant::now);
+            client.try_ack(&p).map_err(client_error)?;
+            got += 1;
+        }
+    }
+    let rate = got as f64 / start.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    client.disconnect().await.map_err(client_error)?;
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        while events.poll().await.is_ok() {}
+    })
+    .await;
+    Ok(rate)
+}
+
+/// The MQTT source on a fresh data directory until every distinct event is claimed.
+fn run_engine(
+    params: &MqttBenchParams,
+    id: &str,
+    filter: &str,
+    handler: Option<&PathBuf>,
+) -> Result<f64, MqttError> {
+    let handler = handler
+        .map(|h| format!("handler = {:?}\n", h.display().to_string()))
+        .unwrap_or_default();
+    let text = format!(
+        r#"
+[[subscriber]]
+name = "bench"
+key = {{ source = "header", name = "message-id" }}
+partition_key = {{ source = "json_pointer", pointer = "/order_id" }}
+{handler}
+[mqtt]
+broker = "{}"
+protocol = "5"
+client_id = "{id}"
+receive_maximum = {}
+
+[[mqtt.subscription]]
+subscriber = "bench"
+topics = ["{filter}"]
+"#,
+        params.broker, params.window
+    );
+    let config = Config::parse(&text).map_err(|e| MqttError::Config(e.to_string()))?;
+    let dir = tempfile::tempdir_in(&params.dir).map_err(client_error)?;
+    let ledger = Arc::new(
+        Ledger::open(dir.path(), &config, Arc::new(SystemClock))
+            .map_err(|e| MqttError::Ledger(e.to_string()))?,
+    );
+    crate::pipeline::install_handlers(&ledger, &config)
+        .map_err(|e| MqttError::Config(e.to_string()))?;
+    let mqtt = config
+        .mqtt
+        .clone()
+        .ok_or_else(|| MqttError::Config("no [mqtt]".into()))?;
+    let shutdown = Shutdown::new();
+    let stats = vec![Arc::new(MqttStats::default())];
+    // Timed from the first message received to the last PUBACK queued (every message,
+    // redeliveries included, is acknowledged once its outcome is durable), as the
+    // baseline is timed from its first message to its last.
+    let (summary, elapsed) = std::thread::scope(|scope| {
+        let runner = {
+            let (ledger, shutdown, mqtt, stats) = (ledger.clone(), shutdown.clone(), &mqtt, &stats);
+            scope.spawn(move || super::run_with(ledger, mqtt, &shutdown, stats))
+        };
+        let s = &stats[0];
+        let mut start = None;
+        while !shutdown.is_triggered() && s.acked.load(Ordering::Relaxed) < params.messages {
+            if start.is_none() && s.received.load(Ordering::Relaxed) > 0 {
+                start = Some(Instant::now());
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let elapsed = start.map_or(Duration::ZERO, |t| t.elapsed());
+        shutdown.trigger(Cause::Requested);
+        (runner.join(), elapsed)
+    });
+    let summary = summary.map_err(|_| MqttError::Client("the source panicked".into()))??;
+    tracing::debug!(?summary, "mqtt-bench engine phase");
+    if let Ok(l) = Arc::try_unwrap(ledger) {
+        l.close().map_err(|e| MqttError::Ledger(e.to_string()))?;
+    }
+    Ok(params.messages as f64 / elapsed.as_secs_f64())
+}
