@@ -76,9 +76,22 @@ pub fn write_table(report: &LedgerReport, mut out: impl Write) -> std::io::Resul
         )?;
     }
     // Outcomes counted / records stored (repeats of one message share a record).
-    writeln!(
-        out,
-        "{:<24} {:>12} {:>10} {:>6} {:>17} {:>17} {:>12} {:>12}",
+    let rows = report.subscribers.iter().map(|s| {
+        vec![
+            s.subscriber.to_string(),
+            s.claims.to_string(),
+            s.active_claims.to_string(),
+            s.sealed_generations.to_string(),
+            format!("{}/{}", s.quarantined, s.quarantine_records),
+            format!("{}/{}", s.dead_lettered, s.dead_letter_records),
+            s.filter_bytes.to_string(),
+            match report.offline {
+                true => "-".to_string(),
+                false => s.index_bytes.to_string(),
+            },
+        ]
+    });
+    let header = [
         "subscriber",
         "claims",
         "active",
@@ -86,47 +99,33 @@ pub fn write_table(report: &LedgerReport, mut out: impl Write) -> std::io::Resul
         "quarantined/recs",
         "dead_letter/recs",
         "filter B",
-        "index B"
-    )?;
-    for s in &report.subscribers {
-        writeln!(
-            out,
-            "{:<24} {:>12} {:>10} {:>6} {:>17} {:>17} {:>12} {:>12}",
-            s.subscriber,
-            s.claims,
-            s.active_claims,
-            s.sealed_generations,
-            format!("{}/{}", s.quarantined, s.quarantine_records),
-            format!("{}/{}", s.dead_lettered, s.dead_letter_records),
-            s.filter_bytes,
-            match report.offline {
-                true => "-".to_string(),
-                false => s.index_bytes.to_string(),
-            }
-        )?;
-    }
+        "index B",
+    ];
+    write_aligned(&mut out, &header, rows)?;
     let with_state: Vec<_> = report
         .subscribers
         .iter()
         .filter(|s| s.state_runs + s.state_buffered > 0)
         .collect();
     if !with_state.is_empty() {
-        writeln!(
-            out,
-            "\n{:<24} {:>6} {:>14} {:>10} {:>8}",
-            "handler state", "runs", "run entries", "buffered", "retired"
-        )?;
-        for s in with_state {
-            writeln!(
-                out,
-                "{:<24} {:>6} {:>14} {:>10} {:>8}",
-                s.subscriber,
-                s.state_runs,
-                s.state_run_entries,
-                s.state_buffered,
-                s.state_retired_runs
-            )?;
-        }
+        writeln!(out)?;
+        let rows = with_state.iter().map(|s| {
+            vec![
+                s.subscriber.to_string(),
+                s.state_runs.to_string(),
+                s.state_run_entries.to_string(),
+                s.state_buffered.to_string(),
+                s.state_retired_runs.to_string(),
+            ]
+        });
+        let header = [
+            "handler state",
+            "runs",
+            "run entries",
+            "buffered",
+            "retired",
+        ];
+        write_aligned(&mut out, &header, rows)?;
     }
     if let Some(disk) = &report.disk {
         write_disk(disk, &mut out)?;
@@ -136,42 +135,62 @@ pub fn write_table(report: &LedgerReport, mut out: impl Write) -> std::io::Resul
 
 /// Where the bytes go: one line per kind of table, then what no table accounts for.
 fn write_disk(disk: &DiskUsage, mut out: impl Write) -> std::io::Result<()> {
-    writeln!(
-        out,
-        "\n{:<24} {:>8} {:>12} {:>14} {:>14} {:>14} {:>6}",
+    let share = |b: u64| format!("{:.1}%", 100.0 * b as f64 / disk.file_bytes.max(1) as f64);
+    let mut rows: Vec<Vec<String>> = disk
+        .groups
+        .iter()
+        .map(|g| {
+            vec![
+                g.kind.to_string(),
+                g.tables.to_string(),
+                g.entries.to_string(),
+                g.stored_bytes.to_string(),
+                g.metadata_bytes.to_string(),
+                g.fragmented_bytes.to_string(),
+                share(g.page_bytes()),
+            ]
+        })
+        .collect();
+    let mut free = vec![String::new(); 6];
+    free[0] = "free pages, redb's own".into();
+    free.push(share(disk.other_bytes));
+    rows.push(free);
+    writeln!(out)?;
+    let header = [
         "tables (all shards)",
         "tables",
         "entries",
         "stored B",
         "metadata B",
         "fragmented B",
-        "file"
-    )?;
-    let share = |b: u64| 100.0 * b as f64 / disk.file_bytes.max(1) as f64;
-    for g in &disk.groups {
-        writeln!(
-            out,
-            "{:<24} {:>8} {:>12} {:>14} {:>14} {:>14} {:>5.1}%",
-            g.kind,
-            g.tables,
-            g.entries,
-            g.stored_bytes,
-            g.metadata_bytes,
-            g.fragmented_bytes,
-            share(g.page_bytes())
-        )?;
+        "file",
+    ];
+    write_aligned(&mut out, &header, rows)
+}
+
+/// Rows under `header`, each column as wide as its widest cell (a subscriber name of any
+/// length keeps the numbers under their heading): the first column left-aligned, the
+/// others right-aligned, two spaces apart, no borders and no trailing spaces.
+fn write_aligned(
+    mut out: impl Write,
+    header: &[&str],
+    rows: impl IntoIterator<Item = Vec<String>>,
+) -> std::io::Result<()> {
+    let mut table = comfy_table::Table::new();
+    table
+        .load_style(comfy_table::presets::NOTHING)
+        .set_header(header.to_vec())
+        .add_rows(rows);
+    for (i, column) in table.column_iter_mut().enumerate() {
+        column.set_padding((if i == 0 { 0 } else { 2 }, 0));
+        if i > 0 {
+            column.set_cell_alignment(comfy_table::CellAlignment::Right);
+        }
     }
-    writeln!(
-        out,
-        "{:<24} {:>8} {:>12} {:>14} {:>14} {:>14} {:>5.1}%",
-        "free pages, redb's own",
-        "",
-        "",
-        "",
-        "",
-        "",
-        share(disk.other_bytes)
-    )
+    for line in table.lines() {
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    Ok(())
 }
 
 /// Writes `subscriber`'s handler state as JSON lines `{"key", "value"}` (and `"entity"`
@@ -288,6 +307,47 @@ mod tests {
             .lines()
             .find(|l| l.starts_with("orders") && !l.contains("1234"));
         assert!(sub.is_some_and(|l| l.ends_with(" -")), "{text}");
+    }
+
+    /// Columns are as wide as their widest cell: a long subscriber name used to push its
+    /// row's numbers out from under their headings (the names had 24 columns).
+    #[test]
+    fn a_long_subscriber_name_keeps_every_number_under_its_heading() {
+        let sub = |name: &str, claims: u64| crate::ledger::SubscriberReport {
+            subscriber: name.into(),
+            claims,
+            active_claims: claims / 2,
+            filter_bytes: 4096,
+            ..Default::default()
+        };
+        let report = LedgerReport {
+            data_dir: "d".into(),
+            format_version: 9,
+            shards: 2,
+            file_bytes: 1000,
+            subscribers: vec![
+                sub("orders", 12),
+                sub("billing-invoice-reconciliation-subscriber-eu-west", 345_678),
+            ],
+            disk: None,
+            offline: false,
+        };
+        let mut out = Vec::new();
+        write_table(&report, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let header = text.lines().find(|l| l.starts_with("subscriber")).unwrap();
+        for (heading, values) in [("claims", ["12", "345678"]), ("active", ["6", "172839"])] {
+            let end = header.find(heading).unwrap() + heading.len();
+            for (row, value) in ["orders", "billing"].iter().zip(values) {
+                let line = text.lines().find(|l| l.starts_with(row)).unwrap();
+                assert_eq!(
+                    line.get(..end).and_then(|l| l.split_whitespace().last()),
+                    Some(value),
+                    "{heading} of {row} not under its heading:\n{text}"
+                );
+            }
+        }
+        assert!(text.lines().all(|l| l == l.trim_end()), "{text:?}");
     }
 
     #[test]
