@@ -1,19 +1,20 @@
 //! `dedupd mqtt-bench`: the MQTT source against a consume-only baseline, in one run, on a
 //! real broker (loopback).
 //!
-//! Each phase has a persistent session of its own (MQTT 5, `bench/<phase>/#` at QoS 1):
-//! the session is created, `messages` generated OrderPlaced events (fixed seed,
-//! `dup_rate` redeliveries; user property `message-id` = event id) are published to it and
-//! queued by the broker, then the phase's consumer connects and is timed from its
-//! connection to its last message:
+//! Each phase has a persistent session of its own (MQTT 5, `bench/<phase>/#` at QoS 1),
+//! given the same generated OrderPlaced events (fixed seed, `dup_rate` redeliveries; user
+//! property `message-id` = event id) in rounds of at most [`ROUND`] messages: a round is
+//! published while the phase's consumer is offline (the broker queues it), then the
+//! consumer connects and is timed from its first message to its last acknowledgement.
+//! A phase's rate is its messages over the sum of its rounds' times.
 //!
 //! 1. Baseline: a plain rumqttc client acknowledges each message as it arrives.
-//! 2. Engine: the MQTT source — dedup, durable commit, then PUBACK — until every distinct
-//!    event is claimed.
+//! 2. Engine: the MQTT source — dedup, durable commit, then PUBACK — on one data
+//!    directory for all rounds, stopped after each.
 //! 3. With `--handler`: the same with the handler run for every new event.
 //!
-//! The broker must queue a phase's messages for an offline session: mosquitto's
-//! `max_queued_messages` at least `messages` (docs/mqtt.md).
+//! The broker must queue a round for an offline session: mosquitto's
+//! `max_queued_messages` at least 50,000 (docs/mqtt.md).
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -110,28 +111,43 @@ pub fn run(
         .build()
         .map_err(client_error)?;
     let tag = std::process::id();
-    let mut phase = |name: &str| -> Result<String, MqttError> {
-        progress(&format!("{name}: publishing"));
+    let msgs = generate(params);
+    let rounds: Vec<&[Published]> = msgs.chunks(ROUND).collect();
+    // Fills the session `id` of `name` with one round's messages while it is offline.
+    let fill = |name: &str, i: usize, progress: &mut dyn FnMut(&str)| {
+        progress(&format!("{name}: round {}/{}", i + 1, rounds.len()));
+        rt.block_on(publish(&addr, rounds[i], &format!("bench/{name}-{tag}")))
+    };
+    let session = |name: &str| -> Result<String, MqttError> {
         let id = format!("dedupd-bench-{name}-{tag}");
         let filter = format!("bench/{name}-{tag}/#");
         rt.block_on(create_session(&addr, &id, &filter, params.window))?;
-        rt.block_on(publish(&addr, params, &format!("bench/{name}-{tag}")))?;
-        progress(&format!("{name}: consuming"));
         Ok(id)
     };
-    let id = phase("baseline")?;
-    let baseline = rt.block_on(consume_only(&addr, &id, params))?;
-    let id = phase("engine")?;
-    let filter = format!("bench/engine-{tag}/#");
-    let engine = run_engine(params, &id, &filter, None)?;
-    let handler = match &params.handler {
-        Some(h) => {
-            let id = phase("handler")?;
-            let filter = format!("bench/handler-{tag}/#");
-            Some(run_engine(params, &id, &filter, Some(h))?)
+    let id = session("baseline")?;
+    let mut baseline_s = 0.0;
+    for (i, round) in rounds.iter().enumerate() {
+        fill("baseline", i, progress)?;
+        baseline_s += rt.block_on(consume_only(&addr, &id, params.window, round.len()))?;
+    }
+    let baseline = params.messages as f64 / baseline_s;
+    let mut engine = |name: &str, handler: Option<&PathBuf>| -> Result<f64, MqttError> {
+        let id = session(name)?;
+        let mut engine = Engine::open(params, &id, &format!("bench/{name}-{tag}/#"), handler)?;
+        let mut seconds = 0.0;
+        for (i, round) in rounds.iter().enumerate() {
+            fill(name, i, progress)?;
+            seconds += engine.consume(round.len() as u64)?;
         }
+        engine.close()?;
+        Ok(params.messages as f64 / seconds)
+    };
+    let engine_rate = engine("engine", None)?;
+    let handler = match &params.handler {
+        Some(h) => Some(engine("handler", Some(h))?),
         None => None,
     };
+    let engine = engine_rate;
     Ok(MqttBenchReport {
         params: params.clone(),
         baseline_msgs_per_sec: baseline,
@@ -172,12 +188,17 @@ async fn create_session(
     Ok(())
 }
 
-/// Publishes the generated traffic under `prefix` at QoS 1 and waits for every PUBACK.
-async fn publish(
-    addr: &BrokerAddr,
-    params: &MqttBenchParams,
-    prefix: &str,
-) -> Result<(), MqttError> {
+/// One message to publish: topic level below the phase's prefix, payload, message id.
+type Published = (u64, Vec<u8>, String);
+
+/// Messages a session is given at a time: mosquitto 2.0.11 sends a queued backlog to a
+/// reconnecting client faster than the client's PUBACKs go out, and past ~65,000 queued
+/// the client's request channel (rumqttc, 65,551 requests) fills and acknowledgements are
+/// refused (docs/mqtt.md, "Throughput"). Larger runs are several rounds.
+const ROUND: usize = 50_000;
+
+/// The generated traffic (fixed seed, redeliveries included), in publishing order.
+fn generate(params: &MqttBenchParams) -> Vec<Published> {
     let mut traffic = Traffic::new(TrafficSpec {
         seed: params.seed,
         messages: params.messages,
@@ -187,21 +208,26 @@ async fn publish(
         random_order_ids: false,
         orders: None,
     });
+    let mut msgs = Vec::new();
+    let mut ev = Generated::default();
+    while traffic.next_into(&mut ev) {
+        msgs.push((ev.order % 4, ev.payload.clone(), ev.id.clone()));
+    }
+    msgs
+}
+
+/// Publishes `msgs` under `prefix` at QoS 1 and waits for every PUBACK.
+async fn publish(addr: &BrokerAddr, msgs: &[Published], prefix: &str) -> Result<(), MqttError> {
     let id = format!("dedupd-bench-publisher-{}", std::process::id());
     let mut o = MqttOptions::new(id, &addr.host, addr.port);
     o.set_clean_start(true)
         .set_outgoing_inflight_upper_limit(1000);
     let (client, mut events) = AsyncClient::new(o, 1024);
-    let mut msgs = Vec::new();
-    let mut ev = Generated::default();
-    while traffic.next_into(&mut ev) {
-        msgs.push((
-            format!("{prefix}/{}", ev.order % 4),
-            ev.payload.clone(),
-            ev.id.clone(),
-        ));
-    }
     let n = msgs.len();
+    let msgs: Vec<_> = msgs
+        .iter()
+        .map(|(level, payload, id)| (format!("{prefix}/{level}"), payload.clone(), id.clone()))
+        .collect();
     let sender = tokio::spawn(async move {
         for (topic, payload, id) in msgs {
             let props = PublishProperties {
@@ -234,40 +260,48 @@ async fn publish(
 async fn consume_only(
     addr: &BrokerAddr,
     id: &str,
-    params: &MqttBenchParams,
+    window: u16,
+    count: usize,
 ) -> Result<f64, MqttError> {
     let (client, mut events) =
-        AsyncClient::new(options(addr, id, params.window), usize::from(u16::MAX) + 16);
+        AsyncClient::new(options(addr, id, window), usize::from(u16::MAX) + 16);
     let mut start = None;
     let mut got = 0;
-    while got < params.messages {
+    while got < count {
         if let Event::Incoming(Packet::Publish(p)) = events.poll().await.map_err(client_error)? {
             start.get_or_insert_with(Instant::now);
             client.try_ack(&p).map_err(client_error)?;
             got += 1;
         }
     }
-    let rate = got as f64 / start.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let seconds = start.map_or(0.0, |t| t.elapsed().as_secs_f64());
     client.disconnect().await.map_err(client_error)?;
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         while events.poll().await.is_ok() {}
     })
     .await;
-    Ok(rate)
+    Ok(seconds)
 }
 
-/// The MQTT source on a fresh data directory until every distinct event is claimed.
-fn run_engine(
-    params: &MqttBenchParams,
-    id: &str,
-    filter: &str,
-    handler: Option<&PathBuf>,
-) -> Result<f64, MqttError> {
-    let handler = handler
-        .map(|h| format!("handler = {:?}\n", h.display().to_string()))
-        .unwrap_or_default();
-    let text = format!(
-        r#"
+/// The MQTT source over one session on a fresh data directory, started for each round.
+struct Engine {
+    ledger: Arc<Ledger>,
+    mqtt: super::MqttConfig,
+    _dir: tempfile::TempDir,
+}
+
+impl Engine {
+    fn open(
+        params: &MqttBenchParams,
+        id: &str,
+        filter: &str,
+        handler: Option<&PathBuf>,
+    ) -> Result<Engine, MqttError> {
+        let handler = handler
+            .map(|h| format!("handler = {:?}\n", h.display().to_string()))
+            .unwrap_or_default();
+        let text = format!(
+            r#"
 [[subscriber]]
 name = "bench"
 key = {{ source = "header", name = "message-id" }}
@@ -283,46 +317,67 @@ receive_maximum = {}
 subscriber = "bench"
 topics = ["{filter}"]
 "#,
-        params.broker, params.window
-    );
-    let config = Config::parse(&text).map_err(|e| MqttError::Config(e.to_string()))?;
-    let dir = tempfile::tempdir_in(&params.dir).map_err(client_error)?;
-    let ledger = Arc::new(
-        Ledger::open(dir.path(), &config, Arc::new(SystemClock))
-            .map_err(|e| MqttError::Ledger(e.to_string()))?,
-    );
-    crate::pipeline::install_handlers(&ledger, &config)
-        .map_err(|e| MqttError::Config(e.to_string()))?;
-    let mqtt = config
-        .mqtt
-        .clone()
-        .ok_or_else(|| MqttError::Config("no [mqtt]".into()))?;
-    let shutdown = Shutdown::new();
-    let stats = vec![Arc::new(MqttStats::default())];
-    // Timed from the first message received to the last PUBACK queued (every message,
-    // redeliveries included, is acknowledged once its outcome is durable), as the
-    // baseline is timed from its first message to its last.
-    let (summary, elapsed) = std::thread::scope(|scope| {
-        let runner = {
-            let (ledger, shutdown, mqtt, stats) = (ledger.clone(), shutdown.clone(), &mqtt, &stats);
-            scope.spawn(move || super::run_with(ledger, mqtt, &shutdown, stats))
-        };
-        let s = &stats[0];
-        let mut start = None;
-        while !shutdown.is_triggered() && s.acked.load(Ordering::Relaxed) < params.messages {
-            if start.is_none() && s.received.load(Ordering::Relaxed) > 0 {
-                start = Some(Instant::now());
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        let elapsed = start.map_or(Duration::ZERO, |t| t.elapsed());
-        shutdown.trigger(Cause::Requested);
-        (runner.join(), elapsed)
-    });
-    let summary = summary.map_err(|_| MqttError::Client("the source panicked".into()))??;
-    tracing::debug!(?summary, "mqtt-bench engine phase");
-    if let Ok(l) = Arc::try_unwrap(ledger) {
-        l.close().map_err(|e| MqttError::Ledger(e.to_string()))?;
+            params.broker, params.window
+        );
+        let config = Config::parse(&text).map_err(|e| MqttError::Config(e.to_string()))?;
+        let dir = tempfile::tempdir_in(&params.dir).map_err(client_error)?;
+        let ledger = Arc::new(
+            Ledger::open(dir.path(), &config, Arc::new(SystemClock))
+                .map_err(|e| MqttError::Ledger(e.to_string()))?,
+        );
+        crate::pipeline::install_handlers(&ledger, &config)
+            .map_err(|e| MqttError::Config(e.to_string()))?;
+        let mqtt = config
+            .mqtt
+            .clone()
+            .ok_or_else(|| MqttError::Config("no [mqtt]".into()))?;
+        Ok(Engine {
+            ledger,
+            mqtt,
+            _dir: dir,
+        })
     }
-    Ok(params.messages as f64 / elapsed.as_secs_f64())
+
+    /// Runs the source until `count` messages are acknowledged, then stops it; the
+    /// seconds from the first message received to the last PUBACK queued (every message,
+    /// redeliveries included, is acknowledged once its outcome is durable), as the
+    /// baseline is timed from its first message to its last.
+    fn consume(&mut self, count: u64) -> Result<f64, MqttError> {
+        let shutdown = Shutdown::new();
+        let stats = vec![Arc::new(MqttStats::default())];
+        let (summary, elapsed) = std::thread::scope(|scope| {
+            let runner = {
+                let (ledger, shutdown, mqtt, stats) =
+                    (self.ledger.clone(), shutdown.clone(), &self.mqtt, &stats);
+                scope.spawn(move || super::run_with(ledger, mqtt, &shutdown, stats))
+            };
+            let s = &stats[0];
+            let mut start = None;
+            while !shutdown.is_triggered() && s.acked.load(Ordering::Relaxed) < count {
+                if start.is_none() && s.received.load(Ordering::Relaxed) > 0 {
+                    start = Some(Instant::now());
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            let elapsed = start.map_or(Duration::ZERO, |t| t.elapsed());
+            shutdown.trigger(Cause::Requested);
+            (runner.join(), elapsed)
+        });
+        let summary = summary.map_err(|_| MqttError::Client("the source panicked".into()))??;
+        tracing::debug!(?summary, "mqtt-bench engine round");
+        if summary.acked < count {
+            return Err(MqttError::Client(format!(
+                "the source stopped with {} of {count} messages acknowledged",
+                summary.acked
+            )));
+        }
+        Ok(elapsed.as_secs_f64())
+    }
+
+    fn close(self) -> Result<(), MqttError> {
+        if let Ok(l) = Arc::try_unwrap(self.ledger) {
+            l.close().map_err(|e| MqttError::Ledger(e.to_string()))?;
+        }
+        Ok(())
+    }
 }
