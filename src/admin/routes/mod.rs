@@ -87,7 +87,7 @@ pub(super) fn api(upload_limit: usize) -> OpenApiRouter<AdminState> {
         .routes(routes!(ack_outbox))
 }
 
-/// The whole API: [`api`] behind `guard`, with JSON answers for an unknown route or method.
+/// The whole API: `api` behind `guard`, with JSON answers for an unknown route or method.
 pub fn router(state: AdminState) -> Router {
     use service::{no_route, wrong_method};
     let upload_limit = state.0.http.max_handler_bytes;
