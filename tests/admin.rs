@@ -8,6 +8,8 @@
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 mod common;
+#[path = "common/schema.rs"]
+mod schema;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,7 +17,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
-use dedupd::admin::{router, AdminState, ROUTES};
+use dedupd::admin::{openapi, router, AdminState};
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::Ledger;
@@ -58,13 +60,16 @@ impl Api {
         Api::new("[ledger]\nshards = 2\n", None)
     }
 
+    /// Sends `req`; every answer is checked against what `/openapi.json` documents for it.
     async fn send(&self, req: Request<Body>) -> Reply {
+        let (method, path) = (req.method().clone(), req.uri().path().to_string());
         let resp = self.router.clone().oneshot(req).await.unwrap();
         let status = resp.status();
         let headers = resp.headers().clone();
         let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
             .await
             .unwrap();
+        schema::check_answer(method.as_str(), &path, status, &headers, &bytes);
         let text = String::from_utf8_lossy(&bytes).to_string();
         let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         Reply {
@@ -1264,33 +1269,59 @@ fn concrete(path: &str) -> String {
         .replace("{rid}", "0-1")
 }
 
+/// Every operation of the generated document: `(method, path template, operation)`.
+fn documented() -> Vec<(&'static str, &'static str, &'static Value)> {
+    let mut ops = Vec::new();
+    for (path, item) in openapi()["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            ops.push((method.as_str(), path.as_str(), op));
+        }
+    }
+    ops
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn openapi_lists_every_route_and_every_listed_route_is_served() {
     let api = Api::open();
     let doc = api.call("GET", "/openapi.json", None).await;
     assert_eq!(doc.status, StatusCode::OK);
     assert_eq!(doc.body["openapi"], "3.1.0");
+    assert_eq!(&doc.body, openapi());
+    let ops = documented();
+    let mut ids = std::collections::BTreeSet::new();
     // Every documented operation reaches a handler (the fallback answers "no route").
-    for route in ROUTES {
+    for (method, path, op) in &ops {
         let r = api
-            .call(&route.method.to_uppercase(), &concrete(route.path), None)
+            .call(&method.to_uppercase(), &concrete(path), None)
             .await;
         assert!(
             !r.text.contains("no route"),
-            "{} {} is documented but not served: {}",
-            route.method,
-            route.path,
+            "{method} {path} is documented but not served: {}",
             r.text
         );
-        let op = &doc.body["paths"][route.path][route.method];
+        let id = op["operationId"].as_str().unwrap_or_default();
         assert!(
-            op.is_object(),
-            "{} {} missing from the document",
-            route.method,
-            route.path
+            !id.is_empty() && !id.contains(' ') && ids.insert(id),
+            "{method} {path}: operationId {id:?} missing, not readable or taken"
         );
-        for status in route.statuses {
-            assert!(op["responses"][status.to_string()].is_object());
+        assert!(op["summary"].as_str().is_some_and(|s| !s.is_empty()));
+        // Each path parameter is described, and each response has a described body.
+        for name in path.split('/').filter_map(|s| s.strip_prefix('{')) {
+            let name = name.trim_end_matches('}');
+            assert!(
+                op["parameters"]
+                    .as_array()
+                    .is_some_and(|ps| ps.iter().any(|p| p["name"] == name && p["in"] == "path")),
+                "{method} {path} does not describe its parameter {name}"
+            );
+        }
+        let responses = op["responses"].as_object().unwrap();
+        assert!(responses.contains_key("200") || responses.contains_key("201"));
+        for (status, response) in responses {
+            assert!(
+                response["content"].is_object(),
+                "{method} {path} {status} has no body schema"
+            );
         }
     }
     // Every route these tests exercise is documented.
@@ -1329,7 +1360,7 @@ async fn openapi_lists_every_route_and_every_listed_route_is_served() {
     ];
     assert_eq!(
         exercised.len(),
-        ROUTES.len(),
+        ops.len(),
         "a route was added without a test"
     );
     for (m, p) in exercised {
@@ -1635,16 +1666,19 @@ async fn form_types_are_accepted_with_a_token() {
 #[tokio::test(flavor = "multi_thread")]
 async fn every_write_route_needs_the_token() {
     let api = Api::new("[ledger]\nshards = 1\n", Some(TOKEN));
-    let writes: Vec<_> = ROUTES.iter().filter(|r| r.method != "get").collect();
-    assert!(writes.len() >= 11, "the route table lost its write routes");
-    for route in writes {
-        assert!(
-            route.auth,
-            "{} {} is documented without auth",
-            route.method, route.path
+    let writes: Vec<_> = documented()
+        .into_iter()
+        .filter(|(method, _, _)| *method != "get")
+        .collect();
+    assert!(writes.len() >= 11, "the document lost its write routes");
+    for (method, path, op) in writes {
+        assert_eq!(
+            op["security"],
+            json!([{"bearer": []}]),
+            "{method} {path} is documented without auth"
         );
-        let uri = concrete(route.path);
-        let method = route.method.to_uppercase();
+        let uri = concrete(path);
+        let method = method.to_uppercase();
         // Without a body, with a JSON body, and with a body of the route's own type.
         for (content_type, body) in [
             (None, ""),

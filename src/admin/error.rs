@@ -162,10 +162,14 @@ impl From<LedgerError> for ApiError {
     }
 }
 
-#[derive(Serialize)]
-struct Body<'a> {
+/// The body of every error answer (`ErrorBody` in `/openapi.json`).
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ErrorBody<'a> {
+    /// Stable machine-readable code (`bad_request`, `not_found`, `in_flight`, ...).
     error: &'a str,
+    /// What went wrong and what to change; never internals for a 5xx.
     message: String,
+    /// The field, header or parameter at fault (400 only).
     #[serde(skip_serializing_if = "Option::is_none")]
     field: Option<&'a str>,
 }
@@ -186,7 +190,7 @@ impl IntoResponse for ApiError {
         };
         let mut resp = (
             status,
-            Json(Body {
+            Json(ErrorBody {
                 error: self.code(),
                 message,
                 field,

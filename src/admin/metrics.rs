@@ -170,6 +170,12 @@ fn sample_shard(i: usize, m: &ShardMetrics) {
         .set(m.max_batch_us_plain.max(m.max_batch_us_maintenance) as f64 / 1e6);
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "service", operation_id = "metrics",
+    summary = "Prometheus text format",
+    responses(
+        (status = 200, description = "The metrics", content_type = "text/plain", body = String),
+        (status = 503, description = "The engine stopped after a storage error", body = crate::admin::ErrorBody),
+    ))]
 pub(super) async fn render(State(st): State<AdminState>) -> Result<impl IntoResponse, ApiError> {
     let text = tokio::task::spawn_blocking(move || -> Result<String, ApiError> {
         sample(&st)?;

@@ -42,8 +42,8 @@ use subtle::ConstantTimeEq;
 pub use crate::pipeline::{HandlerInfo, UploadError, UploadStore};
 pub use audit::Audit;
 pub use config::HttpConfig;
-pub use error::ApiError;
-pub use openapi::{openapi, ROUTES};
+pub use error::{ApiError, ErrorBody};
+pub use openapi::openapi;
 pub use routes::{metrics_router, router};
 
 use crate::config::Config;

@@ -1,141 +1,186 @@
-//! `/openapi.json`: the route table and the OpenAPI 3.1 document built from it. A test
-//! checks that every route the router serves is listed here and every listed one is served.
+//! `/openapi.json`: the OpenAPI 3.1 document of the API, generated from the route code.
+//!
+//! Each handler carries a `#[utoipa::path]` annotation (method, path, summary, parameters,
+//! request body, responses with their body types, security), and the body types derive
+//! `utoipa::ToSchema` next to their `Serialize`/`Deserialize`. `routes::api` registers
+//! every handler with `utoipa_axum::routes!`, which routes it at the path and method its
+//! annotation names and adds the operation to the document: the router and the document
+//! are built from one list, so a route cannot be served undocumented or documented
+//! unserved. What the annotations cannot see is added here: the answers every route can
+//! give because of `guard` (see [`openapi`]), the bearer security scheme, and the title.
+//!
+//! Why utoipa (with utoipa-axum) and not aide: utoipa-axum 0.3 targets axum 0.8 with no
+//! default features, and utoipa without default features adds four crates to the build
+//! (utoipa, utoipa-gen, utoipa-axum, pastey) and no work beyond building this document
+//! once. The handlers keep their signatures (`Result<Path<_>, PathRejection>` extractors
+//! that turn rejections into `ApiError`s, `ApiResult<Json<T>>`) and their documentation
+//! sits on them. aide infers operations from extractor and response types through its
+//! own traits, which these wrapped extractors and `ApiError` would need implementations
+//! of, and it brings `schemars` as a second schema derive. What utoipa's annotation does
+//! not check is that the body type it names is the one the handler returns:
+//! `tests/admin.rs` does, by validating every JSON answer the tests get against the schema
+//! documented for its route and status.
+
+use std::sync::LazyLock;
 
 use serde_json::{json, Map, Value};
 
-/// One operation of the API.
-#[derive(Debug, Clone, Copy)]
-pub struct RouteDoc {
-    pub method: &'static str,
-    pub path: &'static str,
-    pub summary: &'static str,
-    /// Needs the bearer token when one is configured.
-    pub auth: bool,
-    /// Statuses it can answer with (besides 401/403 for `auth` routes, and those every
-    /// route can answer: see [`openapi`]).
-    pub statuses: &'static [u16],
-}
-
-const fn r(
-    method: &'static str,
-    path: &'static str,
-    summary: &'static str,
-    auth: bool,
-    statuses: &'static [u16],
-) -> RouteDoc {
-    RouteDoc {
-        method,
-        path,
-        summary,
-        auth,
-        statuses,
-    }
-}
-
-/// Every route of [`super::router`].
-pub const ROUTES: &[RouteDoc] = &[
-    r("get", "/", "The dashboard (HTML; polls the JSON API)", false, &[200]),
-    r("get", "/assets/app.js", "Dashboard script", false, &[200]),
-    r("get", "/assets/app.css", "Dashboard style sheet", false, &[200]),
-    r("get", "/healthz", "The process is up", false, &[200]),
-    r("get", "/readyz", "Filters loaded and shards writable", false, &[200, 503]),
-    r("get", "/metrics", "Prometheus text format", false, &[200, 503]),
-    r("get", "/openapi.json", "This document", false, &[200]),
-    r("get", "/v1/subscribers", "Subscribers with their counters and storage", false, &[200, 503]),
-    r("get", "/v1/subscribers/{s}", "One subscriber: config, stats, handler", false, &[200, 400, 404]),
-    r("get", "/v1/subscribers/{s}/config", "A subscriber's settings", false, &[200, 400, 404]),
-    r("put", "/v1/subscribers/{s}/config", "Change settings (ttl, sliding_ttl, key, max_key_bytes, handler limits, retry policy); fields left out keep their value; a 400 names the field", true, &[200, 400, 413]),
-    r("get", "/v1/subscribers/{s}/stats", "Processed, duplicates, quarantined, dead-lettered, claims stored, generations, filter false-positive rate, bytes", false, &[200, 400, 404]),
-    r("post", "/v1/subscribers/{s}/messages", "Ingest one message keyed by the Idempotency-Key header: 201 first time, 201 + Idempotent-Replayed on a retry, 422 other payload, 409 in flight (or wait with `Prefer: wait=N`), 400 no key or malformed JSON, 403 past ledger.max_implicit_subscribers, 413 too large", true, &[201, 400, 403, 404, 409, 413, 422, 500, 503]),
-    r("get", "/v1/subscribers/{s}/messages/{id}", "The live claim of a message id (processed-at, fingerprint, expires-at, handler version); the fingerprint only with the token when one is configured", false, &[200, 400, 403, 404]),
-    r("delete", "/v1/subscribers/{s}/messages/{id}", "Forget a claim so the next delivery is processed again (audited)", true, &[200, 400, 404]),
-    r("get", "/v1/subscribers/{s}/quarantine", "Quarantined messages, without payloads; reasons, fingerprints and keys only with the token when one is configured; page with ?after=ID&limit=N", false, &[200, 400, 403, 404]),
-    r("get", "/v1/subscribers/{s}/quarantine/{rid}", "One quarantined message with its payload", true, &[200, 400, 404]),
-    r("delete", "/v1/subscribers/{s}/quarantine/{rid}", "Discard a quarantined message (audited)", true, &[200, 400, 404]),
-    r("post", "/v1/subscribers/{s}/quarantine/{rid}/replay", "Reprocess a quarantined message through the current handler; it replaces the conflicting claim (audited)", true, &[200, 400, 404, 503]),
-    r("get", "/v1/subscribers/{s}/deadletters", "Dead letters, without payloads; reasons and keys only with the token when one is configured; page with ?after=ID&limit=N", false, &[200, 400, 403, 404]),
-    r("get", "/v1/subscribers/{s}/deadletters/{rid}", "One dead letter with its payload", true, &[200, 400, 404]),
-    r("delete", "/v1/subscribers/{s}/deadletters/{rid}", "Discard a dead letter (audited)", true, &[200, 400, 404]),
-    r("post", "/v1/subscribers/{s}/deadletters/{rid}/replay", "Reprocess a dead letter through the current handler (audited)", true, &[200, 400, 404, 503]),
-    r("get", "/v1/subscribers/{s}/handler", "The handler in force and the uploaded current/previous versions", false, &[200, 400, 404]),
-    r("put", "/v1/subscribers/{s}/handler", "Upload a WebAssembly component (validated first; installed between batches; the old one kept for rollback)", true, &[200, 400, 413]),
-    r("post", "/v1/subscribers/{s}/handler/rollback", "Reinstall the previous uploaded handler", true, &[200, 400, 404]),
-    r("post", "/v1/maintenance/compact", "Run sealing, merging and expiry now (?seal_all=true seals active generations first)", true, &[200, 400, 503]),
-    r("post", "/v1/maintenance/backup", "Backup into the backup directory: {\"name\": DIR}; every shard at a commit boundary, handlers, audit log, backup.json with checksums", true, &[200, 400, 409]),
-    r("get", "/v1/audit", "The newest operator actions (?limit=N)", true, &[200, 400]),
-    r("get", "/v1/outbox", "The oldest messages handlers emitted, not yet acknowledged (?limit=N, 1-1000), and how many are pending", true, &[200, 400, 409]),
-    r("post", "/v1/outbox/ack", "Delete pulled outbox messages: {\"ids\": [...]}", true, &[200, 400, 409]),
+/// The answers every route can give besides its own, from `guard`: `(status, description,
+/// which routes)`.
+const GUARD_ANSWERS: &[(u16, &str, Applies)] = &[
+    (401, "Bearer token missing", Applies::Secured),
+    (
+        403,
+        "Bearer token wrong, or a write from a web page of another origin",
+        Applies::SecuredOrWrite,
+    ),
+    (
+        415,
+        "A form content type without a token (a web page can send it cross-origin)",
+        Applies::Write,
+    ),
+    (
+        421,
+        "Host is not one of this server's names (http.allowed_hosts)",
+        Applies::All,
+    ),
+    (
+        503,
+        "Engine not ready or stopped; or busy (admission queue full) / timed out, with Retry-After",
+        Applies::All,
+    ),
 ];
 
-fn status_text(code: u16) -> &'static str {
-    match code {
-        200 => "OK",
-        201 => "Created (or replayed, with Idempotent-Replayed: true)",
-        400 => "Bad request; the body names the field",
-        401 => "Bearer token missing",
-        403 => "Bearer token wrong, a write from another origin, or past ledger.max_implicit_subscribers",
-        404 => "Not found",
-        409 => "Conflict",
-        413 => "Body too large",
-        415 => "A form content type without a token (a web page can send it cross-origin)",
-        421 => "Host is not one of this server's names (http.allowed_hosts)",
-        422 => "Idempotency key reused with another payload",
-        500 => "Internal error (no internals in the body)",
-        503 => "Engine not ready or stopped; or busy / timed out, with Retry-After",
-        _ => "",
-    }
+#[derive(Clone, Copy)]
+enum Applies {
+    All,
+    /// Operations that name the bearer security scheme.
+    Secured,
+    /// Operations that are not GET.
+    Write,
+    SecuredOrWrite,
 }
 
-/// The OpenAPI 3.1 document. Besides its own statuses, every route can answer 421 (a
-/// `Host` that is not this server's) and 503 (queue full or request timeout, with
-/// `Retry-After`); every route that is not a GET also 403 (another `Origin`) and 415 (a
-/// form content type without a token).
-pub fn openapi() -> Value {
-    let mut paths = Map::new();
-    for route in ROUTES {
-        let mut responses = Map::new();
-        let mut codes: Vec<u16> = route.statuses.to_vec();
-        codes.extend([421, 503]);
-        if route.auth {
-            codes.extend([401, 403]);
-        }
-        if route.method != "get" {
-            codes.extend([403, 415]);
-        }
-        for code in codes {
-            responses.insert(code.to_string(), json!({"description": status_text(code)}));
-        }
-        let mut params = Vec::new();
-        for (name, what) in [
-            ("s", "subscriber name"),
-            ("id", "message id (idempotency key text)"),
-            ("rid", "record id"),
-        ] {
-            if route.path.contains(&format!("{{{name}}}")) {
-                params.push(json!({"name": name, "in": "path", "required": true, "description": what, "schema": {"type": "string"}}));
+/// The OpenAPI 3.1 document, built once. Besides its own statuses, every route can answer
+/// 421 (a `Host` that is not this server's) and 503 (queue full or request timeout, with
+/// `Retry-After`); every route that needs the token 401 and 403; every route that is not a
+/// GET also 403 (another `Origin`) and 415 (a form content type without a token). All of
+/// them with the `ErrorBody` schema.
+pub fn openapi() -> &'static Value {
+    static DOC: LazyLock<Value> = LazyLock::new(build);
+    &DOC
+}
+
+fn build() -> Value {
+    let generated = super::routes::api(0).into_openapi();
+    let mut doc = serde_json::to_value(&generated).unwrap_or_else(|_| json!({}));
+    doc["openapi"] = json!("3.1.0");
+    doc["info"] = json!({
+        "title": "dedupd admin and ingest API",
+        "version": env!("CARGO_PKG_VERSION"),
+        "description": "Every error answer has the ErrorBody schema. With a token configured (http.token), every route marked with the bearer scheme needs `Authorization: Bearer <token>`; record lists then leave out what could reveal a payload without it.",
+    });
+    doc["components"]["securitySchemes"] = json!({"bearer": {"type": "http", "scheme": "bearer"}});
+    let error = json!({"$ref": "#/components/schemas/ErrorBody"});
+    if let Some(paths) = doc["paths"].as_object_mut() {
+        for item in paths.values_mut() {
+            let Some(ops) = item.as_object_mut() else {
+                continue;
+            };
+            for (method, op) in ops.iter_mut() {
+                let secured = op.get("security").is_some();
+                let write = method != "get";
+                let responses = op["responses"].as_object_mut();
+                let Some(responses) = responses else { continue };
+                for (status, description, applies) in GUARD_ANSWERS {
+                    let applies = match applies {
+                        Applies::All => true,
+                        Applies::Secured => secured,
+                        Applies::Write => write,
+                        Applies::SecuredOrWrite => secured || write,
+                    };
+                    if applies {
+                        responses
+                            .entry(status.to_string())
+                            .or_insert_with(|| error_response(description, *status, &error));
+                    }
+                }
             }
         }
-        if route.method == "post" && route.path.ends_with("/messages") {
-            params.push(json!({"name": "Idempotency-Key", "in": "header", "required": false, "description": "the message's idempotency key; required unless the subscriber's key source finds one in the body", "schema": {"type": "string"}}));
-        }
-        let mut op = json!({
-            "summary": route.summary,
-            "operationId": format!("{} {}", route.method, route.path),
-            "parameters": params,
-            "responses": responses,
-        });
-        if route.auth {
-            op["security"] = json!([{"bearer": []}]);
-        }
-        let entry = paths
-            .entry(route.path.to_string())
-            .or_insert_with(|| json!({}));
-        entry[route.method] = op;
     }
-    json!({
-        "openapi": "3.1.0",
-        "info": {"title": "dedupd admin and ingest API", "version": env!("CARGO_PKG_VERSION")},
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "paths": paths,
-    })
+    doc
+}
+
+fn error_response(description: &str, status: u16, schema: &Value) -> Value {
+    let mut response = json!({
+        "description": description,
+        "content": {"application/json": {"schema": schema}},
+    });
+    let header = match status {
+        401 => Some(("WWW-Authenticate", "`Bearer`")),
+        503 => Some(("Retry-After", "Seconds, when busy or timed out")),
+        _ => None,
+    };
+    if let Some((name, what)) = header {
+        let mut headers = Map::new();
+        headers.insert(
+            name.into(),
+            json!({"description": what, "schema": {"type": "string"}}),
+        );
+        response["headers"] = Value::Object(headers);
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SubscriberSettings;
+
+    /// The defaults the document states for the settings are the ones a subscriber gets,
+    /// written as the API writes them (durations as `7days`, not serde's `{secs, nanos}`).
+    #[test]
+    fn documented_setting_defaults_are_the_real_ones() {
+        let doc = openapi();
+        let schema = &doc["components"]["schemas"]["SubscriberSettings"]["properties"];
+        let real = serde_json::to_value(SubscriberSettings::default()).expect("serializes");
+        let real = real.as_object().expect("an object");
+        assert!(!real.is_empty());
+        for (field, value) in real {
+            assert_eq!(
+                &schema[field]["default"], value,
+                "the documented default of `{field}`"
+            );
+        }
+    }
+
+    /// Every route answers the guard's statuses with the error body, and the security
+    /// scheme the operations name exists.
+    #[test]
+    fn guard_answers_and_the_security_scheme_are_documented() {
+        let doc = openapi();
+        assert_eq!(doc["openapi"], "3.1.0");
+        assert_eq!(
+            doc["components"]["securitySchemes"]["bearer"]["scheme"],
+            "bearer"
+        );
+        let mut secured = 0;
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (method, op) in item.as_object().expect("operations") {
+                let codes = ["421", "503"];
+                for code in codes {
+                    assert!(op["responses"][code].is_object(), "{method} {path} {code}");
+                }
+                if op.get("security").is_some() {
+                    secured += 1;
+                    assert!(op["responses"]["401"].is_object(), "{method} {path}");
+                }
+                if method != "get" {
+                    assert!(op["responses"]["415"].is_object(), "{method} {path}");
+                    assert!(op.get("security").is_some(), "{method} {path}");
+                }
+            }
+        }
+        assert!(secured >= 14, "{secured}");
+    }
 }

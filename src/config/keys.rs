@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// Read through [`SourceSpec`]: serde's internally tagged enums drop unknown fields of
 /// unit variants (`{ source = "id", pointer = "/x" }` loaded as `id`), and a typo in a key
 /// source changes what is deduplicated, so every field a source does not take is refused.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(
     tag = "source",
     rename_all = "snake_case",
@@ -41,7 +41,7 @@ pub enum KeySource {
 /// messages that share a partition key run on the same shard and see one store of their
 /// own. Without a handler it is not used; the idempotency key (the default) means "no
 /// entity": the handler's state is one store and it runs on one shard.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(
     tag = "source",
     rename_all = "snake_case",

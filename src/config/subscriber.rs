@@ -9,11 +9,12 @@ use serde::{Deserialize, Serialize};
 use super::{invalid, ConfigError, KeySource, PartitionSource, DEFAULT_MAX_KEY_BYTES};
 
 /// Per-subscriber behaviour.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SubscriberSettings {
     /// How long a claim is remembered. Must exceed the longest redelivery window of the source.
     #[serde(with = "humantime_serde")]
+    #[schema(value_type = String, default = default_ttl)]
     pub ttl: Duration,
     /// Refresh a claim's expiry each time a duplicate arrives.
     pub sliding_ttl: bool,
@@ -25,9 +26,11 @@ pub struct SubscriberSettings {
     /// redelivery may carry another one: its claim is still found.
     pub partition_key: PartitionSource,
     /// WebAssembly component run for each new message (none: claim only).
+    #[schema(value_type = Option<String>)]
     pub handler: Option<PathBuf>,
     /// Budget of one handler call: guest CPU and waits on the clock (a sleep) together.
     #[serde(with = "humantime_serde")]
+    #[schema(value_type = String, default = default_handler_cpu_budget)]
     pub handler_cpu_budget: Duration,
     /// Cap of all linear memories of a handler instance together, in MiB.
     pub handler_memory_mib: usize,
@@ -41,11 +44,13 @@ pub struct SubscriberSettings {
     pub max_attempts: u32,
     /// Delay before the second attempt; doubles for each further one.
     #[serde(with = "humantime_serde")]
+    #[schema(value_type = String, default = default_retry_backoff)]
     pub retry_backoff: Duration,
     /// Longest delay between two attempts, where the doubling of `retry_backoff` stops: a
     /// message waiting for its next attempt is held in memory and holds back its source's
     /// committed offset.
     #[serde(with = "humantime_serde")]
+    #[schema(value_type = String, default = default_max_backoff)]
     pub max_backoff: Duration,
     /// Handler calls in a row stopped by the sandbox (trap, CPU budget, memory cap) on one
     /// shard that open the subscriber's circuit breaker there: for
@@ -55,6 +60,7 @@ pub struct SubscriberSettings {
     pub handler_breaker_failures: u32,
     /// How long an open breaker refuses calls; then one call decides (closes or reopens).
     #[serde(with = "humantime_serde")]
+    #[schema(value_type = String, default = default_handler_breaker_cooldown)]
     pub handler_breaker_cooldown: Duration,
     /// What of a JSON payload the fingerprint covers (G4).
     #[serde(default)]
@@ -65,13 +71,39 @@ pub struct SubscriberSettings {
 /// field on every retry (`/sent_at`, `/trace_id`) would otherwise turn its own retries
 /// into quarantined mismatches. Changing it changes the fingerprint of every message:
 /// a redelivery of a message claimed before the change is quarantined as a mismatch.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FingerprintSpec {
     /// JSON pointers (RFC 6901) left out of the fingerprint; a missing one is no error.
     /// Handlers still get the whole payload. Empty: the whole payload counts.
     #[serde(default)]
     pub ignore: Vec<String>,
+}
+
+/// A duration setting's default as the config and the API write it (`7days`, `10ms`): the
+/// `default` of its schema in `/openapi.json`.
+fn shown_default(pick: fn(&SubscriberSettings) -> Duration) -> String {
+    humantime::format_duration(pick(&SubscriberSettings::default())).to_string()
+}
+
+fn default_ttl() -> String {
+    shown_default(|s| s.ttl)
+}
+
+fn default_handler_cpu_budget() -> String {
+    shown_default(|s| s.handler_cpu_budget)
+}
+
+fn default_retry_backoff() -> String {
+    shown_default(|s| s.retry_backoff)
+}
+
+fn default_max_backoff() -> String {
+    shown_default(|s| s.max_backoff)
+}
+
+fn default_handler_breaker_cooldown() -> String {
+    shown_default(|s| s.handler_breaker_cooldown)
 }
 
 impl Default for SubscriberSettings {
@@ -98,7 +130,7 @@ impl Default for SubscriberSettings {
 }
 
 /// A named subscriber. Fields left out inherit from `[defaults]`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SubscriberConfig {
     /// `[A-Za-z0-9._-]{1,64}`; part of table names on disk.
@@ -108,6 +140,7 @@ pub struct SubscriberConfig {
         with = "humantime_serde",
         skip_serializing_if = "Option::is_none"
     )]
+    #[schema(value_type = Option<String>)]
     pub ttl: Option<Duration>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_ttl: Option<bool>,
@@ -118,12 +151,14 @@ pub struct SubscriberConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partition_key: Option<PartitionSource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
     pub handler: Option<PathBuf>,
     #[serde(
         default,
         with = "humantime_serde",
         skip_serializing_if = "Option::is_none"
     )]
+    #[schema(value_type = Option<String>)]
     pub handler_cpu_budget: Option<Duration>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handler_memory_mib: Option<usize>,
@@ -138,12 +173,14 @@ pub struct SubscriberConfig {
         with = "humantime_serde",
         skip_serializing_if = "Option::is_none"
     )]
+    #[schema(value_type = Option<String>)]
     pub retry_backoff: Option<Duration>,
     #[serde(
         default,
         with = "humantime_serde",
         skip_serializing_if = "Option::is_none"
     )]
+    #[schema(value_type = Option<String>)]
     pub max_backoff: Option<Duration>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handler_breaker_failures: Option<u32>,
@@ -152,6 +189,7 @@ pub struct SubscriberConfig {
         with = "humantime_serde",
         skip_serializing_if = "Option::is_none"
     )]
+    #[schema(value_type = Option<String>)]
     pub handler_breaker_cooldown: Option<Duration>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint: Option<FingerprintSpec>,

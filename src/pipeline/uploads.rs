@@ -42,7 +42,7 @@ pub enum UploadError {
 }
 
 /// What the handler routes show of a subscriber's handlers.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct HandlerInfo {
     pub subscriber: String,
     /// Version (xxh3-64 of the component, hex) of the handler in force, if any.

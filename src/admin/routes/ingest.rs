@@ -15,10 +15,11 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::{body, check_name, now_ms, path, ApiResult};
 use crate::admin::bridge::StartError;
-use crate::admin::{guard, metrics, AdminState, ApiError};
+use crate::admin::{guard, metrics, AdminState, ApiError, ErrorBody};
 use crate::config::SubscriberSettings;
 use crate::envelope::IdempotencyKey;
 use crate::ledger::{Job, Outcome, Subscriber};
@@ -29,17 +30,47 @@ use crate::source::http::{self, Message, IDEMPOTENCY_KEY, PARTITION_KEY};
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// What a processed message's response says; a replay repeats it from the claim.
-#[derive(Debug, Serialize)]
-struct Processed<'a> {
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Processed<'a> {
     subscriber: &'a str,
+    /// The idempotency key's text.
     key: &'a str,
+    /// Always `processed` (a replay says so too: it repeats the first answer).
     outcome: &'static str,
+    /// xxh3-64 of the payload (as the subscriber's fingerprint spec covers it), 16 hex
+    /// digits.
     fingerprint: String,
 }
 
 /// `POST /v1/subscribers/{s}/messages`: the body is the payload. The key is the
 /// `Idempotency-Key` header, or (without it) whatever the subscriber's key source names in
 /// the body. Answers once the outcome is durable.
+#[utoipa::path(post, path = "/v1/subscribers/{s}/messages", tag = "ingest",
+    summary = "Ingest one message keyed by the Idempotency-Key header",
+    description = "201 the first time, 201 + `Idempotent-Replayed: true` on a retry, 422 for the key reused with another payload, 409 while the same key is in flight (or wait with `Prefer: wait=N`), 400 without a key or for malformed JSON, 403 past ledger.max_implicit_subscribers, 413 too large. Answers once the outcome is durable.",
+    params(
+        ("s" = String, Path, description = "Subscriber name; an unknown one is registered (up to ledger.max_implicit_subscribers)"),
+        ("Idempotency-Key" = Option<String>, Header, description = "The message's idempotency key; required unless the subscriber's key source finds one in the body"),
+        ("Partition-Key" = Option<String>, Header, description = "The handler state's entity, for a subscriber whose partition_key source is the envelope key"),
+        ("Prefer" = Option<String>, Header, description = "`wait=N` (RFC 7240): while the same key is in flight, wait up to N seconds (at most half of http.request_timeout) for it to be decided instead of a 409"),
+    ),
+    request_body(content = serde_json::Value, content_type = "application/json", description = "The payload: JSON (any other content type is taken as bytes, with a token)"),
+    responses(
+        (status = 201, description = "Processed, or (with `Idempotent-Replayed: true`) processed before", body = Processed,
+            headers(
+                ("Idempotent-Replayed" = String, description = "`true` when this answers a retry from the stored outcome"),
+                ("Preference-Applied" = String, description = "`wait=N` when a `Prefer: wait` was honoured"),
+            )),
+        (status = 400, description = "No idempotency key, malformed JSON, a bad header or a payload the handler rejected; `field` names it", body = ErrorBody),
+        (status = 403, description = "Past ledger.max_implicit_subscribers", body = ErrorBody),
+        (status = 404, description = "No such subscriber", body = ErrorBody),
+        (status = 409, description = "The same key is in flight", body = ErrorBody,
+            headers(("Retry-After" = String, description = "Seconds"))),
+        (status = 413, description = "Body too large", body = ErrorBody),
+        (status = 422, description = "The key was used before with another payload; the request is quarantined", body = ErrorBody),
+        (status = 500, description = "The handler failed for good; the message was dead-lettered", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn ingest_message(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,

@@ -5,22 +5,44 @@
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Query, State};
 use axum::Json;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use utoipa::{IntoParams, ToSchema};
 
 use super::{audit, blocking, ApiResult};
-use crate::admin::{AdminState, ApiError, Authorized};
+use crate::admin::{AdminState, ApiError, Authorized, ErrorBody};
+use crate::ledger::ShardCopy;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct CompactQuery {
+    /// Seal the active generations first, so everything expired can be dropped now.
     #[serde(default)]
     seal_all: bool,
 }
 
+/// A compaction done.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Compacted {
+    /// Always `true`.
+    compacted: bool,
+    seal_all: bool,
+    /// How long it took.
+    ms: u64,
+}
+
+#[utoipa::path(post, path = "/v1/maintenance/compact", tag = "maintenance",
+    summary = "Run sealing, merging and expiry now (?seal_all=true seals active generations first)",
+    params(CompactQuery),
+    responses(
+        (status = 200, description = "Done", body = Compacted),
+        (status = 400, description = "`seal_all` is not a boolean", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn compact(
     State(st): State<AdminState>,
     q: Result<Query<CompactQuery>, QueryRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Compacted>> {
     let Query(q) = q.map_err(|e| ApiError::bad("seal_all", e.body_text()))?;
     blocking(move || {
         let started = std::time::Instant::now();
@@ -32,24 +54,51 @@ pub async fn compact(
             None,
             json!({"seal_all": q.seal_all, "ms": ms}),
         )?;
-        Ok(Json(
-            json!({"compacted": true, "seal_all": q.seal_all, "ms": ms}),
-        ))
+        Ok(Json(Compacted {
+            compacted: true,
+            seal_all: q.seal_all,
+            ms,
+        }))
     })
     .await
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BackupRequest {
-    /// Directory name inside the backup directory: `[A-Za-z0-9._-]`, not `.` or `..`.
+    /// Directory name inside the backup directory: 1-128 of `[A-Za-z0-9._-]`, not `.` or
+    /// `..`.
+    #[schema(min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._-]+$")]
     name: String,
 }
 
+/// A backup written.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BackupDone {
+    name: String,
+    /// Bytes written.
+    bytes: u64,
+    /// Files in the backup's manifest.
+    files: usize,
+    /// The longest any shard's writer was paused for the copy, in milliseconds.
+    longest_writer_pause_ms: f64,
+    /// One entry per shard file.
+    shards: Vec<ShardCopy>,
+}
+
+#[utoipa::path(post, path = "/v1/maintenance/backup", tag = "maintenance",
+    summary = "Back up into the backup directory: every shard at a commit boundary, handlers, audit log, backup.json with checksums",
+    request_body(content = BackupRequest, description = "The backup's directory name"),
+    responses(
+        (status = 200, description = "Written", body = BackupDone),
+        (status = 400, description = "Not a usable name, or not such an object", body = ErrorBody),
+        (status = 409, description = "A backup of that name exists already", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn backup(
     State(st): State<AdminState>,
     b: Result<Json<BackupRequest>, JsonRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<BackupDone>> {
     let Json(req) = b.map_err(|e| ApiError::bad("name", e.body_text()))?;
     let ok = !req.name.is_empty()
         && req.name.len() <= 128
@@ -88,13 +137,13 @@ pub async fn backup(
             None,
             json!({"name": req.name, "bytes": report.bytes, "longest_writer_pause_ms": pause_ms}),
         )?;
-        Ok(Json(json!({
-            "name": req.name,
-            "bytes": report.bytes,
-            "files": report.manifest.files.len(),
-            "longest_writer_pause_ms": pause_ms,
-            "shards": report.shard_copies,
-        })))
+        Ok(Json(BackupDone {
+            name: req.name,
+            bytes: report.bytes,
+            files: report.manifest.files.len(),
+            longest_writer_pause_ms: pause_ms,
+            shards: report.shard_copies,
+        }))
     })
     .await
 }
@@ -109,16 +158,45 @@ fn backup_error(e: crate::backup::BackupError) -> ApiError {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct AuditQuery {
+    /// How many of the newest entries (default 100; clamped to 1-10000).
     limit: Option<usize>,
 }
 
+/// One operator action as the audit log keeps it: when, what, on which subscriber, and the
+/// action's own details (`fields`, `id`, `kind`, `record`, `version`, ...).
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct AuditEntry {
+    at_ms: u64,
+    /// `config.update`, `claim.forget`, `record.discard`, `record.replay`,
+    /// `handler.upload`, `handler.rollback`, `maintenance.compact`, `maintenance.backup`.
+    action: String,
+    subscriber: Option<String>,
+}
+
+/// The newest audit entries, oldest first.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AuditLog {
+    #[schema(value_type = Vec<AuditEntry>)]
+    entries: Vec<Value>,
+}
+
+#[utoipa::path(get, path = "/v1/audit", tag = "maintenance",
+    summary = "The newest operator actions (?limit=N)",
+    params(AuditQuery),
+    responses(
+        (status = 200, description = "Oldest first", body = AuditLog),
+        (status = 400, description = "`limit` is not a number", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn audit_log(
     _auth: Authorized,
     State(st): State<AdminState>,
     q: Result<Query<AuditQuery>, QueryRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<AuditLog>> {
     let Query(q) = q.map_err(|e| ApiError::bad("limit", e.body_text()))?;
     let limit = q.limit.unwrap_or(100).clamp(1, 10_000);
     blocking(move || {
@@ -126,7 +204,7 @@ pub async fn audit_log(
             st.0.audit
                 .tail(limit)
                 .map_err(|e| ApiError::Internal(format!("cannot read the audit log: {e}")))?;
-        Ok(Json(json!({"entries": entries})))
+        Ok(Json(AuditLog { entries }))
     })
     .await
 }

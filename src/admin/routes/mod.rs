@@ -29,11 +29,12 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Path};
-use axum::handler::Handler;
 use axum::http::StatusCode;
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::Router;
 use serde_json::{json, Value};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::{guard, metrics, AdminState, ApiError};
 use crate::config::validate_subscriber_name;
@@ -41,8 +42,11 @@ use crate::ledger::{Ledger, Subscriber};
 
 type ApiResult<T> = Result<T, ApiError>;
 
-/// The whole API. Routes are listed in [`super::ROUTES`] (and so in `/openapi.json`).
-pub fn router(state: AdminState) -> Router {
+/// Every route with its documentation. Each handler is routed at the method and path its
+/// `#[utoipa::path]` annotation names and adds its operation to the document, so the
+/// router and `/openapi.json` ([`super::openapi`]) come from this one list. `upload_limit`
+/// is the body limit of handler uploads (`http.max_handler_bytes`).
+pub(super) fn api(upload_limit: usize) -> OpenApiRouter<AdminState> {
     use claims::*;
     use ingest::*;
     use maintenance::*;
@@ -51,59 +55,45 @@ pub fn router(state: AdminState) -> Router {
     use service::*;
     use subscribers::*;
     use uploads::*;
+    let (schemas, paths, upload) = routes!(upload_handler);
+    let upload = upload.layer(DefaultBodyLimit::max(upload_limit));
+    OpenApiRouter::new()
+        .routes(routes!(dashboard_html))
+        .routes(routes!(dashboard_js))
+        .routes(routes!(dashboard_css))
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics::render))
+        .routes(routes!(openapi_json))
+        .routes(routes!(list_subscribers))
+        .routes(routes!(get_subscriber))
+        .routes(routes!(get_config, put_config))
+        .routes(routes!(get_stats))
+        .routes(routes!(ingest_message))
+        .routes(routes!(get_claim, forget_claim))
+        .routes(routes!(list_quarantine))
+        .routes(routes!(get_quarantine, discard_quarantine))
+        .routes(routes!(replay_quarantine))
+        .routes(routes!(list_deadletters))
+        .routes(routes!(get_deadletter, discard_deadletter))
+        .routes(routes!(replay_deadletter))
+        .routes(routes!(get_handler))
+        .routes((schemas, paths, upload))
+        .routes(routes!(rollback_handler))
+        .routes(routes!(compact))
+        .routes(routes!(backup))
+        .routes(routes!(audit_log))
+        .routes(routes!(pull_outbox))
+        .routes(routes!(ack_outbox))
+}
+
+/// The whole API: `api` behind `guard`, with JSON answers for an unknown route or method.
+pub fn router(state: AdminState) -> Router {
+    use service::{no_route, wrong_method};
     let upload_limit = state.0.http.max_handler_bytes;
     let body_limit = state.0.http.max_body_bytes;
-    Router::new()
-        .route("/", get(dashboard_html))
-        .route("/assets/app.js", get(dashboard_js))
-        .route("/assets/app.css", get(dashboard_css))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics::render))
-        .route("/openapi.json", get(openapi_json))
-        .route("/v1/subscribers", get(list_subscribers))
-        .route("/v1/subscribers/{s}", get(get_subscriber))
-        .route(
-            "/v1/subscribers/{s}/config",
-            get(get_config).put(put_config),
-        )
-        .route("/v1/subscribers/{s}/stats", get(get_stats))
-        .route("/v1/subscribers/{s}/messages", post(ingest_message))
-        .route(
-            "/v1/subscribers/{s}/messages/{id}",
-            get(get_claim).delete(forget_claim),
-        )
-        .route("/v1/subscribers/{s}/quarantine", get(list_quarantine))
-        .route(
-            "/v1/subscribers/{s}/quarantine/{rid}",
-            get(get_quarantine).delete(discard_quarantine),
-        )
-        .route(
-            "/v1/subscribers/{s}/quarantine/{rid}/replay",
-            post(replay_quarantine),
-        )
-        .route("/v1/subscribers/{s}/deadletters", get(list_deadletters))
-        .route(
-            "/v1/subscribers/{s}/deadletters/{rid}",
-            get(get_deadletter).delete(discard_deadletter),
-        )
-        .route(
-            "/v1/subscribers/{s}/deadletters/{rid}/replay",
-            post(replay_deadletter),
-        )
-        .route(
-            "/v1/subscribers/{s}/handler",
-            get(get_handler).put(upload_handler.layer(DefaultBodyLimit::max(upload_limit))),
-        )
-        .route(
-            "/v1/subscribers/{s}/handler/rollback",
-            post(rollback_handler),
-        )
-        .route("/v1/maintenance/compact", post(compact))
-        .route("/v1/maintenance/backup", post(backup))
-        .route("/v1/audit", get(audit_log))
-        .route("/v1/outbox", get(pull_outbox))
-        .route("/v1/outbox/ack", post(ack_outbox))
+    let (routes, _) = api(upload_limit).split_for_parts();
+    routes
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(body_limit))
@@ -191,15 +181,25 @@ fn audit(st: &AdminState, action: &str, subscriber: Option<&str>, detail: Value)
         .map_err(|e| ApiError::Internal(format!("cannot write the audit log: {e}")))
 }
 
+/// What a read without the token left out (`redacted` in a record).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct Redacted {
+    /// The fields left out.
+    fields: Vec<&'static str>,
+    /// Always "send the bearer token to see them".
+    why: &'static str,
+}
+
 /// Removes `fields` from `v` and says so in `redacted`, so a reader knows to send the token.
-fn redact(v: &mut Value, fields: &[&str]) {
+fn redact(v: &mut Value, fields: &[&'static str]) {
     if let Some(o) = v.as_object_mut() {
         for f in fields {
             o.remove(*f);
         }
-        o.insert(
-            "redacted".into(),
-            json!({"fields": fields, "why": "send the bearer token to see them"}),
-        );
+        let redacted = Redacted {
+            fields: fields.to_vec(),
+            why: "send the bearer token to see them",
+        };
+        o.insert("redacted".into(), json!(redacted));
     }
 }

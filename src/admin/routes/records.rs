@@ -5,17 +5,101 @@
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::Json;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use utoipa::{IntoParams, ToSchema};
 
-use super::{audit, blocking, known, path, redact, ApiResult};
-use crate::admin::{Access, AdminState, ApiError, Authorized};
+use super::{audit, blocking, known, path, redact, ApiResult, Redacted};
+use crate::admin::{Access, AdminState, ApiError, Authorized, ErrorBody};
 use crate::ledger::{Outcome, RecordKind, StoredRecord};
 
-#[derive(Debug, Deserialize)]
+/// A page of a record list.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct Page {
+    /// The `next` of the previous page; the first page without it.
     after: Option<String>,
+    /// Records per page, 1-1000 (default 50); a page also ends after about 1 MiB of
+    /// stored records.
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<usize>,
+}
+
+/// A quarantined message or a dead letter as the API shows it: its stored record, with
+/// `id` the record id, the message's own id as `message_id`, and `kind` the record kind.
+/// Lists leave out `payload`, `payload_base64` and `headers`; without the token (when one
+/// is configured) they also leave out what could reveal a payload and say so in
+/// `redacted`. Records are shown from their stored JSON, so this type only describes them.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct RecordView {
+    /// `{shard}-{seq}`: stable for the record's lifetime.
+    id: String,
+    kind: RecordKind,
+    subscriber: String,
+    /// The message's idempotency key text.
+    message_id: Option<String>,
+    /// The key's 128-bit hash, 32 hex digits.
+    key_hash: Option<String>,
+    /// The payload's fingerprint, 16 hex digits.
+    fingerprint: Option<String>,
+    /// Quarantine: the fingerprint of the payload the claim was made for.
+    stored_fingerprint: Option<String>,
+    /// Why it was set aside (a handler's failure text for a dead letter).
+    reason: Option<String>,
+    /// Dead letters: handler calls made.
+    attempts: Option<u32>,
+    received_at_ms: Option<u64>,
+    /// Dead letters: when the last attempt failed.
+    failed_at_ms: Option<u64>,
+    /// The partition key, if the message had one.
+    key: Option<String>,
+    /// The message's headers as `[name, value]` pairs (one record only).
+    #[schema(value_type = Option<Vec<Vec<String>>>)]
+    headers: Option<Vec<(String, String)>>,
+    /// Where it came from (topic/partition/offset, subject, ...).
+    origin: Option<String>,
+    /// The payload as text when it is UTF-8 (one record only).
+    payload: Option<String>,
+    /// The payload in base64 when it is not UTF-8 (one record only).
+    payload_base64: Option<String>,
+    /// Deliveries this record stands for.
+    count: Option<u64>,
+    stored_at_ms: Option<u64>,
+    last_seen_ms: Option<u64>,
+    /// Layout version of the stored record.
+    v: Option<u32>,
+    redacted: Option<Redacted>,
+}
+
+/// A page of records.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RecordList {
+    subscriber: String,
+    #[schema(value_type = Vec<RecordView>)]
+    records: Vec<Value>,
+    /// The `after` of the next page; `null`: this was the last.
+    next: Option<String>,
+}
+
+/// `DELETE` of a record.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Discarded {
+    subscriber: String,
+    record: String,
+    /// Always `true` (no record is a 404).
+    discarded: bool,
+}
+
+/// A replay's outcome.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Replayed {
+    subscriber: String,
+    record: String,
+    /// `processed`, `duplicate`, `quarantined`, `dead_lettered` or `rejected`.
+    outcome: &'static str,
+    /// Why, for an outcome other than processed or duplicate.
+    reason: Option<String>,
 }
 
 /// Fields of a listed record that can quote or confirm a payload: handler failure reasons
@@ -57,7 +141,7 @@ async fn list_records(
     kind: RecordKind,
     p: Result<Path<String>, PathRejection>,
     q: Result<Query<Page>, QueryRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<RecordList>> {
     let name = path(p)?;
     let Query(page) = q.map_err(|e| ApiError::bad("query", e.body_text()))?;
     let limit = page.limit.unwrap_or(50);
@@ -80,9 +164,11 @@ async fn list_records(
                 v
             })
             .collect();
-        Ok(Json(
-            json!({"subscriber": name, "records": records, "next": next}),
-        ))
+        Ok(Json(RecordList {
+            subscriber: name,
+            records,
+            next,
+        }))
     })
     .await
 }
@@ -106,7 +192,7 @@ async fn discard_record(
     st: AdminState,
     kind: RecordKind,
     p: Result<Path<(String, String)>, PathRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Discarded>> {
     let (name, rid) = path(p)?;
     let ledger = st.ledger().clone();
     known(&ledger, &name)?;
@@ -120,9 +206,11 @@ async fn discard_record(
             Some(&name),
             json!({"kind": kind, "record": rid}),
         )?;
-        Ok(Json(
-            json!({"subscriber": name, "record": rid, "discarded": true}),
-        ))
+        Ok(Json(Discarded {
+            subscriber: name,
+            record: rid,
+            discarded: true,
+        }))
     })
     .await
 }
@@ -131,7 +219,7 @@ async fn replay_record(
     st: AdminState,
     kind: RecordKind,
     p: Result<Path<(String, String)>, PathRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Replayed>> {
     let (name, rid) = path(p)?;
     let ledger = st.ledger().clone();
     known(&ledger, &name)?;
@@ -165,32 +253,62 @@ async fn replay_record(
     let detail = json!({"kind": kind, "record": rid, "outcome": outcome.name()});
     let name3 = name.clone();
     blocking(move || audit(&st2, "record.replay", Some(&name3), detail)).await?;
-    Ok(Json(json!({
-        "subscriber": name,
-        "record": rid,
-        "outcome": outcome.name(),
-        "reason": outcome.reason(),
-    })))
+    Ok(Json(Replayed {
+        subscriber: name,
+        record: rid,
+        outcome: outcome.name(),
+        reason: outcome.reason(),
+    }))
 }
 
+#[utoipa::path(get, path = "/v1/subscribers/{s}/quarantine", tag = "records",
+    summary = "Quarantined messages, without payloads; reasons, fingerprints and keys only with the token when one is configured; page with ?after=ID&limit=N",
+    params(("s" = String, Path, description = "Subscriber name"), Page),
+    responses(
+        (status = 200, description = "A page of records", body = RecordList),
+        (status = 400, description = "Not a valid subscriber name, or a bad `limit`", body = ErrorBody),
+        (status = 403, description = "A wrong bearer token", body = ErrorBody),
+        (status = 404, description = "No such subscriber", body = ErrorBody),
+    ))]
 pub async fn list_quarantine(
     access: Access,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     q: Result<Query<Page>, QueryRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<RecordList>> {
     list_records(st, access, RecordKind::Quarantine, p, q).await
 }
 
+#[utoipa::path(get, path = "/v1/subscribers/{s}/deadletters", tag = "records",
+    summary = "Dead letters, without payloads; reasons, fingerprints and keys only with the token when one is configured; page with ?after=ID&limit=N",
+    params(("s" = String, Path, description = "Subscriber name"), Page),
+    responses(
+        (status = 200, description = "A page of records", body = RecordList),
+        (status = 400, description = "Not a valid subscriber name, or a bad `limit`", body = ErrorBody),
+        (status = 403, description = "A wrong bearer token", body = ErrorBody),
+        (status = 404, description = "No such subscriber", body = ErrorBody),
+    ))]
 pub async fn list_deadletters(
     access: Access,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     q: Result<Query<Page>, QueryRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<RecordList>> {
     list_records(st, access, RecordKind::DeadLetter, p, q).await
 }
 
+#[utoipa::path(get, path = "/v1/subscribers/{s}/quarantine/{rid}", tag = "records",
+    summary = "One quarantined message with its payload",
+    params(
+        ("s" = String, Path, description = "Subscriber name"),
+        ("rid" = String, Path, description = "Record id (`id` in the list)"),
+    ),
+    responses(
+        (status = 200, description = "The record", body = RecordView),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber or record", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn get_quarantine(
     _auth: Authorized,
     State(st): State<AdminState>,
@@ -199,6 +317,18 @@ pub async fn get_quarantine(
     get_record(st, RecordKind::Quarantine, p).await
 }
 
+#[utoipa::path(get, path = "/v1/subscribers/{s}/deadletters/{rid}", tag = "records",
+    summary = "One dead letter with its payload",
+    params(
+        ("s" = String, Path, description = "Subscriber name"),
+        ("rid" = String, Path, description = "Record id (`id` in the list)"),
+    ),
+    responses(
+        (status = 200, description = "The record", body = RecordView),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber or record", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn get_deadletter(
     _auth: Authorized,
     State(st): State<AdminState>,
@@ -207,30 +337,80 @@ pub async fn get_deadletter(
     get_record(st, RecordKind::DeadLetter, p).await
 }
 
+#[utoipa::path(delete, path = "/v1/subscribers/{s}/quarantine/{rid}", tag = "records",
+    summary = "Discard a quarantined message (audited)",
+    params(
+        ("s" = String, Path, description = "Subscriber name"),
+        ("rid" = String, Path, description = "Record id (`id` in the list)"),
+    ),
+    responses(
+        (status = 200, description = "Discarded", body = Discarded),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber or record", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn discard_quarantine(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Discarded>> {
     discard_record(st, RecordKind::Quarantine, p).await
 }
 
+#[utoipa::path(delete, path = "/v1/subscribers/{s}/deadletters/{rid}", tag = "records",
+    summary = "Discard a dead letter (audited)",
+    params(
+        ("s" = String, Path, description = "Subscriber name"),
+        ("rid" = String, Path, description = "Record id (`id` in the list)"),
+    ),
+    responses(
+        (status = 200, description = "Discarded", body = Discarded),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber or record", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn discard_deadletter(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Discarded>> {
     discard_record(st, RecordKind::DeadLetter, p).await
 }
 
+#[utoipa::path(post, path = "/v1/subscribers/{s}/quarantine/{rid}/replay", tag = "records",
+    summary = "Reprocess a quarantined message through the current handler (audited); it replaces the conflicting claim",
+    params(
+        ("s" = String, Path, description = "Subscriber name"),
+        ("rid" = String, Path, description = "Record id (`id` in the list)"),
+    ),
+    responses(
+        (status = 200, description = "Replayed; `outcome` says how it went", body = Replayed),
+        (status = 400, description = "Not a valid subscriber name, or a record without an idempotency key", body = ErrorBody),
+        (status = 404, description = "No such subscriber or record", body = ErrorBody),
+        (status = 503, description = "Shutting down, or the engine stopped", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn replay_quarantine(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Replayed>> {
     replay_record(st, RecordKind::Quarantine, p).await
 }
 
+#[utoipa::path(post, path = "/v1/subscribers/{s}/deadletters/{rid}/replay", tag = "records",
+    summary = "Reprocess a dead letter through the current handler (audited)",
+    params(
+        ("s" = String, Path, description = "Subscriber name"),
+        ("rid" = String, Path, description = "Record id (`id` in the list)"),
+    ),
+    responses(
+        (status = 200, description = "Replayed; `outcome` says how it went", body = Replayed),
+        (status = 400, description = "Not a valid subscriber name, or a record without an idempotency key", body = ErrorBody),
+        (status = 404, description = "No such subscriber or record", body = ErrorBody),
+        (status = 503, description = "Shutting down, or the engine stopped", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn replay_deadletter(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Replayed>> {
     replay_record(st, RecordKind::DeadLetter, p).await
 }

@@ -5,16 +5,43 @@ use axum::extract::State;
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
+use serde::Serialize;
 use serde_json::{json, Value};
+use utoipa::ToSchema;
 
 use super::ApiResult;
-use crate::admin::{AdminState, ApiError};
+use crate::admin::{AdminState, ApiError, ErrorBody};
 
-pub async fn healthz() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// `GET /healthz`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    /// Always `ok`.
+    status: &'static str,
 }
 
-pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Value>> {
+/// `GET /readyz` when ready.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Ready {
+    /// Always `ready`.
+    status: &'static str,
+    shards: usize,
+    subscribers: usize,
+}
+
+#[utoipa::path(get, path = "/healthz", tag = "service",
+    summary = "The process is up",
+    responses((status = 200, description = "Up", body = Health)))]
+pub async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+#[utoipa::path(get, path = "/readyz", tag = "service",
+    summary = "Filters loaded and shards writable",
+    responses(
+        (status = 200, description = "Ready", body = Ready),
+        (status = 503, description = "The engine stopped after a storage error, or a broker source is not connected", body = ErrorBody),
+    ))]
+pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Ready>> {
     // Ledger::open returns only after filters are loaded and logs replayed (I5); what can
     // change afterwards is a storage error (I4).
     if let Some(reason) = st.ledger().poison_reason() {
@@ -27,17 +54,23 @@ pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Value>> {
     if let Some(reason) = crate::source::readiness::unready() {
         return Err(ApiError::Unavailable(format!("not ready: {reason}")));
     }
-    Ok(Json(json!({
-        "status": "ready",
-        "shards": st.ledger().shard_count(),
-        "subscribers": st.ledger().subscribers().len(),
-    })))
+    Ok(Json(Ready {
+        status: "ready",
+        shards: st.ledger().shard_count(),
+        subscribers: st.ledger().subscribers().len(),
+    }))
 }
 
+#[utoipa::path(get, path = "/", tag = "service", operation_id = "dashboard",
+    summary = "The dashboard (HTML; polls the JSON API)",
+    responses((status = 200, description = "The page", content_type = "text/html", body = String)))]
 pub async fn dashboard_html() -> Html<&'static str> {
     Html(include_str!("../assets/index.html"))
 }
 
+#[utoipa::path(get, path = "/assets/app.js", tag = "service",
+    summary = "Dashboard script",
+    responses((status = 200, description = "The script", content_type = "text/javascript", body = String)))]
 pub async fn dashboard_js() -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
@@ -45,6 +78,9 @@ pub async fn dashboard_js() -> impl IntoResponse {
     )
 }
 
+#[utoipa::path(get, path = "/assets/app.css", tag = "service",
+    summary = "Dashboard style sheet",
+    responses((status = 200, description = "The style sheet", content_type = "text/css", body = String)))]
 pub async fn dashboard_css() -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
@@ -52,7 +88,10 @@ pub async fn dashboard_css() -> impl IntoResponse {
     )
 }
 
-pub async fn openapi_json() -> Json<Value> {
+#[utoipa::path(get, path = "/openapi.json", tag = "service", operation_id = "openapi",
+    summary = "This document (OpenAPI 3.1)",
+    responses((status = 200, description = "The document", body = Object)))]
+pub async fn openapi_json() -> Json<&'static Value> {
     Json(crate::admin::openapi())
 }
 

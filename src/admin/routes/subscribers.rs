@@ -7,16 +7,17 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
+use utoipa::ToSchema;
 
 use super::uploads::upload_error;
 use super::{audit, blocking, check_name, known, path, ApiResult};
-use crate::admin::{AdminState, ApiError};
+use crate::admin::{AdminState, ApiError, ErrorBody, HandlerInfo};
 use crate::config::{Config, ConfigError, SubscriberConfig, SubscriberSettings};
 use crate::ledger::{LedgerReport, Subscriber};
 use crate::pipeline::limits_of;
 
 /// Counters and storage figures of one subscriber.
-#[derive(Debug, Serialize, Deserialize, Default, Clone, PartialEq)]
+#[derive(Debug, Serialize, Deserialize, Default, Clone, PartialEq, ToSchema)]
 pub struct Stats {
     pub subscriber: String,
     pub processed: u64,
@@ -83,46 +84,94 @@ fn stats_of(sub: &Subscriber, report: &LedgerReport) -> Stats {
     }
 }
 
-pub async fn list_subscribers(State(st): State<AdminState>) -> ApiResult<Json<Value>> {
+/// `GET /v1/subscribers`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SubscriberList {
+    /// By name.
+    subscribers: Vec<Stats>,
+}
+
+/// `GET /v1/subscribers/{s}`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SubscriberView {
+    name: String,
+    config: SubscriberSettings,
+    stats: Stats,
+    handler: HandlerInfo,
+}
+
+/// A subscriber's settings (`GET` and `PUT /v1/subscribers/{s}/config`).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ConfigView {
+    subscriber: String,
+    config: SubscriberSettings,
+}
+
+#[utoipa::path(get, path = "/v1/subscribers", tag = "subscribers",
+    summary = "Subscribers with their counters and storage",
+    responses(
+        (status = 200, description = "Every subscriber the ledger knows", body = SubscriberList),
+        (status = 503, description = "The engine stopped after a storage error", body = ErrorBody),
+    ))]
+pub async fn list_subscribers(State(st): State<AdminState>) -> ApiResult<Json<SubscriberList>> {
     let ledger = st.ledger().clone();
     blocking(move || {
         let report = ledger.report()?;
         let mut subs = ledger.subscribers();
         subs.sort_by(|a, b| a.name.cmp(&b.name));
         let list: Vec<Stats> = subs.iter().map(|s| stats_of(s, &report)).collect();
-        Ok(Json(json!({"subscribers": list})))
+        Ok(Json(SubscriberList { subscribers: list }))
     })
     .await
 }
 
+#[utoipa::path(get, path = "/v1/subscribers/{s}", tag = "subscribers",
+    summary = "One subscriber: config, stats, handler",
+    params(("s" = String, Path, description = "Subscriber name")),
+    responses(
+        (status = 200, description = "The subscriber", body = SubscriberView),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber", body = ErrorBody),
+    ))]
 pub async fn get_subscriber(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SubscriberView>> {
     let name = path(p)?;
     let ledger = st.ledger().clone();
     let sub = known(&ledger, &name)?;
     let handler = st.0.uploads.info(&ledger, &name);
     blocking(move || {
         let report = ledger.report()?;
-        Ok(Json(json!({
-            "name": &*sub.name,
-            "config": &*sub.settings(),
-            "stats": stats_of(&sub, &report),
-            "handler": handler,
-        })))
+        Ok(Json(SubscriberView {
+            name: sub.name.to_string(),
+            config: (*sub.settings()).clone(),
+            stats: stats_of(&sub, &report),
+            handler,
+        }))
     })
     .await
 }
 
+#[utoipa::path(get, path = "/v1/subscribers/{s}/config", tag = "subscribers",
+    summary = "A subscriber's settings",
+    params(("s" = String, Path, description = "Subscriber name")),
+    responses(
+        (status = 200, description = "The settings in force", body = ConfigView),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber", body = ErrorBody),
+    ))]
 pub async fn get_config(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<ConfigView>> {
     let name = path(p)?;
     let sub = known(st.ledger(), &name)?;
-    let settings = sub.settings();
-    Ok(Json(json!({"subscriber": name, "config": &*settings})))
+    let config = (*sub.settings()).clone();
+    Ok(Json(ConfigView {
+        subscriber: name,
+        config,
+    }))
 }
 
 /// The first field of `obj` that does not parse on its own, with serde's reason.
@@ -140,11 +189,24 @@ fn failing_field(name: &str, obj: &Map<String, Value>) -> Option<(String, String
 
 /// Merges the given fields over the subscriber's settings, validates them as the config
 /// loader would, and installs them; shards pick them up between batches.
+#[utoipa::path(put, path = "/v1/subscribers/{s}/config", tag = "subscribers",
+    summary = "Change settings; fields left out keep their value; a 400 names the field",
+    description = "Takes ttl, sliding_ttl, key, max_key_bytes, the handler limits, the retry policy and fingerprint. `name` (taken from the path), `handler` (uploaded: PUT /v1/subscribers/{s}/handler) and `partition_key` (part of the on-disk layout) are refused.",
+    params(("s" = String, Path, description = "Subscriber name; an unknown one is registered (up to ledger.max_implicit_subscribers)")),
+    request_body(content = SubscriberConfig, description = "The settings to change"),
+    responses(
+        (status = 200, description = "The settings now in force", body = ConfigView),
+        (status = 400, description = "A field that does not parse or is refused; `field` names it", body = ErrorBody),
+        (status = 403, description = "Past ledger.max_implicit_subscribers", body = ErrorBody),
+        (status = 409, description = "Another key source while the subscriber has live claims", body = ErrorBody),
+        (status = 413, description = "Body too large", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn put_config(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     b: Result<Json<Value>, JsonRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<ConfigView>> {
     let name = path(p)?;
     check_name(&name)?;
     let Json(given) = b.map_err(|e| {
@@ -200,9 +262,11 @@ pub async fn put_config(
     })
     .await?;
     let sub = known(st.ledger(), &name)?;
-    Ok(Json(
-        json!({"subscriber": name, "config": &*sub.settings()}),
-    ))
+    let config = (*sub.settings()).clone();
+    Ok(Json(ConfigView {
+        subscriber: name,
+        config,
+    }))
 }
 
 /// The settings `obj` gives for subscriber `name`: not the fields fixed elsewhere, each
@@ -250,6 +314,14 @@ fn check_settings(settings: &SubscriberSettings) -> ApiResult<()> {
     })
 }
 
+#[utoipa::path(get, path = "/v1/subscribers/{s}/stats", tag = "subscribers",
+    summary = "Processed, duplicates, quarantined, dead-lettered, claims stored, generations, filter false-positive rate, bytes",
+    params(("s" = String, Path, description = "Subscriber name")),
+    responses(
+        (status = 200, description = "The subscriber's figures", body = Stats),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber", body = ErrorBody),
+    ))]
 pub async fn get_stats(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,

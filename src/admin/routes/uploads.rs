@@ -9,8 +9,16 @@ use axum::Json;
 use serde_json::json;
 
 use super::{audit, blocking, body, check_name, known, path, ApiResult};
-use crate::admin::{AdminState, ApiError, HandlerInfo, UploadError};
+use crate::admin::{AdminState, ApiError, ErrorBody, HandlerInfo, UploadError};
 
+#[utoipa::path(get, path = "/v1/subscribers/{s}/handler", tag = "handlers",
+    summary = "The handler in force and the uploaded current/previous versions",
+    params(("s" = String, Path, description = "Subscriber name")),
+    responses(
+        (status = 200, description = "The subscriber's handlers", body = HandlerInfo),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber", body = ErrorBody),
+    ))]
 pub async fn get_handler(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
@@ -30,6 +38,16 @@ pub(super) fn upload_error(e: UploadError) -> ApiError {
     }
 }
 
+#[utoipa::path(put, path = "/v1/subscribers/{s}/handler", tag = "handlers",
+    summary = "Upload a WebAssembly component (validated first; installed between batches; the old one kept for rollback)",
+    params(("s" = String, Path, description = "Subscriber name; an unknown one is registered (up to ledger.max_implicit_subscribers)")),
+    request_body(content = Vec<u8>, content_type = "application/wasm", description = "The component's bytes (at most http.max_handler_bytes)"),
+    responses(
+        (status = 200, description = "Installed", body = HandlerInfo),
+        (status = 400, description = "Empty, or not a component this engine can run", body = ErrorBody),
+        (status = 413, description = "Larger than http.max_handler_bytes", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn upload_handler(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
@@ -60,6 +78,15 @@ pub async fn upload_handler(
     .await
 }
 
+#[utoipa::path(post, path = "/v1/subscribers/{s}/handler/rollback", tag = "handlers",
+    summary = "Reinstall the previous uploaded handler",
+    params(("s" = String, Path, description = "Subscriber name")),
+    responses(
+        (status = 200, description = "Rolled back", body = HandlerInfo),
+        (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
+        (status = 404, description = "No such subscriber, or no previous handler", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub async fn rollback_handler(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,

@@ -8,7 +8,7 @@ use super::*;
 const BACKUP_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One shard file copied for a backup, and how long its writer was paused for the copy.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ShardCopy {
     /// The file name (`shard-NNN.redb`).
     pub file: String,

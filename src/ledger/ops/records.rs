@@ -5,7 +5,7 @@
 use super::*;
 
 /// The two kinds of records kept aside for operators.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RecordKind {
     /// Same id, different payload (G4).

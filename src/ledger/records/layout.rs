@@ -14,7 +14,7 @@ fn one() -> u64 {
 }
 
 /// A payload as records keep it: text when it is UTF-8, else base64.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StoredPayload {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload: Option<String>,
