@@ -6,8 +6,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dedupd::envelope::{canonical_payload, fingerprint, key_hash, pick};
-use dedupd::ledger::filter::GenFilter;
-use dedupd::ledger::record::{ClaimRecord, LogRow};
+use dedupd::ledger::claims::filter::GenFilter;
+use dedupd::ledger::claims::record::{ClaimRecord, LogRow};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 const SEED: u64 = 42;

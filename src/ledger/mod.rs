@@ -14,48 +14,43 @@
 //!
 //! - `mod.rs`: [`Ledger`] (open, route, submit, lookup, close);
 //! - `job.rs`: one message on its way: [`Job`], [`Outcome`], [`Done`], [`Origin`];
-//! - `datadir.rs`: the manifest, the shard files it names, format upgrade on open;
+//! - `format/`: the on-disk layout: every redb table (`tables.rs`), the data directory,
+//!   its manifest and format upgrade on open (`datadir.rs`);
 //! - `registry.rs`: subscribers, their settings, counters and the key source of their
 //!   claims;
-//! - `placement.rs`: which shard decides a message, probes between shards (I6);
+//! - `placement/`: which shard decides a message, probes between shards (I6), and
 //!   `presence.rs`: what each shard publishes of its claims so most keys need no probe;
 //! - `shard/`: one writer thread per shard file: `open`, `decide`, `probe`, `write`,
 //!   `maintain` (seal, expire, the gaps between batches), `merge`, `control` (requests
 //!   answered between batches), `breaker`, `share`;
-//! - `generation.rs`, `claimblock.rs`, `filter.rs`, `record.rs`: claim generations, the
-//!   blocks of sealed ones, their filters, the stored claim;
-//! - `state/`: handler state (buffer, state log, sorted runs, read view, upgrade);
+//! - `claims/`: claim generations, the blocks of sealed ones, their filters, the stored
+//!   claim;
+//! - `state/`: handler state (buffer, state log, sorted runs, covers, read view, upgrade);
 //! - `changelog.rs`: what a shard hands a subscriber's changelog before it commits (I7);
-//! - `records/`, `outbox.rs`: quarantine and dead-letter records, the outbox;
+//! - `records/`: quarantine and dead-letter records, and the outbox (`outbox.rs`);
 //! - `ops/`: operator operations by what they act on (claims and settings, records,
 //!   outbox, backup);
 //! - `report.rs`, `usage.rs`: `inspect` counts, shard metrics, bytes per kind of table;
 //!   `offline.rs`: the read-only look at a closed directory;
-//! - `poison.rs`: the fail-stop switch (G7); `tables.rs`: every redb table;
+//! - `poison.rs`: the fail-stop switch (G7);
 //! - `tracked.rs`: the writes recorded while an online backup copies a shard file;
 //! - `naive.rs`: the bench's baseline; `fault.rs`: test fault injection.
 
 pub mod changelog;
-mod claimblock;
-mod datadir;
+pub mod claims;
 mod fault;
-pub mod filter;
-mod generation;
+mod format;
 mod job;
 mod naive;
 mod offline;
 mod ops;
-mod outbox;
 mod placement;
 mod poison;
-mod presence;
-pub mod record;
 mod records;
 mod registry;
 mod report;
 mod shard;
 mod state;
-mod tables;
 mod tracked;
 mod usage;
 
@@ -70,7 +65,8 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
-pub use datadir::{
+pub use claims::record::{ClaimRecord, FORMAT_VERSION};
+pub use format::datadir::{
     create_private_dir_all, dir_allocated_bytes, dir_bytes, private_file, read_manifest,
     shard_path, sync_dir, tree_bytes, AUDIT_LOG, HANDLERS_DIR, MANIFEST,
 };
@@ -82,7 +78,6 @@ pub use ops::{
 };
 pub use placement::{entity_scope, Placement};
 pub use poison::PoisonHook;
-pub use record::{ClaimRecord, FORMAT_VERSION};
 pub use records::StoredPayload;
 pub(crate) use registry::Registry;
 pub use registry::{
@@ -347,9 +342,9 @@ impl Ledger {
         clock: Arc<dyn Clock>,
         fault: Option<Arc<fault::FaultPlan>>,
     ) -> Result<Ledger, LedgerError> {
-        let (shard_count, created) = datadir::prepare_data_dir(data_dir, &config.ledger)?;
+        let (shard_count, created) = format::datadir::prepare_data_dir(data_dir, &config.ledger)?;
         if !created {
-            datadir::require_shard_files(data_dir, shard_count)?;
+            format::datadir::require_shard_files(data_dir, shard_count)?;
         }
         // Engine time never starts below what the directory last committed (raised below,
         // once every shard read its mark).
@@ -358,16 +353,16 @@ impl Ledger {
         let time_mark = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let registry = Arc::new(Registry::new(config.clone()));
         let poison = Arc::new(poison::Poison::default());
-        let builder = generation::Builder::spawn();
+        let builder = claims::generation::Builder::spawn();
         let peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>> = Default::default();
         let inflight = Arc::new(placement::InFlight::default());
-        let presences = Arc::new(presence::Presences::new(shard_count));
+        let presences = Arc::new(placement::presence::Presences::new(shard_count));
         let engine_commits = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut peer_txs = Vec::with_capacity(shard_count);
         let mut starting = Vec::with_capacity(shard_count);
         for index in 0..shard_count {
             let ctx = shard::ShardContext {
-                path: datadir::shard_path(data_dir, index),
+                path: format::datadir::shard_path(data_dir, index),
                 index,
                 count: shard_count,
                 config: config.ledger.clone(),
@@ -413,7 +408,7 @@ impl Ledger {
         };
         if first_err.is_none() && created {
             // The new shard files' directory entries, durable before anything is acked.
-            first_err = datadir::sync_dir(data_dir)
+            first_err = format::datadir::sync_dir(data_dir)
                 .map_err(|e| LedgerError::DataDir {
                     path: data_dir.to_path_buf(),
                     detail: format!("cannot sync the directory after creating shard files: {e}"),

@@ -15,13 +15,13 @@ use std::path::{Path, PathBuf};
 
 use redb::{ReadOnlyDatabase, ReadTransaction, ReadableDatabase, ReadableTable, TableHandle};
 
-use super::datadir::{dir_bytes, read_manifest, shard_path};
-use super::filter::GenFilter;
-use super::record::{GenMeta, GenState, LogRow};
+use super::claims::filter::GenFilter;
+use super::claims::record::{GenMeta, GenState, LogRow};
+use super::format::datadir::{dir_bytes, read_manifest, shard_path};
+use super::format::tables::{self, missing_is_none};
 use super::report::summed;
 use super::shard::storage;
 use super::state::StateBuffer;
-use super::tables::{self, missing_is_none};
 use super::{records, LedgerError, LedgerReport, SubscriberReport, FORMAT_VERSION};
 
 /// Oldest format read here: state runs came with format 3. Older directories are upgraded

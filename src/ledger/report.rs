@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::datadir::dir_bytes;
+use super::format::datadir::dir_bytes;
 use super::shard::Control;
 use super::{DiskUsage, Ledger, LedgerError, FORMAT_VERSION};
 

@@ -8,7 +8,7 @@ use std::path::Path;
 use redb::{ReadOnlyDatabase, ReadableDatabase, ReadableTableMetadata, TableHandle};
 use serde::{Deserialize, Serialize};
 
-use super::datadir::shard_path;
+use super::format::datadir::shard_path;
 use super::shard::storage;
 use super::LedgerError;
 

@@ -21,9 +21,9 @@ use std::time::Duration;
 use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
-use super::datadir::MANIFEST;
+use super::format::datadir::MANIFEST;
 use super::offline::close_copied_shard;
-use super::outbox::OutboxRecord;
+use super::records::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
 use super::tracked::Rendezvous;
 use super::{AckSender, Ledger, LedgerError, Origin, Placement};

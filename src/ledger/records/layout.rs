@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::effects::Failure;
-use crate::ledger::generation::SubState;
+use crate::ledger::shard::SubState;
 use crate::ledger::{Job, SubscriberId};
 
 fn one() -> u64 {

@@ -23,6 +23,9 @@
 //! `quarantined/{subscriber}` and `dead_lettered/{subscriber}`, written in the transaction
 //! that stores the records. A data directory without them starts from its record count.
 //! Everything here is durable with the transaction it is given; on error nothing of it is.
+//!
+//! `layout.rs`: the stored layout of a record; `outbox.rs`: the outbox rows a handler's
+//! `emit` writes, and their relay bookkeeping.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -31,12 +34,13 @@ use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTran
 use serde::Deserialize;
 
 use super::changelog::RecordCopy;
-use super::generation::SubState;
-use super::tables::{self, index_table, record_table};
+use super::format::tables::{self, index_table, record_table};
+use super::shard::SubState;
 use super::{RecordKind, Registry, SubscriberId};
 use crate::config::LedgerConfig;
 
 mod layout;
+pub(crate) mod outbox;
 
 pub use layout::StoredPayload;
 pub(crate) use layout::{dead_letter, quarantine, unusable_input, with_defaults, PendingRecord};

@@ -343,7 +343,7 @@ impl Shard {
     ) -> Result<(), LedgerError> {
         self.small_commit(|shard, txn| {
             let now = shard.ctx.clock.now_ms();
-            crate::ledger::outbox::write(
+            crate::ledger::records::outbox::write(
                 txn,
                 subscriber,
                 messages,

@@ -6,7 +6,7 @@
 use super::open::{apply_settings, new_sub_state};
 use super::tally::{BatchCounts, Tally};
 use super::*;
-use crate::ledger::presence::PresenceWriter;
+use crate::ledger::placement::presence::PresenceWriter;
 
 impl Shard {
     #[inline]
@@ -315,7 +315,7 @@ impl Shard {
             let t = t
                 .open_table(claims_def(&name))
                 .map_err(|e| storage(path, e))?;
-            claimblock::lookup(&t, key).map_err(|e| block_error(path, &name, e))
+            block::lookup(&t, key).map_err(|e| block_error(path, &name, e))
         })
     }
 }
@@ -407,7 +407,7 @@ impl<'t> SealedTables<'t> {
                 )
             }
         };
-        claimblock::lookup(table, key)
+        block::lookup(table, key)
             .map_err(|e| block_error(&self.path, &tables::claims_name(sub, id), e))
     }
 }
@@ -505,8 +505,8 @@ fn make_room(map: &mut KeyMap, presize: usize, spare: &mut Vec<KeyMap>) {
 mod tests {
     use super::{make_room, KeyMap, MOVE_TO_FULL_AT};
     use crate::config::LedgerConfig;
-    use crate::ledger::generation::{map_bytes, resident_map};
-    use crate::ledger::record::ClaimRecord;
+    use crate::ledger::claims::generation::{map_bytes, resident_map};
+    use crate::ledger::claims::record::ClaimRecord;
     use std::num::NonZeroUsize;
 
     const C: ClaimRecord = ClaimRecord {

@@ -215,6 +215,6 @@ impl Shard {
             return Ok((Vec::new(), true));
         }
         let t = txn.open_table(claims_def(name)).map_err(|e| self.err(e))?;
-        claimblock::read_after(&t, cursor, limit).map_err(|e| block_error(&self.ctx.path, name, e))
+        block::read_after(&t, cursor, limit).map_err(|e| block_error(&self.ctx.path, name, e))
     }
 }

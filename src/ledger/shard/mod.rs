@@ -26,9 +26,10 @@
 //! - `maintain.rs`: sealing, expiry, retired logs and record retention, and when to merge;
 //! - `merge.rs`: merging two sealed generations slice by slice;
 //! - `control.rs`: requests answered between batches (lookups, records, outbox, backup);
+//! - `sub_state.rs`: `SubState`, everything the shard knows about one subscriber;
 //! - `breaker.rs`, `share.rs`: a subscriber's circuit breaker and fair share of the thread.
 
-pub(super) mod breaker;
+pub(crate) mod breaker;
 mod control;
 mod decide;
 mod handle;
@@ -38,10 +39,12 @@ mod open;
 mod probe;
 mod replicate;
 mod share;
+mod sub_state;
 mod tally;
 mod write;
 mod writer;
 
+pub(crate) use sub_state::SubState;
 use writer::send_outcomes;
 pub(crate) use writer::spawn;
 
@@ -57,17 +60,17 @@ use redb::{
     WriteTransaction,
 };
 
-use super::claimblock::{self, BlockError, BlockWriter};
-use super::filter::{FilterBuilder, GenFilter};
-use super::generation::{
+use super::claims::block::{self, BlockError, BlockWriter};
+use super::claims::filter::{FilterBuilder, GenFilter};
+use super::claims::generation::{
     map_bytes, merge_slice, ActiveGen, BuildJob, Builder, Built, Found, KeyMap, MergeJob,
-    SealedGen, SealingGen, SubState,
+    SealedGen, SealingGen,
 };
+use super::claims::record::{ClaimRecord, GenMeta, GenState, LogRow, FORMAT_VERSION};
+use super::format::tables::{self, claims_def, log_def};
 use super::placement::{self, Acquire, InFlight, Placement};
-use super::record::{ClaimRecord, GenMeta, GenState, LogRow, FORMAT_VERSION};
 use super::records::{self, PendingRecord};
 use super::state::{self, BatchView, ShardHandler, StateBuffer};
-use super::tables::{self, claims_def, log_def};
 use super::{
     Done, Job, LedgerError, Outcome, RecordKind, Registry, ShardMetrics, SubscriberId,
     SubscriberReport,
@@ -219,7 +222,7 @@ pub(crate) struct ShardContext {
     /// Keys being decided with a probe, shared by all shards.
     pub inflight: Arc<InFlight>,
     /// What each shard holds of probing subscribers' claims (`presence.rs`).
-    pub presences: Arc<crate::ledger::presence::Presences>,
+    pub presences: Arc<crate::ledger::placement::presence::Presences>,
     /// The ranges of the file written while an online backup copies it (`tracked.rs`).
     pub writes: Arc<crate::ledger::tracked::WriteLog>,
     /// Durable commits of all shards (shared): what an online backup's copies are cut at.

@@ -440,7 +440,7 @@ impl Shard {
                     "damaged generation filter; rebuilding it from the generation's table");
                 let name = tables::claims_name(sub, id);
                 let t = txn.open_table(claims_def(&name)).map_err(|e| self.err(e))?;
-                let (entries, _) = claimblock::read_after(&t, None, usize::MAX)
+                let (entries, _) = block::read_after(&t, None, usize::MAX)
                     .map_err(|e| block_error(&self.ctx.path, &name, e))?;
                 let f = GenFilter::build(entries.into_iter().map(|e| e.0));
                 filters

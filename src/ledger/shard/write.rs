@@ -72,7 +72,7 @@ impl Shard {
             };
             let mut effects = view.into_effects();
             let outbox = std::mem::take(&mut effects.outbox);
-            let rows = crate::ledger::outbox::write(
+            let rows = crate::ledger::records::outbox::write(
                 txn,
                 &st.name,
                 &outbox,
@@ -80,7 +80,7 @@ impl Shard {
                 now,
             )
             .map_err(|e| storage(&path, e))?;
-            if crate::ledger::outbox::warn_now(rows, self.outbox_warned) {
+            if crate::ledger::records::outbox::warn_now(rows, self.outbox_warned) {
                 self.outbox_warned = rows;
                 tracing::warn!(shard = self.ctx.index, rows,
                     "outbox rows pile up: nothing consumes them (relay them to Kafka with [kafka.outbox], or pull and acknowledge them over HTTP: GET /v1/outbox, POST /v1/outbox/ack)");

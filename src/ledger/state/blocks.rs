@@ -481,7 +481,7 @@ pub(crate) fn for_each_mixed<T: ReadableTable<&'static [u8], &'static [u8]>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::tables::BlockDef;
+    use crate::ledger::format::tables::BlockDef;
     use redb::{Database, ReadableDatabase};
     use std::collections::BTreeMap;
 

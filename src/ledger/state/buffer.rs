@@ -14,7 +14,7 @@ use super::log_row::{decode_effects, encode_effects};
 use super::run::{run_key, RunWriter, KIND_MARK, KIND_STATE, KIND_VERSION};
 use super::runs::Runs;
 use crate::effects::Effects;
-use crate::ledger::tables::{
+use crate::ledger::format::tables::{
     missing_is_none, state_log_name, state_run_name, BlockDef, StateLogDef,
 };
 

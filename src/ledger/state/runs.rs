@@ -37,7 +37,7 @@ use redb::{StorageError, WriteTransaction};
 
 use super::cover::{CoverBits, CoverView, Covers};
 use super::run::{self, Merge, RunScan, RunWriter, Written};
-use crate::ledger::tables::{
+use crate::ledger::format::tables::{
     missing_is_none, state_run_name, state_runs_name, BlockDef, StateRunsDef, STATE_RUN_PREFIX,
 };
 

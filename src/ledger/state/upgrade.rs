@@ -15,7 +15,7 @@ use redb::{ReadableTable, StorageError, Table, WriteTransaction};
 use super::blocks;
 use super::run::{RunWriter, KIND_MARK, KIND_STATE, KIND_VERSION};
 use super::runs;
-use crate::ledger::tables::{
+use crate::ledger::format::tables::{
     missing_is_none, rows_name, state_name, state_run_name, unique_name, versions_name, BlockDef,
     FirstLayoutStateDef, FirstLayoutUniqueDef, FirstLayoutVersionsDef,
 };

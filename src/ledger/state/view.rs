@@ -14,7 +14,7 @@ use super::cover::CoverView;
 use super::run::{run_key, Entry, Merge, RunScan, KIND_MARK, KIND_STATE, KIND_VERSION};
 use super::runs::{self, Partial, Run, RunTable};
 use crate::effects::{Effects, StateEntry, StateReader};
-use crate::ledger::tables::{state_run_name, BlockDef};
+use crate::ledger::format::tables::{state_run_name, BlockDef};
 
 /// The runs of a subscriber as of one read transaction, newest first, and the merge in
 /// progress as of the same commit with its output's table.

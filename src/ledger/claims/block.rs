@@ -22,7 +22,7 @@
 
 use redb::ReadableTable;
 
-use super::record::ClaimRecord;
+use crate::ledger::claims::record::ClaimRecord;
 
 /// Why a block table could not be read.
 #[derive(Debug)]

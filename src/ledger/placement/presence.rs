@@ -7,7 +7,7 @@
 //! its batches, and the job is decided in the asker's next batch. So each shard also
 //! publishes a *presence* per probing subscriber: a summary that may say "maybe" for a
 //! key the shard has no record of, and never says "no" for a key it has one of (G3). A
-//! shard that holds `(subscriber, key)` in the [`super::placement::InFlight`] set and
+//! shard that holds `(subscriber, key)` in the [`crate::ledger::placement::InFlight`] set and
 //! finds "no" in every other shard's presence decides without asking; a "maybe" (or a
 //! shard that published none) still probes.
 //!
@@ -30,8 +30,8 @@ use std::sync::{Arc, RwLock};
 
 use fastbloom::AtomicBloomFilter;
 
-use super::filter::{half, GenFilter};
-use super::SubscriberId;
+use crate::ledger::claims::filter::{half, GenFilter};
+use crate::ledger::SubscriberId;
 
 /// False-positive rate of each in-memory Bloom filter (a "maybe" costs one probe).
 const BLOOM_FALSE_POSITIVES: f64 = 0.002;

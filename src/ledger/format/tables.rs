@@ -4,8 +4,8 @@
 
 use redb::{TableDefinition, TableError};
 
-use super::record::CLAIM_LEN;
-use super::RecordKind;
+use crate::ledger::claims::record::CLAIM_LEN;
+use crate::ledger::RecordKind;
 
 // ---- Shard-wide -------------------------------------------------------------------------
 
@@ -35,14 +35,14 @@ pub const PLACEMENTS: TableDefinition<&str, u8> = TableDefinition::new("placemen
 /// [`crate::ledger::key_source_text`] writes it): a change while they live is refused.
 pub const KEY_SOURCES: TableDefinition<&str, &str> = TableDefinition::new("key_sources_v1");
 
-// ---- Claims (generations, see `generation.rs`) -------------------------------------------
+// ---- Claims (generations, see `claims/generation.rs`) -------------------------------------------
 
 /// `(subscriber, table id)` -> encoded `GenMeta`.
 pub const GENERATIONS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("generations_v1");
 /// `(subscriber, table id)` -> encoded filter of a sealed generation.
 pub const FILTERS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("filters_v1");
 
-/// Sealed generations of format 6 on: blocks of sorted claims (`claimblock.rs`).
+/// Sealed generations of format 6 on: blocks of sorted claims (`claims/block.rs`).
 pub const CLAIMS_PREFIX: &str = "claimblk_v1/";
 /// Sealed generations up to format 5, one row per claim; rewritten as blocks on open.
 pub const LEGACY_CLAIMS_PREFIX: &str = "claims_v1/";
@@ -119,7 +119,7 @@ pub fn index_table(kind: RecordKind) -> IndexTable {
     }
 }
 
-// ---- Outbox (`outbox.rs`) ----------------------------------------------------------------
+// ---- Outbox (`records/outbox.rs`) ----------------------------------------------------------------
 
 /// Outbox rows: seq -> JSON, relayed after commit (see the Kafka source).
 pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox_v1");

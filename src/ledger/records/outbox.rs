@@ -10,9 +10,9 @@
 use redb::{ReadableTableMetadata, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
-use super::records::StoredPayload;
-use super::tables::OUTBOX;
 use crate::effects::OutboxMessage;
+use crate::ledger::format::tables::OUTBOX;
+use crate::ledger::records::StoredPayload;
 
 /// One emitted message as the outbox stores it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -27,10 +27,15 @@
 //! decided it committed; the other shard waits and then finds the committed claim.
 //! Subscribers whose claims all live under one placement of ByKey or Subscriber (the
 //! default configuration) never probe and never touch the set.
+//!
+//! `presence.rs`: what each shard publishes of the claims it holds, so that most keys
+//! need no probe.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
+
+pub(crate) mod presence;
 
 use super::shard::Control;
 use super::{Job, Ledger, LedgerError, Subscriber, SubscriberId};

@@ -17,7 +17,7 @@
 /// - 5: a state merge frees its inputs' blocks behind its cursor and records its progress
 ///   in the run list (`state/runs.rs`); an older binary would read the half-freed inputs
 ///   as whole. Format-3 and -4 shards are read as they are.
-/// - 6: sealed generations store blocks of claims (`claimblk_v1`, `claimblock.rs`) instead
+/// - 6: sealed generations store blocks of claims (`claimblk_v1`, `block.rs`) instead
 ///   of one row per claim (`claims_v1`); format-5 tables are rewritten as blocks on open.
 /// - 7: new sealed generations get split-block Bloom filters (filter kind 3, `filter.rs`)
 ///   instead of binary fuse filters; an older binary would take one for damage and

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{LedgerError, FORMAT_VERSION};
 use crate::config::LedgerConfig;
+use crate::ledger::{LedgerError, FORMAT_VERSION};
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Manifest {
@@ -51,7 +51,7 @@ pub fn shard_path(dir: &Path, index: usize) -> PathBuf {
 /// Creates the directory and manifest on first use; checks them afterwards (upgrading an
 /// older format's manifest). Returns the shard count that is in force for this directory,
 /// and whether this call created the manifest (only then may shard files be created).
-pub(super) fn prepare_data_dir(
+pub(in crate::ledger) fn prepare_data_dir(
     dir: &Path,
     cfg: &LedgerConfig,
 ) -> Result<(usize, bool), LedgerError> {
@@ -167,7 +167,7 @@ fn create_manifest(dir: &Path, cfg: &LedgerConfig) -> Result<usize, LedgerError>
 /// later is a lost file, and recreating it empty would forget its claims without a word.
 /// A symlink counts by its target (a shard on a disk that is not mounted is missing), and
 /// an empty file is refused too: redb would initialise it as a new store.
-pub(super) fn require_shard_files(dir: &Path, shards: usize) -> Result<(), LedgerError> {
+pub(in crate::ledger) fn require_shard_files(dir: &Path, shards: usize) -> Result<(), LedgerError> {
     for index in 0..shards {
         let path = shard_path(dir, index);
         match std::fs::metadata(&path) {
