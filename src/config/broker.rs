@@ -78,3 +78,22 @@ pub(crate) fn at_least_100ms(timeouts: &[(&str, Duration)]) -> Result<(), Config
         None => Ok(()),
     }
 }
+
+/// What the broker sections' unit tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use crate::config::Config;
+
+    /// The error `text` is refused with.
+    pub(crate) fn refused(text: &str) -> String {
+        Config::parse(text).expect_err("refused").to_string()
+    }
+
+    /// Each config text is refused with an error that names its field.
+    pub(crate) fn assert_fields_named(cases: impl IntoIterator<Item = (String, &'static str)>) {
+        for (text, field) in cases {
+            let e = refused(&text);
+            assert!(e.contains(field), "{field}: {e}");
+        }
+    }
+}

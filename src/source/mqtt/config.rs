@@ -362,6 +362,7 @@ impl SubscriptionConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::broker::testing::{assert_fields_named, refused};
 
     const BASE: &str = r#"
 [[subscriber]]
@@ -385,10 +386,6 @@ topics = ["orders/#"]
         assert_eq!(m.receive_maximum.get(), 256);
         assert_eq!(m.subscriptions[0].qos, 1);
         assert_eq!(m.drain_timeout, Duration::from_secs(30));
-    }
-
-    fn refused(text: &str) -> String {
-        Config::parse(text).expect_err("refused").to_string()
     }
 
     #[test]
@@ -455,10 +452,7 @@ topics = ["orders/#"]
                 "mqtt.subscription[1].topics",
             ),
         ];
-        for (text, field) in cases {
-            let e = refused(&text);
-            assert!(e.contains(field), "{field}: {e}");
-        }
+        assert_fields_named(cases);
     }
 
     #[test]

@@ -247,6 +247,7 @@ fn validate_name(field: &str, name: &str) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::broker::testing::{assert_fields_named, refused};
 
     const BASE: &str = r#"
 [nats]
@@ -267,10 +268,6 @@ durable = "dedupd-orders"
         assert_eq!(b.max_ack_pending.get(), 4096);
         assert_eq!(b.batch.get(), 256);
         assert_eq!(b.ack_wait, Duration::from_secs(30));
-    }
-
-    fn refused(text: &str) -> String {
-        Config::parse(text).expect_err("refused").to_string()
     }
 
     #[test]
@@ -296,10 +293,7 @@ durable = "dedupd-orders"
                 "nats.binding[1].durable",
             ),
         ];
-        for (text, field) in cases {
-            let e = refused(&text);
-            assert!(e.contains(field), "{field}: {e}");
-        }
+        assert_fields_named(cases);
     }
 
     #[test]

@@ -232,6 +232,7 @@ fn validate_queue(field: &str, name: &str, declare: bool) -> Result<(), ConfigEr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::broker::testing::{assert_fields_named, refused};
 
     const BASE: &str = r#"
 [rabbitmq]
@@ -269,10 +270,6 @@ queue = "orders"
         assert_eq!(uri.authority.userinfo.password, "s3cret");
         assert_eq!(uri.vhost, "prod");
         assert!(r.tls());
-    }
-
-    fn refused(text: &str) -> String {
-        Config::parse(text).expect_err("refused").to_string()
     }
 
     #[test]
@@ -325,10 +322,7 @@ queue = "orders"
                 "rabbitmq.binding[1].queue",
             ),
         ];
-        for (text, field) in cases {
-            let e = refused(&text);
-            assert!(e.contains(field), "{field}: {e}");
-        }
+        assert_fields_named(cases);
     }
 
     #[test]
