@@ -16,6 +16,9 @@
 //! - `keys.rs`: where an idempotency key ([`KeySource`]) and a partition key
 //!   ([`PartitionSource`]) come from, read through [`SourceSpec`];
 //! - `env.rs`: `${NAME}` in strings, from the environment;
+//! - `broker.rs`: what the broker sections (`[kafka]`, `[nats]`, `[mqtt]`, `[rabbitmq]`,
+//!   each in its source's `config.rs`) check alike: the bound subscriber, TLS and other
+//!   files, the shortest timeouts;
 //! - `fuzz.rs` (tests only): the fuzz target of config parsing.
 
 use std::num::NonZeroUsize;
@@ -42,6 +45,7 @@ pub enum ConfigError {
     Invalid { field: String, problem: String },
 }
 
+pub(crate) mod broker;
 mod env;
 #[cfg(test)]
 mod fuzz;
@@ -57,7 +61,7 @@ pub use subscriber::{
 
 use subscriber::validate_settings;
 
-fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
         problem: problem.into(),

@@ -11,129 +11,26 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+mod mqtt_server;
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use rumqttc::v5::mqttbytes::v5::PublishProperties;
 
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
-use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::mqtt::{self, MqttSummary};
 
+use common::broker::{
+    assert_counts_exact, assert_metrics_of_orders, claims, config_check, dedupd_run, free_port,
+    handler_lines, http_get, last_logged, run_source_until, stop_gracefully, wait_until,
+    KillRounds,
+};
 use common::component;
+use mqtt_server::{create_session, left_in_session, publish, Mosquitto, Msg};
 
 const CLIENT_ID: &str = "dedupd-orders";
-
-/// A `mosquitto` of the test's own, killed when dropped.
-struct Mosquitto {
-    child: Child,
-    port: u16,
-    url: String,
-    dir: tempfile::TempDir,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn spawn_broker(port: u16, dir: &Path) -> Child {
-    let conf = dir.join("mosquitto.conf");
-    let store = dir.join("store");
-    std::fs::create_dir_all(&store).unwrap();
-    // `user root`: as root, mosquitto would switch to its own user, which cannot write
-    // the temporary store (ignored when not run as root).
-    std::fs::write(
-        &conf,
-        format!(
-            "listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\npersistence_location {}/\n\
-             max_inflight_messages 100\nmax_queued_messages 0\nuser root\nlog_dest file {}\n",
-            store.display(),
-            dir.join("mosquitto.log").display()
-        ),
-    )
-    .unwrap();
-    let child = Command::new("mosquitto")
-        .arg("-c")
-        .arg(&conf)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot start mosquitto (Debian package mosquitto; scripts/test installs it): {e}"
-            )
-        });
-    wait_until("mosquitto listening", Duration::from_secs(20), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
-    child
-}
-
-impl Mosquitto {
-    fn start() -> Mosquitto {
-        let port = free_port();
-        let dir = tempfile::tempdir().unwrap();
-        Mosquitto {
-            child: spawn_broker(port, dir.path()),
-            port,
-            url: format!("mqtt://127.0.0.1:{port}"),
-            dir,
-        }
-    }
-
-    /// Stops the broker with SIGTERM: it writes its store (sessions, queued and
-    /// unacknowledged messages) and exits.
-    fn stop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-
-    /// Starts it again on the same port and store.
-    fn restart(&mut self) {
-        self.child = spawn_broker(self.port, self.dir.path());
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// One message to publish: topic, payload, MQTT 5 user properties.
-struct Msg {
-    topic: String,
-    payload: String,
-    props: Vec<(String, String)>,
-}
 
 /// Event `n` of order `n / 2`, on `orders/<n % 4>/e-<n>`, with its id in the payload and
 /// in a `msg-id` user property.
@@ -150,115 +47,8 @@ fn order_msgs(range: std::ops::Range<usize>) -> Vec<Msg> {
         .collect()
 }
 
-fn mqtt5_options(port: u16, id: &str, clean: bool) -> rumqttc::v5::MqttOptions {
-    let mut o = rumqttc::v5::MqttOptions::new(id, "127.0.0.1", port);
-    o.set_clean_start(clean)
-        .set_session_expiry_interval(Some(3600))
-        .set_manual_acks(true);
-    o
-}
-
-/// Publishes at QoS 1 over MQTT 5 and waits for every PUBACK.
-fn publish(port: u16, msgs: &[Msg]) {
-    use rumqttc::v5::mqttbytes::v5::Packet;
-    use rumqttc::v5::{AsyncClient, Event};
-    runtime().block_on(async {
-        let (client, mut events) =
-            AsyncClient::new(mqtt5_options(port, "test-publisher", true), 1024);
-        let publisher = client.clone();
-        let sends: Vec<_> = msgs
-            .iter()
-            .map(|m| {
-                let props = PublishProperties {
-                    user_properties: m.props.clone(),
-                    ..Default::default()
-                };
-                (m.topic.clone(), m.payload.clone(), props)
-            })
-            .collect();
-        let n = sends.len();
-        let send = tokio::spawn(async move {
-            for (topic, payload, props) in sends {
-                publisher
-                    .publish_with_properties(
-                        topic,
-                        rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
-                        false,
-                        payload,
-                        props,
-                    )
-                    .await
-                    .unwrap();
-            }
-        });
-        let mut acked = 0;
-        while acked < n {
-            match events.poll().await {
-                Ok(Event::Incoming(Packet::PubAck(_))) => acked += 1,
-                Ok(_) => {}
-                Err(e) => panic!("publisher: {e}"),
-            }
-        }
-        send.await.unwrap();
-        client.disconnect().await.unwrap();
-        let _ = tokio::time::timeout(Duration::from_secs(1), events.poll()).await;
-    });
-}
-
-/// Connects as `id` with a persistent session and subscribes `filter` at QoS 1, then
-/// disconnects: from now on the broker queues matching messages for the session.
-fn create_session(port: u16, id: &str, filter: &str) {
-    use rumqttc::v5::mqttbytes::v5::Packet;
-    use rumqttc::v5::{AsyncClient, Event};
-    runtime().block_on(async {
-        let (client, mut events) = AsyncClient::new(mqtt5_options(port, id, false), 16);
-        client
-            .subscribe(filter, rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
-            .await
-            .unwrap();
-        loop {
-            match events.poll().await {
-                Ok(Event::Incoming(Packet::SubAck(_))) => break,
-                Ok(_) => {}
-                Err(e) => panic!("session: {e}"),
-            }
-        }
-        client.disconnect().await.unwrap();
-        let _ = tokio::time::timeout(Duration::from_secs(1), events.poll()).await;
-    });
-}
-
-/// Takes over the persistent session `id` for `wait` and counts what the broker sends
-/// it (acknowledging nothing): every message it still holds for the session, whether
-/// queued or delivered and unacknowledged.
-fn left_in_session(port: u16, id: &str, wait: Duration) -> usize {
-    use rumqttc::v5::mqttbytes::v5::Packet;
-    use rumqttc::v5::{AsyncClient, Event};
-    runtime().block_on(async {
-        let (client, mut events) = AsyncClient::new(mqtt5_options(port, id, false), 16);
-        let mut got = 0;
-        let deadline = tokio::time::Instant::now() + wait;
-        while let Ok(ev) = tokio::time::timeout_at(deadline, events.poll()).await {
-            match ev {
-                Ok(Event::Incoming(Packet::Publish(_))) => got += 1,
-                Ok(_) => {}
-                Err(e) => panic!("session check: {e}"),
-            }
-        }
-        drop(client);
-        got
-    })
-}
-
 fn config_text(url: &str, protocol: &str, key: &str, handler: Option<&Path>) -> String {
-    let handler = handler
-        .map(|h| {
-            format!(
-                "partition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\nhandler = {:?}\nhandler_cpu_budget = \"2s\"\n",
-                h.display().to_string()
-            )
-        })
-        .unwrap_or_default();
+    let handler = handler_lines(handler, "2s");
     format!(
         r#"
 [ledger]
@@ -286,16 +76,6 @@ topics = ["orders/#"]
 const BY_PROPERTY: &str = r#"{ source = "header", name = "msg-id" }"#;
 const BY_PAYLOAD: &str = r#"{ source = "json_pointer", pointer = "/id" }"#;
 
-fn claims(ledger: &Ledger) -> u64 {
-    ledger
-        .report()
-        .unwrap()
-        .subscribers
-        .iter()
-        .map(|s| s.claims)
-        .sum()
-}
-
 /// Runs the source in this process until `done` (asked from 300 ms on, with the ledger),
 /// then stops it; returns its summary and the ledger.
 fn run_until(
@@ -303,31 +83,14 @@ fn run_until(
     data: &Path,
     done: impl Fn(&Ledger) -> bool,
 ) -> (MqttSummary, Ledger) {
-    let ledger = Arc::new(Ledger::open(data, config, Arc::new(SystemClock)).unwrap());
-    dedupd::pipeline::install_handlers(&ledger, config).unwrap();
-    let shutdown = Shutdown::new();
     let mqtt_config = config.mqtt.clone().unwrap();
-    let summary = std::thread::scope(|scope| {
-        let runner = {
-            let (ledger, shutdown) = (ledger.clone(), shutdown.clone());
-            let mqtt_config = &mqtt_config;
-            scope.spawn(move || mqtt::run(ledger, mqtt_config, &shutdown))
-        };
-        std::thread::sleep(Duration::from_millis(300));
-        wait_until("the stop condition", Duration::from_secs(60), || {
-            shutdown.is_triggered() || done(&ledger)
-        });
-        shutdown.trigger(Cause::Requested);
-        runner.join().unwrap()
-    });
-    assert_eq!(
-        shutdown.cause(),
-        Some(Cause::Requested),
-        "the source failed"
-    );
-    let summary = summary.unwrap();
-    let ledger = Arc::try_unwrap(ledger).ok().unwrap();
-    (summary, ledger)
+    run_source_until(
+        config,
+        data,
+        Duration::from_secs(60),
+        |ledger, shutdown| mqtt::run(ledger, &mqtt_config, shutdown),
+        done,
+    )
 }
 
 /// MQTT 5, keyed by a user property: 300 events, 100 of them published again (a
@@ -407,32 +170,9 @@ fn unkeyable_message_is_dead_lettered_then_acked() {
     );
 }
 
-/// Kills a child process when dropped.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn mix_u64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z ^ (z >> 31)
-}
-
 /// A field of the log's last `mqtt progress` line (`acked`, `in_flight`).
 fn progress_in_log(log: &Path, field: &str) -> Option<u64> {
-    let needle = format!(" {field}=");
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains("mqtt progress"))
-        .filter_map(|l| l.split(&needle).nth(1))
-        .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .next_back()
+    last_logged(log, "mqtt progress", field)
 }
 
 /// Waits until the run's log says nothing is in flight and has not changed for 2 s (the
@@ -450,40 +190,6 @@ fn wait_quiet(log: &Path, timeout: Duration) {
     });
 }
 
-fn dedupd_run(cfg: &Path, data: &Path, log: &Path) -> KillOnDrop {
-    KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_dedupd"))
-            .args(["run", "--config"])
-            .arg(cfg)
-            .arg("--data-dir")
-            .arg(data)
-            .env("NO_COLOR", "1")
-            .env("RUST_LOG", "dedupd=info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
-            .unwrap(),
-    )
-}
-
-/// SIGTERM, then the run's summary line (`{"mqtt": {...}}`); asserts a clean exit.
-fn stop_gracefully(mut child: KillOnDrop, log: &Path) -> serde_json::Value {
-    let status = Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let mut printed = String::new();
-    std::io::Read::read_to_string(child.0.stdout.as_mut().unwrap(), &mut printed).unwrap();
-    let exit = child.0.wait().unwrap();
-    assert!(
-        exit.success(),
-        "graceful stop exits 0, got {exit:?}: {}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
-    serde_json::from_str(printed.trim()).unwrap()
-}
-
 /// `dedupd run` over MQTT 3.1.1 with the non-idempotent `fixture-counter` handler
 /// (`count/<order>` = get + 1), keyed by a topic level, killed with kill -9 in five seeded
 /// rounds (some just after acknowledgements were sent). Messages are published while
@@ -497,15 +203,7 @@ fn counts_are_exact_after_kill_9_rounds_on_mqtt() {
     const ROUNDS: usize = 5;
     let broker = Mosquitto::start();
     create_session(broker.port, CLIENT_ID, "orders/#");
-    let mut msgs = Vec::new();
-    for n in 0..EVENTS {
-        msgs.extend(order_msgs(n..n + 1));
-        if n % 10 == 9 {
-            msgs.extend(order_msgs(n - 7..n - 6)); // an earlier event published again
-        }
-    }
-    let parts: Vec<&[Msg]> = msgs.chunks(msgs.len().div_ceil(ROUNDS + 1)).collect();
-    assert_eq!(parts.len(), ROUNDS + 1);
+    let parts = common::broker::events_with_repeats(EVENTS, ROUNDS, order_msgs);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let cfg = dir.path().join("dedupd.toml");
@@ -514,27 +212,20 @@ fn counts_are_exact_after_kill_9_rounds_on_mqtt() {
         .replace("topics = [", "id_topic_level = 2\ntopics = [");
     std::fs::write(&cfg, text).unwrap();
     let log = dir.path().join("run.log");
-    let connected = || std::fs::read_to_string(&log).is_ok_and(|l| l.contains("mqtt subscribed"));
-    let mut acked_at_kills = Vec::new();
-    for (round, part) in parts[..ROUNDS].iter().enumerate() {
-        publish(broker.port, part);
-        let child = dedupd_run(&cfg, &data, &log);
-        wait_until("subscribed", Duration::from_secs(60), connected);
-        let r = mix_u64((round as u64) ^ common::seed(0x6d71));
-        if round % 2 == 1 {
-            wait_until("acknowledgements", Duration::from_secs(60), || {
-                progress_in_log(&log, "acked").unwrap_or(0) > 0
-            });
-            std::thread::sleep(Duration::from_millis(r % 150));
-        } else {
-            std::thread::sleep(Duration::from_millis(r % 400));
-        }
-        drop(child); // SIGKILL
-        acked_at_kills.push(progress_in_log(&log, "acked").unwrap_or(0));
-    }
-    publish(broker.port, parts[ROUNDS]);
-    let child = dedupd_run(&cfg, &data, &log);
-    wait_until("subscribed", Duration::from_secs(60), connected);
+    let rounds = KillRounds {
+        cfg: &cfg,
+        data: &data,
+        log: &log,
+        started: "mqtt subscribed",
+        seed: 0x6d71,
+    };
+    let acked_at_kills = rounds.run(
+        &parts,
+        |part| publish(broker.port, part),
+        |log| progress_in_log(log, "acked").unwrap_or(0),
+    );
+    publish(broker.port, &parts[ROUNDS]);
+    let child = rounds.start();
     wait_quiet(&log, Duration::from_secs(180));
     let summary = stop_gracefully(child, &log);
     eprintln!("acked at the kills: {acked_at_kills:?}; last run: {summary}");
@@ -553,49 +244,6 @@ fn counts_are_exact_after_kill_9_rounds_on_mqtt() {
         0
     );
     assert_counts_exact(&data, &Config::load(&cfg).unwrap(), EVENTS);
-}
-
-/// One claim per distinct event and every `fixture-counter` order (two events) at 2.
-fn assert_counts_exact(data: &Path, config: &Config, events: usize) {
-    let ledger = Ledger::open(data, config, Arc::new(SystemClock)).unwrap();
-    let counts: Vec<(Vec<u8>, Vec<u8>)> = ledger.state_entries("orders").unwrap();
-    let claims = claims(&ledger);
-    ledger.close().unwrap();
-    assert_eq!(claims, events as u64, "one claim per distinct event");
-    assert_eq!(counts.len(), events / 2, "orders lost or split");
-    let wrong: Vec<_> = counts
-        .iter()
-        .filter(|(_, v)| v.as_slice() != b"2")
-        .take(5)
-        .map(|(k, v)| {
-            (
-                String::from_utf8_lossy(k).into_owned(),
-                String::from_utf8_lossy(v).into_owned(),
-            )
-        })
-        .collect();
-    assert!(wrong.is_empty(), "counts doubled or lost: {wrong:?}");
-}
-
-/// `GET path` on `addr`: the status code and the body.
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return (0, String::new());
-    };
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (status, out)
 }
 
 /// The broker restarted while `dedupd run` (MQTT 5, the counter handler) works through a
@@ -642,17 +290,14 @@ fn broker_restart_under_load_loses_nothing_and_readyz_reflects_it() {
     wait_quiet(&log, Duration::from_secs(120));
     let (status, text) = http_get(&metrics, "/metrics");
     assert_eq!(status, 200);
-    for name in [
-        "dedupd_mqtt_received_total",
-        "dedupd_mqtt_acked_total",
-        "dedupd_mqtt_messages_total",
-    ] {
-        assert!(
-            text.lines()
-                .any(|l| l.starts_with(name) && l.contains("subscriber=\"orders\"")),
-            "{name} missing:\n{text}"
-        );
-    }
+    assert_metrics_of_orders(
+        &text,
+        &[
+            "dedupd_mqtt_received_total",
+            "dedupd_mqtt_acked_total",
+            "dedupd_mqtt_messages_total",
+        ],
+    );
     let summary = stop_gracefully(child, &log);
     eprintln!("{summary}");
     let m = &summary["mqtt"];
@@ -775,11 +420,7 @@ fn two_instances_share_a_subscription_and_each_message_is_acked_once() {
 #[test]
 fn config_check_names_the_bad_mqtt_field() {
     let dir = tempfile::tempdir().unwrap();
-    let check = |text: &str| -> common::Run {
-        let path: PathBuf = dir.path().join("dedupd.toml");
-        std::fs::write(&path, text).unwrap();
-        common::dedupd(&["config", "check", path.to_str().unwrap()])
-    };
+    let check = |text: &str| config_check(dir.path(), text);
     let good = config_text("mqtt://127.0.0.1:1", "5", BY_PROPERTY, None);
     let ok = check(&good);
     ok.assert_success();

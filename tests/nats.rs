@@ -7,21 +7,22 @@
 
 mod common;
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
 use futures_util::StreamExt;
 
-use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
-use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::nats::{self, NatsSummary};
 
+use common::broker::{
+    assert_counts_exact, assert_metrics_of_orders, claims, config_check, current_thread_runtime,
+    dedupd_run, free_port, handler_lines, http_get, last_logged, run_source_until, stop_gracefully,
+    wait_until, KillRounds,
+};
 use common::component;
 
 /// A `nats-server -js` of the test's own, killed when dropped.
@@ -30,14 +31,6 @@ struct NatsServer {
     port: u16,
     url: String,
     store: tempfile::TempDir,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn spawn_server(port: u16, store: &Path) -> Child {
@@ -87,21 +80,6 @@ impl Drop for NatsServer {
     }
 }
 
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 /// The test's own client: streams, publishing, the consumer's counts.
 struct Broker {
     rt: tokio::runtime::Runtime,
@@ -116,7 +94,7 @@ struct Msg {
 
 impl Broker {
     fn connect(url: &str) -> Broker {
-        let rt = runtime();
+        let rt = current_thread_runtime();
         let js = rt.block_on(async { jetstream::new(async_nats::connect(url).await.unwrap()) });
         Broker { rt, js }
     }
@@ -233,14 +211,7 @@ const STREAM: &str = "ORDERS";
 const DURABLE: &str = "dedupd-orders";
 
 fn config_text(url: &str, handler: Option<&Path>, ack_wait: &str) -> String {
-    let handler = handler
-        .map(|h| {
-            format!(
-                "partition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\nhandler = {:?}\nhandler_cpu_budget = \"2s\"\n",
-                h.display().to_string()
-            )
-        })
-        .unwrap_or_default();
+    let handler = handler_lines(handler, "2s");
     format!(
         r#"
 [ledger]
@@ -272,42 +243,14 @@ fn run_until_drained(broker: &Broker, config: &Config, data: &Path) -> (NatsSumm
 
 /// Runs the source in this process until `done` (asked from 300 ms on), then stops it.
 fn run_until(config: &Config, data: &Path, done: impl Fn() -> bool) -> (NatsSummary, Ledger) {
-    let ledger = Arc::new(Ledger::open(data, config, Arc::new(SystemClock)).unwrap());
-    dedupd::pipeline::install_handlers(&ledger, config).unwrap();
-    let shutdown = Shutdown::new();
     let nats_config = config.nats.clone().unwrap();
-    let summary = std::thread::scope(|scope| {
-        let runner = {
-            let (ledger, shutdown) = (ledger.clone(), shutdown.clone());
-            let nats_config = &nats_config;
-            scope.spawn(move || nats::run(ledger, nats_config, &shutdown))
-        };
-        // The consumer exists once the source started; then nothing may stay pending.
-        std::thread::sleep(Duration::from_millis(300));
-        wait_until("the stop condition", Duration::from_secs(60), || {
-            shutdown.is_triggered() || done()
-        });
-        shutdown.trigger(Cause::Requested);
-        runner.join().unwrap()
-    });
-    assert_eq!(
-        shutdown.cause(),
-        Some(Cause::Requested),
-        "the source failed"
-    );
-    let summary = summary.unwrap();
-    let ledger = Arc::try_unwrap(ledger).ok().unwrap();
-    (summary, ledger)
-}
-
-fn claims(ledger: &Ledger) -> u64 {
-    ledger
-        .report()
-        .unwrap()
-        .subscribers
-        .iter()
-        .map(|s| s.claims)
-        .sum()
+    run_source_until(
+        config,
+        data,
+        Duration::from_secs(60),
+        |ledger, shutdown| nats::run(ledger, &nats_config, shutdown),
+        |_| done(),
+    )
 }
 
 /// 400 events, 100 of them published again after the stream's own duplicate window
@@ -394,31 +337,9 @@ fn unkeyable_message_is_dead_lettered_and_terminated_not_acked() {
     assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
 }
 
-/// Kills a child process when dropped.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn mix_u64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z ^ (z >> 31)
-}
-
 /// How many messages the log's last `nats progress` line says were acknowledged.
 fn acked_in_log(log: &Path) -> u64 {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split(" acked=").nth(1))
-        .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .next_back()
-        .unwrap_or(0)
+    last_logged(log, "nats progress", "acked").unwrap_or(0)
 }
 
 /// `dedupd run` on NATS with the non-idempotent `fixture-counter` handler (`count/<order>`
@@ -435,102 +356,38 @@ fn counts_are_exact_after_kill_9_rounds_on_nats() {
     let server = NatsServer::start();
     let broker = Broker::connect(&server.url);
     broker.create_stream(STREAM, Duration::from_millis(100));
-    let mut msgs = Vec::new();
-    for n in 0..EVENTS {
-        msgs.extend(order_msgs(n..n + 1));
-        if n % 10 == 9 {
-            msgs.extend(order_msgs(n - 7..n - 6)); // an earlier event published again
-        }
-    }
-    let parts: Vec<&[Msg]> = msgs.chunks(msgs.len().div_ceil(ROUNDS + 1)).collect();
-    assert_eq!(parts.len(), ROUNDS + 1);
+    let parts = common::broker::events_with_repeats(EVENTS, ROUNDS, order_msgs);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let cfg = dir.path().join("dedupd.toml");
     let handler = component("fixture_counter");
     std::fs::write(&cfg, config_text(&server.url, Some(&handler), "2s")).unwrap();
     let log = dir.path().join("run.log");
-    let start = || {
-        KillOnDrop(
-            Command::new(env!("CARGO_BIN_EXE_dedupd"))
-                .args(["run", "--config"])
-                .arg(&cfg)
-                .arg("--data-dir")
-                .arg(&data)
-                .env("NO_COLOR", "1")
-                .env("RUST_LOG", "dedupd=info")
-                .stdout(Stdio::piped())
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap(),
-        )
+    let rounds = KillRounds {
+        cfg: &cfg,
+        data: &data,
+        log: &log,
+        started: "nats consumer started",
+        seed: 0x4a75,
     };
-    let started =
-        || std::fs::read_to_string(&log).is_ok_and(|l| l.contains("nats consumer started"));
-    let mut acked_at_kills = Vec::new();
-    for (round, part) in parts[..ROUNDS].iter().enumerate() {
-        broker.publish(part);
-        let child = start();
-        wait_until("the consumer started", Duration::from_secs(60), started);
-        let r = mix_u64((round as u64) ^ common::seed(0x4a75));
-        if round % 2 == 1 {
-            wait_until("acknowledgements", Duration::from_secs(60), || {
-                acked_in_log(&log) > 0
-            });
-            std::thread::sleep(Duration::from_millis(r % 150));
-        } else {
-            std::thread::sleep(Duration::from_millis(r % 400));
-        }
-        drop(child); // SIGKILL
-        acked_at_kills.push(acked_in_log(&log));
-    }
-    broker.publish(parts[ROUNDS]);
-    let mut child = start();
-    wait_until("the consumer started", Duration::from_secs(60), started);
+    let acked_at_kills = rounds.run(
+        &parts,
+        |part| {
+            broker.publish(part);
+        },
+        acked_in_log,
+    );
+    broker.publish(&parts[ROUNDS]);
+    let child = rounds.start();
     wait_until(
         "every message acknowledged",
         Duration::from_secs(180),
         || broker.pending(STREAM, DURABLE) == (0, 0),
     );
-    let status = Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let mut printed = String::new();
-    std::io::Read::read_to_string(child.0.stdout.as_mut().unwrap(), &mut printed).unwrap();
-    let exit = child.0.wait().unwrap();
-    assert!(
-        exit.success(),
-        "graceful stop exits 0, got {exit:?}: {}",
-        std::fs::read_to_string(&log).unwrap_or_default()
-    );
-    let summary: serde_json::Value = serde_json::from_str(printed.trim()).unwrap();
+    let summary = stop_gracefully(child, &log);
     eprintln!("acked at the kills: {acked_at_kills:?}; last run: {summary}");
     assert_counts_exact(&data, &Config::load(&cfg).unwrap(), EVENTS);
     assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
-}
-
-/// One claim per distinct event and every `fixture-counter` order (two events) at 2.
-fn assert_counts_exact(data: &Path, config: &Config, events: usize) {
-    let ledger = Ledger::open(data, config, Arc::new(SystemClock)).unwrap();
-    let counts: Vec<(Vec<u8>, Vec<u8>)> = ledger.state_entries("orders").unwrap();
-    let claims = claims(&ledger);
-    ledger.close().unwrap();
-    assert_eq!(claims, events as u64, "one claim per distinct event");
-    assert_eq!(counts.len(), events / 2, "orders lost or split");
-    let wrong: Vec<_> = counts
-        .iter()
-        .filter(|(_, v)| v.as_slice() != b"2")
-        .take(5)
-        .map(|(k, v)| {
-            (
-                String::from_utf8_lossy(k).into_owned(),
-                String::from_utf8_lossy(v).into_owned(),
-            )
-        })
-        .collect();
-    assert!(wrong.is_empty(), "counts doubled or lost: {wrong:?}");
 }
 
 /// `dedupd config check` names the field of a bad `[nats]` section and accepts a good one
@@ -538,11 +395,7 @@ fn assert_counts_exact(data: &Path, config: &Config, events: usize) {
 #[test]
 fn config_check_names_the_bad_nats_field() {
     let dir = tempfile::tempdir().unwrap();
-    let check = |text: &str| -> common::Run {
-        let path: PathBuf = dir.path().join("dedupd.toml");
-        std::fs::write(&path, text).unwrap();
-        common::dedupd(&["config", "check", path.to_str().unwrap()])
-    };
+    let check = |text: &str| config_check(dir.path(), text);
     let good = config_text("nats://127.0.0.1:1", None, "30s");
     let ok = check(&good);
     ok.assert_success();
@@ -581,27 +434,6 @@ fn config_check_names_the_bad_nats_field() {
     }
 }
 
-/// `GET path` on `addr`: the status code and the body.
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return (0, String::new());
-    };
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (status, out)
-}
-
 /// `/readyz` of `dedupd run` says 503 with the reason while its NATS server is down (killed)
 /// and 200 once the client reconnected; `/metrics` has the source's counters; messages published across the restart are all
 /// processed once and acknowledged, and what the killed server delivers again is a
@@ -625,19 +457,7 @@ fn readyz_is_503_while_nats_is_down_and_the_source_resumes_after_a_server_restar
     )
     .unwrap();
     let log = dir.path().join("run.log");
-    let mut child = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_dedupd"))
-            .args(["run", "--config"])
-            .arg(&cfg)
-            .arg("--data-dir")
-            .arg(dir.path().join("data"))
-            .env("RUST_LOG", "dedupd=info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let child = dedupd_run(&cfg, &dir.path().join("data"), &log);
     let ready = || http_get(&metrics, "/readyz").0 == 200;
     wait_until("ready", Duration::from_secs(60), ready);
     let broker = Broker::connect(&server.url);
@@ -663,33 +483,16 @@ fn readyz_is_503_while_nats_is_down_and_the_source_resumes_after_a_server_restar
     // The source's counters, per subscriber, on /metrics.
     let (status, text) = http_get(&metrics, "/metrics");
     assert_eq!(status, 200);
-    for name in [
-        "dedupd_nats_received_total",
-        "dedupd_nats_acked_total",
-        "dedupd_nats_messages_total",
-        "dedupd_nats_consumer_pending",
-    ] {
-        assert!(
-            text.lines()
-                .any(|l| l.starts_with(name) && l.contains("subscriber=\"orders\"")),
-            "{name} missing:\n{text}"
-        );
-    }
-
-    let status = Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let mut printed = String::new();
-    std::io::Read::read_to_string(child.0.stdout.as_mut().unwrap(), &mut printed).unwrap();
-    let exit = child.0.wait().unwrap();
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(
-        exit.success(),
-        "graceful stop exits 0, got {exit:?}: {text}"
+    assert_metrics_of_orders(
+        &text,
+        &[
+            "dedupd_nats_received_total",
+            "dedupd_nats_acked_total",
+            "dedupd_nats_messages_total",
+            "dedupd_nats_consumer_pending",
+        ],
     );
-    let summary: serde_json::Value = serde_json::from_str(printed.trim()).unwrap();
+    let summary = stop_gracefully(child, &log);
     // A killed nats-server may forget acknowledgements it had not written yet and
     // deliver those messages again: they are duplicates, each acknowledged once more.
     let n = &summary["nats"];

@@ -14,21 +14,19 @@
 mod common;
 mod rabbitmq_server;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::Duration;
 
-use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
-use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::rabbitmq::{self, RabbitMqSummary};
 
-use common::component;
-use rabbitmq_server::{
-    free_port, shared_server, wait_logged, wait_until, Broker, Msg, RabbitServer,
+use common::broker::{
+    assert_counts_exact, claims, config_check, dedupd_run, free_port, handler_lines, http_get,
+    last_logged, run_source_until, stop_gracefully, wait_logged, wait_until, KillRounds,
 };
+use common::component;
+use rabbitmq_server::{shared_server, Broker, Msg, RabbitServer};
 
 fn order_msgs(range: std::ops::Range<usize>) -> Vec<Msg> {
     range
@@ -44,14 +42,7 @@ fn order_msgs(range: std::ops::Range<usize>) -> Vec<Msg> {
 
 /// A config whose subscriber `orders` reads `queues` (the first with `first_extra`).
 fn config_text(uri: &str, handler: Option<&Path>, queues: &[&str], first_extra: &str) -> String {
-    let handler = handler
-        .map(|h| {
-            format!(
-                "partition_key = {{ source = \"json_pointer\", pointer = \"/order_id\" }}\nhandler = {:?}\nhandler_cpu_budget = \"5s\"\n",
-                h.display().to_string()
-            )
-        })
-        .unwrap_or_default();
+    let handler = handler_lines(handler, "5s");
     let mut text = format!(
         r#"
 [ledger]
@@ -75,16 +66,6 @@ reconnect_delay_max = "500ms"
     text
 }
 
-fn claims(ledger: &Ledger) -> u64 {
-    ledger
-        .report()
-        .unwrap()
-        .subscribers
-        .iter()
-        .map(|s| s.claims)
-        .sum()
-}
-
 /// Runs the source in this process until `done` (asked from 300 ms on), then stops it;
 /// returns its summary and the ledger.
 fn run_until(
@@ -92,30 +73,14 @@ fn run_until(
     data: &Path,
     done: impl Fn(&Ledger) -> bool,
 ) -> (RabbitMqSummary, Ledger) {
-    let ledger = Arc::new(Ledger::open(data, config, Arc::new(SystemClock)).unwrap());
-    dedupd::pipeline::install_handlers(&ledger, config).unwrap();
-    let shutdown = Shutdown::new();
     let r = config.rabbitmq.clone().unwrap();
-    let summary = std::thread::scope(|scope| {
-        let runner = {
-            let (ledger, shutdown, r) = (ledger.clone(), shutdown.clone(), &r);
-            scope.spawn(move || rabbitmq::run(ledger, r, &shutdown))
-        };
-        std::thread::sleep(Duration::from_millis(300));
-        wait_until("the stop condition", Duration::from_secs(90), || {
-            shutdown.is_triggered() || done(&ledger)
-        });
-        shutdown.trigger(Cause::Requested);
-        runner.join().unwrap()
-    });
-    assert_eq!(
-        shutdown.cause(),
-        Some(Cause::Requested),
-        "the source failed: {summary:?}"
-    );
-    let summary = summary.unwrap();
-    let ledger = Arc::try_unwrap(ledger).ok().unwrap();
-    (summary, ledger)
+    run_source_until(
+        config,
+        data,
+        Duration::from_secs(90),
+        |ledger, shutdown| rabbitmq::run(ledger, &r, shutdown),
+        done,
+    )
 }
 
 /// After the consumers are gone, every message the server still holds is ready again:
@@ -224,66 +189,9 @@ fn unkeyable_message_is_rejected_to_the_dead_letter_queue() {
     );
 }
 
-/// Kills a child process when dropped.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn mix_u64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z ^ (z >> 31)
-}
-
 /// How many messages the log's last `rabbitmq progress` line says were acknowledged.
 fn acked_in_log(log: &Path) -> u64 {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split(" acked=").nth(1))
-        .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .next_back()
-        .unwrap_or(0)
-}
-
-/// `dedupd run --config CFG --data-dir DATA`, engine logs at info into `log`.
-fn start_dedupd(cfg: &Path, data: &Path, log: &Path) -> KillOnDrop {
-    KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_dedupd"))
-            .args(["run", "--config"])
-            .arg(cfg)
-            .arg("--data-dir")
-            .arg(data)
-            .env("NO_COLOR", "1")
-            .env("RUST_LOG", "dedupd=info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
-            .unwrap(),
-    )
-}
-
-/// SIGTERM, then the exit status (must be 0) and the summary `dedupd run` prints.
-fn stop_dedupd(mut child: KillOnDrop, log: &Path) -> serde_json::Value {
-    let status = Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let mut printed = String::new();
-    std::io::Read::read_to_string(child.0.stdout.as_mut().unwrap(), &mut printed).unwrap();
-    let exit = child.0.wait().unwrap();
-    assert!(
-        exit.success(),
-        "graceful stop exits 0, got {exit:?}: {}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
-    serde_json::from_str(printed.trim()).unwrap()
+    last_logged(log, "rabbitmq progress", "acked").unwrap_or(0)
 }
 
 /// `dedupd run` on RabbitMQ with the non-idempotent `fixture-counter` handler
@@ -300,88 +208,33 @@ fn counts_are_exact_after_kill_9_rounds_on_rabbitmq() {
     let broker = Broker::connect(&server.uri);
     let q = "kill9";
     broker.declare(q, None);
-    let mut msgs = Vec::new();
-    for n in 0..EVENTS {
-        msgs.extend(order_msgs(n..n + 1));
-        if n % 10 == 9 {
-            msgs.extend(order_msgs(n - 7..n - 6)); // an earlier event published again
-        }
-    }
-    let parts: Vec<&[Msg]> = msgs.chunks(msgs.len().div_ceil(ROUNDS + 1)).collect();
-    assert_eq!(parts.len(), ROUNDS + 1);
+    let parts = common::broker::events_with_repeats(EVENTS, ROUNDS, order_msgs);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let cfg = dir.path().join("dedupd.toml");
     let handler = component("fixture_counter");
     std::fs::write(&cfg, config_text(&server.uri, Some(&handler), &[q], "")).unwrap();
     let log = dir.path().join("run.log");
-    let started =
-        || std::fs::read_to_string(&log).is_ok_and(|l| l.contains("rabbitmq consumer started"));
-    let mut acked_at_kills = Vec::new();
-    for (round, part) in parts[..ROUNDS].iter().enumerate() {
-        broker.publish(q, part, &[]);
-        let child = start_dedupd(&cfg, &data, &log);
-        wait_logged(
-            "the consumer started",
-            Duration::from_secs(60),
-            Some(&log),
-            started,
-        );
-        let r = mix_u64((round as u64) ^ common::seed(0x7ab1));
-        if round % 2 == 1 {
-            wait_logged(
-                "acknowledgements",
-                Duration::from_secs(60),
-                Some(&log),
-                || acked_in_log(&log) > 0,
-            );
-            std::thread::sleep(Duration::from_millis(r % 150));
-        } else {
-            std::thread::sleep(Duration::from_millis(r % 400));
-        }
-        drop(child); // SIGKILL
-        acked_at_kills.push(acked_in_log(&log));
-    }
-    broker.publish(q, parts[ROUNDS], &[]);
-    let child = start_dedupd(&cfg, &data, &log);
-    wait_logged(
-        "the consumer started",
-        Duration::from_secs(60),
-        Some(&log),
-        started,
-    );
+    let rounds = KillRounds {
+        cfg: &cfg,
+        data: &data,
+        log: &log,
+        started: "rabbitmq consumer started",
+        seed: 0x7ab1,
+    };
+    let acked_at_kills = rounds.run(&parts, |part| broker.publish(q, part, &[]), acked_in_log);
+    broker.publish(q, &parts[ROUNDS], &[]);
+    let child = rounds.start();
     wait_logged(
         "every message acknowledged",
         Duration::from_secs(180),
         Some(&log),
         || server.pending(q) == (0, 0),
     );
-    let summary = stop_dedupd(child, &log);
+    let summary = stop_gracefully(child, &log);
     eprintln!("acked at the kills: {acked_at_kills:?}; last run: {summary}");
     assert_counts_exact(&data, &Config::load(&cfg).unwrap(), EVENTS);
     assert_all_acked(&broker, q);
-}
-
-/// One claim per distinct event and every `fixture-counter` order (two events) at 2.
-fn assert_counts_exact(data: &Path, config: &Config, events: usize) {
-    let ledger = Ledger::open(data, config, Arc::new(SystemClock)).unwrap();
-    let counts: Vec<(Vec<u8>, Vec<u8>)> = ledger.state_entries("orders").unwrap();
-    let claims = claims(&ledger);
-    ledger.close().unwrap();
-    assert_eq!(claims, events as u64, "one claim per distinct event");
-    assert_eq!(counts.len(), events / 2, "orders lost or split");
-    let wrong: Vec<_> = counts
-        .iter()
-        .filter(|(_, v)| v.as_slice() != b"2")
-        .take(5)
-        .map(|(k, v)| {
-            (
-                String::from_utf8_lossy(k).into_owned(),
-                String::from_utf8_lossy(v).into_owned(),
-            )
-        })
-        .collect();
-    assert!(wrong.is_empty(), "counts doubled or lost: {wrong:?}");
 }
 
 /// `dedupd config check` names the field of a bad `[rabbitmq]` section and accepts a good
@@ -389,11 +242,7 @@ fn assert_counts_exact(data: &Path, config: &Config, events: usize) {
 #[test]
 fn config_check_names_the_bad_rabbitmq_field() {
     let dir = tempfile::tempdir().unwrap();
-    let check = |text: &str| -> common::Run {
-        let path: PathBuf = dir.path().join("dedupd.toml");
-        std::fs::write(&path, text).unwrap();
-        common::dedupd(&["config", "check", path.to_str().unwrap()])
-    };
+    let check = |text: &str| config_check(dir.path(), text);
     let good = config_text(
         "amqp://127.0.0.1:1/%2f",
         None,
@@ -426,27 +275,6 @@ fn config_check_names_the_bad_rabbitmq_field() {
     }
 }
 
-/// `GET path` on `addr`: the status code and the body.
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return (0, String::new());
-    };
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (status, out)
-}
-
 /// The server killed (kill -9) while `dedupd run` works through 20,000 messages with the
 /// counter handler, then started again: `/readyz` says 503 with the reason while it is down
 /// and 200 once the source reconnected; the messages that were in flight come again
@@ -469,7 +297,7 @@ fn readyz_is_503_while_rabbitmq_is_down_and_the_source_resumes_after_a_server_re
         .replace("prefetch = 256", "prefetch = 32");
     std::fs::write(&cfg, format!("{text}\n[metrics]\nbind = \"{metrics}\"\n")).unwrap();
     let log = dir.path().join("run.log");
-    let child = start_dedupd(&cfg, &dir.path().join("data"), &log);
+    let child = dedupd_run(&cfg, &dir.path().join("data"), &log);
     let ready = || http_get(&metrics, "/readyz").0 == 200;
     wait_logged("ready", Duration::from_secs(60), Some(&log), ready);
     wait_logged(
@@ -515,7 +343,7 @@ fn readyz_is_503_while_rabbitmq_is_down_and_the_source_resumes_after_a_server_re
                 && l.contains("queue=\"restart\"")),
         "{text}"
     );
-    let summary = stop_dedupd(child, &log);
+    let summary = stop_gracefully(child, &log);
     eprintln!("{summary}");
     let r = &summary["rabbitmq"];
     let n = |f: &str| r[f].as_u64().unwrap();

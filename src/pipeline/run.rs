@@ -172,16 +172,16 @@ pub fn run(config: &Config, dir: &Path, mode: Mode) -> Result<Summary, RunError>
         Mode::Pipe => pipe(&ledger, config, &shutdown).map(Summary::Pipe),
         Mode::Serve { http, stdin } => serve(&ledger, config, http, stdin, &shutdown),
         Mode::Kafka { kafka, http } => {
-            run_kafka(&ledger, config, &kafka, http, &shutdown).map(Summary::Kafka)
+            run_broker(&ledger, config, &*kafka, http, &shutdown).map(Summary::Kafka)
         }
         Mode::Nats { nats, http } => {
-            run_nats(&ledger, config, &nats, http, &shutdown).map(Summary::Nats)
+            run_broker(&ledger, config, &*nats, http, &shutdown).map(Summary::Nats)
         }
         Mode::Mqtt { mqtt, http } => {
-            run_mqtt(&ledger, config, &mqtt, http, &shutdown).map(Summary::Mqtt)
+            run_broker(&ledger, config, &*mqtt, http, &shutdown).map(Summary::Mqtt)
         }
         Mode::RabbitMq { rabbitmq, http } => {
-            run_rabbitmq(&ledger, config, &rabbitmq, http, &shutdown).map(Summary::RabbitMq)
+            run_broker(&ledger, config, &*rabbitmq, http, &shutdown).map(Summary::RabbitMq)
         }
     };
     if let Some(server) = metrics {
@@ -259,173 +259,162 @@ fn serve(
     }
 }
 
+/// A broker source as `dedupd run` drives it: what its stop may take and leaves behind,
+/// how it runs, and the line that logs its summary (as fields, one per counter).
+trait BrokerSource {
+    type Summary;
+    /// The broker's name in messages (`NATS`).
+    const NAME: &'static str;
+    /// What a stop cut short leaves for the broker to do.
+    const LEFT: &'static str;
+    fn drain_timeout(&self) -> Duration;
+    /// Runs the source until `shutdown` triggers and it has drained.
+    fn run(&self, ledger: Arc<Ledger>, shutdown: &Shutdown) -> Result<Self::Summary, RunError>;
+    /// Logs what a finished run did.
+    fn log_stopped(summary: &Self::Summary);
+}
+
 /// On a stop the API keeps answering while the consumers drain and store their offsets
 /// and the outbox is relayed; then it stops too.
-fn run_kafka(
-    ledger: &Arc<Ledger>,
-    config: &Config,
-    kafka_config: &KafkaConfig,
-    http: Option<HttpConfig>,
-    shutdown: &Shutdown,
-) -> Result<KafkaSummary, RunError> {
-    let broker = Broker {
-        name: "Kafka",
-        drain_timeout: kafka_config.drain_timeout,
-        left: "uncommitted offsets will be redelivered as duplicates",
-    };
-    let summary = run_broker(ledger, config, http, shutdown, broker, || {
-        Ok(kafka::run(ledger.clone(), kafka_config, shutdown)?)
-    })?;
-    let s = &summary;
-    tracing::info!(
-        received = s.received,
-        released = s.released,
-        processed = s.processed,
-        duplicate = s.duplicate,
-        quarantined = s.quarantined,
-        dead_lettered = s.dead_lettered,
-        rejected = s.rejected,
-        revoked_partitions = s.revoked_partitions,
-        revoke_commit_failures = s.revoke_commit_failures,
-        shared_group_rebalances = s.shared_group_rebalances,
-        restored_changes = s.restored_changes,
-        restored_emitted = s.restored_emitted,
-        restored_records = s.restored_records,
-        changelog_tombstones = s.changelog_tombstones,
-        changelog_snapshots = s.changelog_snapshots,
-        outbox_relayed = s.outbox_relayed,
-        "stopped; every stored offset covers durable outcomes"
-    );
-    Ok(summary)
+impl BrokerSource for KafkaConfig {
+    type Summary = KafkaSummary;
+    const NAME: &'static str = "Kafka";
+    const LEFT: &'static str = "uncommitted offsets will be redelivered as duplicates";
+    fn drain_timeout(&self) -> Duration {
+        self.drain_timeout
+    }
+    fn run(&self, ledger: Arc<Ledger>, shutdown: &Shutdown) -> Result<KafkaSummary, RunError> {
+        Ok(kafka::run(ledger, self, shutdown)?)
+    }
+    fn log_stopped(s: &KafkaSummary) {
+        tracing::info!(
+            received = s.received,
+            released = s.released,
+            processed = s.processed,
+            duplicate = s.duplicate,
+            quarantined = s.quarantined,
+            dead_lettered = s.dead_lettered,
+            rejected = s.rejected,
+            revoked_partitions = s.revoked_partitions,
+            revoke_commit_failures = s.revoke_commit_failures,
+            shared_group_rebalances = s.shared_group_rebalances,
+            restored_changes = s.restored_changes,
+            restored_emitted = s.restored_emitted,
+            restored_records = s.restored_records,
+            changelog_tombstones = s.changelog_tombstones,
+            changelog_snapshots = s.changelog_snapshots,
+            outbox_relayed = s.outbox_relayed,
+            "stopped; every stored offset covers durable outcomes"
+        );
+    }
 }
 
-/// Like [`run_kafka`]: the API keeps answering while the bindings drain and acknowledge
-/// what is durable (unacknowledged messages are delivered again and answered `duplicate`).
-fn run_nats(
-    ledger: &Arc<Ledger>,
-    config: &Config,
-    nats_config: &NatsConfig,
-    http: Option<HttpConfig>,
-    shutdown: &Shutdown,
-) -> Result<NatsSummary, RunError> {
-    let broker = Broker {
-        name: "NATS",
-        drain_timeout: nats_config.drain_timeout,
-        left: "unacknowledged messages will be redelivered as duplicates",
-    };
-    let summary = run_broker(ledger, config, http, shutdown, broker, || {
-        Ok(nats::run(ledger.clone(), nats_config, shutdown)?)
-    })?;
-    let s = &summary;
-    tracing::info!(
-        received = s.received,
-        redelivered = s.redelivered,
-        acked = s.acked,
-        terminated = s.terminated,
-        naked = s.naked,
-        processed = s.processed,
-        duplicate = s.duplicate,
-        quarantined = s.quarantined,
-        dead_lettered = s.dead_lettered,
-        rejected = s.rejected,
-        "stopped; every acknowledgement covers a durable outcome"
-    );
-    Ok(summary)
+/// Like Kafka: the API keeps answering while the bindings drain and acknowledge what is
+/// durable (unacknowledged messages are delivered again and answered `duplicate`).
+impl BrokerSource for NatsConfig {
+    type Summary = NatsSummary;
+    const NAME: &'static str = "NATS";
+    const LEFT: &'static str = "unacknowledged messages will be redelivered as duplicates";
+    fn drain_timeout(&self) -> Duration {
+        self.drain_timeout
+    }
+    fn run(&self, ledger: Arc<Ledger>, shutdown: &Shutdown) -> Result<NatsSummary, RunError> {
+        Ok(nats::run(ledger, self, shutdown)?)
+    }
+    fn log_stopped(s: &NatsSummary) {
+        tracing::info!(
+            received = s.received,
+            redelivered = s.redelivered,
+            acked = s.acked,
+            terminated = s.terminated,
+            naked = s.naked,
+            processed = s.processed,
+            duplicate = s.duplicate,
+            quarantined = s.quarantined,
+            dead_lettered = s.dead_lettered,
+            rejected = s.rejected,
+            "stopped; every acknowledgement covers a durable outcome"
+        );
+    }
 }
 
-/// Like [`run_nats`]: what was not acknowledged stays in the broker's session and is
-/// delivered again at the next start (a `duplicate` once durable).
-fn run_mqtt(
-    ledger: &Arc<Ledger>,
-    config: &Config,
-    mqtt_config: &MqttConfig,
-    http: Option<HttpConfig>,
-    shutdown: &Shutdown,
-) -> Result<MqttSummary, RunError> {
-    let broker = Broker {
-        name: "MQTT",
-        drain_timeout: mqtt_config.drain_timeout,
-        left: "unacknowledged messages stay in the session and come again as duplicates",
-    };
-    let summary = run_broker(ledger, config, http, shutdown, broker, || {
-        Ok(mqtt::run(ledger.clone(), mqtt_config, shutdown)?)
-    })?;
-    let s = &summary;
-    tracing::info!(
-        received = s.received,
-        redelivered = s.redelivered,
-        acked = s.acked,
-        unacked_lost = s.unacked_lost,
-        processed = s.processed,
-        duplicate = s.duplicate,
-        quarantined = s.quarantined,
-        dead_lettered = s.dead_lettered,
-        rejected = s.rejected,
-        connections = s.connections,
-        "stopped; every acknowledgement covers a durable outcome"
-    );
-    Ok(summary)
+/// Like NATS: what was not acknowledged stays in the broker's session and is delivered
+/// again at the next start (a `duplicate` once durable).
+impl BrokerSource for MqttConfig {
+    type Summary = MqttSummary;
+    const NAME: &'static str = "MQTT";
+    const LEFT: &'static str =
+        "unacknowledged messages stay in the session and come again as duplicates";
+    fn drain_timeout(&self) -> Duration {
+        self.drain_timeout
+    }
+    fn run(&self, ledger: Arc<Ledger>, shutdown: &Shutdown) -> Result<MqttSummary, RunError> {
+        Ok(mqtt::run(ledger, self, shutdown)?)
+    }
+    fn log_stopped(s: &MqttSummary) {
+        tracing::info!(
+            received = s.received,
+            redelivered = s.redelivered,
+            acked = s.acked,
+            unacked_lost = s.unacked_lost,
+            processed = s.processed,
+            duplicate = s.duplicate,
+            quarantined = s.quarantined,
+            dead_lettered = s.dead_lettered,
+            rejected = s.rejected,
+            connections = s.connections,
+            "stopped; every acknowledgement covers a durable outcome"
+        );
+    }
 }
 
-/// Like [`run_nats`]: the API keeps answering while the bindings drain and acknowledge
-/// what is durable (unacknowledged messages are requeued and answered `duplicate`).
-fn run_rabbitmq(
-    ledger: &Arc<Ledger>,
-    config: &Config,
-    rabbitmq_config: &RabbitMqConfig,
-    http: Option<HttpConfig>,
-    shutdown: &Shutdown,
-) -> Result<RabbitMqSummary, RunError> {
-    let broker = Broker {
-        name: "RabbitMQ",
-        drain_timeout: rabbitmq_config.drain_timeout,
-        left: "unacknowledged messages are requeued by the server and redelivered as duplicates",
-    };
-    let summary = run_broker(ledger, config, http, shutdown, broker, || {
-        Ok(rabbitmq::run(ledger.clone(), rabbitmq_config, shutdown)?)
-    })?;
-    let s = &summary;
-    tracing::info!(
-        received = s.received,
-        redelivered = s.redelivered,
-        acked = s.acked,
-        dead_letter_rejects = s.dead_letter_rejects,
-        requeued = s.requeued,
-        processed = s.processed,
-        duplicate = s.duplicate,
-        quarantined = s.quarantined,
-        dead_lettered = s.dead_lettered,
-        rejected = s.rejected,
-        reconnects = s.reconnects,
-        "stopped; every acknowledgement covers a durable outcome"
-    );
-    Ok(summary)
-}
-
-/// A broker source as a stop sees it.
-struct Broker {
-    name: &'static str,
-    drain_timeout: Duration,
-    /// What a stop cut short leaves for the broker to do.
-    left: &'static str,
+/// Like NATS: the API keeps answering while the bindings drain and acknowledge what is
+/// durable (unacknowledged messages are requeued and answered `duplicate`).
+impl BrokerSource for RabbitMqConfig {
+    type Summary = RabbitMqSummary;
+    const NAME: &'static str = "RabbitMQ";
+    const LEFT: &'static str =
+        "unacknowledged messages are requeued by the server and redelivered as duplicates";
+    fn drain_timeout(&self) -> Duration {
+        self.drain_timeout
+    }
+    fn run(&self, ledger: Arc<Ledger>, shutdown: &Shutdown) -> Result<RabbitMqSummary, RunError> {
+        Ok(rabbitmq::run(ledger, self, shutdown)?)
+    }
+    fn log_stopped(s: &RabbitMqSummary) {
+        tracing::info!(
+            received = s.received,
+            redelivered = s.redelivered,
+            acked = s.acked,
+            dead_letter_rejects = s.dead_letter_rejects,
+            requeued = s.requeued,
+            processed = s.processed,
+            duplicate = s.duplicate,
+            quarantined = s.quarantined,
+            dead_lettered = s.dead_lettered,
+            rejected = s.rejected,
+            reconnects = s.reconnects,
+            "stopped; every acknowledgement covers a durable outcome"
+        );
+    }
 }
 
 /// What every broker mode shares around its source: signals, the stop watchdog, the
-/// optional API (answering while the source drains), the readiness notice.
+/// optional API (answering while the source drains), the readiness notice, the summary
+/// logged at the end.
 ///
 /// A client library can block its close for long when no broker answers; durable outcomes
 /// are safe without it (what was not acknowledged is only delivered again), so a stop that
 /// takes far longer than the drain allows ends the process.
-fn run_broker<S>(
+fn run_broker<B: BrokerSource>(
     ledger: &Arc<Ledger>,
     config: &Config,
+    source: &B,
     http: Option<HttpConfig>,
     shutdown: &Shutdown,
-    broker: Broker,
-    source: impl FnOnce() -> Result<S, RunError>,
-) -> Result<S, RunError> {
+) -> Result<B::Summary, RunError> {
     shutdown.on_signals()?;
-    let limit = broker.drain_timeout * 2 + Duration::from_secs(10);
+    let limit = source.drain_timeout() * 2 + Duration::from_secs(10);
     let watchdog = shutdown.clone();
     std::thread::Builder::new()
         .name("dedupd-stop-watchdog".into())
@@ -434,7 +423,8 @@ fn run_broker<S>(
             std::thread::sleep(limit);
             eprintln!(
                 "dedupd: shutdown did not finish within {limit:?} ({} unreachable?); exiting; {}",
-                broker.name, broker.left
+                B::NAME,
+                B::LEFT
             );
             std::process::exit(1);
         })?;
@@ -443,11 +433,13 @@ fn run_broker<S>(
         None => None,
     };
     ready();
-    let result = source();
+    let result = source.run(ledger.clone(), shutdown);
     if let Some(server) = server {
         server.stop()?;
     }
-    result
+    let summary = result?;
+    B::log_stopped(&summary);
+    Ok(summary)
 }
 
 /// The ledger is open, its handlers installed and the listeners bound: tells systemd

@@ -13,7 +13,9 @@
 //! - RabbitMQ (AMQP 0-9-1): [`rabbitmq`] (the only importer of lapin);
 //! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
 //!
-//! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection).
+//! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection);
+//! [`settle`] what the NATS, MQTT and RabbitMQ sources share between a shard's outcome and
+//! the broker's acknowledgement.
 
 pub mod delivery;
 pub mod generator;
@@ -23,4 +25,5 @@ pub mod mqtt;
 pub mod nats;
 pub mod rabbitmq;
 pub mod readiness;
+pub mod settle;
 pub mod stdin;

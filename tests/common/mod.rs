@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests (each test binary compiles its own copy, and
-//! uses only some of them).
+//! uses only some of them); `broker.rs` has those of the broker sources' tests.
 #![allow(dead_code)]
+
+pub mod broker;
 
 use std::path::PathBuf;
 use std::process::Command;

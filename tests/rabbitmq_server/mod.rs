@@ -2,11 +2,9 @@
 //! tests' own on free loopback ports (own epmd, cookie, database, logs; no plugins), one
 //! shared by the tests that leave it alone, and a publisher/inspector over lapin.
 
-use std::net::TcpListener;
-use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -16,37 +14,11 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
+use crate::common::broker::{free_port, wait_until};
+
 /// Where Debian's package puts the scripts (`/usr/sbin/rabbitmq-server` runs them as the
 /// `rabbitmq` user; the tests run them as they are, with their own directories).
 pub const SBIN: &str = "/usr/lib/rabbitmq/bin";
-
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-pub fn wait_until(what: &str, timeout: Duration, f: impl FnMut() -> bool) {
-    wait_logged(what, timeout, None, f);
-}
-
-/// [`wait_until`]; a timeout shows the end of `log` (a `dedupd run`'s).
-pub fn wait_logged(what: &str, timeout: Duration, log: Option<&Path>, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        if start.elapsed() >= timeout {
-            let text = log
-                .map(|l| std::fs::read_to_string(l).unwrap_or_default())
-                .unwrap_or_default();
-            let tail: Vec<&str> = text.lines().rev().take(30).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            panic!("timed out waiting for {what}; log:\n{}", tail.join("\n"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// A `rabbitmq-server` node of the tests' own: its epmd, ports, cookie and directories.
 pub struct RabbitServer {

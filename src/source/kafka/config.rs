@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Config, ConfigError, KeySource};
+use crate::config::broker::{at_least_100ms, bound_subscriber};
+use crate::config::{invalid, Config, ConfigError, KeySource};
 
 /// librdkafka options dedupd sets itself; overriding them would break G1.
 const MANAGED_OPTIONS: &[&str] = &[
@@ -19,13 +20,6 @@ const MANAGED_OPTIONS: &[&str] = &[
     "enable.idempotence",
     "acks",
 ];
-
-fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        problem: problem.into(),
-    }
-}
 
 /// Where a consumer group without committed offsets starts reading.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -255,9 +249,7 @@ impl KafkaConfig {
                 "must be between 1s and 1h",
             ));
         }
-        if self.drain_timeout < Duration::from_millis(100) {
-            return Err(invalid("kafka.drain_timeout", "must be at least 100ms"));
-        }
+        at_least_100ms(&[("kafka.drain_timeout", self.drain_timeout)])?;
         if self.subscriptions.iter().any(|s| s.changelog) {
             let c = &self.changelog;
             validate_topic(
@@ -295,18 +287,10 @@ impl KafkaConfig {
                     ),
                 ));
             }
-            if c.checkpoint_interval < Duration::from_millis(100) {
-                return Err(invalid(
-                    "kafka.changelog.checkpoint_interval",
-                    "must be at least 100ms",
-                ));
-            }
-            if c.compaction_interval < Duration::from_millis(100) {
-                return Err(invalid(
-                    "kafka.changelog.compaction_interval",
-                    "must be at least 100ms",
-                ));
-            }
+            at_least_100ms(&[
+                ("kafka.changelog.checkpoint_interval", c.checkpoint_interval),
+                ("kafka.changelog.compaction_interval", c.compaction_interval),
+            ])?;
         }
         if self.outbox.poll_interval > Duration::from_secs(60) {
             return Err(invalid("kafka.outbox.poll_interval", "must be at most 60s"));
@@ -328,16 +312,7 @@ impl KafkaConfig {
             if s.group.as_deref() == Some("") {
                 return Err(invalid(format!("{field}.group"), "must not be empty"));
             }
-            let Some(settings) = config.settings_for(&s.subscriber) else {
-                return Err(invalid(
-                    format!("{field}.subscriber"),
-                    format!(
-                        "names {:?}, which is not configured and `allow_unknown_subscribers` is false",
-                        s.subscriber
-                    ),
-                ));
-            };
-            crate::config::validate_subscriber_name(&format!("{field}.subscriber"), &s.subscriber)?;
+            let settings = bound_subscriber(&format!("{field}.subscriber"), &s.subscriber, config)?;
             if settings.key == KeySource::Id {
                 return Err(invalid(
                     format!("{field}.subscriber"),

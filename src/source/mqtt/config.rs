@@ -6,14 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Config, ConfigError, KeySource};
-
-fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        problem: problem.into(),
-    }
-}
+use crate::config::broker::{at_least_100ms, bound_subscriber, tls_files};
+use crate::config::{invalid, Config, ConfigError, KeySource};
 
 /// The MQTT protocol version the session speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -231,33 +225,13 @@ impl MqttConfig {
         if self.password_env.is_some() && self.username.is_none() {
             return Err(invalid("mqtt.password_env", "needs mqtt.username"));
         }
-        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            return Err(invalid(
-                "mqtt.tls_key_file",
-                "tls_cert_file and tls_key_file go together",
-            ));
-        }
-        let tls_files = [
-            ("mqtt.tls_ca_file", &self.tls_ca_file),
-            ("mqtt.tls_cert_file", &self.tls_cert_file),
-            ("mqtt.tls_key_file", &self.tls_key_file),
-        ];
-        for (field, path) in tls_files {
-            if let Some(p) = path {
-                if !addr.tls {
-                    return Err(invalid(
-                        field,
-                        "is for TLS; the broker URL says mqtt://, use mqtts://",
-                    ));
-                }
-                if !p.is_file() {
-                    return Err(invalid(
-                        field,
-                        format!("{} is not a readable file", p.display()),
-                    ));
-                }
-            }
-        }
+        tls_files(
+            "mqtt",
+            &self.tls_ca_file,
+            &self.tls_cert_file,
+            &self.tls_key_file,
+            (!addr.tls).then_some("is for TLS; the broker URL says mqtt://, use mqtts://"),
+        )?;
         if !(Duration::from_secs(5)..=Duration::from_secs(3600)).contains(&self.keep_alive) {
             return Err(invalid("mqtt.keep_alive", "must be between 5s and 1h"));
         }
@@ -275,15 +249,11 @@ impl MqttConfig {
                 "must be between 1024 and 268435456",
             ));
         }
-        for (field, d) in [
+        at_least_100ms(&[
             ("mqtt.connect_timeout", self.connect_timeout),
             ("mqtt.drain_timeout", self.drain_timeout),
             ("mqtt.reconnect_backoff_max", self.reconnect_backoff_max),
-        ] {
-            if d < Duration::from_millis(100) {
-                return Err(invalid(field, "must be at least 100ms"));
-            }
-        }
+        ])?;
         if self.subscriptions.is_empty() {
             return Err(invalid(
                 "mqtt.subscription",
@@ -364,16 +334,7 @@ impl SubscriptionConfig {
                 ))
             }
         }
-        crate::config::validate_subscriber_name(&format!("{field}.subscriber"), &self.subscriber)?;
-        let Some(settings) = config.settings_for(&self.subscriber) else {
-            return Err(invalid(
-                format!("{field}.subscriber"),
-                format!(
-                    "names {:?}, which is not configured and `allow_unknown_subscribers` is false",
-                    self.subscriber
-                ),
-            ));
-        };
+        let settings = bound_subscriber(&format!("{field}.subscriber"), &self.subscriber, config)?;
         if settings.key == KeySource::Id && self.id_topic_level.is_none() {
             return Err(invalid(
                 format!("{field}.id_topic_level"),
@@ -401,6 +362,7 @@ impl SubscriptionConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::broker::testing::{assert_fields_named, refused};
 
     const BASE: &str = r#"
 [[subscriber]]
@@ -424,10 +386,6 @@ topics = ["orders/#"]
         assert_eq!(m.receive_maximum.get(), 256);
         assert_eq!(m.subscriptions[0].qos, 1);
         assert_eq!(m.drain_timeout, Duration::from_secs(30));
-    }
-
-    fn refused(text: &str) -> String {
-        Config::parse(text).expect_err("refused").to_string()
     }
 
     #[test]
@@ -494,10 +452,7 @@ topics = ["orders/#"]
                 "mqtt.subscription[1].topics",
             ),
         ];
-        for (text, field) in cases {
-            let e = refused(&text);
-            assert!(e.contains(field), "{field}: {e}");
-        }
+        assert_fields_named(cases);
     }
 
     #[test]

@@ -33,9 +33,10 @@ use super::config::match_filter;
 use super::link::{self, Acked, Link, LinkEvent};
 use super::session::{self, AckHandle, Client, Message};
 use super::{MqttConfig, MqttError, MqttStats};
-use crate::ledger::{Done, Job, Ledger, Origin, Outcome, StoredPayload, Subscriber};
+use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
+use crate::source::settle::{bridge_dones, keep_dead_letter, now_ms, submit_staged};
 use crate::telemetry::metric;
 
 /// Events buffered between the connection task and the consumer.
@@ -111,7 +112,7 @@ pub(crate) async fn run(
     let _ready = crate::source::readiness::register("mqtt", Arc::new(move || probe.unready()));
     let (tx, mut rx) = mpsc::channel(LINK_BUFFER);
     let task = link::spawn(events, link.clone(), tx, mqtt.reconnect_backoff_max);
-    let (ack_tx, mut done_rx) = bridge_dones();
+    let (ack_tx, mut done_rx) = bridge_dones("dedupd-mqtt-acks".into());
     tracing::info!(broker = %mqtt.broker, client_id = %mqtt.client_id, protocol = ?mqtt.protocol,
         window = mqtt.receive_maximum.get(), "mqtt consumer started");
     let mut c = Consumer {
@@ -164,38 +165,6 @@ pub(crate) async fn run(
     task.abort();
     c.log_progress("mqtt consumer stopped");
     result.map(|()| link.connections())
-}
-
-/// Outcomes arrive on a crossbeam channel from the shard threads; a thread hands them to
-/// the async loop. It ends when every job (each holds a sender) and the consumer are gone.
-fn bridge_dones() -> (
-    crossbeam_channel::Sender<Vec<Done>>,
-    mpsc::UnboundedReceiver<Vec<Done>>,
-) {
-    let (ack_tx, ack_rx) = crossbeam_channel::unbounded::<Vec<Done>>();
-    // Unbounded, but never longer than the in-flight window: one `Done` per message held.
-    let (tx, rx) = mpsc::unbounded_channel();
-    let spawned = std::thread::Builder::new()
-        .name("dedupd-mqtt-acks".into())
-        .spawn(move || {
-            for dones in ack_rx {
-                if tx.send(dones).is_err() {
-                    break;
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        // Without the thread no outcome arrives and nothing is acknowledged: G1 holds.
-        tracing::error!("cannot start the mqtt ack thread: {e}");
-    }
-    (ack_tx, rx)
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 impl Consumer {
@@ -352,29 +321,22 @@ impl Consumer {
         ack: AckHandle,
     ) -> Result<(), MqttError> {
         tracing::warn!(subscriber = %self.routes[route].sub.name, %reason, "mqtt message rejected: kept as a dead letter, then acknowledged");
-        // The payload as records keep it: text when it is UTF-8, else base64.
-        let mut record = serde_json::json!({
-            "reason": reason,
-            "attempts": 0,
+        let about = serde_json::json!({
             "origin": format!("mqtt:{}", d.topic),
             "key": d.topic,
             "headers": d.headers,
         });
-        if let (Some(o), Ok(serde_json::Value::Object(p))) = (
-            record.as_object_mut(),
-            serde_json::to_value(StoredPayload::of(&d.payload)),
-        ) {
-            o.extend(p);
-        }
-        let (ledger, name) = (self.ledger.clone(), self.routes[route].sub.name.clone());
-        tokio::task::spawn_blocking(move || ledger.add_dead_letter(&name, record))
-            .await
-            .map_err(|e| MqttError::Ledger(format!("dead-letter write panicked: {e}")))?
-            .map_err(|e| MqttError::Ledger(e.to_string()))?;
-        self.routes[route]
-            .stats
-            .rejected
-            .fetch_add(1, Ordering::Relaxed);
+        let r = &self.routes[route];
+        keep_dead_letter(
+            &self.ledger,
+            &r.sub.name,
+            &r.stats.outcomes,
+            reason,
+            about,
+            &d.payload,
+        )
+        .await
+        .map_err(MqttError::Ledger)?;
         self.count_outcome(route, "rejected");
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -397,15 +359,7 @@ impl Consumer {
 
     /// Submits the staged jobs to their shards.
     fn flush(&mut self) -> Result<(), MqttError> {
-        for shard in 0..self.staged.len() {
-            if !self.staged[shard].is_empty() {
-                let jobs = std::mem::take(&mut self.staged[shard]);
-                self.ledger
-                    .submit(shard, jobs)
-                    .map_err(|e| MqttError::Ledger(e.to_string()))?;
-            }
-        }
-        Ok(())
+        submit_staged(&self.ledger, &mut self.staged).map_err(MqttError::Ledger)
     }
 
     /// Records durable outcomes and acknowledges what they release.
@@ -422,16 +376,9 @@ impl Consumer {
                 },
             };
             let st = &self.routes[route].stats;
-            let (counter, name) = match &d.outcome {
-                Outcome::Processed => (&st.processed, "processed"),
-                Outcome::Duplicate => (&st.duplicate, "duplicate"),
-                Outcome::Quarantined { .. } => (&st.quarantined, "quarantined"),
-                Outcome::DeadLettered { .. } => (&st.dead_lettered, "dead_lettered"),
-                Outcome::Rejected { .. } => (&st.rejected, "rejected"),
-                // G7: nothing more is acknowledged; the session keeps the rest.
-                Outcome::Failed { reason } => return Err(MqttError::Ledger(reason.clone())),
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
+            // G7: on a failure nothing more is acknowledged; the session keeps the rest.
+            // MQTT has no reject: every durable outcome is acknowledged.
+            let (name, _) = st.outcomes.count(&d.outcome).map_err(MqttError::Ledger)?;
             self.count_outcome(route, name);
             if stale {
                 self.count_unacked(route);
@@ -528,9 +475,9 @@ impl Consumer {
             received = self.total(|s| &s.received),
             acked = self.total(|s| &s.acked),
             redelivered = self.total(|s| &s.redelivered),
-            processed = self.total(|s| &s.processed),
-            duplicate = self.total(|s| &s.duplicate),
-            rejected = self.total(|s| &s.rejected),
+            processed = self.total(|s| &s.outcomes.processed),
+            duplicate = self.total(|s| &s.outcomes.duplicate),
+            rejected = self.total(|s| &s.outcomes.rejected),
             unacked_lost = self.total(|s| &s.unacked_lost),
             in_flight = self.held(),
             "{what}"

@@ -39,6 +39,7 @@ pub use config::{MqttConfig, Protocol, SubscriptionConfig};
 
 use crate::ledger::Ledger;
 use crate::pipeline::{Cause, Shutdown};
+use crate::source::settle::OutcomeStats;
 
 /// Why the MQTT source stopped.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -70,11 +71,8 @@ pub struct MqttStats {
     /// Outcomes made durable after the connection their message came on was lost: not
     /// acknowledged (its packet id is void); the broker delivers the message again.
     pub unacked_lost: AtomicU64,
-    pub processed: AtomicU64,
-    pub duplicate: AtomicU64,
-    pub quarantined: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub rejected: AtomicU64,
+    /// Durable outcomes by kind.
+    pub outcomes: OutcomeStats,
 }
 
 /// What a stopped MQTT source did, all subscriptions together.
@@ -100,11 +98,12 @@ impl MqttSummary {
         self.redelivered += get(&s.redelivered);
         self.acked += get(&s.acked);
         self.unacked_lost += get(&s.unacked_lost);
-        self.processed += get(&s.processed);
-        self.duplicate += get(&s.duplicate);
-        self.quarantined += get(&s.quarantined);
-        self.dead_lettered += get(&s.dead_lettered);
-        self.rejected += get(&s.rejected);
+        let o = &s.outcomes;
+        self.processed += get(&o.processed);
+        self.duplicate += get(&o.duplicate);
+        self.quarantined += get(&o.quarantined);
+        self.dead_lettered += get(&o.dead_lettered);
+        self.rejected += get(&o.rejected);
     }
 }
 

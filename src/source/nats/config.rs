@@ -6,14 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Config, ConfigError};
-
-fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        problem: problem.into(),
-    }
-}
+use crate::config::broker::{at_least_100ms, bound_subscriber, readable_file, tls_files};
+use crate::config::{invalid, Config, ConfigError};
 
 /// The NATS JetStream source: durable pull consumers feeding subscribers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -169,33 +163,18 @@ impl NatsConfig {
         if self.password.is_some() != self.user.is_some() {
             return Err(invalid("nats.password", "user and password go together"));
         }
-        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            return Err(invalid(
-                "nats.tls_key_file",
-                "tls_cert_file and tls_key_file go together",
-            ));
-        }
-        for (field, path) in [
-            ("nats.credentials_file", &self.credentials_file),
-            ("nats.tls_ca_file", &self.tls_ca_file),
-            ("nats.tls_cert_file", &self.tls_cert_file),
-            ("nats.tls_key_file", &self.tls_key_file),
-        ] {
-            if let Some(p) = path {
-                if !p.is_file() {
-                    return Err(invalid(
-                        field,
-                        format!("{} is not a readable file", p.display()),
-                    ));
-                }
-            }
-        }
-        if self.drain_timeout < Duration::from_millis(100) {
-            return Err(invalid("nats.drain_timeout", "must be at least 100ms"));
-        }
-        if self.connect_timeout < Duration::from_millis(100) {
-            return Err(invalid("nats.connect_timeout", "must be at least 100ms"));
-        }
+        readable_file("nats.credentials_file", &self.credentials_file)?;
+        tls_files(
+            "nats",
+            &self.tls_ca_file,
+            &self.tls_cert_file,
+            &self.tls_key_file,
+            None,
+        )?;
+        at_least_100ms(&[
+            ("nats.drain_timeout", self.drain_timeout),
+            ("nats.connect_timeout", self.connect_timeout),
+        ])?;
         if self.bindings.is_empty() {
             return Err(invalid(
                 "nats.binding",
@@ -245,16 +224,7 @@ impl BindingConfig {
         if self.nak_delay > Duration::from_secs(3600) {
             return Err(invalid(format!("{field}.nak_delay"), "must be at most 1h"));
         }
-        crate::config::validate_subscriber_name(&format!("{field}.subscriber"), &self.subscriber)?;
-        if config.settings_for(&self.subscriber).is_none() {
-            return Err(invalid(
-                format!("{field}.subscriber"),
-                format!(
-                    "names {:?}, which is not configured and `allow_unknown_subscribers` is false",
-                    self.subscriber
-                ),
-            ));
-        }
+        bound_subscriber(&format!("{field}.subscriber"), &self.subscriber, config)?;
         Ok(())
     }
 }
@@ -277,6 +247,7 @@ fn validate_name(field: &str, name: &str) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::broker::testing::{assert_fields_named, refused};
 
     const BASE: &str = r#"
 [nats]
@@ -297,10 +268,6 @@ durable = "dedupd-orders"
         assert_eq!(b.max_ack_pending.get(), 4096);
         assert_eq!(b.batch.get(), 256);
         assert_eq!(b.ack_wait, Duration::from_secs(30));
-    }
-
-    fn refused(text: &str) -> String {
-        Config::parse(text).expect_err("refused").to_string()
     }
 
     #[test]
@@ -326,10 +293,7 @@ durable = "dedupd-orders"
                 "nats.binding[1].durable",
             ),
         ];
-        for (text, field) in cases {
-            let e = refused(&text);
-            assert!(e.contains(field), "{field}: {e}");
-        }
+        assert_fields_named(cases);
     }
 
     #[test]

@@ -32,9 +32,10 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 
 use super::{BindingConfig, NatsError, NatsStats};
-use crate::ledger::{Done, Job, Ledger, Origin, Outcome, StoredPayload, Subscriber};
+use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
+use crate::source::settle::{bridge_dones, keep_dead_letter, now_ms, submit_staged, Settle};
 use crate::telemetry::metric;
 
 /// The header JetStream's own duplicate window reads; an `id` key source reads it too.
@@ -90,7 +91,7 @@ pub(crate) async fn run_binding(
         .messages()
         .await
         .map_err(|e| NatsError::Client(format!("pull from {:?}: {e}", config.durable)))?;
-    let (ack_tx, mut done_rx) = bridge_dones(&sub.name);
+    let (ack_tx, mut done_rx) = bridge_dones(format!("dedupd-nats-acks-{}", sub.name));
     tracing::info!(subscriber = %sub.name, stream = %config.stream, durable = %config.durable, window, "nats consumer started");
     let mut b = Binding {
         staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
@@ -191,41 +192,6 @@ async fn open_consumer(
     Ok(consumer)
 }
 
-/// Outcomes arrive on a crossbeam channel from the shard threads; a thread hands them to
-/// the async loop. It ends when every job (each holds a sender) and the binding are gone.
-fn bridge_dones(
-    subscriber: &str,
-) -> (
-    crossbeam_channel::Sender<Vec<Done>>,
-    mpsc::UnboundedReceiver<Vec<Done>>,
-) {
-    let (ack_tx, ack_rx) = crossbeam_channel::unbounded::<Vec<Done>>();
-    // Unbounded, but never longer than the in-flight window: one `Done` per message held.
-    let (tx, rx) = mpsc::unbounded_channel();
-    let spawned = std::thread::Builder::new()
-        .name(format!("dedupd-nats-acks-{subscriber}"))
-        .spawn(move || {
-            for dones in ack_rx {
-                if tx.send(dones).is_err() {
-                    break;
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        // Without the thread no outcome arrives and nothing is acknowledged: G1 holds, and
-        // the drain at stop reports the messages as not durable.
-        tracing::error!(%subscriber, "cannot start the nats ack thread: {e}");
-    }
-    (ack_tx, rx)
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 impl Binding {
     fn counter(&self, name: &'static str) -> metrics::Counter {
         metrics::counter!(name, "subscriber" => self.sub.name.to_string())
@@ -288,27 +254,22 @@ impl Binding {
     /// for a message whose record is not durable).
     async fn reject(&mut self, d: Refused, reason: String, acker: Acker) -> Result<(), NatsError> {
         tracing::warn!(subscriber = %self.sub.name, %reason, "nats message rejected: kept as a dead letter and terminated");
-        // The payload as records keep it: text when it is UTF-8, else base64.
-        let mut record = serde_json::json!({
-            "reason": reason,
-            "attempts": 0,
+        let about = serde_json::json!({
             "origin": d.origin.map(|o| o.to_string()),
             "id": d.id,
             "key": d.subject,
             "headers": d.headers,
         });
-        if let (Some(o), Ok(serde_json::Value::Object(p))) = (
-            record.as_object_mut(),
-            serde_json::to_value(StoredPayload::of(&d.payload)),
-        ) {
-            o.extend(p);
-        }
-        let (ledger, name) = (self.ledger.clone(), self.sub.name.clone());
-        tokio::task::spawn_blocking(move || ledger.add_dead_letter(&name, record))
-            .await
-            .map_err(|e| NatsError::Ledger(format!("dead-letter write panicked: {e}")))?
-            .map_err(|e| NatsError::Ledger(e.to_string()))?;
-        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        keep_dead_letter(
+            &self.ledger,
+            &self.sub.name,
+            &self.stats.outcomes,
+            reason,
+            about,
+            &d.payload,
+        )
+        .await
+        .map_err(NatsError::Ledger)?;
         self.count_outcome("rejected", 1);
         self.terminate(&acker).await;
         Ok(())
@@ -322,15 +283,7 @@ impl Binding {
 
     /// Submits the staged jobs to their shards.
     fn flush(&mut self) -> Result<(), NatsError> {
-        for shard in 0..self.staged.len() {
-            if !self.staged[shard].is_empty() {
-                let jobs = std::mem::take(&mut self.staged[shard]);
-                self.ledger
-                    .submit(shard, jobs)
-                    .map_err(|e| NatsError::Ledger(e.to_string()))?;
-            }
-        }
-        Ok(())
+        submit_staged(&self.ledger, &mut self.staged).map_err(NatsError::Ledger)
     }
 
     /// Acknowledges each message whose outcome is durable now.
@@ -339,22 +292,17 @@ impl Binding {
             let Some(acker) = self.in_flight.remove(&d.seq) else {
                 continue;
             };
-            let (counter, name) = match &d.outcome {
-                Outcome::Processed => (&self.stats.processed, "processed"),
-                Outcome::Duplicate => (&self.stats.duplicate, "duplicate"),
-                Outcome::Quarantined { .. } => (&self.stats.quarantined, "quarantined"),
-                Outcome::DeadLettered { .. } => (&self.stats.dead_lettered, "dead_lettered"),
-                Outcome::Rejected { .. } => (&self.stats.rejected, "rejected"),
-                // G7: nothing more is acknowledged; the server redelivers after a restart.
-                Outcome::Failed { reason } => return Err(NatsError::Ledger(reason.clone())),
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
+            // G7: on a failure nothing more is acknowledged; the server redelivers after a
+            // restart.
+            let (name, settle) = self
+                .stats
+                .outcomes
+                .count(&d.outcome)
+                .map_err(NatsError::Ledger)?;
             self.count_outcome(name, 1);
-            match d.outcome {
-                Outcome::DeadLettered { .. } | Outcome::Rejected { .. } => {
-                    self.terminate(&acker).await
-                }
-                _ => self.ack(&acker, AckKind::Ack).await,
+            match settle {
+                Settle::Refuse => self.terminate(&acker).await,
+                Settle::Ack => self.ack(&acker, AckKind::Ack).await,
             }
         }
         Ok(())
@@ -452,8 +400,8 @@ impl Binding {
             acked = get(&s.acked),
             terminated = get(&s.terminated),
             redelivered = get(&s.redelivered),
-            processed = get(&s.processed),
-            duplicate = get(&s.duplicate),
+            processed = get(&s.outcomes.processed),
+            duplicate = get(&s.outcomes.duplicate),
             in_flight = self.in_flight.len(),
             "{what}"
         );

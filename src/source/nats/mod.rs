@@ -34,6 +34,7 @@ pub use config::{BindingConfig, NatsConfig};
 
 use crate::ledger::Ledger;
 use crate::pipeline::{Cause, Shutdown};
+use crate::source::settle::OutcomeStats;
 
 /// Why the NATS source stopped.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -64,11 +65,8 @@ pub struct NatsStats {
     pub terminated: AtomicU64,
     /// `Nak`s sent (given back at stop, not durable).
     pub naked: AtomicU64,
-    pub processed: AtomicU64,
-    pub duplicate: AtomicU64,
-    pub quarantined: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub rejected: AtomicU64,
+    /// Durable outcomes by kind.
+    pub outcomes: OutcomeStats,
 }
 
 /// What a stopped NATS source did, all bindings together.
@@ -94,11 +92,12 @@ impl NatsSummary {
         self.acked += get(&s.acked);
         self.terminated += get(&s.terminated);
         self.naked += get(&s.naked);
-        self.processed += get(&s.processed);
-        self.duplicate += get(&s.duplicate);
-        self.quarantined += get(&s.quarantined);
-        self.dead_lettered += get(&s.dead_lettered);
-        self.rejected += get(&s.rejected);
+        let o = &s.outcomes;
+        self.processed += get(&o.processed);
+        self.duplicate += get(&o.duplicate);
+        self.quarantined += get(&o.quarantined);
+        self.dead_lettered += get(&o.dead_lettered);
+        self.rejected += get(&o.rejected);
     }
 }
 

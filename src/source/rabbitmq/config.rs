@@ -6,14 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Config, ConfigError};
-
-fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        problem: problem.into(),
-    }
-}
+use crate::config::broker::{at_least_100ms, bound_subscriber, tls_files};
+use crate::config::{invalid, Config, ConfigError};
 
 /// The RabbitMQ source: queues consumed over AMQP 0-9-1, feeding subscribers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -163,41 +157,18 @@ impl RabbitMqConfig {
                 "user and password go together",
             ));
         }
-        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            return Err(invalid(
-                "rabbitmq.tls_key_file",
-                "tls_cert_file and tls_key_file go together",
-            ));
-        }
-        for (field, path) in [
-            ("rabbitmq.tls_ca_file", &self.tls_ca_file),
-            ("rabbitmq.tls_cert_file", &self.tls_cert_file),
-            ("rabbitmq.tls_key_file", &self.tls_key_file),
-        ] {
-            if let Some(p) = path {
-                if !self.tls() {
-                    return Err(invalid(
-                        field,
-                        "is set but the uri is amqp:// (no TLS); use amqps://",
-                    ));
-                }
-                if !p.is_file() {
-                    return Err(invalid(
-                        field,
-                        format!("{} is not a readable file", p.display()),
-                    ));
-                }
-            }
-        }
-        for (field, d) in [
+        tls_files(
+            "rabbitmq",
+            &self.tls_ca_file,
+            &self.tls_cert_file,
+            &self.tls_key_file,
+            (!self.tls()).then_some("is set but the uri is amqp:// (no TLS); use amqps://"),
+        )?;
+        at_least_100ms(&[
             ("rabbitmq.drain_timeout", self.drain_timeout),
             ("rabbitmq.connect_timeout", self.connect_timeout),
             ("rabbitmq.reconnect_delay_max", self.reconnect_delay_max),
-        ] {
-            if d < Duration::from_millis(100) {
-                return Err(invalid(field, "must be at least 100ms"));
-            }
-        }
+        ])?;
         if self.bindings.is_empty() {
             return Err(invalid(
                 "rabbitmq.binding",
@@ -235,16 +206,7 @@ impl BindingConfig {
                 ));
             }
         }
-        crate::config::validate_subscriber_name(&format!("{field}.subscriber"), &self.subscriber)?;
-        if config.settings_for(&self.subscriber).is_none() {
-            return Err(invalid(
-                format!("{field}.subscriber"),
-                format!(
-                    "names {:?}, which is not configured and `allow_unknown_subscribers` is false",
-                    self.subscriber
-                ),
-            ));
-        }
+        bound_subscriber(&format!("{field}.subscriber"), &self.subscriber, config)?;
         Ok(())
     }
 }
@@ -270,6 +232,7 @@ fn validate_queue(field: &str, name: &str, declare: bool) -> Result<(), ConfigEr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::broker::testing::{assert_fields_named, refused};
 
     const BASE: &str = r#"
 [rabbitmq]
@@ -307,10 +270,6 @@ queue = "orders"
         assert_eq!(uri.authority.userinfo.password, "s3cret");
         assert_eq!(uri.vhost, "prod");
         assert!(r.tls());
-    }
-
-    fn refused(text: &str) -> String {
-        Config::parse(text).expect_err("refused").to_string()
     }
 
     #[test]
@@ -363,10 +322,7 @@ queue = "orders"
                 "rabbitmq.binding[1].queue",
             ),
         ];
-        for (text, field) in cases {
-            let e = refused(&text);
-            assert!(e.contains(field), "{field}: {e}");
-        }
+        assert_fields_named(cases);
     }
 
     #[test]

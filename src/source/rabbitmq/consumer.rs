@@ -38,9 +38,10 @@ use lapin::{Channel, Connection, Consumer};
 use tokio::sync::{mpsc, watch};
 
 use super::{BindingConfig, Ended, RabbitMqConfig, RabbitMqError, RabbitMqStats};
-use crate::ledger::{Done, Job, Ledger, Origin, Outcome, StoredPayload, Subscriber};
+use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
 use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
+use crate::source::settle::{bridge_dones, keep_dead_letter, now_ms, submit_staged, Settle};
 use crate::telemetry::metric;
 
 /// How often the queue's ready count is read for the metrics.
@@ -59,7 +60,7 @@ pub(crate) struct Outcomes {
 
 impl Outcomes {
     pub(crate) fn new(subscriber: &str) -> Outcomes {
-        let (tx, rx) = bridge_dones(subscriber);
+        let (tx, rx) = bridge_dones(format!("dedupd-amqp-acks-{subscriber}"));
         Outcomes {
             tx,
             rx: Arc::new(tokio::sync::Mutex::new(rx)),
@@ -350,41 +351,6 @@ async fn consume(
     }
 }
 
-/// Outcomes arrive on a crossbeam channel from the shard threads; a thread hands them to
-/// the async loop. It ends when every job (each holds a sender) and the binding are gone.
-fn bridge_dones(
-    subscriber: &str,
-) -> (
-    crossbeam_channel::Sender<Vec<Done>>,
-    mpsc::UnboundedReceiver<Vec<Done>>,
-) {
-    let (ack_tx, ack_rx) = crossbeam_channel::unbounded::<Vec<Done>>();
-    // Unbounded, but never longer than the prefetch window: one `Done` per message held.
-    let (tx, rx) = mpsc::unbounded_channel();
-    let spawned = std::thread::Builder::new()
-        .name(format!("dedupd-amqp-acks-{subscriber}"))
-        .spawn(move || {
-            for dones in ack_rx {
-                if tx.send(dones).is_err() {
-                    break;
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        // Without the thread no outcome arrives and nothing is acknowledged: G1 holds, and
-        // the drain at stop gives the messages back.
-        tracing::error!(%subscriber, "cannot start the rabbitmq ack thread: {e}");
-    }
-    (ack_tx, rx)
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 fn lost(what: &str, e: lapin::Error) -> Halt {
     Halt::Lost(format!("{what} not sent: {e}"))
 }
@@ -469,27 +435,22 @@ impl Binding {
     /// requeue (G1: never settled before its record is durable).
     async fn refuse(&mut self, d: Refused, reason: String, tag: u64) -> Result<(), Halt> {
         tracing::warn!(subscriber = %self.sub.name, queue = %self.config.queue, %reason, "rabbitmq message rejected: kept as a dead letter and rejected to the queue's dead-letter exchange");
-        // The payload as records keep it: text when it is UTF-8, else base64.
-        let mut record = serde_json::json!({
-            "reason": reason,
-            "attempts": 0,
+        let about = serde_json::json!({
             "origin": self.origin.to_string(),
             "id": d.id,
             "key": d.routing_key,
             "headers": d.headers,
         });
-        if let (Some(o), Ok(serde_json::Value::Object(p))) = (
-            record.as_object_mut(),
-            serde_json::to_value(StoredPayload::of(&d.payload)),
-        ) {
-            o.extend(p);
-        }
-        let (ledger, name) = (self.ledger.clone(), self.sub.name.clone());
-        tokio::task::spawn_blocking(move || ledger.add_dead_letter(&name, record))
-            .await
-            .map_err(|e| RabbitMqError::Ledger(format!("dead-letter write panicked: {e}")))?
-            .map_err(|e| RabbitMqError::Ledger(e.to_string()))?;
-        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        keep_dead_letter(
+            &self.ledger,
+            &self.sub.name,
+            &self.stats.outcomes,
+            reason,
+            about,
+            &d.payload,
+        )
+        .await
+        .map_err(RabbitMqError::Ledger)?;
         self.count_outcome("rejected", 1);
         self.reject(tag).await
     }
@@ -508,15 +469,7 @@ impl Binding {
 
     /// Submits the staged jobs to their shards.
     fn flush(&mut self) -> Result<(), RabbitMqError> {
-        for shard in 0..self.staged.len() {
-            if !self.staged[shard].is_empty() {
-                let jobs = std::mem::take(&mut self.staged[shard]);
-                self.ledger
-                    .submit(shard, jobs)
-                    .map_err(|e| RabbitMqError::Ledger(e.to_string()))?;
-            }
-        }
-        Ok(())
+        submit_staged(&self.ledger, &mut self.staged).map_err(RabbitMqError::Ledger)
     }
 
     /// Marks each message whose outcome is durable now, rejects the dead-lettered ones and
@@ -530,28 +483,23 @@ impl Binding {
             if session == self.session && !current {
                 continue;
             }
-            let (counter, name) = match &d.outcome {
-                Outcome::Processed => (&self.stats.processed, "processed"),
-                Outcome::Duplicate => (&self.stats.duplicate, "duplicate"),
-                Outcome::Quarantined { .. } => (&self.stats.quarantined, "quarantined"),
-                Outcome::DeadLettered { .. } => (&self.stats.dead_lettered, "dead_lettered"),
-                Outcome::Rejected { .. } => (&self.stats.rejected, "rejected"),
-                // G7: nothing more is acknowledged; the server redelivers after a restart.
-                Outcome::Failed { reason } => {
-                    return Err(Halt::Failed(RabbitMqError::Ledger(reason.clone())))
-                }
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
+            // G7: on a failure nothing more is acknowledged; the server redelivers after a
+            // restart.
+            let (name, settle) = self
+                .stats
+                .outcomes
+                .count(&d.outcome)
+                .map_err(|reason| Halt::Failed(RabbitMqError::Ledger(reason)))?;
             self.count_outcome(name, 1);
             if !current {
                 continue;
             }
-            match d.outcome {
-                Outcome::DeadLettered { .. } | Outcome::Rejected { .. } => {
+            match settle {
+                Settle::Refuse => {
                     self.pending.remove(&tag);
                     self.reject(tag).await?;
                 }
-                _ => {
+                Settle::Ack => {
                     self.pending.insert(tag, Pending::Durable);
                 }
             }
@@ -707,8 +655,8 @@ impl Binding {
             acked = get(&s.acked),
             dead_letter_rejects = get(&s.dead_letter_rejects),
             redelivered = get(&s.redelivered),
-            processed = get(&s.processed),
-            duplicate = get(&s.duplicate),
+            processed = get(&s.outcomes.processed),
+            duplicate = get(&s.outcomes.duplicate),
             in_flight = self.pending.len(),
             "{what}"
         );

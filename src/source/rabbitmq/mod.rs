@@ -39,6 +39,7 @@ pub use config::{BindingConfig, RabbitMqConfig};
 
 use crate::ledger::Ledger;
 use crate::pipeline::{Cause, Shutdown};
+use crate::source::settle::OutcomeStats;
 use crate::telemetry::metric;
 
 /// Why the RabbitMQ source stopped.
@@ -72,11 +73,8 @@ pub struct RabbitMqStats {
     pub dead_letter_rejects: AtomicU64,
     /// `basic.nack` with requeue sent (given back at stop, not durable).
     pub requeued: AtomicU64,
-    pub processed: AtomicU64,
-    pub duplicate: AtomicU64,
-    pub quarantined: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub rejected: AtomicU64,
+    /// Durable outcomes by kind.
+    pub outcomes: OutcomeStats,
 }
 
 /// What a stopped RabbitMQ source did, all bindings together.
@@ -105,11 +103,12 @@ impl RabbitMqSummary {
         self.acked += get(&s.acked);
         self.dead_letter_rejects += get(&s.dead_letter_rejects);
         self.requeued += get(&s.requeued);
-        self.processed += get(&s.processed);
-        self.duplicate += get(&s.duplicate);
-        self.quarantined += get(&s.quarantined);
-        self.dead_lettered += get(&s.dead_lettered);
-        self.rejected += get(&s.rejected);
+        let o = &s.outcomes;
+        self.processed += get(&o.processed);
+        self.duplicate += get(&o.duplicate);
+        self.quarantined += get(&o.quarantined);
+        self.dead_lettered += get(&o.dead_lettered);
+        self.rejected += get(&o.rejected);
     }
 }
 
