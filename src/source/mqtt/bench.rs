@@ -43,6 +43,8 @@ pub struct MqttBenchParams {
     pub seed: u64,
     /// The in-flight window of both consumers (Receive Maximum).
     pub window: u16,
+    /// Messages queued for a session at a time ([`ROUND`] by default).
+    pub round: usize,
     pub handler: Option<PathBuf>,
     /// Directory for the temporary data directories.
     pub dir: PathBuf,
@@ -82,11 +84,12 @@ impl std::fmt::Display for MqttBenchParams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "mqtt-bench: broker {}, {} messages ({:.0} % redeliveries, seed {}), window {}, handler {}",
+            "mqtt-bench: broker {}, {} messages ({:.0} % redeliveries, seed {}) in rounds of {}, window {}, handler {}",
             self.broker,
             self.messages,
             self.dup_rate * 100.0,
             self.seed,
+            self.round,
             self.window,
             self.handler
                 .as_ref()
@@ -112,7 +115,7 @@ pub fn run(
         .map_err(client_error)?;
     let tag = std::process::id();
     let msgs = generate(params);
-    let rounds: Vec<&[Published]> = msgs.chunks(ROUND).collect();
+    let rounds: Vec<&[Published]> = msgs.chunks(params.round).collect();
     // Fills the session `id` of `name` with one round's messages while it is offline.
     let fill = |name: &str, i: usize, progress: &mut dyn FnMut(&str)| {
         progress(&format!("{name}: round {}/{}", i + 1, rounds.len()));
@@ -195,7 +198,7 @@ type Published = (u64, Vec<u8>, String);
 /// reconnecting client faster than the client's PUBACKs go out, and past ~65,000 queued
 /// the client's request channel (rumqttc, 65,551 requests) fills and acknowledgements are
 /// refused (docs/mqtt.md, "Throughput"). Larger runs are several rounds.
-const ROUND: usize = 50_000;
+pub const ROUND: usize = 50_000;
 
 /// The generated traffic (fixed seed, redeliveries included), in publishing order.
 fn generate(params: &MqttBenchParams) -> Vec<Published> {

@@ -77,6 +77,10 @@ pub struct MqttBenchArgs {
     /// The in-flight window of both consumers (Receive Maximum).
     #[arg(long, default_value_t = 1000)]
     window: u16,
+    /// Messages queued for a session at a time: each phase is published and consumed in
+    /// rounds of this many (see `--messages`).
+    #[arg(long, default_value_t = 50_000)]
+    round: usize,
     /// Handler component: a third phase runs it for every new message.
     #[arg(long)]
     handler: Option<PathBuf>,
@@ -90,8 +94,12 @@ pub struct MqttBenchArgs {
 
 impl MqttBenchArgs {
     pub fn params(self) -> Result<MqttBenchParams> {
-        if !(0.0..1.0).contains(&self.dup_rate) || self.messages == 0 || self.window == 0 {
-            bail!("--dup-rate must be in [0, 1), --messages and --window at least 1");
+        if !(0.0..1.0).contains(&self.dup_rate)
+            || self.messages == 0
+            || self.window == 0
+            || self.round == 0
+        {
+            bail!("--dup-rate must be in [0, 1), --messages, --window and --round at least 1");
         }
         if let Some(h) = &self.handler {
             if !h.exists() {
@@ -107,6 +115,7 @@ impl MqttBenchArgs {
             dup_rate: self.dup_rate,
             seed: self.seed,
             window: self.window,
+            round: self.round,
             handler: self.handler,
             dir: self.dir,
         })
