@@ -270,11 +270,22 @@ async fn consume_only(
         AsyncClient::new(options(addr, id, window), usize::from(u16::MAX) + 16);
     let mut start = None;
     let mut got = 0;
-    while got < count {
+    // Acks the client's request channel refused (full: see [`ROUND`]), offered again in
+    // order before each poll, as the source does.
+    let mut pending = std::collections::VecDeque::new();
+    while got < count || !pending.is_empty() {
+        while let Some(p) = pending.front() {
+            match client.try_ack(p) {
+                Ok(()) => pending.pop_front(),
+                Err(_) => break,
+            };
+        }
         if let Event::Incoming(Packet::Publish(p)) = events.poll().await.map_err(client_error)? {
             start.get_or_insert_with(Instant::now);
-            client.try_ack(&p).map_err(client_error)?;
             got += 1;
+            if !pending.is_empty() || client.try_ack(&p).is_err() {
+                pending.push_back(p);
+            }
         }
     }
     let seconds = start.map_or(0.0, |t| t.elapsed().as_secs_f64());

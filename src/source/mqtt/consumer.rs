@@ -13,6 +13,13 @@
 //! outcomes still become durable, but they are not acknowledged; the broker delivers them
 //! again on the new connection, and that delivery is acknowledged.
 //!
+//! A PUBACK the client cannot take (its request channel full: mosquitto 2.0.11 sends a
+//! session's queued backlog faster than the connection task writes the acks, past the
+//! window) waits in `unsent`, in order, and is offered again at the next outcome, event
+//! batch or tick; the acks behind it queue after it. It used to be dropped (the message
+//! stayed unacknowledged until the next connection, and with the broker waiting for the
+//! acks the source stalled until a restart).
+//!
 //! Backpressure: at most `receive_maximum` messages are held (the broker honours it with
 //! MQTT 5; with 3.1.1 its `max_inflight_messages` should be no larger); while the window is
 //! full the consumer stops taking events, the connection task's channel fills and it stops
@@ -41,7 +48,10 @@ use crate::telemetry::metric;
 
 /// Events buffered between the connection task and the consumer.
 const LINK_BUFFER: usize = 64;
-/// How long a stop waits for the DISCONNECT (after the queued acks) to be written.
+/// How often a stop offers refused PUBACKs again.
+const UNSENT_RETRY: Duration = Duration::from_millis(20);
+/// How long a stop waits at least for the DISCONNECT (after the queued acks) to be
+/// written.
 const DISCONNECT_WAIT: Duration = Duration::from_secs(5);
 
 /// One `[[mqtt.subscription]]` at run time.
@@ -79,6 +89,13 @@ struct Consumer {
     queue: VecDeque<Held>,
     /// Messages of lost connections whose outcomes are not durable yet: seq -> route.
     stale: HashMap<u64, usize>,
+    /// Durable messages whose PUBACK the client refused (its request channel full), in
+    /// arrival order: offered again before any later ack. Not counted in `held`: the
+    /// consumer must keep taking events, or the connection task that drains the channel
+    /// would stop too.
+    unsent: VecDeque<Held>,
+    /// Whether the wait in `unsent` has been reported since it last emptied.
+    unsent_warned: bool,
     next_seq: u64,
     staged: Vec<Vec<Job>>,
     window: usize,
@@ -124,6 +141,8 @@ pub(crate) async fn run(
         ack_tx,
         queue: VecDeque::new(),
         stale: HashMap::new(),
+        unsent: VecDeque::new(),
+        unsent_warned: false,
         next_seq: 0,
         window: usize::from(mqtt.receive_maximum.get()),
         left_at_stop: 0,
@@ -149,8 +168,10 @@ pub(crate) async fn run(
                         }
                     }
                     c.flush()?;
+                    c.retry_unsent();
                 },
                 _ = tick.tick() => {
+                    c.retry_unsent();
                     let now = c.total(|s| &s.received) + c.total(|s| &s.acked);
                     if now != logged {
                         logged = now;
@@ -218,7 +239,10 @@ impl Consumer {
     /// The connection is gone: its messages are no longer acknowledged (their packet ids
     /// are void); the broker delivers them again on the next one.
     fn lose(&mut self) {
-        let mut unacked = Vec::new();
+        let mut unacked: Vec<usize> = std::mem::take(&mut self.unsent)
+            .into_iter()
+            .map(|h| h.route)
+            .collect();
         for h in std::mem::take(&mut self.queue) {
             if h.done {
                 unacked.push(h.route);
@@ -388,26 +412,58 @@ impl Consumer {
         Ok(())
     }
 
-    /// Acknowledges the durable messages at the front of the arrival order.
+    /// Acknowledges the durable messages at the front of the arrival order, behind any
+    /// the client refused before.
     fn release(&mut self) {
+        self.retry_unsent();
         while self.queue.front().is_some_and(|h| h.done) {
             let Some(h) = self.queue.pop_front() else {
                 break;
             };
-            match self.link.ack(&self.client, h.gen, &h.ack) {
-                Acked::Queued => {
-                    self.routes[h.route]
-                        .stats
-                        .acked
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.counter(metric::MQTT_ACKED_TOTAL, h.route).increment(1);
-                }
-                Acked::Stale => self.count_unacked(h.route),
-                Acked::Failed(e) => {
-                    self.count_unacked(h.route);
-                    tracing::warn!(subscriber = %self.routes[h.route].sub.name, "mqtt ack not queued (the message will be delivered again): {e}");
-                }
+            if !self.unsent.is_empty() {
+                self.unsent.push_back(h);
+                continue;
             }
+            if let Some(h) = self.send_ack(h) {
+                self.unsent.push_back(h);
+            }
+        }
+        if !self.unsent.is_empty() && !self.unsent_warned {
+            self.unsent_warned = true;
+            tracing::warn!(
+                waiting = self.unsent.len(),
+                "the mqtt client's request queue is full (the broker sends faster than the acks are written, past the window): PUBACKs wait and are sent in order as it drains"
+            );
+        }
+    }
+
+    /// Offers the refused PUBACKs again, oldest first, until the client refuses one.
+    fn retry_unsent(&mut self) {
+        while let Some(h) = self.unsent.pop_front() {
+            if let Some(h) = self.send_ack(h) {
+                self.unsent.push_front(h);
+                return;
+            }
+        }
+        self.unsent_warned = false;
+    }
+
+    /// Queues `h`'s PUBACK; gives `h` back when the client's request channel is full.
+    fn send_ack(&self, h: Held) -> Option<Held> {
+        match self.link.ack(&self.client, h.gen, &h.ack) {
+            Acked::Queued => {
+                self.routes[h.route]
+                    .stats
+                    .acked
+                    .fetch_add(1, Ordering::Relaxed);
+                self.counter(metric::MQTT_ACKED_TOTAL, h.route).increment(1);
+                None
+            }
+            Acked::Stale => {
+                self.count_unacked(h.route);
+                None
+            }
+            Acked::Refused => Some(h),
         }
     }
 
@@ -421,21 +477,30 @@ impl Consumer {
     ) -> Result<(), MqttError> {
         self.flush()?;
         let deadline = tokio::time::Instant::now() + timeout;
-        while self.held() > 0 {
+        while self.held() > 0 || !self.unsent.is_empty() {
             tokio::select! {
                 dones = done_rx.recv() => match dones {
                     Some(dones) => self.on_done(dones)?,
                     None => break,
                 },
                 ev = rx.recv() => if !self.at_stop(ev) { break },
+                () = tokio::time::sleep(UNSENT_RETRY), if !self.unsent.is_empty() => self.retry_unsent(),
                 () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        if !self.unsent.is_empty() {
+            tracing::error!(left = self.unsent.len(), "mqtt PUBACKs the client could not take within mqtt.drain_timeout; those messages stay in the session (delivered again at the next start, answered duplicate)");
+            for h in std::mem::take(&mut self.unsent) {
+                self.count_unacked(h.route);
             }
         }
         if self.held() > 0 {
             tracing::error!(left = self.held(), "in-flight mqtt messages did not finish within mqtt.drain_timeout; left unacknowledged in the session (delivered again at the next start)");
         }
         self.client.disconnect();
-        let deadline = tokio::time::Instant::now() + DISCONNECT_WAIT;
+        // The DISCONNECT goes out after every queued PUBACK: after a large backlog tens of
+        // thousands may still be queued, so the wait is the drain's, at least 5 s.
+        let deadline = tokio::time::Instant::now() + timeout.max(DISCONNECT_WAIT);
         loop {
             tokio::select! {
                 ev = rx.recv() => match ev {

@@ -38,7 +38,9 @@ pub(crate) enum Acked {
     Queued,
     /// The message's connection is gone; the broker delivers it again.
     Stale,
-    Failed(String),
+    /// The client's request channel did not take it: full (offer it again later), or
+    /// closed once the connection task has ended, which the consumer hears from the link.
+    Refused,
 }
 
 struct State {
@@ -89,7 +91,7 @@ impl Link {
         }
         match client.ack(handle) {
             Ok(()) => Acked::Queued,
-            Err(e) => Acked::Failed(e),
+            Err(_) => Acked::Refused,
         }
     }
 }
