@@ -13,7 +13,7 @@
 //!   only after its outcome is durable (G1); what cannot be keyed is kept as a dead-letter
 //!   record first (MQTT has no reject), then acknowledged.
 //! - [`run`] (here): the runtime, the `/readyz` probe, the stop.
-//! - [`bench`]: `dedupd mqtt-bench`, the source against a consume-only client.
+//! - [`mod@bench`]: `dedupd mqtt-bench`, the source against a consume-only client.
 //!
 //! Keying: the topic is the envelope `key` (a `partition_key = { source = "envelope_key"
 //! }` places handler state by topic); MQTT 5 user properties are the headers a `header`
