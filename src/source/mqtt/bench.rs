@@ -17,7 +17,6 @@
 //! `max_queued_messages` at least 50,000 (docs/mqtt.md).
 
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -366,14 +365,8 @@ topics = ["{filter}"]
                 scope.spawn(move || super::run_with(ledger, mqtt, &shutdown, stats))
             };
             let s = &stats[0];
-            let mut start = None;
-            while !shutdown.is_triggered() && s.acked.load(Ordering::Relaxed) < count {
-                if start.is_none() && s.received.load(Ordering::Relaxed) > 0 {
-                    start = Some(Instant::now());
-                }
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            let elapsed = start.map_or(Duration::ZERO, |t| t.elapsed());
+            let elapsed =
+                crate::source::time_until_acked(&s.received, &s.acked, count, &shutdown, |_| {});
             shutdown.trigger(Cause::Requested);
             (runner.join(), elapsed)
         });

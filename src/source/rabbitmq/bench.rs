@@ -16,7 +16,6 @@
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -334,19 +333,14 @@ fn engine(
             scope.spawn(move || super::run_with(ledger, r, &shutdown, stats))
         };
         let s = &stats[0];
-        let mut start = None;
-        let mut last_progress = Instant::now();
-        while s.acked.load(Ordering::Relaxed) < params.messages && !shutdown.is_triggered() {
-            if start.is_none() && s.received.load(Ordering::Relaxed) > 0 {
-                start = Some(Instant::now());
-            }
-            if last_progress.elapsed() > Duration::from_millis(200) {
-                last_progress = Instant::now();
-                progress(phase, s.acked.load(Ordering::Relaxed), params.messages);
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        let elapsed = start.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let elapsed = crate::source::time_until_acked(
+            &s.received,
+            &s.acked,
+            params.messages,
+            &shutdown,
+            |acked| progress(phase, acked, params.messages),
+        )
+        .as_secs_f64();
         shutdown.trigger(Cause::Requested);
         (elapsed, runner.join())
     });
