@@ -99,7 +99,15 @@ pub trait StateReader: Send {
     /// the same batch read them.
     fn absorb(&mut self, effects: Effects);
     /// Everything absorbed during the batch, to be written with its claims.
-    fn into_effects(self: Box<Self>) -> Effects;
+    fn finish(self: Box<Self>) -> Absorbed;
+}
+
+/// What a batch's calls wrote, as its commit writes it.
+#[derive(Debug, Default)]
+pub struct Absorbed {
+    /// The state changes, encoded as one row of the subscriber's state log (`None`: none).
+    pub log_row: Option<Vec<u8>>,
+    pub outbox: Vec<OutboxMessage>,
 }
 
 /// A reader over nothing: for handlers run outside the ledger (e.g. `handler check`).
@@ -120,8 +128,8 @@ impl StateReader for EmptyState {
         None
     }
     fn absorb(&mut self, _effects: Effects) {}
-    fn into_effects(self: Box<Self>) -> Effects {
-        Effects::default()
+    fn finish(self: Box<Self>) -> Absorbed {
+        Absorbed::default()
     }
 }
 

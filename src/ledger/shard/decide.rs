@@ -111,9 +111,16 @@ impl Shard {
         if tally.wrote {
             self.write_batch(&txn, now)?;
         }
-        // A view holds a snapshot of this batch; the next batch reads a fresh one.
+        // A view holds a snapshot of this batch; the next batch reads a fresh one. Its
+        // effects are in the shard's buffer already, and in the log row written above:
+        // every absorbed call sets `tally.wrote`.
         for st in self.subs.iter_mut().flatten() {
-            st.view = None;
+            if let Some(view) = st.view.take() {
+                debug_assert!(
+                    view.finish().log_row.is_none(),
+                    "a batch's handler effects were not written"
+                );
+            }
         }
         let t2 = Instant::now();
         // In proportion to the batch, unless maintenance is behind (`gap_maintenance`).

@@ -63,7 +63,7 @@ impl Shard {
         let now = self.ctx.clock.now_ms();
         self.subs.iter().flatten().any(|st| {
             (st.state_buf.frozen.is_some()
-                && st.state_buf.active.len() >= cfg.state_buffer_entries.get())
+                && st.state_buf.active_len() >= cfg.state_buffer_entries.get())
                 || (st.sealing.is_some()
                     && st
                         .active

@@ -70,8 +70,8 @@ impl Shard {
             let Some(view) = st.view.take() else {
                 continue;
             };
-            let mut effects = view.into_effects();
-            let outbox = std::mem::take(&mut effects.outbox);
+            let absorbed = view.finish();
+            let outbox = absorbed.outbox;
             let rows = crate::ledger::records::outbox::write(
                 txn,
                 &st.name,
@@ -85,9 +85,9 @@ impl Shard {
                 tracing::warn!(shard = self.ctx.index, rows,
                     "outbox rows pile up: nothing consumes them (relay them to Kafka with [kafka.outbox], or pull and acknowledge them over HTTP: GET /v1/outbox, POST /v1/outbox/ack)");
             }
-            if !effects.is_empty() {
+            if let Some(row) = absorbed.log_row {
                 st.state_buf
-                    .append(txn, &st.name, effects)
+                    .append_row(txn, &st.name, &row)
                     .map_err(|e| storage(&path, e))?;
             }
         }

@@ -4,13 +4,15 @@
 //! merge by size tiers (see the module docs of `state` and `runs.rs`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use foldhash::fast::RandomState;
 
 use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
 
-use super::log_row::{decode_effects, encode_effects};
+use super::log_row::decode_effects;
+#[cfg(test)]
+use super::log_row::encode_effects;
 use super::run::{run_key, RunWriter, KIND_MARK, KIND_STATE, KIND_VERSION};
 use super::runs::Runs;
 use crate::effects::Effects;
@@ -40,10 +42,12 @@ impl Buffered {
     pub fn len(&self) -> usize {
         self.state.len() + self.uniques.len() + self.versions.len()
     }
+}
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
+/// The active buffer, through a lock that a panic while holding it does not poison: every
+/// change to it is a single insert, so a buffer left behind by one is whole.
+pub(super) fn lock(active: &Mutex<Buffered>) -> MutexGuard<'_, Buffered> {
+    active.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What [`StateBuffer::stats`] counts.
@@ -57,8 +61,10 @@ pub(crate) struct StateStats {
 /// A subscriber's handler state on one shard: effects not yet in a run, and the runs.
 #[derive(Default)]
 pub(crate) struct StateBuffer {
-    /// Effects of batches committed since the last freeze.
-    pub active: Arc<Buffered>,
+    /// Effects of batches committed since the last freeze, and of the current batch's
+    /// calls so far: shared with the batch's view, which writes each call's effects into
+    /// it as the call succeeds (`view.rs`). Locked only by the shard's own thread.
+    pub active: Arc<Mutex<Buffered>>,
     /// A frozen buffer being written as a run, a slice per batch.
     pub frozen: Option<Frozen>,
     /// First log row not yet deleted.
@@ -217,18 +223,23 @@ impl StateBuffer {
         }
         buf.first_row = first.unwrap_or(buf.live_from);
         buf.next_row = buf.next_row.max(buf.live_from);
-        buf.active = Arc::new(active);
+        buf.active = Arc::new(Mutex::new(active));
         Ok(buf)
     }
 
     /// Whether nothing is buffered.
     pub fn is_empty(&self) -> bool {
-        self.frozen.is_none() && self.active.is_empty()
+        self.frozen.is_none() && self.active_len() == 0
+    }
+
+    /// Entries in the active buffer.
+    pub fn active_len(&self) -> usize {
+        lock(&self.active).len()
     }
 
     /// Whether maintenance has work: a frozen buffer, a full active one, or runs to merge.
     pub fn has_work(&self, threshold: usize) -> bool {
-        self.frozen.is_some() || self.active.len() >= threshold || self.runs.has_work(threshold)
+        self.frozen.is_some() || self.active_len() >= threshold || self.runs.has_work(threshold)
     }
 
     /// Runs, their entries, buffered entries and retired runs, for reports.
@@ -236,7 +247,7 @@ impl StateBuffer {
         StateStats {
             runs: self.runs.list.len() as u64,
             run_entries: self.runs.list.iter().map(|r| r.entries).sum(),
-            buffered: (self.active.len() + self.frozen.as_ref().map_or(0, |f| f.effects.len()))
+            buffered: (self.active_len() + self.frozen.as_ref().map_or(0, |f| f.effects.len()))
                 as u64,
             retired_runs: self.runs.retired_len() as u64,
         }
@@ -247,17 +258,31 @@ impl StateBuffer {
         self.runs.filter_bytes() + self.frozen.as_ref().map_or(0, |f| f.writer.filter_bytes())
     }
 
-    /// Writes one batch's effects as a log row and adds them to the active buffer.
+    /// Writes one batch's log row, whose effects its view already wrote into the active
+    /// buffer.
+    pub fn append_row(
+        &mut self,
+        txn: &WriteTransaction,
+        sub: &str,
+        row: &[u8],
+    ) -> Result<(), redb::Error> {
+        let mut t = txn.open_table(StateLogDef::new(&state_log_name(sub)))?;
+        t.insert(self.next_row, row)?;
+        self.next_row += 1;
+        Ok(())
+    }
+
+    /// Writes one batch's effects as a log row and adds them to the active buffer (what a
+    /// view and [`StateBuffer::append_row`] do call by call).
+    #[cfg(test)]
     pub fn append(
         &mut self,
         txn: &WriteTransaction,
         sub: &str,
         effects: Effects,
     ) -> Result<(), redb::Error> {
-        let mut t = txn.open_table(StateLogDef::new(&state_log_name(sub)))?;
-        t.insert(self.next_row, encode_effects(&effects).as_slice())?;
-        self.next_row += 1;
-        Arc::make_mut(&mut self.active).merge(effects);
+        self.append_row(txn, sub, &encode_effects(&effects))?;
+        lock(&self.active).merge(effects);
         Ok(())
     }
 
@@ -300,7 +325,7 @@ impl StateBuffer {
             return Ok(false);
         }
         // A flush pending takes half, so neither starves the other.
-        let flushing = self.frozen.is_some() || self.active.len() >= threshold;
+        let flushing = self.frozen.is_some() || self.active_len() >= threshold;
         let merge_budget = if flushing && !all {
             *budget / 2 + 1
         } else {
@@ -316,7 +341,7 @@ impl StateBuffer {
         let mut wrote = used > 0;
         loop {
             if self.frozen.is_none() {
-                let n = self.active.len();
+                let n = self.active_len();
                 if n == 0 || (n < threshold && !all) {
                     return Ok(wrote);
                 }
@@ -379,7 +404,7 @@ impl StateBuffer {
     }
 
     fn freeze(&mut self) {
-        let effects = std::mem::take(&mut self.active);
+        let effects = Arc::new(std::mem::take(&mut *lock(&self.active)));
         let sorted = Sorted::start(&effects);
         let (table_id, order) = self.runs.next_flush();
         self.frozen = Some(Frozen {
@@ -534,9 +559,9 @@ mod tests {
             buf.maintain(&db, txn, "s", 10, &mut { usize::MAX }, true)
                 .unwrap();
         });
-        assert!(buf.frozen.is_none() && buf.active.is_empty());
+        assert!(buf.frozen.is_none() && buf.active_len() == 0);
         let reloaded = StateBuffer::load(&db, "s").unwrap();
-        assert!(reloaded.active.is_empty(), "the log is empty once written");
+        assert!(reloaded.active_len() == 0, "the log is empty once written");
         assert_eq!(
             state_entries(&db, "s", &reloaded).unwrap(),
             reference.into_iter().collect::<Vec<_>>()
@@ -566,7 +591,7 @@ mod tests {
                 buf.flush_all(&db, txn, "s", threshold).unwrap();
             });
             assert!(
-                buf.active.is_empty() && buf.frozen.is_none(),
+                buf.active_len() == 0 && buf.frozen.is_none(),
                 "all is written"
             );
         }
@@ -625,7 +650,7 @@ mod tests {
         };
         assert!(log_rows(&db) > 0, "covered rows are still in the log");
         let reloaded = StateBuffer::load(&db, "s").unwrap();
-        assert!(reloaded.active.is_empty(), "covered rows were replayed");
+        assert!(reloaded.active_len() == 0, "covered rows were replayed");
         let view = BatchView::open(&db, "s", &reloaded).unwrap();
         assert_eq!(view.get(b"k"), Some(b"new".to_vec()));
         // Maintenance deletes them later, a few per slice.

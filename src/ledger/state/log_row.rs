@@ -4,44 +4,88 @@
 
 use crate::effects::Effects;
 
+/// One batch's effects as a row, written whole (the tests'; a batch writes its row with
+/// [`RowWriter`] call by call).
+#[cfg(test)]
+pub(super) fn encode_effects(e: &Effects) -> Vec<u8> {
+    let mut row = RowWriter::default();
+    for (k, v) in &e.state {
+        row.state(&[k], v.as_deref());
+    }
+    for m in &e.uniques {
+        row.unique(&[m]);
+    }
+    for (k, v) in &e.versions {
+        row.version(&[k.as_bytes()], *v);
+    }
+    row.finish().unwrap_or_else(|| vec![0; 12])
+}
+
 /// Log row format (v1): three sections, each `count u32` then entries; integers are little
 /// endian, byte strings `len u32` + bytes.
 /// state: key, tag (0 delete, 1 put), value when put; uniques: mark; versions: key, u64.
-pub(super) fn encode_effects(e: &Effects) -> Vec<u8> {
-    fn bytes(out: &mut Vec<u8>, b: &[u8]) {
-        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
-        out.extend_from_slice(b);
+/// A key may appear more than once in a section (a batch's calls are encoded as they
+/// succeed, not merged first): the later entry wins, as when rows replay in order.
+///
+/// A log row is encoded as a batch's calls succeed, one section per kind, so the effects go
+/// straight into the shard's buffer and nothing is merged into an ordered map first.
+/// Keys come in parts (an entity scope, then the handler's key) and are written joined.
+#[derive(Default)]
+pub(super) struct RowWriter {
+    sections: [Vec<u8>; 3],
+    counts: [u32; 3],
+}
+
+const STATE: usize = 0;
+const UNIQUES: usize = 1;
+const VERSIONS: usize = 2;
+
+impl RowWriter {
+    fn key(&mut self, section: usize, parts: &[&[u8]]) -> &mut Vec<u8> {
+        self.counts[section] += 1;
+        let out = &mut self.sections[section];
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        out.extend_from_slice(&(len as u32).to_le_bytes());
+        for p in parts {
+            out.extend_from_slice(p);
+        }
+        out
     }
-    let mut out = Vec::with_capacity(
-        12 + e
-            .state
-            .iter()
-            .map(|(k, v)| 9 + k.len() + v.as_ref().map_or(0, Vec::len))
-            .sum::<usize>()
-            + e.uniques.iter().map(|m| 4 + m.len()).sum::<usize>()
-            + e.versions.keys().map(|k| 12 + k.len()).sum::<usize>(),
-    );
-    out.extend_from_slice(&(e.state.len() as u32).to_le_bytes());
-    for (k, v) in &e.state {
-        bytes(&mut out, k);
-        match v {
+
+    /// A state write (`None`: delete).
+    pub fn state(&mut self, key: &[&[u8]], value: Option<&[u8]>) {
+        let out = self.key(STATE, key);
+        match value {
             Some(v) => {
                 out.push(1);
-                bytes(&mut out, v);
+                out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                out.extend_from_slice(v);
             }
             None => out.push(0),
         }
     }
-    out.extend_from_slice(&(e.uniques.len() as u32).to_le_bytes());
-    for m in &e.uniques {
-        bytes(&mut out, m);
+
+    pub fn unique(&mut self, mark: &[&[u8]]) {
+        self.key(UNIQUES, mark);
     }
-    out.extend_from_slice(&(e.versions.len() as u32).to_le_bytes());
-    for (k, v) in &e.versions {
-        bytes(&mut out, k.as_bytes());
-        out.extend_from_slice(&v.to_le_bytes());
+
+    pub fn version(&mut self, key: &[&[u8]], version: u64) {
+        self.key(VERSIONS, key)
+            .extend_from_slice(&version.to_le_bytes());
     }
-    out
+
+    /// The row; `None` when nothing was written.
+    pub fn finish(self) -> Option<Vec<u8>> {
+        if self.counts == [0; 3] {
+            return None;
+        }
+        let mut out = Vec::with_capacity(12 + self.sections.iter().map(Vec::len).sum::<usize>());
+        for (count, section) in self.counts.iter().zip(&self.sections) {
+            out.extend_from_slice(&count.to_le_bytes());
+            out.extend_from_slice(section);
+        }
+        Some(out)
+    }
 }
 
 /// Decodes a log row; `None` when it is not a well-formed row.
@@ -101,5 +145,24 @@ mod tests {
         let mut longer = row.clone();
         longer.push(0);
         assert_eq!(decode_effects(&longer), None);
+    }
+
+    /// Calls encoded as they come may write a key twice in one row: the later entry wins
+    /// when the row is read back, as when two rows replay in order.
+    #[test]
+    fn a_row_written_call_by_call_reads_back_with_the_later_write_winning() {
+        let mut row = RowWriter::default();
+        assert!(RowWriter::default().finish().is_none(), "nothing written");
+        row.state(&[b"e\0", b"k"], Some(b"1"));
+        row.unique(&[b"e\0", b"label\0o-1"]);
+        row.version(&[b"e\0", b"v"], 1);
+        row.state(&[b"e\0", b"k"], None);
+        row.state(&[b"e\0k"], Some(b"2"));
+        row.version(&[b"e\0v"], 2);
+        let mut want = Effects::default();
+        put(&mut want, "e\0k", Some("2"));
+        want.uniques.insert(b"e\0label\0o-1".to_vec());
+        want.versions.insert("e\0v".into(), 2);
+        assert_eq!(decode_effects(&row.finish().unwrap()), Some(want));
     }
 }

@@ -2,13 +2,13 @@
 //! through, the sorted runs they end in, and the view a handler reads during a batch.
 //!
 //! A handler reads the subscriber's state in layers, newest first: its own writes (the host,
-//! read-your-writes), the effects of earlier successful messages of the same batch, the
-//! shard's *buffered* effects of earlier batches, and the sorted runs as of the batch's
-//! start (a read transaction), newest first.
+//! read-your-writes), the shard's *buffered* effects (earlier batches' and this batch's
+//! earlier successful messages'), and the sorted runs as of the batch's start (a read
+//! transaction), newest first.
 //!
-//! Writes are buffered like claims are: each batch's effects commit with its claims as one
-//! row of a per-subscriber log (`statelog_v1/<sub>`, one sequential write), and join an
-//! in-memory buffer. When the buffer holds `ledger.state_buffer_entries` entries it is
+//! Writes are buffered like claims are: each successful call's effects go into an
+//! in-memory buffer at once and into the batch's row of a per-subscriber log
+//! (`statelog_v1/<sub>`, one sequential write) that commits with its claims. When the buffer holds `ledger.state_buffer_entries` entries it is
 //! frozen and written as a new sorted run (an immutable table of prefix-compressed blocks
 //! with a Bloom filter, `run.rs`), a slice per batch; the transaction of the last slice
 //! registers the run and deletes the log rows it covered. Runs merge by size tiers in
@@ -20,7 +20,7 @@
 //!
 //! - `buffer.rs`: the per-subscriber buffer of committed effects, its log rows, and writing
 //!   a frozen buffer as a run;
-//! - `log_row.rs`: the encoding of one batch's effects as a log row;
+//! - `log_row.rs`: the encoding of one batch's effects as a log row, written call by call;
 //! - `run.rs`: the block format of one run, its writer, lookups and scans;
 //! - `runs.rs`: the run list, its metadata and filters, and the merge policy;
 //! - `cover.rs`: filters over the keys of many runs, so a key no run holds costs one probe;
