@@ -3,7 +3,7 @@
 //! buffer is frozen and written as a new sorted run, a slice per batch, and the runs
 //! merge by size tiers (see the module docs of `state` and `runs.rs`).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use foldhash::fast::RandomState;
@@ -15,18 +15,19 @@ use super::log_row::decode_effects;
 use super::log_row::encode_effects;
 use super::run::{run_key, RunWriter, KIND_MARK, KIND_STATE, KIND_VERSION};
 use super::runs::Runs;
+use super::state_map::{key_prefix, sorted_order, StateMap};
 use crate::effects::Effects;
 use crate::ledger::format::tables::{
     missing_is_none, state_log_name, state_run_name, BlockDef, StateLogDef,
 };
 
 /// Buffered effects, merged (later wins). Marks and versions are only ever looked up by key,
-/// so they live in hash tables (two of a new order's three lookups); state keeps its order
-/// for prefix scans. foldhash, not the streaming xxh3 hasher: for keys of a few dozen bytes
-/// it measured 7-8 % less CPU on a shipping-label run.
+/// so they live in hash tables (two of a new order's three lookups); state is hashed too
+/// until a handler scans it (`state_map.rs`). foldhash, not the streaming xxh3 hasher: for
+/// keys of a few dozen bytes it measured 7-8 % less CPU on a shipping-label run.
 #[derive(Default, Clone)]
 pub(crate) struct Buffered {
-    pub(super) state: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    pub(super) state: StateMap,
     pub(super) uniques: HashSet<Vec<u8>, RandomState>,
     pub(super) versions: HashMap<String, u64, RandomState>,
 }
@@ -36,6 +37,14 @@ impl Buffered {
         self.state.extend(e.state);
         self.uniques.extend(e.uniques);
         self.versions.extend(e.versions);
+    }
+
+    /// An empty buffer whose state is kept like this one's (ordered once scanned).
+    fn empty_like(&self) -> Buffered {
+        Buffered {
+            state: self.state.empty_like(),
+            ..Buffered::default()
+        }
     }
 
     /// Entries (what the freeze threshold counts).
@@ -82,9 +91,9 @@ pub(crate) struct StateBuffer {
 
 pub(crate) struct Frozen {
     pub effects: Arc<Buffered>,
-    /// Marks and versions in key order, for writing: sorted on a thread of their own
-    /// while the state entries (already in order) are written, since sorting a buffer's
-    /// marks held the writer for 15-30 ms.
+    /// Marks, versions and hashed state in key order, for writing: sorted on a thread of
+    /// their own (the state entries of an ordered buffer are written meanwhile), since
+    /// sorting a buffer's marks held the writer for 15-30 ms.
     sorted: Sorted,
     /// Log rows `..=last_row` are covered by this buffer.
     last_row: u64,
@@ -97,13 +106,14 @@ pub(crate) struct Frozen {
     drop_tombstones: bool,
 }
 
-/// Marks and versions of a frozen buffer in key order, sorted off the writer thread.
+/// Hashed state entries (by index), marks and versions of a frozen buffer in key order,
+/// sorted off the writer thread.
 enum Sorted {
     Pending(crossbeam_channel::Receiver<SortedKeys>),
     Ready(SortedKeys),
 }
 
-type SortedKeys = (Vec<Vec<u8>>, Vec<(String, [u8; 8])>);
+type SortedKeys = (Vec<u32>, Vec<Vec<u8>>, Vec<(String, [u8; 8])>);
 
 impl Sorted {
     /// Starts sorting the marks and versions of `effects` on a thread of their own (in
@@ -147,14 +157,15 @@ impl Sorted {
 
 fn sort_keys(effects: &Buffered) -> SortedKeys {
     let mut uniques: Vec<Vec<u8>> = effects.uniques.iter().cloned().collect();
-    uniques.sort_unstable();
+    // The inline prefix first: most comparisons then touch no key.
+    uniques.sort_unstable_by(|a, b| key_prefix(a).cmp(&key_prefix(b)).then_with(|| a.cmp(b)));
     let mut versions: Vec<(String, [u8; 8])> = effects
         .versions
         .iter()
         .map(|(k, v)| (k.clone(), v.to_le_bytes()))
         .collect();
     versions.sort_unstable();
-    (uniques, versions)
+    (sorted_order(&effects.state), uniques, versions)
 }
 
 /// Frees a written buffer on a thread of its own: dropping a buffer of 131,072 entries
@@ -175,8 +186,10 @@ fn drop_elsewhere(effects: Arc<Buffered>) {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Cursor {
-    /// After this state key (from the first when `None`).
+    /// After this state key of an ordered buffer (from the first when `None`).
     State(Option<Vec<u8>>),
+    /// From this position of a hashed buffer's sorted state entries.
+    StateAt(usize),
     /// From this index of the sorted marks / versions.
     Uniques(usize),
     Versions(usize),
@@ -404,7 +417,16 @@ impl StateBuffer {
     }
 
     fn freeze(&mut self) {
-        let effects = Arc::new(std::mem::take(&mut *lock(&self.active)));
+        let effects = {
+            let mut active = lock(&self.active);
+            let empty = active.empty_like();
+            Arc::new(std::mem::replace(&mut *active, empty))
+        };
+        let cursor = if effects.state.is_ordered() {
+            Cursor::State(None)
+        } else {
+            Cursor::StateAt(0)
+        };
         let sorted = Sorted::start(&effects);
         let (table_id, order) = self.runs.next_flush();
         self.frozen = Some(Frozen {
@@ -412,7 +434,7 @@ impl StateBuffer {
             effects,
             sorted,
             last_row: self.next_row.saturating_sub(1),
-            cursor: Cursor::State(None),
+            cursor,
             table_id,
             order,
             drop_tombstones: self.runs.list.is_empty(),
@@ -421,7 +443,8 @@ impl StateBuffer {
 }
 
 /// Writes up to `limit` entries of a frozen buffer from its cursor on into its run, in run
-/// key order: state entries, then marks, then versions.
+/// key order: state entries, then marks, then versions. Hashed state waits for its sort
+/// like the marks.
 fn write_slice(
     txn: &WriteTransaction,
     sub: &str,
@@ -429,18 +452,11 @@ fn write_slice(
     mut limit: usize,
     all: bool,
 ) -> Result<(), redb::Error> {
-    use std::ops::Bound::{Excluded, Unbounded};
     let mut t = txn.open_table(BlockDef::new(&state_run_name(sub, f.table_id)))?;
     let mut key = Vec::new();
     if let Cursor::State(start) = &f.cursor {
-        let from = start.as_deref().map_or(Unbounded, Excluded);
         let mut last = None;
-        for (k, v) in f
-            .effects
-            .state
-            .range::<[u8], _>((from, Unbounded))
-            .take(limit)
-        {
+        for (k, v) in f.effects.state.ordered_after(start.as_deref()).take(limit) {
             limit -= 1;
             last = Some(k);
             if v.is_none() && f.drop_tombstones {
@@ -459,11 +475,31 @@ fn write_slice(
         }
         f.cursor = Cursor::Uniques(0);
     }
-    // Marks and versions once their sort is done (at once when everything must be
-    // written now).
-    let Some((uniques, versions)) = f.sorted.get(all) else {
+    // The rest once its sort is done (at once when everything must be written now).
+    let Some((order, uniques, versions)) = f.sorted.get(all) else {
         return Ok(());
     };
+    if let Cursor::StateAt(from) = f.cursor {
+        let n = order.len().saturating_sub(from).min(limit);
+        for &i in &order[from..from + n] {
+            let Some((k, v)) = f.effects.state.at(i as usize) else {
+                continue;
+            };
+            if v.is_none() && f.drop_tombstones {
+                continue;
+            }
+            key.clear();
+            key.push(KIND_STATE);
+            key.extend_from_slice(k);
+            f.writer.push(&mut t, &key, v.as_deref())?;
+        }
+        limit -= n;
+        if limit == 0 && from + n < order.len() {
+            f.cursor = Cursor::StateAt(from + n);
+            return Ok(());
+        }
+        f.cursor = Cursor::Uniques(0);
+    }
     if let Cursor::Uniques(from) = f.cursor {
         let n = uniques.len().saturating_sub(from).min(limit);
         for m in &uniques[from..from + n] {
@@ -680,6 +716,17 @@ mod tests {
     /// at the end the runs hold exactly the reference.
     #[test]
     fn runs_read_like_a_reference_map_through_merges_deletes_and_restarts() {
+        state_model(true);
+    }
+
+    /// The same model with no scan: every buffer stays hashed (`state_map.rs`) and is
+    /// written as a run in the order its sort gave.
+    #[test]
+    fn hashed_buffers_never_scanned_read_like_a_reference_map_too() {
+        state_model(false);
+    }
+
+    fn state_model(scans: bool) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.redb");
         let mut db = Database::create(&path).unwrap();
@@ -734,7 +781,14 @@ mod tests {
                 .take(7)
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
-            assert_eq!(view.scan(prefix, 7), want, "batch {batch}");
+            if scans {
+                assert_eq!(view.scan(prefix, 7), want, "batch {batch}");
+            } else {
+                assert!(
+                    !lock(&buf.active).state.is_ordered(),
+                    "a buffer no handler scanned is hashed"
+                );
+            }
             assert!(marks.iter().all(|m| view.unique_exists(m)), "batch {batch}");
             assert!(!view.unique_exists(&unique_key("n", "never")));
             for (k, v) in &versions {

@@ -20,6 +20,7 @@
 //!
 //! - `buffer.rs`: the per-subscriber buffer of committed effects, its log rows, and writing
 //!   a frozen buffer as a run;
+//! - `state_map.rs`: a buffer's state entries, hashed until a handler scans them;
 //! - `log_row.rs`: the encoding of one batch's effects as a log row, written call by call;
 //! - `run.rs`: the block format of one run, its writer, lookups and scans;
 //! - `runs.rs`: the run list, its metadata and filters, and the merge policy;
@@ -37,6 +38,7 @@ mod fuzz;
 mod log_row;
 mod run;
 mod runs;
+mod state_map;
 mod upgrade;
 mod view;
 

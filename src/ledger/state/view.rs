@@ -11,7 +11,6 @@
 //! batch that does not commit leaves its effects in the buffer, which is harmless only
 //! because a shard whose commit failed never decides again (I4).
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use redb::{Database, ReadTransaction, ReadableDatabase, StorageError};
@@ -127,9 +126,6 @@ impl BatchView {
     }
 }
 
-/// Buffered state entries (`None`: deleted).
-type StateLayer = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
-
 /// A scope as text (entities are UTF-8 and end with NUL), for version keys; `None` for the
 /// empty scope.
 fn scope_text(scope: &[u8]) -> Option<&str> {
@@ -137,14 +133,6 @@ fn scope_text(scope: &[u8]) -> Option<&str> {
         return None;
     }
     std::str::from_utf8(scope).ok()
-}
-
-/// Keys from `prefix` on (a borrowed range over `Vec<u8>` keys).
-fn from_prefix(prefix: &[u8]) -> (std::ops::Bound<&[u8]>, std::ops::Bound<&[u8]>) {
-    (
-        std::ops::Bound::Included(prefix),
-        std::ops::Bound::Unbounded,
-    )
 }
 
 /// Storage errors while a handler reads are reported to the log and read as "absent"; the
@@ -168,15 +156,17 @@ impl BatchView {
 
     fn scan_raw(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry> {
         type Source<'a> = Box<dyn Iterator<Item = Result<Entry, StorageError>> + 'a>;
-        let active = lock(&self.active);
-        let layers: [Option<&StateLayer>; 2] =
-            [Some(&active.state), self.frozen.as_ref().map(|f| &f.state)];
+        let mut active = lock(&self.active);
+        // A handler that scans keeps its buffers ordered from now on (`state_map.rs`).
+        active.state.make_ordered();
+        let layers = [Some(&active.state), self.frozen.as_ref().map(|f| &f.state)];
         let mut sources: Vec<Source> = layers
             .into_iter()
             .flatten()
             .map(|l| -> Source {
                 Box::new(
-                    l.range::<[u8], _>(from_prefix(prefix))
+                    l.prefixed(prefix)
+                        .into_iter()
                         .map(|(k, v)| Ok((k.clone(), v.clone()))),
                 )
             })
