@@ -968,6 +968,112 @@ async fn handler_upload_is_validated_and_can_roll_back() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn handler_upload_is_documented_and_accepted_as_octet_stream() {
+    // The document offers a type generic clients and fuzzers can send bytes as (they have
+    // no serializer for application/wasm), and the route takes it.
+    let doc = &openapi()["paths"]["/v1/subscribers/{s}/handler"]["put"]["requestBody"];
+    assert_eq!(doc["required"], true, "{doc}");
+    let types: Vec<&String> = doc["content"].as_object().unwrap().keys().collect();
+    assert_eq!(
+        types,
+        ["application/octet-stream", "application/wasm"],
+        "{doc}"
+    );
+    for t in types {
+        assert_eq!(
+            doc["content"][t]["schema"],
+            json!({"type": "string", "format": "binary"}),
+            "{t}: the body is the component's bytes, not a JSON array of numbers"
+        );
+    }
+    let api = Api::open();
+    let req = api
+        .req("PUT", "/v1/subscribers/s/handler")
+        .header("content-type", "application/octet-stream")
+        .body(Body::from(std::fs::read(component("noop")).unwrap()))
+        .unwrap();
+    let r = api.send(req).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["active_version"], r.body["current"]);
+    // Without a token a form type is still refused, and the answer says what to send.
+    let req = api
+        .req("PUT", "/v1/subscribers/s/handler")
+        .header("content-type", "text/plain")
+        .body(Body::from(std::fs::read(component("noop")).unwrap()))
+        .unwrap();
+    let r = api.send(req).await;
+    assert_error(
+        &r,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_media_type",
+    );
+    assert!(r.text.contains("application/octet-stream"), "{}", r.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn config_request_schema_lists_only_the_settable_fields() {
+    let body = &openapi()["paths"]["/v1/subscribers/{s}/config"]["put"]["requestBody"];
+    let schema = schema::resolved(&body["content"]["application/json"]["schema"]);
+    let mut fields: Vec<&String> = schema["properties"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no properties: {schema}"))
+        .keys()
+        .collect();
+    fields.sort();
+    assert_eq!(
+        fields,
+        [
+            "fingerprint",
+            "handler_breaker_cooldown",
+            "handler_breaker_failures",
+            "handler_cpu_budget",
+            "handler_max_write_mib",
+            "handler_max_writes",
+            "handler_memory_mib",
+            "key",
+            "max_attempts",
+            "max_backoff",
+            "max_key_bytes",
+            "retry_backoff",
+            "sliding_ttl",
+            "ttl",
+        ],
+        "{schema}"
+    );
+    // What the route refuses for its shape the schema refuses; what it takes, it admits.
+    let api = Api::open();
+    for refused in [
+        json!({"name": "s"}),
+        json!({"handler": "/etc/passwd"}),
+        json!({"partition_key": {"source": "envelope_key"}}),
+        json!({"ttll": "1h"}),
+    ] {
+        assert!(
+            !schema::validates(schema, &refused),
+            "the documented schema admits {refused}"
+        );
+        let r = api
+            .call("PUT", "/v1/subscribers/s/config", Some(refused.clone()))
+            .await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "bad_request");
+    }
+    for taken in [
+        json!({}),
+        json!({"ttl": "2h", "sliding_ttl": true, "max_attempts": 5, "retry_backoff": "1s"}),
+        json!({"key": {"source": "json_pointer", "pointer": "/id"}, "fingerprint": {"ignore": ["/at"]}}),
+    ] {
+        assert!(
+            schema::validates(schema, &taken),
+            "the documented schema refuses {taken}"
+        );
+        let r = api
+            .call("PUT", "/v1/subscribers/s/config", Some(taken.clone()))
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{taken}: {}", r.text);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn maintenance_compacts_and_backs_up() {
     let api = Api::open();
     for i in 0..20 {

@@ -6,8 +6,8 @@
 //! `dedupd bench` (the engine alone, with the naive redb baseline) stays in the product.
 
 mod compare;
+mod progress;
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -76,12 +76,14 @@ fn compare(args: CompareArgs) -> Result<()> {
         params.batch,
         params.clients
     );
+    let shown = std::cell::RefCell::new(progress::RunProgress::stderr());
     let report = compare::run_compare(
         &params,
         plots.as_deref(),
-        |system| eprintln!("\n== {system}"),
-        |p| progress(&p),
+        |system| shown.borrow_mut().system(system),
+        |p| shown.borrow_mut().observe(&p),
     );
+    drop(shown);
     match json {
         true => println!("{}", serde_json::to_string(&report)?),
         false => print!("{report}"),
@@ -110,13 +112,6 @@ fn soak(args: SoakArgs) -> Result<()> {
         bail!("the soak failed a criterion (lines marked FAIL)");
     }
     Ok(())
-}
-
-/// Rewrites the live progress line on stderr.
-fn progress(line: &dyn std::fmt::Display) {
-    let mut err = std::io::stderr().lock();
-    let _ = write!(err, "\r{line}   ");
-    let _ = err.flush();
 }
 
 /// The config a run uses (`--config`, or the defaults), with `--shards` when given.

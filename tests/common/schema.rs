@@ -52,6 +52,25 @@ fn validator(schema: &Value) -> Arc<jsonschema::Validator> {
         .clone()
 }
 
+/// Whether `value` validates against `schema` (a schema of the document, `$ref`s resolved
+/// in its components).
+pub fn validates(schema: &Value, value: &Value) -> bool {
+    validator(schema).is_valid(value)
+}
+
+/// `schema` itself, or the component schema it is a `$ref` to.
+pub fn resolved(schema: &'static Value) -> &'static Value {
+    match schema["$ref"].as_str() {
+        Some(r) => {
+            let name = r
+                .strip_prefix("#/components/schemas/")
+                .unwrap_or_else(|| panic!("a $ref outside the components: {r}"));
+            &dedupd::admin::openapi()["components"]["schemas"][name]
+        }
+        None => schema,
+    }
+}
+
 /// Fails the test unless the answer is one the document describes.
 pub fn check_answer(
     method: &str,

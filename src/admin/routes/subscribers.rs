@@ -1,6 +1,8 @@
 //! Subscribers: the list with their stats, one subscriber (settings, stats, handler), its
 //! settings (read, and changed at runtime), and its stats alone.
 
+use std::time::Duration;
+
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -12,7 +14,9 @@ use utoipa::ToSchema;
 use super::uploads::upload_error;
 use super::{audit, blocking, check_name, known, path, ApiResult};
 use crate::admin::{AdminState, ApiError, ErrorBody, HandlerInfo};
-use crate::config::{Config, ConfigError, SubscriberConfig, SubscriberSettings};
+use crate::config::{
+    Config, ConfigError, FingerprintSpec, KeySource, SubscriberConfig, SubscriberSettings,
+};
 use crate::ledger::{LedgerReport, Subscriber};
 use crate::pipeline::limits_of;
 
@@ -174,13 +178,96 @@ pub async fn get_config(
     }))
 }
 
+/// The body of `PUT /v1/subscribers/{s}/config`: the settings that can change at runtime,
+/// each optional (left out: keeps its value). Its own type rather than [`SubscriberConfig`]
+/// so that the documented schema admits exactly what the route takes: `name` comes from the
+/// path, `handler` from an upload and `partition_key` is fixed by the on-disk layout. Any
+/// other field is refused (`additionalProperties: false`).
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigChange {
+    /// How long a claim is remembered (`24h`, `7days`).
+    #[serde(default, with = "humantime_serde")]
+    #[schema(value_type = Option<String>)]
+    ttl: Option<Duration>,
+    /// Refresh a claim's expiry each time a duplicate arrives.
+    #[serde(default)]
+    sliding_ttl: Option<bool>,
+    /// Where the idempotency key comes from; refused (409) while claims made with another live.
+    #[serde(default)]
+    key: Option<KeySource>,
+    /// Keys longer than this are rejected.
+    #[serde(default)]
+    max_key_bytes: Option<usize>,
+    /// Budget of one handler call (`10ms`).
+    #[serde(default, with = "humantime_serde")]
+    #[schema(value_type = Option<String>)]
+    handler_cpu_budget: Option<Duration>,
+    /// Cap of a handler instance's linear memories, in MiB.
+    #[serde(default)]
+    handler_memory_mib: Option<usize>,
+    /// State writes one handler call may make.
+    #[serde(default)]
+    handler_max_writes: Option<usize>,
+    /// MiB of state and outbox messages one handler call may write.
+    #[serde(default)]
+    handler_max_write_mib: Option<usize>,
+    /// Attempts before a failing message is dead-lettered.
+    #[serde(default)]
+    max_attempts: Option<u32>,
+    /// Delay before the second attempt (`50ms`); doubles for each further one.
+    #[serde(default, with = "humantime_serde")]
+    #[schema(value_type = Option<String>)]
+    retry_backoff: Option<Duration>,
+    /// Longest delay between two attempts (`60s`).
+    #[serde(default, with = "humantime_serde")]
+    #[schema(value_type = Option<String>)]
+    max_backoff: Option<Duration>,
+    /// Sandbox failures in a row that open the handler's circuit breaker (0: never).
+    #[serde(default)]
+    handler_breaker_failures: Option<u32>,
+    /// How long an open breaker refuses calls (`5s`).
+    #[serde(default, with = "humantime_serde")]
+    #[schema(value_type = Option<String>)]
+    handler_breaker_cooldown: Option<Duration>,
+    /// What of a JSON payload the fingerprint covers.
+    #[serde(default)]
+    fingerprint: Option<FingerprintSpec>,
+}
+
+impl ConfigChange {
+    /// These settings for subscriber `name`, as a config file would give them. Every field
+    /// is named (no `..`): a setting added to [`SubscriberConfig`] does not compile here
+    /// until it is decided whether the API may change it.
+    fn into_config(self, name: &str) -> SubscriberConfig {
+        SubscriberConfig {
+            name: name.to_string(),
+            ttl: self.ttl,
+            sliding_ttl: self.sliding_ttl,
+            key: self.key,
+            max_key_bytes: self.max_key_bytes,
+            partition_key: None,
+            handler: None,
+            handler_cpu_budget: self.handler_cpu_budget,
+            handler_memory_mib: self.handler_memory_mib,
+            handler_max_writes: self.handler_max_writes,
+            handler_max_write_mib: self.handler_max_write_mib,
+            max_attempts: self.max_attempts,
+            retry_backoff: self.retry_backoff,
+            max_backoff: self.max_backoff,
+            handler_breaker_failures: self.handler_breaker_failures,
+            handler_breaker_cooldown: self.handler_breaker_cooldown,
+            fingerprint: self.fingerprint,
+        }
+    }
+}
+
 /// The first field of `obj` that does not parse on its own, with serde's reason.
-fn failing_field(name: &str, obj: &Map<String, Value>) -> Option<(String, String)> {
+fn failing_field(obj: &Map<String, Value>) -> Option<(String, String)> {
     for (k, v) in obj {
         let mut one = serde_json::Map::new();
-        one.insert("name".into(), Value::String(name.into()));
         one.insert(k.clone(), v.clone());
-        if let Err(e) = serde_json::from_value::<SubscriberConfig>(Value::Object(one)) {
+        if let Err(e) = serde_json::from_value::<ConfigChange>(Value::Object(one)) {
             return Some((k.clone(), e.to_string()));
         }
     }
@@ -193,7 +280,7 @@ fn failing_field(name: &str, obj: &Map<String, Value>) -> Option<(String, String
     summary = "Change settings; fields left out keep their value; a 400 names the field",
     description = "Takes ttl, sliding_ttl, key, max_key_bytes, the handler limits, the retry policy and fingerprint. `name` (taken from the path), `handler` (uploaded: PUT /v1/subscribers/{s}/handler) and `partition_key` (part of the on-disk layout) are refused.",
     params(("s" = String, Path, description = "Subscriber name; an unknown one is registered (up to ledger.max_implicit_subscribers)")),
-    request_body(content = SubscriberConfig, description = "The settings to change"),
+    request_body(content = ConfigChange, description = "The settings to change"),
     responses(
         (status = 200, description = "The settings now in force", body = ConfigView),
         (status = 400, description = "A field that does not parse or is refused; `field` names it", body = ErrorBody),
@@ -287,13 +374,12 @@ fn settings_patch(name: &str, obj: &Map<String, Value>) -> ApiResult<SubscriberC
             return Err(ApiError::bad(field, format!("`{field}` {why}")));
         }
     }
-    if let Some((field, why)) = failing_field(name, obj) {
+    if let Some((field, why)) = failing_field(obj) {
         return Err(ApiError::bad(field, why));
     }
-    let mut with_name = obj.clone();
-    with_name.insert("name".into(), Value::String(name.to_string()));
-    serde_json::from_value(Value::Object(with_name))
-        .map_err(|e| ApiError::bad("body", e.to_string()))
+    let change: ConfigChange = serde_json::from_value(Value::Object(obj.clone()))
+        .map_err(|e| ApiError::bad("body", e.to_string()))?;
+    Ok(change.into_config(name))
 }
 
 /// Checks merged settings as the config loader checks `[defaults]`; a 400 names the field.

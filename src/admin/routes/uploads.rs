@@ -28,6 +28,24 @@ pub async fn get_handler(
     Ok(Json(st.0.uploads.info(st.ledger(), &name)))
 }
 
+/// The body of an upload in the document: the component's bytes as they are, a binary
+/// string (`format: binary`) so that generated clients and fuzzers send raw bytes rather
+/// than the JSON array of numbers utoipa makes of a `Vec<u8>`. Only a schema: the route
+/// takes the body as [`Bytes`], under whatever content type `guard` lets through.
+pub struct ComponentBytes;
+
+impl utoipa::PartialSchema for ComponentBytes {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Binary)))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for ComponentBytes {}
+
 pub(super) fn upload_error(e: UploadError) -> ApiError {
     match e {
         UploadError::Invalid(h) => ApiError::bad("body", h.to_string()),
@@ -41,7 +59,10 @@ pub(super) fn upload_error(e: UploadError) -> ApiError {
 #[utoipa::path(put, path = "/v1/subscribers/{s}/handler", tag = "handlers",
     summary = "Upload a WebAssembly component (validated first; installed between batches; the old one kept for rollback)",
     params(("s" = String, Path, description = "Subscriber name; an unknown one is registered (up to ledger.max_implicit_subscribers)")),
-    request_body(content = Vec<u8>, content_type = "application/wasm", description = "The component's bytes (at most http.max_handler_bytes)"),
+    request_body(
+        description = "The component's bytes (at most http.max_handler_bytes), under any content type but a form type without a token; application/wasm and application/octet-stream are documented",
+        content((inline(ComponentBytes) = "application/wasm"), (inline(ComponentBytes) = "application/octet-stream")),
+    ),
     responses(
         (status = 200, description = "Installed", body = HandlerInfo),
         (status = 400, description = "Empty, or not a component this engine can run", body = ErrorBody),
