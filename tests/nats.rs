@@ -2,7 +2,8 @@
 //! JetStream; `scripts/test` installs it), started by each test on a free port with its
 //! store in a temporary directory: end to end with duplicates past the stream's own
 //! duplicate window and redeliveries, a poison message, kill -9 rounds of `dedupd run`
-//! with the non-idempotent counter handler, and `config check` of a bad section.
+//! with the non-idempotent counter handler, `config check` of a bad section, and
+//! `nats-bench` end to end.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -589,4 +590,65 @@ fn a_stop_naks_unfinished_messages_and_the_next_run_processes_each_once() {
     assert_eq!(claims(&ledger), 8);
     ledger.close().unwrap();
     assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
+}
+
+/// `dedupd nats-bench --json` end to end with the shipping-label handler: every phase
+/// had all its messages acknowledged by the server's count, the rates are positive and
+/// the ratios are the rates' ratios, and the bench deleted its streams.
+#[test]
+fn nats_bench_acknowledges_every_message_in_each_phase() {
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let handler = component("shipping_label");
+    let run = common::dedupd(&[
+        "nats-bench",
+        "--server",
+        &server.url,
+        "--messages",
+        "3000",
+        "--window",
+        "512",
+        "--batch",
+        "128",
+        "--handler",
+        handler.to_str().unwrap(),
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--json",
+    ]);
+    run.assert_success();
+    let r: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    assert_eq!(r["params"]["messages"], 3000, "{r}");
+    for phase in ["consume_only", "engine", "handler"] {
+        assert_eq!(r[format!("{phase}_acked")], 3000, "{phase}: {r}");
+    }
+    let rate = |name: &str| {
+        let v = r[format!("{name}_msgs_per_sec")].as_f64().unwrap();
+        assert!(v.is_finite() && v > 0.0, "{name}: {r}");
+        v
+    };
+    let (publish, base, engine, handler) = (
+        rate("publish"),
+        rate("consume_only"),
+        rate("engine"),
+        rate("handler"),
+    );
+    assert!(publish > 0.0);
+    for (ratio, rate) in [("engine_ratio", engine), ("handler_ratio", handler)] {
+        let got = r[ratio].as_f64().unwrap();
+        assert!(
+            (got - rate / base).abs() <= 1e-9 * got.max(1.0),
+            "{ratio}: {r}"
+        );
+    }
+    let broker = Broker::connect(&server.url);
+    let left: Vec<String> = broker
+        .rt
+        .block_on(async { broker.js.stream_names().map(|n| n.unwrap()).collect().await });
+    assert!(left.is_empty(), "streams left: {left:?}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "data directories left"
+    );
 }

@@ -15,8 +15,10 @@
 //!
 //! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection);
 //! [`settle`] what the NATS, MQTT and RabbitMQ sources share between a shard's outcome and
-//! the broker's acknowledgement; `time_until_acked` how the broker benches time a source.
+//! the broker's acknowledgement; `bench_common` what the broker benches (`mqtt-bench`,
+//! `nats-bench`, `rabbitmq-bench`) share: their traffic, ledger and timing of a source.
 
+pub(crate) mod bench_common;
 pub mod delivery;
 pub mod generator;
 pub mod http;
@@ -27,31 +29,3 @@ pub mod rabbitmq;
 pub mod readiness;
 pub mod settle;
 pub mod stdin;
-
-/// For the broker benches (`mqtt-bench`, `rabbitmq-bench`): waits until `acked` reaches
-/// `count` or `shutdown` triggers, looking every 200 µs and telling `progress` the acks
-/// every 200 ms; returns the time from the first message `received` to then (zero when
-/// none arrived).
-pub(crate) fn time_until_acked(
-    received: &std::sync::atomic::AtomicU64,
-    acked: &std::sync::atomic::AtomicU64,
-    count: u64,
-    shutdown: &crate::pipeline::Shutdown,
-    mut progress: impl FnMut(u64),
-) -> std::time::Duration {
-    use std::sync::atomic::Ordering;
-    use std::time::{Duration, Instant};
-    let mut start = None;
-    let mut last_progress = Instant::now();
-    while acked.load(Ordering::Relaxed) < count && !shutdown.is_triggered() {
-        if start.is_none() && received.load(Ordering::Relaxed) > 0 {
-            start = Some(Instant::now());
-        }
-        if last_progress.elapsed() > Duration::from_millis(200) {
-            last_progress = Instant::now();
-            progress(acked.load(Ordering::Relaxed));
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    start.map_or(Duration::ZERO, |t| t.elapsed())
-}

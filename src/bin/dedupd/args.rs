@@ -9,7 +9,7 @@ use dedupd::bench::{AdversarialParams, BenchParams};
 use dedupd::config::Config;
 
 mod brokers;
-pub use brokers::{KafkaBenchArgs, MqttBenchArgs, RabbitmqBenchArgs};
+pub use brokers::{KafkaBenchArgs, MqttBenchArgs, NatsBenchArgs, RabbitmqBenchArgs};
 
 #[derive(Parser)]
 #[command(
@@ -139,6 +139,8 @@ pub enum Command {
     RabbitmqBench(RabbitmqBenchArgs),
     /// MQTT source against a consume-only client on a real broker, same run.
     MqttBench(MqttBenchArgs),
+    /// NATS JetStream source against a consume-only pull consumer on a real server, same run.
+    NatsBench(NatsBenchArgs),
     /// The version, the commit it was built from and the data formats it reads (as
     /// `--version`).
     Version,

@@ -251,6 +251,19 @@ fn run(command: Command) -> Result<()> {
                 false => print!("{report}"),
             }
         }
+        Command::NatsBench(args) => {
+            let json = args.json;
+            let params = args.params()?;
+            eprintln!("{params}");
+            let report = dedupd::source::nats::bench::run(&params, &mut |phase, done, total| {
+                progress(&format!("{phase}: {done}/{total}"))
+            })?;
+            end_progress();
+            match json {
+                true => println!("{}", serde_json::to_string(&report)?),
+                false => print!("{report}"),
+            }
+        }
         Command::RabbitmqBench(args) => {
             let json = args.json;
             let params = args.params()?;

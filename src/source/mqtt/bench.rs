@@ -27,11 +27,10 @@ use serde::Serialize;
 
 use super::config::BrokerAddr;
 use super::{MqttError, MqttStats};
-use crate::clock::SystemClock;
 use crate::config::Config;
 use crate::ledger::Ledger;
-use crate::pipeline::{Cause, Shutdown};
-use crate::source::generator::{Event as Generated, Traffic, TrafficSpec};
+use crate::source::bench_common::{self, SetupError};
+use crate::source::generator::Event as Generated;
 
 /// What to measure.
 #[derive(Debug, Clone, Serialize)]
@@ -201,15 +200,7 @@ pub const ROUND: usize = 50_000;
 
 /// The generated traffic (fixed seed, redeliveries included), in publishing order.
 fn generate(params: &MqttBenchParams) -> Vec<Published> {
-    let mut traffic = Traffic::new(TrafficSpec {
-        seed: params.seed,
-        messages: params.messages,
-        dup_rate: params.dup_rate,
-        mismatch_rate: 0.0,
-        subscribers: 1,
-        random_order_ids: false,
-        orders: None,
-    });
+    let mut traffic = bench_common::traffic(params.seed, params.messages, params.dup_rate);
     let mut msgs = Vec::new();
     let mut ev = Generated::default();
     while traffic.next_into(&mut ev) {
@@ -333,13 +324,11 @@ topics = ["{filter}"]
             params.broker, params.window
         );
         let config = Config::parse(&text).map_err(|e| MqttError::Config(e.to_string()))?;
-        let dir = tempfile::tempdir_in(&params.dir).map_err(client_error)?;
-        let ledger = Arc::new(
-            Ledger::open(dir.path(), &config, Arc::new(SystemClock))
-                .map_err(|e| MqttError::Ledger(e.to_string()))?,
-        );
-        crate::pipeline::install_handlers(&ledger, &config)
-            .map_err(|e| MqttError::Config(e.to_string()))?;
+        let (dir, ledger) = bench_common::fresh_ledger(&params.dir, "dedupd-mqtt-bench-", &config)
+            .map_err(|e| match e {
+                SetupError::Ledger(e) => MqttError::Ledger(e),
+                SetupError::Config(e) => MqttError::Config(e),
+            })?;
         let mqtt = config
             .mqtt
             .clone()
@@ -356,20 +345,15 @@ topics = ["{filter}"]
     /// redeliveries included, is acknowledged once its outcome is durable), as the
     /// baseline is timed from its first message to its last.
     fn consume(&mut self, count: u64) -> Result<f64, MqttError> {
-        let shutdown = Shutdown::new();
         let stats = vec![Arc::new(MqttStats::default())];
-        let (summary, elapsed) = std::thread::scope(|scope| {
-            let runner = {
-                let (ledger, shutdown, mqtt, stats) =
-                    (self.ledger.clone(), shutdown.clone(), &self.mqtt, &stats);
-                scope.spawn(move || super::run_with(ledger, mqtt, &shutdown, stats))
-            };
-            let s = &stats[0];
-            let elapsed =
-                crate::source::time_until_acked(&s.received, &s.acked, count, &shutdown, |_| {});
-            shutdown.trigger(Cause::Requested);
-            (runner.join(), elapsed)
-        });
+        let (ledger, mqtt, s) = (self.ledger.clone(), &self.mqtt, &stats[0]);
+        let (elapsed, summary) = bench_common::run_timed(
+            |shutdown| super::run_with(ledger, mqtt, shutdown, &stats),
+            &s.received,
+            &s.acked,
+            count,
+            |_| {},
+        );
         let summary = summary.map_err(|_| MqttError::Client("the source panicked".into()))??;
         tracing::debug!(?summary, "mqtt-bench engine round");
         if summary.acked < count {
@@ -382,9 +366,6 @@ topics = ["{filter}"]
     }
 
     fn close(self) -> Result<(), MqttError> {
-        if let Ok(l) = Arc::try_unwrap(self.ledger) {
-            l.close().map_err(|e| MqttError::Ledger(e.to_string()))?;
-        }
-        Ok(())
+        bench_common::close_ledger(self.ledger).map_err(MqttError::Ledger)
     }
 }

@@ -7,6 +7,7 @@
 //!   shared step ([`crate::source::delivery::envelope`]), acknowledged (`Ack`, or `Term`
 //!   for dead letters) only after its outcome is durable (G1), the in-flight window
 //!   bounded by `max_ack_pending`, `Nak` with delay for what a stop gives back.
+//! - [`mod@bench`]: `dedupd nats-bench`, the source against a consume-only pull consumer.
 //! - [`run`] (here): the connection, a probe for `/readyz` while it is down, one task per
 //!   binding, the stop.
 //!
@@ -21,6 +22,7 @@
 //! unless the instances share a ledger; run one instance per durable consumer when effects
 //! must happen once (docs/nats.md).
 
+pub mod bench;
 mod config;
 mod consumer;
 
@@ -167,24 +169,34 @@ pub fn run(
     nats: &NatsConfig,
     shutdown: &Shutdown,
 ) -> Result<NatsSummary, NatsError> {
+    let stats: Vec<Arc<NatsStats>> = nats
+        .bindings
+        .iter()
+        .map(|_| Arc::new(NatsStats::default()))
+        .collect();
+    run_with(ledger, nats, shutdown, &stats)
+}
+
+/// [`run`] counting into `stats`, one per binding (`nats-bench` watches them).
+pub(crate) fn run_with(
+    ledger: Arc<Ledger>,
+    nats: &NatsConfig,
+    shutdown: &Shutdown,
+    stats: &[Arc<NatsStats>],
+) -> Result<NatsSummary, NatsError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("dedupd-nats")
         .enable_all()
         .build()
         .map_err(|e| NatsError::Client(format!("cannot start the nats runtime: {e}")))?;
-    let stats: Vec<Arc<NatsStats>> = nats
-        .bindings
-        .iter()
-        .map(|_| Arc::new(NatsStats::default()))
-        .collect();
-    let result = rt.block_on(run_bindings(ledger, nats, shutdown, &stats));
+    let result = rt.block_on(run_bindings(ledger, nats, shutdown, stats));
     if let Err(e) = &result {
         shutdown.trigger(Cause::Failed(e.to_string()));
     }
     result?;
     let mut summary = NatsSummary::default();
-    for s in &stats {
+    for s in stats {
         summary.add(s);
     }
     Ok(summary)

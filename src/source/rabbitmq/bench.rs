@@ -29,11 +29,9 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use serde::Serialize;
 
 use super::{BindingConfig, RabbitMqConfig, RabbitMqError, RabbitMqStats};
-use crate::clock::SystemClock;
 use crate::config::{Config, PartitionSource, SubscriberConfig};
-use crate::ledger::Ledger;
-use crate::pipeline::{Cause, Shutdown};
-use crate::source::generator::{Event, Traffic, TrafficSpec};
+use crate::source::bench_common::{self, SetupError};
+use crate::source::generator::Event;
 
 /// What to measure.
 #[derive(Debug, Clone, Serialize)]
@@ -87,23 +85,12 @@ impl std::fmt::Display for RabbitBenchReport {
             "publish (confirms)    {:>10.0} msgs/s",
             self.publish_msgs_per_sec
         )?;
-        writeln!(
+        bench_common::write_rates(
             f,
-            "consume-only          {:>10.0} msgs/s",
-            self.consume_only_msgs_per_sec
-        )?;
-        writeln!(
-            f,
-            "engine, no handler    {:>10.0} msgs/s  {:.2}x consume-only",
-            self.engine_msgs_per_sec, self.engine_ratio
-        )?;
-        if let (Some(r), Some(x)) = (self.handler_msgs_per_sec, self.handler_ratio) {
-            writeln!(
-                f,
-                "engine, handler       {r:>10.0} msgs/s  {x:.2}x consume-only"
-            )?;
-        }
-        Ok(())
+            self.consume_only_msgs_per_sec,
+            (self.engine_msgs_per_sec, self.engine_ratio),
+            self.handler_msgs_per_sec.zip(self.handler_ratio),
+        )
     }
 }
 
@@ -189,15 +176,7 @@ async fn fill(
     )
     .await
     .map_err(client)?;
-    let mut traffic = Traffic::new(TrafficSpec {
-        seed: params.seed,
-        messages: params.messages,
-        dup_rate: params.dup_rate,
-        mismatch_rate: 0.0,
-        subscribers: 1,
-        random_order_ids: false,
-        orders: None,
-    });
+    let mut traffic = bench_common::traffic(params.seed, params.messages, params.dup_rate);
     let mut ev = Event::default();
     let start = Instant::now();
     let mut confirms = Vec::new();
@@ -296,10 +275,6 @@ fn engine(
     } else {
         "engine"
     };
-    let dir = tempfile::Builder::new()
-        .prefix("dedupd-rabbitmq-bench-")
-        .tempdir_in(&params.dir)
-        .map_err(|e| client(format!("cannot create a data directory: {e}")))?;
     let mut config = Config::default();
     config.ledger.shards = params.shards.and_then(NonZeroUsize::new);
     config.subscribers.push(SubscriberConfig {
@@ -311,12 +286,11 @@ fn engine(
         handler,
         ..Default::default()
     });
-    let ledger = Arc::new(
-        Ledger::open(dir.path(), &config, Arc::new(SystemClock))
-            .map_err(|e| RabbitMqError::Ledger(e.to_string()))?,
-    );
-    crate::pipeline::install_handlers(&ledger, &config)
-        .map_err(|e| RabbitMqError::Config(format!("cannot load the handler: {e}")))?;
+    let (_dir, ledger) = bench_common::fresh_ledger(&params.dir, "dedupd-rabbitmq-bench-", &config)
+        .map_err(|e| match e {
+            SetupError::Ledger(e) => RabbitMqError::Ledger(e),
+            SetupError::Config(e) => RabbitMqError::Config(e),
+        })?;
     let mut r = RabbitMqConfig::new(params.uri.clone());
     r.bindings.push(BindingConfig {
         subscriber: "bench".into(),
@@ -326,30 +300,17 @@ fn engine(
         prefetch: std::num::NonZeroU16::new(params.prefetch).unwrap_or(std::num::NonZeroU16::MIN),
     });
     let stats = vec![Arc::new(RabbitMqStats::default())];
-    let shutdown = Shutdown::new();
-    let (elapsed, result) = std::thread::scope(|scope| {
-        let runner = {
-            let (ledger, shutdown, r, stats) = (ledger.clone(), shutdown.clone(), &r, &stats);
-            scope.spawn(move || super::run_with(ledger, r, &shutdown, stats))
-        };
-        let s = &stats[0];
-        let elapsed = crate::source::time_until_acked(
-            &s.received,
-            &s.acked,
-            params.messages,
-            &shutdown,
-            |acked| progress(phase, acked, params.messages),
-        )
-        .as_secs_f64();
-        shutdown.trigger(Cause::Requested);
-        (elapsed, runner.join())
-    });
+    let (source_ledger, s) = (ledger.clone(), &stats[0]);
+    let (elapsed, result) = bench_common::run_timed(
+        |shutdown| super::run_with(source_ledger, &r, shutdown, &stats),
+        &s.received,
+        &s.acked,
+        params.messages,
+        |acked| progress(phase, acked, params.messages),
+    );
     result
         .map_err(|_| client("the source thread panicked"))?
         .map(|_| ())?;
-    if let Ok(l) = Arc::try_unwrap(ledger) {
-        l.close()
-            .map_err(|e| RabbitMqError::Ledger(e.to_string()))?;
-    }
-    Ok(elapsed)
+    bench_common::close_ledger(ledger).map_err(RabbitMqError::Ledger)?;
+    Ok(elapsed.as_secs_f64())
 }

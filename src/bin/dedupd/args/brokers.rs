@@ -1,5 +1,6 @@
-//! The arguments of the broker benches (`kafka-bench`, `mqtt-bench`, `rabbitmq-bench`):
-//! each source against a consume-only client of the same broker, same run.
+//! The arguments of the broker benches (`kafka-bench`, `mqtt-bench`, `nats-bench`,
+//! `rabbitmq-bench`): each source against a consume-only client of the same broker, same
+//! run.
 
 use std::path::PathBuf;
 
@@ -8,7 +9,21 @@ use clap::Args;
 
 use dedupd::source::kafka::bench::KafkaBenchParams;
 use dedupd::source::mqtt::bench::MqttBenchParams;
+use dedupd::source::nats::bench::NatsBenchParams;
 use dedupd::source::rabbitmq::bench::RabbitBenchParams;
+
+/// A `--handler` of a bench must exist: the plugins are built separately.
+fn handler_built(handler: Option<&PathBuf>) -> Result<()> {
+    if let Some(h) = handler {
+        if !h.exists() {
+            bail!(
+                "handler {} not found: build the plugins first (plugins/build.sh)",
+                h.display()
+            );
+        }
+    }
+    Ok(())
+}
 
 /// `dedupd kafka-bench`.
 #[derive(Args)]
@@ -101,14 +116,7 @@ impl MqttBenchArgs {
         {
             bail!("--dup-rate must be in [0, 1), --messages, --window and --round at least 1");
         }
-        if let Some(h) = &self.handler {
-            if !h.exists() {
-                bail!(
-                    "handler {} not found: build the plugins first (plugins/build.sh)",
-                    h.display()
-                );
-            }
-        }
+        handler_built(self.handler.as_ref())?;
         Ok(MqttBenchParams {
             broker: self.broker,
             messages: self.messages,
@@ -130,14 +138,7 @@ impl KafkaBenchArgs {
         if self.messages == 0 || self.partitions < 1 {
             bail!("--messages and --partitions must be at least 1");
         }
-        if let Some(h) = &self.handler {
-            if !h.exists() {
-                bail!(
-                    "handler {} not found: build the plugins first (plugins/build.sh)",
-                    h.display()
-                );
-            }
-        }
+        handler_built(self.handler.as_ref())?;
         Ok(KafkaBenchParams {
             messages: self.messages,
             dup_rate: self.dup_rate,
@@ -194,14 +195,7 @@ impl RabbitmqBenchArgs {
         if self.messages == 0 || self.prefetch == 0 {
             bail!("--messages and --prefetch must be at least 1");
         }
-        if let Some(h) = &self.handler {
-            if !h.exists() {
-                bail!(
-                    "handler {} not found: build the plugins first (plugins/build.sh)",
-                    h.display()
-                );
-            }
-        }
+        handler_built(self.handler.as_ref())?;
         Ok(RabbitBenchParams {
             uri: self.uri,
             messages: self.messages,
@@ -210,6 +204,61 @@ impl RabbitmqBenchArgs {
             prefetch: self.prefetch,
             handler: self.handler,
             shards: self.shards,
+            dir: self.dir,
+        })
+    }
+}
+
+/// `dedupd nats-bench`.
+#[derive(Args)]
+pub struct NatsBenchArgs {
+    /// The server, with JetStream enabled (`nats-server -js`); the bench creates and
+    /// deletes streams of its own.
+    #[arg(long, default_value = "nats://127.0.0.1:4222")]
+    server: String,
+    /// Messages published to each phase's stream (redeliveries included).
+    #[arg(long, default_value_t = 200_000)]
+    messages: u64,
+    /// Fraction of messages that redeliver an earlier message.
+    #[arg(long, default_value_t = 0.1)]
+    dup_rate: f64,
+    /// Seed of the generated traffic: the same seed gives the same messages.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// `MaxAckPending` of every consumer (the in-flight window; the source's default).
+    #[arg(long, default_value_t = 4096)]
+    window: usize,
+    /// Messages asked for per pull request, at most `--window` (the source's default).
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Handler component for a third phase (the engine with it).
+    #[arg(long)]
+    handler: Option<PathBuf>,
+    /// Directory in which the temporary data directories are created.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl NatsBenchArgs {
+    pub fn params(self) -> Result<NatsBenchParams> {
+        if !(0.0..1.0).contains(&self.dup_rate) {
+            bail!("--dup-rate must be in [0, 1)");
+        }
+        if self.messages == 0 || self.batch == 0 || self.batch > self.window {
+            bail!("--messages and --batch must be at least 1, --batch at most --window");
+        }
+        handler_built(self.handler.as_ref())?;
+        Ok(NatsBenchParams {
+            server: self.server,
+            messages: self.messages,
+            dup_rate: self.dup_rate,
+            seed: self.seed,
+            window: self.window,
+            batch: self.batch,
+            handler: self.handler,
             dir: self.dir,
         })
     }
