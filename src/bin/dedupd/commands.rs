@@ -1,5 +1,5 @@
-//! The commands that are more than a library call and a print: `bench adversarial`,
-//! `handler test`, `restore`, `dev-broker`, `demo`.
+//! The commands that are more than a library call and a print: `handler test`,
+//! `restore`, `dev-broker`, `demo` (the benchmarks are in `benches.rs`).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -10,21 +10,6 @@ use crate::args::{self, load_config};
 use crate::output::{end_progress, progress, CopyProgress};
 use dedupd::pipeline;
 use dedupd::source::kafka;
-
-/// `dedupd bench adversarial`.
-pub fn bench_adversarial(args: args::AdversarialArgs) -> Result<()> {
-    let json = args.json;
-    let params = args.params()?;
-    let report = dedupd::bench::run_adversarial(&params, |phase| eprintln!("== {phase}"))?;
-    match json {
-        true => println!("{}", serde_json::to_string(&report)?),
-        false => print!("{report}"),
-    }
-    if !report.verified() {
-        bail!("outcomes, claims or counts differ from the traffic (lines marked PROBLEM)");
-    }
-    Ok(())
-}
 
 /// `dedupd handler test`.
 pub fn handler_test(args: args::HandlerTestArgs) -> Result<()> {

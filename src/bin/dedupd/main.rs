@@ -3,19 +3,19 @@
 //! binary uses anyhow.
 
 mod args;
+mod benches;
 mod commands;
 mod output;
 
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Parser;
 
 use args::{data_dir, load_config, Cli, Command, ConfigCommand, HandlerCommand, StateCommand};
-use commands::{bench_adversarial, demo, dev_broker, handler_test, restore};
+use commands::{demo, dev_broker, handler_test, restore};
 use dedupd::pipeline::{self, Mode, Summary};
-use dedupd::source::kafka;
-use output::{end_progress, init_logs, progress};
+use output::init_logs;
 
 /// Shard writers free what sources allocate (ids, payloads, batches); mimalloc handles that
 /// cross-thread pattern with far less contention than glibc malloc (measured in the bench).
@@ -200,84 +200,11 @@ fn run(command: Command) -> Result<()> {
             clap_mangen::Man::new(cmd).render(&mut std::io::stdout())?;
         }
         Command::Demo { messages, handler } => demo(messages, args::demo_handler(&handler)?)?,
-        Command::Bench(mut args) => {
-            if let Some(args::BenchCommand::Adversarial(a)) = args.command.take() {
-                return bench_adversarial(a);
-            }
-            let (json, series) = (args.json, args.series);
-            let params = args.params()?;
-            eprintln!("{params}");
-            let report = dedupd::bench::run(&params, |p| progress(&p))?;
-            end_progress();
-            match json {
-                true => println!("{}", serde_json::to_string(&report)?),
-                false => print!("{report}"),
-            }
-            for p in report.series.iter().filter(|_| series && !json) {
-                let per = |bytes: u64| bytes as f64 / p.processed.max(1) as f64;
-                println!(
-                    "series   {:>12} msgs  {:>10.0} msgs/s  {:>12} processed  resident {:>7.1} MiB  disk {:>8.1} MiB ({:>5.1} B/processed)",
-                    p.messages,
-                    p.msgs_per_sec,
-                    p.processed,
-                    p.rss_bytes as f64 / (1 << 20) as f64,
-                    p.disk_allocated_bytes as f64 / (1 << 20) as f64,
-                    per(p.disk_allocated_bytes)
-                );
-            }
-            if !report.verified {
-                bail!("outcomes did not match the generated traffic");
-            }
-        }
-        Command::MqttBench(args) => {
-            let json = args.json;
-            let params = args.params()?;
-            eprintln!("{params}");
-            let report =
-                dedupd::source::mqtt::bench::run(&params, &mut |phase| eprintln!("{phase}"))?;
-            match json {
-                true => println!("{}", serde_json::to_string(&report)?),
-                false => print!("{report}"),
-            }
-        }
-        Command::KafkaBench(args) => {
-            let json = args.json;
-            let params = args.params()?;
-            eprintln!("{params}");
-            let report = kafka::bench::run(&params, &mut |p| progress(&p))?;
-            end_progress();
-            match json {
-                true => println!("{}", serde_json::to_string(&report)?),
-                false => print!("{report}"),
-            }
-        }
-        Command::NatsBench(args) => {
-            let json = args.json;
-            let params = args.params()?;
-            eprintln!("{params}");
-            let report = dedupd::source::nats::bench::run(&params, &mut |phase, done, total| {
-                progress(&format!("{phase}: {done}/{total}"))
-            })?;
-            end_progress();
-            match json {
-                true => println!("{}", serde_json::to_string(&report)?),
-                false => print!("{report}"),
-            }
-        }
-        Command::RabbitmqBench(args) => {
-            let json = args.json;
-            let params = args.params()?;
-            eprintln!("{params}");
-            let report =
-                dedupd::source::rabbitmq::bench::run(&params, &mut |phase, done, total| {
-                    progress(&format!("{phase}: {done}/{total}"))
-                })?;
-            end_progress();
-            match json {
-                true => println!("{}", serde_json::to_string(&report)?),
-                false => print!("{report}"),
-            }
-        }
+        Command::Bench(args) => benches::engine(*args)?,
+        Command::MqttBench(args) => benches::mqtt(args)?,
+        Command::KafkaBench(args) => benches::kafka(args)?,
+        Command::NatsBench(args) => benches::nats(args)?,
+        Command::RabbitmqBench(args) => benches::rabbitmq(args)?,
     }
     Ok(())
 }
