@@ -442,6 +442,25 @@ impl StateBuffer {
     }
 }
 
+/// Writes one state entry of a frozen buffer into its run: a delete as a tombstone, unless
+/// no older run exists. `key` is scratch space.
+fn push_state(
+    writer: &mut RunWriter,
+    drop_tombstones: bool,
+    t: &mut redb::Table<&'static [u8], &'static [u8]>,
+    key: &mut Vec<u8>,
+    (k, v): (&[u8], Option<&[u8]>),
+) -> Result<(), redb::Error> {
+    if v.is_none() && drop_tombstones {
+        return Ok(());
+    }
+    key.clear();
+    key.push(KIND_STATE);
+    key.extend_from_slice(k);
+    writer.push(t, key, v)?;
+    Ok(())
+}
+
 /// Writes up to `limit` entries of a frozen buffer from its cursor on into its run, in run
 /// key order: state entries, then marks, then versions. Hashed state waits for its sort
 /// like the marks.
@@ -459,13 +478,13 @@ fn write_slice(
         for (k, v) in f.effects.state.ordered_after(start.as_deref()).take(limit) {
             limit -= 1;
             last = Some(k);
-            if v.is_none() && f.drop_tombstones {
-                continue;
-            }
-            key.clear();
-            key.push(KIND_STATE);
-            key.extend_from_slice(k);
-            f.writer.push(&mut t, &key, v.as_deref())?;
+            push_state(
+                &mut f.writer,
+                f.drop_tombstones,
+                &mut t,
+                &mut key,
+                (k, v.as_deref()),
+            )?;
         }
         if limit == 0 {
             if let Some(last) = last {
@@ -482,16 +501,15 @@ fn write_slice(
     if let Cursor::StateAt(from) = f.cursor {
         let n = order.len().saturating_sub(from).min(limit);
         for &i in &order[from..from + n] {
-            let Some((k, v)) = f.effects.state.at(i as usize) else {
-                continue;
-            };
-            if v.is_none() && f.drop_tombstones {
-                continue;
+            if let Some((k, v)) = f.effects.state.at(i as usize) {
+                push_state(
+                    &mut f.writer,
+                    f.drop_tombstones,
+                    &mut t,
+                    &mut key,
+                    (k, v.as_deref()),
+                )?;
             }
-            key.clear();
-            key.push(KIND_STATE);
-            key.extend_from_slice(k);
-            f.writer.push(&mut t, &key, v.as_deref())?;
         }
         limit -= n;
         if limit == 0 && from + n < order.len() {
