@@ -190,3 +190,40 @@ fn merging_takes_the_newest_source_per_key() {
     ];
     assert_eq!(merged, want);
 }
+
+/// A writer sets a key's filter bits a few pushes after the key (prefetched meanwhile):
+/// the finished filter holds every key, the last ones of a run whose length is not a
+/// multiple of that distance too, and a run of split-block filter rules most others out.
+#[test]
+fn the_filter_of_a_finished_run_holds_every_key_pushed() {
+    for n in [1usize, PENDING - 1, PENDING, PENDING + 1, 1_000, 1_003] {
+        let entries: Vec<(Vec<u8>, Option<Vec<u8>>)> = (0..n)
+            .map(|i| {
+                (
+                    run_key(KIND_MARK, format!("k{i:08}").as_bytes()),
+                    Some(Vec::new()),
+                )
+            })
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("r.redb")).unwrap();
+        let written = write(&db, &entries, false);
+        assert_eq!(written.entries, n as u64);
+        for (k, _) in &entries {
+            assert!(
+                written.filter.contains_hash(key_hash(k)),
+                "{n} keys: {k:?} missing"
+            );
+        }
+        let others = (0..10_000)
+            .filter(|i| {
+                let k = run_key(KIND_MARK, format!("other{i:08}").as_bytes());
+                written.filter.contains_hash(key_hash(&k))
+            })
+            .count();
+        assert!(
+            others < 1_000,
+            "{n} keys: {others} of 10,000 others said maybe"
+        );
+    }
+}
