@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod broker;
+pub mod tls;
 
 use std::path::PathBuf;
 use std::process::Command;
