@@ -3,7 +3,9 @@
 //! directory: end to end over MQTT 5 with user-property keys and repeats, a poison message,
 //! kill -9 rounds of `dedupd run` with the non-idempotent counter handler over MQTT 3.1.1,
 //! the broker restarted under load, a slow handler cut short by a stop, a shared
-//! subscription over two instances, and `config check` of a bad section.
+//! subscription over two instances, `config check` of a bad section, and TLS (`mqtts`
+//! with a client certificate; a wrong CA and a missing client certificate refused, and
+//! said why).
 //!
 //! "Every message acknowledged" is checked the way the broker sees it: after dedupd stops,
 //! a client taking over its persistent session receives nothing (the broker redelivers
@@ -24,10 +26,11 @@ use dedupd::source::mqtt::{self, MqttSummary};
 
 use common::broker::{
     assert_counts_exact, assert_metrics_of_orders, claims, config_check, dedupd_run, free_port,
-    handler_lines, http_get, last_logged, run_source_until, stop_gracefully, wait_until,
-    KillRounds,
+    handler_lines, http_get, last_logged, run_source_until, stop_gracefully, wait_logged,
+    wait_until, KillRounds,
 };
 use common::component;
+use common::tls::Pki;
 use mqtt_server::{create_session, left_in_session, publish, Mosquitto, Msg};
 
 const CLIENT_ID: &str = "dedupd-orders";
@@ -497,4 +500,159 @@ fn config_check_names_the_bad_mqtt_field() {
     ] {
         check(&bad).assert_refused(&[field]);
     }
+}
+
+/// [`config_text`] for `mqtts://HOST:PORT` (keyed by the payload), with the CA file `ca`
+/// and, with `pki`, the test's client certificate and key.
+fn tls_config_text(host: &str, port: u16, protocol: &str, ca: &Path, pki: Option<&Pki>) -> String {
+    let mut tls = format!("tls_ca_file = {:?}\n", ca.display().to_string());
+    if let Some(pki) = pki {
+        tls += &format!(
+            "tls_cert_file = {:?}\ntls_key_file = {:?}\n",
+            pki.client_cert.display().to_string(),
+            pki.client_key.display().to_string()
+        );
+    }
+    config_text(
+        &format!("mqtts://{host}:{port}"),
+        protocol,
+        BY_PAYLOAD,
+        None,
+    )
+    .replace("client_id =", &format!("{tls}client_id ="))
+}
+
+/// TLS against the real broker: dedupd consumes its session over `mqtts` with a client
+/// certificate (the listener requires one), over MQTT 5 by the address `127.0.0.1`, then
+/// over MQTT 3.1.1 by the name `localhost` (both in the certificate's names); the broker
+/// logs both connections on the TLS port. Each event is processed once over the two runs
+/// and nothing is left in the session.
+#[test]
+fn each_message_is_processed_once_and_acked_over_mqtts_with_a_client_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::make(dir.path());
+    let (broker, tls_port) = Mosquitto::start_tls(&pki);
+    create_session(broker.port, CLIENT_ID, "orders/#");
+    let mut msgs = order_msgs(0..150);
+    msgs.extend(order_msgs(50..100));
+    msgs.extend(order_msgs(150..200));
+    publish(broker.port, &msgs);
+
+    let data = dir.path().join("data");
+    let text = tls_config_text("127.0.0.1", tls_port, "5", &pki.ca, Some(&pki));
+    let config = Config::parse(&text).unwrap();
+    let (summary, ledger) = run_until(&config, &data, |l| claims(l) == 200);
+    eprintln!("{summary:?}");
+    // The last event published is new: once it is claimed every repeat was taken.
+    assert_eq!(
+        (summary.processed, summary.duplicate, summary.acked),
+        (200, 50, 250),
+        "{summary:?}"
+    );
+    assert_eq!(summary.unacked_lost, 0, "{summary:?}");
+    ledger.close().unwrap();
+
+    publish(broker.port, &order_msgs(150..300));
+    let text = tls_config_text("localhost", tls_port, "3.1.1", &pki.ca, Some(&pki));
+    let config = Config::parse(&text).unwrap();
+    let (summary, ledger) = run_until(&config, &data, |l| claims(l) == 300);
+    eprintln!("{summary:?}");
+    assert_eq!(
+        (summary.processed, summary.duplicate, summary.acked),
+        (100, 50, 150),
+        "{summary:?}"
+    );
+    assert_eq!(claims(&ledger), 300);
+    ledger.close().unwrap();
+    assert_eq!(
+        left_in_session(broker.port, CLIENT_ID, Duration::from_secs(1)),
+        0
+    );
+    // "New connection from ADDR on port PORT." then "New client connected from ADDR as ID".
+    let log = broker.log();
+    let on_tls_port = format!(" on port {tls_port}.");
+    let tls_peers: Vec<&str> = log
+        .lines()
+        .filter_map(|l| {
+            l.split("New connection from ")
+                .nth(1)?
+                .strip_suffix(&on_tls_port)
+        })
+        .collect();
+    let dedupd_on_tls = log
+        .lines()
+        .filter_map(|l| l.split("New client connected from ").nth(1))
+        .filter(|l| {
+            tls_peers
+                .iter()
+                .any(|p| l.starts_with(&format!("{p} as {CLIENT_ID} ")))
+        })
+        .count();
+    assert_eq!(
+        dedupd_on_tls, 2,
+        "two dedupd connections on the TLS listener:\n{log}"
+    );
+}
+
+/// `dedupd run` on `mqtts` that cannot make a TLS connection: with a CA that did not sign
+/// the broker's certificate, and with the right CA but no client certificate (the
+/// listener requires one). Each time `/readyz` says 503 within seconds and its reason and
+/// the log say why (a certificate), the source keeps retrying without hanging, the run
+/// stops cleanly on SIGTERM and the session still holds every message.
+#[test]
+fn mqtts_with_a_wrong_ca_or_no_client_certificate_is_not_ready_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::make(dir.path());
+    let (broker, tls_port) = Mosquitto::start_tls(&pki);
+    create_session(broker.port, CLIENT_ID, "orders/#");
+    publish(broker.port, &order_msgs(0..10));
+    for (case, text) in [
+        (
+            "wrong CA",
+            tls_config_text("127.0.0.1", tls_port, "5", &pki.other_ca, Some(&pki)),
+        ),
+        (
+            "no client certificate",
+            tls_config_text("127.0.0.1", tls_port, "5", &pki.ca, None),
+        ),
+    ] {
+        let run = dir.path().join(case.replace(' ', "-"));
+        std::fs::create_dir_all(&run).unwrap();
+        let cfg = run.join("dedupd.toml");
+        let metrics = format!("127.0.0.1:{}", free_port());
+        std::fs::write(&cfg, format!("{text}\n[metrics]\nbind = \"{metrics}\"\n")).unwrap();
+        let log = run.join("run.log");
+        let child = dedupd_run(&cfg, &run.join("data"), &log);
+        let mut reason = String::new();
+        wait_logged(
+            &format!("{case}: readyz 503 naming a certificate"),
+            Duration::from_secs(30),
+            Some(&log),
+            || {
+                let (status, body) = http_get(&metrics, "/readyz");
+                reason = body;
+                status == 503 && reason.to_lowercase().contains("certificate")
+            },
+        );
+        eprintln!("{case}: {reason}");
+        assert!(
+            reason.contains("not connected to the MQTT broker"),
+            "{reason}"
+        );
+        let logged = std::fs::read_to_string(&log).unwrap();
+        assert!(
+            logged
+                .lines()
+                .any(|l| l.contains("mqtt connection lost")
+                    && l.to_lowercase().contains("certificate")),
+            "{case}: {logged}"
+        );
+        let summary = stop_gracefully(child, &log);
+        assert_eq!(summary["mqtt"]["received"], 0, "{case}: {summary}");
+    }
+    assert_eq!(
+        left_in_session(broker.port, CLIENT_ID, Duration::from_secs(1)),
+        10,
+        "the messages wait in the session"
+    );
 }

@@ -2,13 +2,14 @@
 //! JetStream; `scripts/test` installs it), started by each test on a free port with its
 //! store in a temporary directory: end to end with duplicates past the stream's own
 //! duplicate window and redeliveries, a poison message, kill -9 rounds of `dedupd run`
-//! with the non-idempotent counter handler, `config check` of a bad section, and
-//! `nats-bench` end to end.
+//! with the non-idempotent counter handler, `config check` of a bad section,
+//! `nats-bench` end to end, and TLS (a client certificate; a wrong CA refused, and said
+//! why).
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use common::broker::{
     wait_until, KillRounds,
 };
 use common::component;
+use common::tls::Pki;
 
 /// A `nats-server -js` of the test's own, killed when dropped.
 struct NatsServer {
@@ -32,10 +34,16 @@ struct NatsServer {
     port: u16,
     url: String,
     store: tempfile::TempDir,
+    /// A config file the server reads too (a `tls` block).
+    conf: Option<PathBuf>,
 }
 
-fn spawn_server(port: u16, store: &Path) -> Child {
-    let child = Command::new("nats-server")
+fn spawn_server(port: u16, store: &Path, conf: Option<&Path>) -> Child {
+    let mut cmd = Command::new("nats-server");
+    if let Some(conf) = conf {
+        cmd.arg("-c").arg(conf);
+    }
+    let child = cmd
         .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
         .arg(store)
         .stdout(Stdio::null())
@@ -52,14 +60,37 @@ fn spawn_server(port: u16, store: &Path) -> Child {
 
 impl NatsServer {
     fn start() -> NatsServer {
+        NatsServer::start_conf(None)
+    }
+
+    fn start_conf(conf: Option<PathBuf>) -> NatsServer {
         let port = free_port();
         let store = tempfile::tempdir().unwrap();
         NatsServer {
-            child: spawn_server(port, store.path()),
+            child: spawn_server(port, store.path(), conf.as_deref()),
             port,
             url: format!("nats://127.0.0.1:{port}"),
             store,
+            conf,
         }
+    }
+
+    /// A server whose one port takes TLS only, with a `tls` block in a config file: its
+    /// certificate is signed by the test CA for `localhost` and `127.0.0.1`, and it
+    /// requires a client certificate signed by the same CA (`verify`, mutual TLS).
+    fn start_tls(pki: &Pki, dir: &Path) -> NatsServer {
+        let conf = dir.join("nats-server.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n  ca_file: {:?}\n  verify: true\n  timeout: 5\n}}\n",
+                pki.server_cert.display().to_string(),
+                pki.server_key.display().to_string(),
+                pki.ca.display().to_string()
+            ),
+        )
+        .unwrap();
+        NatsServer::start_conf(Some(conf))
     }
 
     /// Kills the server (its store stays).
@@ -70,7 +101,7 @@ impl NatsServer {
 
     /// Starts it again on the same port and store.
     fn restart(&mut self) {
-        self.child = spawn_server(self.port, self.store.path());
+        self.child = spawn_server(self.port, self.store.path(), self.conf.as_deref());
     }
 }
 
@@ -95,8 +126,21 @@ struct Msg {
 
 impl Broker {
     fn connect(url: &str) -> Broker {
+        Broker::connect_with(url, async_nats::ConnectOptions::new())
+    }
+
+    /// [`Broker::connect`] over TLS with the test's client certificate.
+    fn connect_tls(url: &str, pki: &Pki) -> Broker {
+        let options = async_nats::ConnectOptions::new()
+            .require_tls(true)
+            .add_root_certificates(pki.ca.clone())
+            .add_client_certificate(pki.client_cert.clone(), pki.client_key.clone());
+        Broker::connect_with(url, options)
+    }
+
+    fn connect_with(url: &str, options: async_nats::ConnectOptions) -> Broker {
         let rt = current_thread_runtime();
-        let js = rt.block_on(async { jetstream::new(async_nats::connect(url).await.unwrap()) });
+        let js = rt.block_on(async { jetstream::new(options.connect(url).await.unwrap()) });
         Broker { rt, js }
     }
 
@@ -650,5 +694,100 @@ fn nats_bench_acknowledges_every_message_in_each_phase() {
         std::fs::read_dir(dir.path()).unwrap().count(),
         0,
         "data directories left"
+    );
+}
+
+/// [`config_text`] for the servers `url` with the CA file `ca`, `require_tls` and the
+/// test's client certificate and key.
+fn tls_config_text(url: &str, ca: &Path, pki: &Pki) -> String {
+    config_text(url, None, "30s").replace(
+        "drain_timeout",
+        &format!(
+            "require_tls = true\ntls_ca_file = {:?}\ntls_cert_file = {:?}\ntls_key_file = {:?}\ndrain_timeout",
+            ca.display().to_string(),
+            pki.client_cert.display().to_string(),
+            pki.client_key.display().to_string()
+        ),
+    )
+}
+
+/// TLS against the real server (a `tls` block that requires a client certificate, so
+/// every client speaks TLS): dedupd consumes by `nats://127.0.0.1` with `require_tls`,
+/// then by `tls://localhost` (both in the certificate's names), with events stored again
+/// past the stream's duplicate window. Each event is processed once over the two runs and
+/// every message is acknowledged.
+#[test]
+fn each_message_is_processed_once_and_acked_over_tls_with_a_client_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::make(dir.path());
+    let server = NatsServer::start_tls(&pki, dir.path());
+    let broker = Broker::connect_tls(&server.url, &pki);
+    broker.create_stream(STREAM, Duration::from_millis(200));
+    assert_eq!(broker.publish(&order_msgs(0..200)), 200);
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(broker.publish(&order_msgs(50..100)), 50);
+
+    let data = dir.path().join("data");
+    let text = tls_config_text(&server.url, &pki.ca, &pki);
+    let config = Config::parse(&text).unwrap();
+    let (summary, ledger) = run_until_drained(&broker, &config, &data);
+    eprintln!("{summary:?}");
+    assert_eq!(
+        (summary.processed, summary.duplicate, summary.acked),
+        (200, 50, 250),
+        "{summary:?}"
+    );
+    ledger.close().unwrap();
+
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(broker.publish(&order_msgs(150..300)), 150);
+    let url = format!("tls://localhost:{}", server.port);
+    let config = Config::parse(&tls_config_text(&url, &pki.ca, &pki)).unwrap();
+    let (summary, ledger) = run_until_drained(&broker, &config, &data);
+    eprintln!("{summary:?}");
+    assert_eq!(
+        (summary.processed, summary.duplicate, summary.acked),
+        (100, 50, 150),
+        "{summary:?}"
+    );
+    assert_eq!(claims(&ledger), 300);
+    ledger.close().unwrap();
+    assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
+}
+
+/// `dedupd run` with a CA that did not sign the server's certificate: the source cannot
+/// connect, and the run ends within seconds (the NATS source does not retry a first
+/// connection) with an error naming the certificate; nothing was consumed.
+#[test]
+fn a_wrong_ca_fails_the_nats_run_within_seconds_naming_the_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::make(dir.path());
+    let server = NatsServer::start_tls(&pki, dir.path());
+    let broker = Broker::connect_tls(&server.url, &pki);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    assert_eq!(broker.publish(&order_msgs(0..10)), 10);
+    let cfg = dir.path().join("dedupd.toml");
+    std::fs::write(&cfg, tls_config_text(&server.url, &pki.other_ca, &pki)).unwrap();
+    let log = dir.path().join("run.log");
+    let mut child = dedupd_run(&cfg, &dir.path().join("data"), &log);
+    let start = Instant::now();
+    let mut exit = None;
+    wait_until("dedupd run to fail", Duration::from_secs(30), || {
+        exit = child.0.try_wait().unwrap();
+        exit.is_some()
+    });
+    let logged = std::fs::read_to_string(&log).unwrap();
+    eprintln!("failed after {:?}: {logged}", start.elapsed());
+    assert!(!exit.unwrap().success(), "{logged}");
+    assert!(
+        logged
+            .lines()
+            .any(|l| l.contains("cannot connect") && l.to_lowercase().contains("certificate")),
+        "{logged}"
+    );
+    assert_eq!(
+        broker.pending(STREAM, DURABLE),
+        (u64::MAX, usize::MAX),
+        "no consumer was made"
     );
 }

@@ -4,7 +4,8 @@
 //! with duplicates and redeliveries, a poison message rejected to a dead-letter queue,
 //! kill -9 rounds of `dedupd run` with the non-idempotent counter handler, the server
 //! killed and restarted under load, a slow handler outliving the server's
-//! `consumer_timeout`, and `config check` of a bad section.
+//! `consumer_timeout`, `config check` of a bad section, and TLS (`amqps://` with a client
+//! certificate; a wrong CA and a missing client certificate refused, and said why).
 //!
 //! A server takes seconds to start, so the tests that do not stop it or change its
 //! settings share one (each with queues of its own); it stops when the last of them ends,
@@ -26,6 +27,7 @@ use common::broker::{
     last_logged, run_source_until, stop_gracefully, wait_logged, wait_until, KillRounds,
 };
 use common::component;
+use common::tls::Pki;
 use rabbitmq_server::{shared_server, Broker, Msg, RabbitServer};
 
 fn order_msgs(range: std::ops::Range<usize>) -> Vec<Msg> {
@@ -396,4 +398,154 @@ fn a_slow_handler_past_the_consumer_timeout_is_redelivered_without_a_second_effe
     assert_eq!(claims(&ledger), 3);
     ledger.close().unwrap();
     assert_all_acked(&broker, q);
+}
+
+/// A node with an `amqps://` listener on a port of its own beside the plain one (the
+/// test's client publishes and inspects over that): its certificate is signed by the test
+/// CA for `localhost` and `127.0.0.1`, and it requires a client certificate signed by the
+/// same CA (mutual TLS). Returns the node and the TLS port.
+fn tls_server(pki: &Pki) -> (RabbitServer, u16) {
+    let port = free_port();
+    let conf = format!(
+        "listeners.ssl.default = 127.0.0.1:{port}\n\
+         ssl_options.cacertfile = {}\nssl_options.certfile = {}\nssl_options.keyfile = {}\n\
+         ssl_options.verify = verify_peer\nssl_options.fail_if_no_peer_cert = true\n",
+        pki.ca.display(),
+        pki.server_cert.display(),
+        pki.server_key.display()
+    );
+    (RabbitServer::start_conf(&[], &conf), port)
+}
+
+/// [`config_text`] for `amqps://HOST:PORT` with the CA file `ca` and, with `client`, the
+/// test's client certificate and key.
+fn tls_config_text(host: &str, port: u16, q: &str, ca: &Path, pki: Option<&Pki>) -> String {
+    let mut tls = format!("tls_ca_file = {:?}\n", ca.display().to_string());
+    if let Some(pki) = pki {
+        tls += &format!(
+            "tls_cert_file = {:?}\ntls_key_file = {:?}\n",
+            pki.client_cert.display().to_string(),
+            pki.client_key.display().to_string()
+        );
+    }
+    config_text(&format!("amqps://{host}:{port}/%2f"), None, &[q], "")
+        .replace("drain_timeout", &format!("{tls}drain_timeout"))
+}
+
+/// TLS against the real server: dedupd consumes over `amqps://` with a client certificate
+/// (the server requires one), first by the address `127.0.0.1`, then by the name
+/// `localhost` (both in the certificate's names). The server lists dedupd's connection as
+/// TLS with the client certificate's subject; each event is processed once over the two
+/// runs and every message is acknowledged.
+#[test]
+fn each_event_is_processed_once_over_amqps_with_a_client_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::make(dir.path());
+    let (server, port) = tls_server(&pki);
+    let broker = Broker::connect(&server.uri);
+    let q = "tls";
+    broker.declare(q, None);
+    let mut msgs = order_msgs(0..200);
+    msgs.extend(order_msgs(50..100));
+    broker.publish(q, &msgs, &[]);
+    let tls_client = |rows: Vec<Vec<String>>| {
+        rows.iter().any(|r| {
+            r[0] == port.to_string() && r[1] == "true" && r[2].contains("CN=dedupd-client")
+        })
+    };
+
+    let data = dir.path().join("data");
+    let text = tls_config_text("127.0.0.1", port, q, &pki.ca, Some(&pki));
+    let config = Config::parse(&text).unwrap();
+    let (summary, ledger) = run_until(&config, &data, |l| {
+        claims(l) == 200
+            && broker.ready(q).0 == 0
+            && tls_client(server.connections(&["port", "ssl", "peer_cert_subject"]))
+    });
+    eprintln!("{summary:?}");
+    assert_eq!(
+        (summary.processed, summary.duplicate, summary.acked),
+        (200, 50, 250),
+        "{summary:?}"
+    );
+    assert_eq!(summary.reconnects, 0, "{summary:?}");
+    ledger.close().unwrap();
+    assert_all_acked(&broker, q);
+
+    broker.publish(q, &order_msgs(150..300), &[]);
+    let text = tls_config_text("localhost", port, q, &pki.ca, Some(&pki));
+    let config = Config::parse(&text).unwrap();
+    let (summary, ledger) = run_until(&config, &data, |l| {
+        claims(l) == 300 && broker.ready(q).0 == 0
+    });
+    eprintln!("{summary:?}");
+    assert_eq!(
+        (summary.processed, summary.duplicate, summary.acked),
+        (100, 50, 150),
+        "{summary:?}"
+    );
+    assert_eq!(claims(&ledger), 300);
+    ledger.close().unwrap();
+    assert_all_acked(&broker, q);
+}
+
+/// `dedupd run` on `amqps://` that cannot make a TLS connection: with a CA that did not
+/// sign the server's certificate, and with the right CA but no client certificate (the
+/// server requires one). Each time `/readyz` says 503 within seconds, its reason and the
+/// log say why (a certificate), the source keeps retrying without hanging, the run stops
+/// cleanly on SIGTERM and nothing was taken from the queue.
+#[test]
+fn amqps_with_a_wrong_ca_or_no_client_certificate_is_not_ready_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::make(dir.path());
+    let (server, port) = tls_server(&pki);
+    let broker = Broker::connect(&server.uri);
+    let q = "tls-refused";
+    broker.declare(q, None);
+    broker.publish(q, &order_msgs(0..10), &[]);
+    for (case, text) in [
+        (
+            "wrong CA",
+            tls_config_text("127.0.0.1", port, q, &pki.other_ca, Some(&pki)),
+        ),
+        (
+            "no client certificate",
+            tls_config_text("127.0.0.1", port, q, &pki.ca, None),
+        ),
+    ] {
+        let run = dir.path().join(case.replace(' ', "-"));
+        std::fs::create_dir_all(&run).unwrap();
+        let cfg = run.join("dedupd.toml");
+        let metrics = format!("127.0.0.1:{}", free_port());
+        std::fs::write(&cfg, format!("{text}\n[metrics]\nbind = \"{metrics}\"\n")).unwrap();
+        let log = run.join("run.log");
+        let child = dedupd_run(&cfg, &run.join("data"), &log);
+        let mut reason = String::new();
+        wait_logged(
+            &format!("{case}: readyz 503 naming a certificate"),
+            Duration::from_secs(30),
+            Some(&log),
+            || {
+                let (status, body) = http_get(&metrics, "/readyz");
+                reason = body;
+                status == 503 && reason.to_lowercase().contains("certificate")
+            },
+        );
+        eprintln!("{case}: {reason}");
+        assert!(
+            reason.contains("cannot connect to the RabbitMQ server"),
+            "{reason}"
+        );
+        let logged = std::fs::read_to_string(&log).unwrap();
+        assert!(
+            logged
+                .lines()
+                .any(|l| l.contains("cannot connect to RabbitMQ")
+                    && l.to_lowercase().contains("certificate")),
+            "{case}: {logged}"
+        );
+        let summary = stop_gracefully(child, &log);
+        assert_eq!(summary["rabbitmq"]["received"], 0, "{case}: {summary}");
+        assert_eq!(broker.ready(q), (10, 0), "{case}: the messages wait");
+    }
 }

@@ -1,8 +1,10 @@
 //! Helpers shared by the integration tests (each test binary compiles its own copy, and
-//! uses only some of them); `broker.rs` has those of the broker sources' tests.
+//! uses only some of them); `broker.rs` has those of the broker sources' tests, `tls.rs` the
+//! certificates of their TLS listeners.
 #![allow(dead_code)]
 
 pub mod broker;
+pub mod tls;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use rumqttc::v5::mqttbytes::v5::PublishProperties;
 
 use crate::common::broker::{current_thread_runtime, free_port, wait_until};
+use crate::common::tls::Pki;
 
 /// A `mosquitto` of the test's own, killed when dropped.
 pub struct Mosquitto {
@@ -17,9 +18,11 @@ pub struct Mosquitto {
     pub port: u16,
     pub url: String,
     dir: tempfile::TempDir,
+    /// A second listener, with TLS: its port and its lines of mosquitto.conf.
+    tls: Option<(u16, String)>,
 }
 
-fn spawn_broker(port: u16, dir: &Path) -> Child {
+fn spawn_broker(port: u16, dir: &Path, tls: Option<&(u16, String)>) -> Child {
     let conf = dir.join("mosquitto.conf");
     let store = dir.join("store");
     std::fs::create_dir_all(&store).unwrap();
@@ -29,9 +32,10 @@ fn spawn_broker(port: u16, dir: &Path) -> Child {
         &conf,
         format!(
             "listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\npersistence_location {}/\n\
-             max_inflight_messages 100\nmax_queued_messages 0\nuser root\nlog_dest file {}\n",
+             max_inflight_messages 100\nmax_queued_messages 0\nuser root\nlog_dest file {}\n{}",
             store.display(),
-            dir.join("mosquitto.log").display()
+            dir.join("mosquitto.log").display(),
+            tls.map_or("", |(_, lines)| lines.as_str())
         ),
     )
     .unwrap();
@@ -46,22 +50,52 @@ fn spawn_broker(port: u16, dir: &Path) -> Child {
                 "cannot start mosquitto (Debian package mosquitto; scripts/test installs it): {e}"
             )
         });
+    let ports = [Some(port), tls.map(|(p, _)| *p)];
     wait_until("mosquitto listening", Duration::from_secs(20), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        ports
+            .iter()
+            .flatten()
+            .all(|p| std::net::TcpStream::connect(("127.0.0.1", *p)).is_ok())
     });
     child
 }
 
 impl Mosquitto {
     pub fn start() -> Mosquitto {
+        Mosquitto::start_with(None)
+    }
+
+    fn start_with(tls: Option<(u16, String)>) -> Mosquitto {
         let port = free_port();
         let dir = tempfile::tempdir().unwrap();
         Mosquitto {
-            child: spawn_broker(port, dir.path()),
+            child: spawn_broker(port, dir.path(), tls.as_ref()),
             port,
             url: format!("mqtt://127.0.0.1:{port}"),
             dir,
+            tls,
         }
+    }
+
+    /// [`Mosquitto::start`] with a second listener, `mqtts` on a port of its own (the
+    /// plain one stays for the test's publisher and session checks): its certificate is
+    /// signed by the test CA for `localhost` and `127.0.0.1`, and it requires a client
+    /// certificate signed by the same CA (mutual TLS). Returns the broker and the port.
+    pub fn start_tls(pki: &Pki) -> (Mosquitto, u16) {
+        let tls_port = free_port();
+        let lines = format!(
+            "listener {tls_port} 127.0.0.1\ncafile {}\ncertfile {}\nkeyfile {}\n\
+             require_certificate true\n",
+            pki.ca.display(),
+            pki.server_cert.display(),
+            pki.server_key.display()
+        );
+        (Mosquitto::start_with(Some((tls_port, lines))), tls_port)
+    }
+
+    /// The broker's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default()
     }
 
     /// Stops the broker with SIGTERM: it writes its store (sessions, queued and
@@ -75,7 +109,7 @@ impl Mosquitto {
 
     /// Starts it again on the same port and store.
     pub fn restart(&mut self) {
-        self.child = spawn_broker(self.port, self.dir.path());
+        self.child = spawn_broker(self.port, self.dir.path(), self.tls.as_ref());
     }
 }
 

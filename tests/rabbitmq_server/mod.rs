@@ -36,6 +36,11 @@ impl RabbitServer {
     /// Starts a node; `rabbit_env` is added to the `rabbit` application's settings
     /// (advanced.config), e.g. `{consumer_timeout, 1000}`.
     pub fn start(rabbit_env: &[&str]) -> RabbitServer {
+        RabbitServer::start_conf(rabbit_env, "")
+    }
+
+    /// [`RabbitServer::start`], with `conf` added to rabbitmq.conf (a TLS listener).
+    pub fn start_conf(rabbit_env: &[&str], conf: &str) -> RabbitServer {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = tempfile::tempdir().unwrap();
@@ -47,7 +52,7 @@ impl RabbitServer {
             .unwrap();
         std::fs::write(
             dir.path().join("rabbitmq.conf"),
-            format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n"),
+            format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n{conf}"),
         )
         .unwrap();
         std::fs::write(
@@ -143,6 +148,26 @@ impl RabbitServer {
     /// Starts it again on the same ports and database.
     pub fn restart(&mut self) {
         self.spawn();
+    }
+
+    /// `rabbitmqctl list_connections COLUMNS`: one row of fields per connection.
+    pub fn connections(&self, columns: &[&str]) -> Vec<Vec<String>> {
+        let mut cmd = Command::new(format!("{SBIN}/rabbitmqctl"));
+        cmd.args(["-q", "-n", &self.node, "list_connections"])
+            .args(columns);
+        self.env(&mut cmd);
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "rabbitmqctl: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| l.split('\t').map(str::to_string).collect::<Vec<_>>())
+            .filter(|f| f.len() == columns.len())
+            .collect()
     }
 
     /// (ready, unacknowledged) messages of `queue`, from `rabbitmqctl list_queues`.

@@ -23,8 +23,8 @@ pub struct RabbitMqConfig {
     /// The user's password, usually `"${RABBITMQ_PASSWORD}"` (read from the environment).
     #[serde(default)]
     pub password: Option<String>,
-    /// PEM file of the CA that signed the server's certificate (`amqps://` only; else the
-    /// system's roots).
+    /// PEM file of the CA that signed the server's certificate (`amqps://` only), trusted
+    /// beside the system's roots (lapin adds it to them).
     #[serde(default)]
     pub tls_ca_file: Option<PathBuf>,
     /// PEM client certificate and PKCS#8 key (mutual TLS, `amqps://` only); both or neither.
