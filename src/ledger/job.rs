@@ -76,6 +76,8 @@ pub enum Origin {
         partition: i32,
         offset: i64,
     },
+    /// A NATS JetStream message: `nats:<stream>/<stream sequence>`.
+    Nats { stream: Arc<str>, sequence: u64 },
 }
 
 impl std::fmt::Display for Origin {
@@ -87,6 +89,7 @@ impl std::fmt::Display for Origin {
                 partition,
                 offset,
             } => write!(f, "kafka:{topic}/{partition}/{offset}"),
+            Origin::Nats { stream, sequence } => write!(f, "nats:{stream}/{sequence}"),
         }
     }
 }
@@ -106,6 +109,7 @@ impl Origin {
                 }
                 partition.parse().ok().filter(|p: &i32| *p >= 0)
             }
+            Origin::Nats { .. } => None,
         }
     }
 }

@@ -726,6 +726,12 @@ mod origin_tests {
             Origin::from(String::from("kafka:t/0/7")).to_string(),
             "kafka:t/0/7"
         );
+        let n = Origin::Nats {
+            stream: "ORDERS".into(),
+            sequence: 42,
+        };
+        assert_eq!(n.to_string(), "nats:ORDERS/42");
+        assert_eq!(n.kafka_partition(), None);
     }
 
     #[test]

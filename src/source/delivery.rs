@@ -289,9 +289,58 @@ pub fn envelope(
     keying: Keying<'_>,
     ack: AckSender,
 ) -> Result<Routed, EnvelopeError> {
+    envelope_or_return(ledger, delivery, keying, ack).map_err(|refused| refused.0)
+}
+
+/// What a refused delivery gives back to its source for a dead-letter record: its id,
+/// partition key, headers and origin as the source set them, and the payload as the bytes
+/// it would have been fingerprinted over (see [`Payload`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unrouted {
+    pub id: Option<String>,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub origin: Option<Origin>,
+    pub payload: Vec<u8>,
+}
+
+impl Unrouted {
+    /// The parts of a delivery not opened yet.
+    fn of(delivery: Delivery) -> Unrouted {
+        let payload = match delivery.payload {
+            Payload::Json(v) => canonical_payload(&v),
+            Payload::Opaque(bytes) | Payload::Bytes(bytes) => bytes,
+        };
+        Unrouted {
+            id: delivery.id,
+            key: delivery.key,
+            headers: delivery.headers,
+            origin: delivery.origin,
+            payload,
+        }
+    }
+}
+
+/// [`envelope`], giving a refused delivery's parts back with the refusal: a source that
+/// keeps a dead-letter record of refused input need not copy every message's id, key and
+/// headers beforehand for the rare one refused (boxed: the refusal is the rare path).
+pub fn envelope_or_return(
+    ledger: &Ledger,
+    delivery: Delivery,
+    keying: Keying<'_>,
+    ack: AckSender,
+) -> Result<Routed, Box<(EnvelopeError, Unrouted)>> {
     let sub = match &delivery.subscriber {
         Target::Resolved(s) => s.clone(),
-        Target::Name(name) => ledger.subscriber(name).map_err(EnvelopeError::Subscriber)?,
+        Target::Name(name) => match ledger.subscriber(name) {
+            Ok(sub) => sub,
+            Err(e) => {
+                return Err(Box::new((
+                    EnvelopeError::Subscriber(e),
+                    Unrouted::of(delivery),
+                )))
+            }
+        },
     };
     // A change from another source would belong to no partition (`ledger/changelog.rs`).
     if sub.has_changelog()
@@ -301,10 +350,11 @@ pub fn envelope(
             .and_then(Origin::kafka_partition)
             .is_none()
     {
-        return Err(EnvelopeError::Subscriber(LedgerError::Invalid(format!(
+        let e = EnvelopeError::Subscriber(LedgerError::Invalid(format!(
             "subscriber {:?} takes its messages from Kafka with a changelog (changelog = true): a message from another source would change claims and state that no partition owns; produce it to the subscription's topic",
             sub.name
-        ))));
+        )));
+        return Err(Box::new((e, Unrouted::of(delivery))));
     }
     let settings = sub.settings();
     let mut delivery = delivery;
@@ -312,7 +362,21 @@ pub fn envelope(
     // Read once: the entity is copied only for a placement that uses it, and the job is
     // placed by this same reading.
     let has_handler = sub.has_handler();
-    let Keys { key, entity } = keys(&sub.name, &env, &bytes, &settings, keying, has_handler)?;
+    let Keys { key, entity } = match keys(&sub.name, &env, &bytes, &settings, keying, has_handler) {
+        Ok(keys) => keys,
+        Err(e) => {
+            // `open` took the id and the partition key into the envelope; nothing else
+            // changed them.
+            let back = Unrouted {
+                id: env.id,
+                key: env.key,
+                headers: delivery.headers,
+                origin: delivery.origin,
+                payload: bytes,
+            };
+            return Err(Box::new((e, back)));
+        }
+    };
     // Keyed: the parsed payload is needed only for the fingerprint now.
     let payload = std::mem::take(&mut env.payload);
     let mut job = Job::new(
@@ -538,6 +602,54 @@ mod tests {
             "m-9"
         );
         assert!(key_delivery(d(false), &s, Keying::Derive).is_err());
+    }
+
+    #[test]
+    fn a_refused_delivery_comes_back_as_the_source_gave_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = ledger(dir.path());
+        let sub = ledger.subscriber("default").unwrap();
+        // The default subscriber keys by `id`: none here, so the key step refuses it.
+        let d = Delivery {
+            key: Some("orders.7".into()),
+            headers: vec![("b".into(), "2".into()), ("a".into(), "1".into())],
+            origin: Some("nats:ORDERS/9".into()),
+            received_at_ms: 42,
+            ..Delivery::new(Target::Resolved(sub), Payload::Bytes(b"not json".to_vec()))
+        };
+        let (e, back) = *envelope_or_return(
+            &ledger,
+            d.clone(),
+            Keying::Derive,
+            crossbeam_channel::unbounded().0,
+        )
+        .unwrap_err();
+        assert!(matches!(e, EnvelopeError::Key { .. }), "{e:?}");
+        assert_eq!(
+            back,
+            Unrouted {
+                id: None,
+                key: d.key.clone(),
+                headers: d.headers.clone(),
+                origin: d.origin.clone(),
+                payload: b"not json".to_vec(),
+            }
+        );
+        // Refused before it is opened (an unknown subscriber): the same parts, a parsed
+        // payload as its canonical bytes.
+        let d = Delivery {
+            id: Some("e-1".into()),
+            ..Delivery::new(
+                Target::Name("not a name".into()),
+                Payload::Json(json!({"b": 1, "a": 2})),
+            )
+        };
+        let (e, back) =
+            *envelope_or_return(&ledger, d, Keying::Derive, crossbeam_channel::unbounded().0)
+                .unwrap_err();
+        assert!(matches!(e, EnvelopeError::Subscriber(_)), "{e:?}");
+        assert_eq!(back.id.as_deref(), Some("e-1"));
+        assert_eq!(back.payload, br#"{"a":2,"b":1}"#);
     }
 
     #[test]

@@ -63,6 +63,50 @@ pub(crate) fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// A metrics counter looked up on first use and kept: a source counts every message, and
+/// `metrics::counter!` with a label allocates the label's text and looks the series up in
+/// the recorder each time. Resolved lazily, so `/metrics` shows a series only once it has
+/// counted something, as before. A `OnceLock`, not a `OnceCell`: a source's state is held
+/// across awaits by tasks that may move between threads.
+#[derive(Default)]
+pub(crate) struct Meter(std::sync::OnceLock<metrics::Counter>);
+
+impl Meter {
+    /// The counter, resolved by `resolve` the first time.
+    pub(crate) fn get(&self, resolve: impl FnOnce() -> metrics::Counter) -> &metrics::Counter {
+        self.0.get_or_init(resolve)
+    }
+}
+
+/// The names [`OutcomeStats::count`] gives outcomes (the `outcome` label).
+const OUTCOME_NAMES: [&str; 5] = [
+    "processed",
+    "duplicate",
+    "quarantined",
+    "dead_lettered",
+    "rejected",
+];
+
+/// A subscriber's counters of the source's messages metric, one per outcome label.
+#[derive(Default)]
+pub(crate) struct OutcomeMeters([Meter; 5]);
+
+impl OutcomeMeters {
+    /// Adds `n` to the counter of `outcome`, resolved by `resolve` (given the label) the
+    /// first time.
+    pub(crate) fn increment(
+        &self,
+        outcome: &'static str,
+        n: u64,
+        resolve: impl FnOnce(&'static str) -> metrics::Counter,
+    ) {
+        match OUTCOME_NAMES.iter().position(|o| *o == outcome) {
+            Some(i) => self.0[i].get(|| resolve(outcome)).increment(n),
+            None => resolve(outcome).increment(n),
+        }
+    }
+}
+
 /// How the broker is told of a durable outcome.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Settle {
@@ -133,4 +177,32 @@ pub(crate) async fn keep_dead_letter(
         .map_err(|e| e.to_string())?;
     stats.rejected.fetch_add(1, Ordering::Relaxed);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+
+    #[test]
+    fn every_counted_outcome_has_a_meter_of_its_own() {
+        let stats = OutcomeStats::default();
+        let outcomes = [
+            Outcome::Processed,
+            Outcome::Duplicate,
+            Outcome::Quarantined {
+                stored_fingerprint: 0,
+            },
+            Outcome::DeadLettered {
+                reason: String::new(),
+                attempts: 1,
+            },
+            Outcome::Rejected {
+                reason: String::new(),
+            },
+        ];
+        let names: Vec<&str> = outcomes.iter().map(|o| stats.count(o).unwrap().0).collect();
+        assert_eq!(names, OUTCOME_NAMES);
+    }
 }

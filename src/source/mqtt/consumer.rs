@@ -42,8 +42,12 @@ use super::session::{self, AckHandle, Client, Message};
 use super::{MqttConfig, MqttError, MqttStats};
 use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
-use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
-use crate::source::settle::{bridge_dones, keep_dead_letter, now_ms, submit_staged};
+use crate::source::delivery::{
+    envelope_or_return, Delivery, Keying, Payload, Routed, Target, Unrouted,
+};
+use crate::source::settle::{
+    bridge_dones, keep_dead_letter, now_ms, submit_staged, Meter, OutcomeMeters,
+};
 use crate::telemetry::metric;
 
 /// Events buffered between the connection task and the consumer.
@@ -60,6 +64,17 @@ struct Route {
     filters: Vec<String>,
     id_level: Option<usize>,
     stats: Arc<MqttStats>,
+    meters: Meters,
+}
+
+/// A subscription's metric counters, each looked up once (see [`Meter`]).
+#[derive(Default)]
+struct Meters {
+    received: Meter,
+    redelivered: Meter,
+    acked: Meter,
+    unacked_lost: Meter,
+    outcomes: OutcomeMeters,
 }
 
 /// A message of the current connection, waiting for its outcome or for the acks before
@@ -70,13 +85,6 @@ struct Held {
     gen: u64,
     ack: AckHandle,
     done: bool,
-}
-
-/// What a dead-letter record keeps of a message that could not be keyed.
-struct Refused {
-    topic: String,
-    headers: Vec<(String, String)>,
-    payload: bytes::Bytes,
 }
 
 struct Consumer {
@@ -121,6 +129,7 @@ pub(crate) async fn run(
             filters: s.topics.clone(),
             id_level: s.id_topic_level,
             stats: st.clone(),
+            meters: Meters::default(),
         });
     }
     let (client, events) = session::open(mqtt)?;
@@ -200,8 +209,12 @@ impl Consumer {
             .sum()
     }
 
-    fn counter(&self, name: &'static str, route: usize) -> metrics::Counter {
-        metrics::counter!(name, "subscriber" => self.routes[route].sub.name.to_string())
+    /// Adds one to the route's counter `name`, kept in `meter` (looked up the first time).
+    fn count(&self, route: usize, meter: impl Fn(&Meters) -> &Meter, name: &'static str) {
+        let r = &self.routes[route];
+        meter(&r.meters)
+            .get(|| metrics::counter!(name, "subscriber" => r.sub.name.to_string()))
+            .increment(1);
     }
 
     async fn on_event(&mut self, ev: Option<LinkEvent>) -> Result<(), MqttError> {
@@ -260,8 +273,7 @@ impl Consumer {
             .stats
             .unacked_lost
             .fetch_add(1, Ordering::Relaxed);
-        self.counter(metric::MQTT_UNACKED_LOST_TOTAL, route)
-            .increment(1);
+        self.count(route, |k| &k.unacked_lost, metric::MQTT_UNACKED_LOST_TOTAL);
     }
 
     /// The subscription whose filter the topic matches (the first listed).
@@ -278,26 +290,26 @@ impl Consumer {
     async fn accept(&mut self, gen: u64, m: Message) -> Result<(), MqttError> {
         let routed = self.route_of(&m.topic);
         let route = routed.unwrap_or(0);
-        let stats = self.routes[route].stats.clone();
+        let stats = &self.routes[route].stats;
         stats.received.fetch_add(1, Ordering::Relaxed);
-        self.counter(metric::MQTT_RECEIVED_TOTAL, route)
-            .increment(1);
+        self.count(route, |k| &k.received, metric::MQTT_RECEIVED_TOTAL);
         if m.dup {
             stats.redelivered.fetch_add(1, Ordering::Relaxed);
-            self.counter(metric::MQTT_REDELIVERED_TOTAL, route)
-                .increment(1);
+            self.count(route, |k| &k.redelivered, metric::MQTT_REDELIVERED_TOTAL);
         }
-        let kept = Refused {
-            topic: m.topic.clone(),
-            headers: m.properties.clone(),
-            payload: m.payload.clone(),
-        };
         if routed.is_none() {
             let reason = format!(
                 "the topic {:?} matches no [[mqtt.subscription]] filter (a subscription the session kept from an earlier config?)",
                 m.topic
             );
-            return self.reject(kept, reason, route, gen, m.ack).await;
+            let back = Unrouted {
+                id: None,
+                origin: Some(Origin::from(format!("mqtt:{}", m.topic))),
+                key: Some(m.topic),
+                headers: m.properties,
+                payload: m.payload.to_vec(),
+            };
+            return self.reject(back, reason, route, gen, m.ack).await;
         }
         let r = &self.routes[route];
         let id = r
@@ -306,16 +318,18 @@ impl Consumer {
             .map(str::to_string);
         let delivery = Delivery {
             id,
-            key: Some(m.topic.clone()),
-            headers: m.properties,
             origin: Some(Origin::from(format!("mqtt:{}", m.topic))),
+            key: Some(m.topic),
+            headers: m.properties,
             received_at_ms: now_ms(),
             ..Delivery::new(
                 Target::Resolved(r.sub.clone()),
                 Payload::Bytes(m.payload.to_vec()),
             )
         };
-        match envelope(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
+        // A refused message comes back whole for its dead-letter record: nothing is copied
+        // beforehand for the rare one refused.
+        match envelope_or_return(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
             Ok(Routed { mut job, shard, .. }) => {
                 let seq = self.next_seq;
                 self.next_seq += 1;
@@ -330,7 +344,10 @@ impl Consumer {
                 self.staged[shard].push(job);
                 Ok(())
             }
-            Err(e) => self.reject(kept, e.to_string(), route, gen, m.ack).await,
+            Err(refused) => {
+                let (e, back) = *refused;
+                self.reject(back, e.to_string(), route, gen, m.ack).await
+            }
         }
     }
 
@@ -338,7 +355,7 @@ impl Consumer {
     /// never an ack for a message whose record is not durable).
     async fn reject(
         &mut self,
-        d: Refused,
+        d: Unrouted,
         reason: String,
         route: usize,
         gen: u64,
@@ -346,8 +363,8 @@ impl Consumer {
     ) -> Result<(), MqttError> {
         tracing::warn!(subscriber = %self.routes[route].sub.name, %reason, "mqtt message rejected: kept as a dead letter, then acknowledged");
         let about = serde_json::json!({
-            "origin": format!("mqtt:{}", d.topic),
-            "key": d.topic,
+            "origin": d.origin.map(|o| o.to_string()),
+            "key": d.key,
             "headers": d.headers,
         });
         let r = &self.routes[route];
@@ -376,9 +393,11 @@ impl Consumer {
     }
 
     fn count_outcome(&self, route: usize, outcome: &'static str) {
-        metrics::counter!(metric::MQTT_MESSAGES_TOTAL,
-            "subscriber" => self.routes[route].sub.name.to_string(), "outcome" => outcome)
-        .increment(1);
+        let r = &self.routes[route];
+        r.meters.outcomes.increment(outcome, 1, |outcome| {
+            metrics::counter!(metric::MQTT_MESSAGES_TOTAL,
+                "subscriber" => r.sub.name.to_string(), "outcome" => outcome)
+        });
     }
 
     /// Submits the staged jobs to their shards.
@@ -456,7 +475,7 @@ impl Consumer {
                     .stats
                     .acked
                     .fetch_add(1, Ordering::Relaxed);
-                self.counter(metric::MQTT_ACKED_TOTAL, h.route).increment(1);
+                self.count(h.route, |k| &k.acked, metric::MQTT_ACKED_TOTAL);
                 None
             }
             Acked::Stale => {

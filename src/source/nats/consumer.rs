@@ -34,8 +34,12 @@ use tokio::sync::mpsc;
 use super::{BindingConfig, NatsError, NatsStats};
 use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
-use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
-use crate::source::settle::{bridge_dones, keep_dead_letter, now_ms, submit_staged, Settle};
+use crate::source::delivery::{
+    envelope_or_return, Delivery, Keying, Payload, Routed, Target, Unrouted,
+};
+use crate::source::settle::{
+    bridge_dones, keep_dead_letter, now_ms, submit_staged, Meter, OutcomeMeters, Settle,
+};
 use crate::telemetry::metric;
 
 /// The header JetStream's own duplicate window reads; an `id` key source reads it too.
@@ -43,13 +47,15 @@ pub(crate) const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 /// How often the consumer's pending counts are read for the metrics.
 const INFO_INTERVAL: Duration = Duration::from_secs(5);
 
-/// What a dead-letter record keeps of a message that could not be keyed.
-struct Refused {
-    id: Option<String>,
-    subject: Option<String>,
-    headers: Vec<(String, String)>,
-    origin: Option<Origin>,
-    payload: bytes::Bytes,
+/// The binding's metric counters, each looked up once (see [`Meter`]).
+#[derive(Default)]
+struct Meters {
+    received: Meter,
+    redelivered: Meter,
+    ack: Meter,
+    term: Meter,
+    nak: Meter,
+    outcomes: OutcomeMeters,
 }
 
 /// The state of one running binding.
@@ -58,9 +64,13 @@ struct Binding {
     sub: Arc<Subscriber>,
     config: BindingConfig,
     stats: Arc<NatsStats>,
+    meters: Meters,
+    /// The stream's name, shared by every message's origin.
+    stream: Arc<str>,
     ack_tx: crossbeam_channel::Sender<Vec<Done>>,
-    /// Messages whose outcome is not durable yet, by job seq.
-    in_flight: HashMap<u64, Acker>,
+    /// Messages whose outcome is not durable yet, by job seq. Inserted and removed once
+    /// per message: foldhash, not SipHash (as the Kafka consumer's partitions).
+    in_flight: HashMap<u64, Acker, foldhash::fast::RandomState>,
     next_seq: u64,
     staged: Vec<Vec<Job>>,
     window: usize,
@@ -97,10 +107,12 @@ pub(crate) async fn run_binding(
         staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
         ledger,
         sub,
+        stream: config.stream.as_str().into(),
         config,
         stats,
+        meters: Meters::default(),
         ack_tx,
-        in_flight: HashMap::new(),
+        in_flight: HashMap::default(),
         next_seq: 0,
         window,
     };
@@ -200,14 +212,20 @@ impl Binding {
     /// Keys and routes one message; input that cannot be keyed is dead-lettered.
     async fn accept(&mut self, m: jetstream::Message) -> Result<(), NatsError> {
         self.stats.received.fetch_add(1, Ordering::Relaxed);
-        self.counter(metric::NATS_RECEIVED_TOTAL).increment(1);
+        self.meters
+            .received
+            .get(|| self.counter(metric::NATS_RECEIVED_TOTAL))
+            .increment(1);
         let (delivered, stream_seq) = m
             .info()
             .map(|i| (i.delivered, i.stream_sequence))
             .unwrap_or((1, 0));
         if delivered > 1 {
             self.stats.redelivered.fetch_add(1, Ordering::Relaxed);
-            self.counter(metric::NATS_REDELIVERED_TOTAL).increment(1);
+            self.meters
+                .redelivered
+                .get(|| self.counter(metric::NATS_REDELIVERED_TOTAL))
+                .increment(1);
         }
         let (msg, acker) = m.split();
         let delivery = Delivery {
@@ -218,26 +236,19 @@ impl Binding {
                 .map(|v| v.as_str().to_string()),
             key: Some(msg.subject.to_string()),
             headers: headers_of(msg.headers.as_ref()),
-            origin: Some(Origin::from(format!(
-                "nats:{}/{stream_seq}",
-                self.config.stream
-            ))),
+            origin: Some(Origin::Nats {
+                stream: self.stream.clone(),
+                sequence: stream_seq,
+            }),
             received_at_ms: now_ms(),
             ..Delivery::new(
                 Target::Resolved(self.sub.clone()),
                 Payload::Bytes(msg.payload.to_vec()),
             )
         };
-        // What a dead-letter record keeps, should the message be refused (the payload is
-        // shared, not copied).
-        let kept = Refused {
-            id: delivery.id.clone(),
-            subject: delivery.key.clone(),
-            headers: delivery.headers.clone(),
-            origin: delivery.origin.clone(),
-            payload: msg.payload.clone(),
-        };
-        match envelope(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
+        // A refused message comes back whole for its dead-letter record: nothing is copied
+        // beforehand for the rare one refused.
+        match envelope_or_return(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
             Ok(Routed { mut job, shard, .. }) => {
                 let seq = self.next_seq;
                 self.next_seq += 1;
@@ -246,18 +257,21 @@ impl Binding {
                 self.staged[shard].push(job);
                 Ok(())
             }
-            Err(e) => self.reject(kept, e.to_string(), acker).await,
+            Err(refused) => {
+                let (e, back) = *refused;
+                self.reject(back, e.to_string(), acker).await
+            }
         }
     }
 
     /// Unusable input: a durable dead-letter record first, then `Term` (G1: never an ack
     /// for a message whose record is not durable).
-    async fn reject(&mut self, d: Refused, reason: String, acker: Acker) -> Result<(), NatsError> {
+    async fn reject(&mut self, d: Unrouted, reason: String, acker: Acker) -> Result<(), NatsError> {
         tracing::warn!(subscriber = %self.sub.name, %reason, "nats message rejected: kept as a dead letter and terminated");
         let about = serde_json::json!({
             "origin": d.origin.map(|o| o.to_string()),
             "id": d.id,
-            "key": d.subject,
+            "key": d.key,
             "headers": d.headers,
         });
         keep_dead_letter(
@@ -276,9 +290,10 @@ impl Binding {
     }
 
     fn count_outcome(&self, outcome: &'static str, n: u64) {
-        metrics::counter!(metric::NATS_MESSAGES_TOTAL,
-            "subscriber" => self.sub.name.to_string(), "outcome" => outcome)
-        .increment(n);
+        self.meters.outcomes.increment(outcome, n, |outcome| {
+            metrics::counter!(metric::NATS_MESSAGES_TOTAL,
+                "subscriber" => self.sub.name.to_string(), "outcome" => outcome)
+        });
     }
 
     /// Submits the staged jobs to their shards.
@@ -315,17 +330,20 @@ impl Binding {
     /// Sends one acknowledgement. A failed send (connection lost) leaves the message with
     /// the server: it is delivered again and answered `duplicate`.
     async fn ack(&self, acker: &Acker, kind: AckKind) {
-        let (counter, label) = match kind {
-            AckKind::Ack => (&self.stats.acked, "ack"),
-            AckKind::Term => (&self.stats.terminated, "term"),
-            _ => (&self.stats.naked, "nak"),
+        let (counter, meter, label) = match kind {
+            AckKind::Ack => (&self.stats.acked, &self.meters.ack, "ack"),
+            AckKind::Term => (&self.stats.terminated, &self.meters.term, "term"),
+            _ => (&self.stats.naked, &self.meters.nak, "nak"),
         };
         match acker.ack_with(kind).await {
             Ok(()) => {
                 counter.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!(metric::NATS_ACKED_TOTAL,
-                    "subscriber" => self.sub.name.to_string(), "kind" => label)
-                .increment(1);
+                meter
+                    .get(|| {
+                        metrics::counter!(metric::NATS_ACKED_TOTAL,
+                            "subscriber" => self.sub.name.to_string(), "kind" => label)
+                    })
+                    .increment(1);
             }
             Err(e) => {
                 tracing::warn!(subscriber = %self.sub.name, "nats {label} not sent (the message will be delivered again): {e}")
@@ -416,7 +434,8 @@ fn headers_of(headers: Option<&async_nats::HeaderMap>) -> Vec<(String, String)> 
         return Vec::new();
     };
     let mut names: Vec<_> = h.iter().collect();
-    names.sort_by_key(|a| a.0.to_string());
+    // By the name's text, borrowed (a key made with `to_string` allocated per comparison).
+    names.sort_unstable_by(|a, b| AsRef::<str>::as_ref(a.0).cmp(b.0.as_ref()));
     names
         .into_iter()
         .flat_map(|(name, values)| {

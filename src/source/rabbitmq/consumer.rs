@@ -40,8 +40,12 @@ use tokio::sync::{mpsc, watch};
 use super::{BindingConfig, Ended, RabbitMqConfig, RabbitMqError, RabbitMqStats};
 use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
-use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
-use crate::source::settle::{bridge_dones, keep_dead_letter, now_ms, submit_staged, Settle};
+use crate::source::delivery::{
+    envelope_or_return, Delivery, Keying, Payload, Routed, Target, Unrouted,
+};
+use crate::source::settle::{
+    bridge_dones, keep_dead_letter, now_ms, submit_staged, Meter, OutcomeMeters, Settle,
+};
 use crate::telemetry::metric;
 
 /// How often the queue's ready count is read for the metrics.
@@ -101,12 +105,23 @@ enum Pending {
     Durable,
 }
 
-/// What a dead-letter record keeps of a message that could not be keyed.
-struct Refused {
-    id: Option<String>,
-    routing_key: Option<String>,
-    headers: Vec<(String, String)>,
-    payload: Vec<u8>,
+/// How messages were settled with the server (the `kind` label of the acked metric).
+#[derive(Debug, Clone, Copy)]
+enum Settled {
+    Ack,
+    Reject,
+    Nack,
+}
+
+/// A binding's metric counters, each looked up once a session (see [`Meter`]).
+#[derive(Default)]
+struct Meters {
+    received: Meter,
+    redelivered: Meter,
+    ack: Meter,
+    reject: Meter,
+    nack: Meter,
+    outcomes: OutcomeMeters,
 }
 
 /// The state of one binding in one session.
@@ -115,6 +130,7 @@ struct Binding {
     sub: Arc<Subscriber>,
     config: BindingConfig,
     stats: Arc<RabbitMqStats>,
+    meters: Meters,
     channel: Channel,
     consumer_tag: String,
     origin: Origin,
@@ -228,6 +244,7 @@ async fn open(
         origin: Origin::from(format!("rabbitmq:{}", config.queue)),
         config: config.clone(),
         stats: stats.clone(),
+        meters: Meters::default(),
         channel,
         consumer_tag,
         ack_tx,
@@ -360,6 +377,11 @@ impl Binding {
         metrics::counter!(name, "subscriber" => self.sub.name.to_string(), "queue" => self.config.queue.clone())
     }
 
+    /// Adds `n` to the counter `name`, kept in `meter` (looked up the first time).
+    fn count(&self, meter: &Meter, name: &'static str, n: u64) {
+        meter.get(|| self.counter(name)).increment(n);
+    }
+
     /// Accepts `d` and whatever else arrived already, then submits them together.
     async fn take(
         &mut self,
@@ -385,11 +407,14 @@ impl Binding {
     /// Keys and routes one message; input that cannot be keyed is dead-lettered.
     async fn accept(&mut self, d: lapin::message::Delivery) -> Result<(), Halt> {
         self.stats.received.fetch_add(1, Ordering::Relaxed);
-        self.counter(metric::RABBITMQ_RECEIVED_TOTAL).increment(1);
+        self.count(&self.meters.received, metric::RABBITMQ_RECEIVED_TOTAL, 1);
         if d.redelivered {
             self.stats.redelivered.fetch_add(1, Ordering::Relaxed);
-            self.counter(metric::RABBITMQ_REDELIVERED_TOTAL)
-                .increment(1);
+            self.count(
+                &self.meters.redelivered,
+                metric::RABBITMQ_REDELIVERED_TOTAL,
+                1,
+            );
         }
         let tag = d.delivery_tag;
         if tag > TAG_MASK {
@@ -404,41 +429,32 @@ impl Binding {
             headers: headers_of(props.headers().as_ref()),
             origin: Some(self.origin.clone()),
             received_at_ms: now_ms(),
-            ..Delivery::new(
-                Target::Resolved(self.sub.clone()),
-                Payload::Bytes(Vec::new()),
-            )
+            ..Delivery::new(Target::Resolved(self.sub.clone()), Payload::Bytes(d.data))
         };
-        // What a dead-letter record keeps, should the message be refused.
-        let kept = Refused {
-            id: delivery.id.clone(),
-            routing_key: delivery.key.clone(),
-            headers: delivery.headers.clone(),
-            payload: d.data.clone(),
-        };
-        let delivery = Delivery {
-            payload: Payload::Bytes(d.data),
-            ..delivery
-        };
-        match envelope(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
+        // A refused message comes back whole for its dead-letter record: nothing (not the
+        // payload either) is copied beforehand for the rare one refused.
+        match envelope_or_return(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
             Ok(Routed { mut job, shard, .. }) => {
                 job.seq = self.session << TAG_BITS | tag;
                 self.pending.insert(tag, Pending::InFlight);
                 self.staged[shard].push(job);
                 Ok(())
             }
-            Err(e) => self.refuse(kept, e.to_string(), tag).await,
+            Err(refused) => {
+                let (e, back) = *refused;
+                self.refuse(back, e.to_string(), tag).await
+            }
         }
     }
 
     /// Unusable input: a durable dead-letter record first, then `basic.reject` without
     /// requeue (G1: never settled before its record is durable).
-    async fn refuse(&mut self, d: Refused, reason: String, tag: u64) -> Result<(), Halt> {
+    async fn refuse(&mut self, d: Unrouted, reason: String, tag: u64) -> Result<(), Halt> {
         tracing::warn!(subscriber = %self.sub.name, queue = %self.config.queue, %reason, "rabbitmq message rejected: kept as a dead letter and rejected to the queue's dead-letter exchange");
         let about = serde_json::json!({
             "origin": self.origin.to_string(),
             "id": d.id,
-            "key": d.routing_key,
+            "key": d.key,
             "headers": d.headers,
         });
         keep_dead_letter(
@@ -456,15 +472,24 @@ impl Binding {
     }
 
     fn count_outcome(&self, outcome: &'static str, n: u64) {
-        metrics::counter!(metric::RABBITMQ_MESSAGES_TOTAL,
-            "subscriber" => self.sub.name.to_string(), "queue" => self.config.queue.clone(), "outcome" => outcome)
-        .increment(n);
+        self.meters.outcomes.increment(outcome, n, |outcome| {
+            metrics::counter!(metric::RABBITMQ_MESSAGES_TOTAL,
+                "subscriber" => self.sub.name.to_string(), "queue" => self.config.queue.clone(), "outcome" => outcome)
+        });
     }
 
-    fn count_settled(&self, kind: &'static str, n: u64) {
-        metrics::counter!(metric::RABBITMQ_ACKED_TOTAL,
-            "subscriber" => self.sub.name.to_string(), "queue" => self.config.queue.clone(), "kind" => kind)
-        .increment(n);
+    fn count_settled(&self, settled: Settled, n: u64) {
+        let (meter, kind) = match settled {
+            Settled::Ack => (&self.meters.ack, "ack"),
+            Settled::Reject => (&self.meters.reject, "reject"),
+            Settled::Nack => (&self.meters.nack, "nack"),
+        };
+        meter
+            .get(|| {
+                metrics::counter!(metric::RABBITMQ_ACKED_TOTAL,
+                    "subscriber" => self.sub.name.to_string(), "queue" => self.config.queue.clone(), "kind" => kind)
+            })
+            .increment(n);
     }
 
     /// Submits the staged jobs to their shards.
@@ -551,7 +576,7 @@ impl Binding {
 
     fn settled_acks(&self, n: u64) {
         self.stats.acked.fetch_add(n, Ordering::Relaxed);
-        self.count_settled("ack", n);
+        self.count_settled(Settled::Ack, n);
     }
 
     /// `basic.reject` without requeue: to the queue's dead-letter exchange, if any.
@@ -563,7 +588,7 @@ impl Binding {
         self.stats
             .dead_letter_rejects
             .fetch_add(1, Ordering::Relaxed);
-        self.count_settled("reject", 1);
+        self.count_settled(Settled::Reject, 1);
         Ok(())
     }
 
@@ -637,7 +662,7 @@ impl Binding {
                 .filter(Result::is_ok)
                 .count() as u64;
             self.stats.requeued.fetch_add(sent, Ordering::Relaxed);
-            self.count_settled("nack", sent);
+            self.count_settled(Settled::Nack, sent);
         }
         if let Err(e) = self.channel.close(200, "dedupd stopped".into()).await {
             tracing::debug!(queue = %self.config.queue, "channel close at stop: {e}");
