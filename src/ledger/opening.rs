@@ -1,6 +1,7 @@
-//! What opening a ledger reports while it works ([`Ledger::open_observed`]): each shard's
-//! file open, redb's repair of a file not closed cleanly, the sealed generations it loads
-//! and the logs of unsealed claims it replays. `dedupd inspect --repair` shows it.
+//! What opening a ledger reports while it works
+//! ([`Ledger::open_observed`](crate::ledger::Ledger::open_observed)): each shard's file
+//! open, redb's repair of a file not closed cleanly, the sealed generations it loads and
+//! the logs of unsealed claims it replays. `dedupd inspect --repair` shows it.
 //!
 //! Shards open in parallel, each on its own writer thread, so the observer is called from
 //! those threads as the steps happen; it should only record or print, never block long.
