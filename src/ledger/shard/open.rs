@@ -516,12 +516,12 @@ impl Shard {
                 }
                 rows = k.value() + 1;
                 replayed += 1;
-                if replayed % crate::ledger::REPLAY_EVERY == 0 {
+                if replayed.is_multiple_of(crate::ledger::REPLAY_EVERY) {
                     self.observe(|| replaying(replayed));
                 }
             }
         }
-        if replayed % crate::ledger::REPLAY_EVERY != 0 {
+        if !replayed.is_multiple_of(crate::ledger::REPLAY_EVERY) {
             self.observe(|| replaying(replayed));
         }
         Ok((map, rows, live_until))
