@@ -8,7 +8,8 @@ use std::sync::Arc;
 use crate::clock::SystemClock;
 use crate::config::Config;
 use crate::ledger::{
-    disk_usage, offline_report, DiskUsage, Ledger, LedgerError, LedgerReport, MANIFEST,
+    disk_usage, offline_report, DiskUsage, Ledger, LedgerError, LedgerReport, OpenObserver,
+    MANIFEST,
 };
 
 /// Why an offline look failed.
@@ -28,12 +29,21 @@ pub enum InspectError {
     UnknownSubscriber { subscriber: String, dir: PathBuf },
 }
 
-/// Opens an existing data directory (never creates one).
-fn open_existing(dir: &Path, config: &Config) -> Result<Ledger, InspectError> {
+/// Opens an existing data directory (never creates one), telling `observer` how the open
+/// goes if there is one.
+fn open_existing(
+    dir: &Path,
+    config: &Config,
+    observer: Option<OpenObserver>,
+) -> Result<Ledger, InspectError> {
     if !dir.join(MANIFEST).exists() {
         return Err(InspectError::NotADataDir(dir.to_path_buf()));
     }
-    Ok(Ledger::open(dir, config, Arc::new(SystemClock))?)
+    let clock = Arc::new(SystemClock);
+    Ok(match observer {
+        Some(observer) => Ledger::open_observed(dir, config, clock, observer)?,
+        None => Ledger::open(dir, config, clock)?,
+    })
 }
 
 /// Claims, generations, records and state runs per subscriber, and where the bytes go,
@@ -56,7 +66,26 @@ pub fn inspect(dir: &Path) -> Result<LedgerReport, InspectError> {
 /// not closed cleanly, finishes interrupted seals and merges and upgrades an older format.
 /// The in-memory index sizes are reported too.
 pub fn inspect_repairing(dir: &Path, config: &Config) -> Result<LedgerReport, InspectError> {
-    let ledger = open_existing(dir, config)?;
+    report_repaired(dir, config, None)
+}
+
+/// [`inspect_repairing`], telling `observer` what each shard's open does (the repair of a
+/// file a killed engine left is the long step: redb scans the whole file), from the
+/// shards' threads as it happens.
+pub fn inspect_repairing_observed(
+    dir: &Path,
+    config: &Config,
+    observer: OpenObserver,
+) -> Result<LedgerReport, InspectError> {
+    report_repaired(dir, config, Some(observer))
+}
+
+fn report_repaired(
+    dir: &Path,
+    config: &Config,
+    observer: Option<OpenObserver>,
+) -> Result<LedgerReport, InspectError> {
+    let ledger = open_existing(dir, config, observer)?;
     let mut report = ledger.report()?;
     ledger.close()?;
     report.disk = Some(disk_usage(dir, report.shards)?);
@@ -201,7 +230,7 @@ pub fn dump_state(
     subscriber: &str,
     out: impl Write,
 ) -> Result<(), InspectError> {
-    let ledger = open_existing(dir, config)?;
+    let ledger = open_existing(dir, config, None)?;
     if !ledger.knows_subscriber(subscriber) {
         ledger.close()?;
         return Err(InspectError::UnknownSubscriber {

@@ -1010,6 +1010,49 @@ async fn handler_upload_is_documented_and_accepted_as_octet_stream() {
     assert!(r.text.contains("application/octet-stream"), "{}", r.text);
 }
 
+/// The ingest route takes opaque payloads under their own type, and with a token even the
+/// form types; the document listed only `application/json`, so generated clients and
+/// fuzzers never sent anything else. Each documented type is taken, and the document says
+/// which types are refused without a token.
+#[tokio::test(flavor = "multi_thread")]
+async fn ingest_documents_the_content_types_it_takes() {
+    let doc = &openapi()["paths"]["/v1/subscribers/{s}/messages"]["post"]["requestBody"];
+    let types: Vec<&String> = doc["content"].as_object().unwrap().keys().collect();
+    assert_eq!(
+        types,
+        ["application/json", "application/octet-stream", "text/plain"],
+        "{doc}"
+    );
+    assert_eq!(
+        doc["content"]["application/octet-stream"]["schema"],
+        json!({"type": "string", "format": "binary"}),
+        "{doc}"
+    );
+    assert_eq!(doc["content"]["text/plain"]["schema"]["type"], "string");
+    let text = doc["description"].as_str().unwrap();
+    for refused in ["text/plain", "multipart/form-data", "415", "http.token"] {
+        assert!(text.contains(refused), "{refused}: {text}");
+    }
+    let api = Api::new("[ledger]\nshards = 1\n", Some(TOKEN));
+    for (i, (t, body)) in [
+        ("application/json", "{\"a\": 1}"),
+        ("application/octet-stream", "\u{0}\u{1}not json"),
+        ("text/plain", "hello"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let req = api
+            .req("POST", "/v1/subscribers/s/messages")
+            .header("content-type", t)
+            .header("idempotency-key", format!("typed-{i}"))
+            .body(Body::from(body))
+            .unwrap();
+        let r = api.send(req).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{t}: {}", r.text);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn config_request_schema_lists_only_the_settable_fields() {
     let body = &openapi()["paths"]["/v1/subscribers/{s}/config"]["put"]["requestBody"];

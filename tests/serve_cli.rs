@@ -309,6 +309,53 @@ fn inspect_points_at_the_running_engine_and_repairs_only_when_asked() {
     assert_eq!(claims(&after), 3);
 }
 
+/// `inspect --repair` after a kill -9 says on stderr what the open does, which can take
+/// long (before, nothing until the report): on a stderr that is not a terminal, whole
+/// lines for the start, the redb repair of a file not closed cleanly and each shard
+/// opened. stdout carries the report alone, so `--json` still parses as one document.
+#[test]
+fn inspect_repair_prints_progress_lines_on_stderr_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (mut child, mut conn) = serve(&data);
+    let key = "Idempotency-Key: k-1\r\nContent-Type: application/json\r\n";
+    let (status, body) = request(&mut conn, "POST", "/v1/subscribers/s/messages", key, "{}");
+    assert!(status.contains("201"), "{status} {body}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // `output()` pipes stderr: not a terminal, so plain lines rather than a bar.
+    let out = inspect(&data, &["--repair"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let shards: usize = err
+        .lines()
+        .find_map(|l| l.strip_prefix("repair: opening "))
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("no start line on stderr: {err:?}"))
+        .parse()
+        .unwrap();
+    assert!(shards >= 1, "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("repair: shard ") && l.contains("not closed cleanly")),
+        "the repair of a killed engine's file is said: {err}"
+    );
+    for shard in 0..shards {
+        let open = format!("repair: shard {shard} open (");
+        assert!(err.lines().any(|l| l.starts_with(&open)), "{open} in {err}");
+    }
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with(&format!("repair: {shards} shards open in "))),
+        "{err}"
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(!stdout.contains("repair:"), "{stdout}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["subscribers"][0]["claims"], 1, "{stdout}");
+}
+
 /// `run --metrics-bind` without an `[http]` section serves `/metrics`, `/healthz` and
 /// `/readyz` and nothing else, over the ledger the stdin pipe writes to.
 #[test]

@@ -43,6 +43,7 @@ mod format;
 mod job;
 mod naive;
 mod offline;
+mod opening;
 mod ops;
 mod placement;
 mod poison;
@@ -73,6 +74,7 @@ pub use format::datadir::{
 pub use job::{AckSender, Done, Job, Origin, Outcome};
 pub use naive::{NaiveBaseline, NaiveError};
 pub use offline::{close_copied_shard, hold_closed_shards, offline_report, ClosedShards};
+pub use opening::{OpenObserver, OpenProgress, REPLAY_EVERY};
 pub use ops::{
     OutboxRelayGuard, OutboxRow, RecordKind, RecordPage, ShardCopy, StoredRecord, RECORD_PAGE_BYTES,
 };
@@ -307,7 +309,19 @@ impl Ledger {
         config: &Config,
         clock: Arc<dyn Clock>,
     ) -> Result<Ledger, LedgerError> {
-        Ledger::open_inner(data_dir, config, clock, None)
+        Ledger::open_inner(data_dir, config, clock, None, None)
+    }
+
+    /// [`Ledger::open`], telling `observer` what each shard does while it opens (redb's
+    /// repair of a file not closed cleanly, loading, replaying logs): an open after a kill
+    /// can take long, and `dedupd inspect --repair` shows how far it is.
+    pub fn open_observed(
+        data_dir: &Path,
+        config: &Config,
+        clock: Arc<dyn Clock>,
+        observer: OpenObserver,
+    ) -> Result<Ledger, LedgerError> {
+        Ledger::open_inner(data_dir, config, clock, None, Some(observer))
     }
 
     /// Like [`Ledger::open`], with a switch that makes every shard file fail all writes
@@ -333,7 +347,7 @@ impl Ledger {
         clock: Arc<dyn Clock>,
         faults: &FaultSwitch,
     ) -> Result<Ledger, LedgerError> {
-        Ledger::open_inner(data_dir, config, clock, Some(faults.0.clone()))
+        Ledger::open_inner(data_dir, config, clock, Some(faults.0.clone()), None)
     }
 
     fn open_inner(
@@ -341,6 +355,7 @@ impl Ledger {
         config: &Config,
         clock: Arc<dyn Clock>,
         fault: Option<Arc<fault::FaultPlan>>,
+        observer: Option<OpenObserver>,
     ) -> Result<Ledger, LedgerError> {
         let (shard_count, created) = format::datadir::prepare_data_dir(data_dir, &config.ledger)?;
         if !created {
@@ -379,6 +394,7 @@ impl Ledger {
                 engine_commits: engine_commits.clone(),
                 create: created,
                 time_mark: time_mark.clone(),
+                observer: observer.clone(),
             };
             let (shard, peer_tx) = StartingShard::spawn(data_dir, ctx)?;
             peer_txs.push(peer_tx);

@@ -17,7 +17,7 @@ use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{body, check_name, now_ms, path, ApiResult};
+use super::{body, check_name, now_ms, path, ApiResult, BinaryBody};
 use crate::admin::bridge::StartError;
 use crate::admin::{guard, metrics, AdminState, ApiError, ErrorBody};
 use crate::config::SubscriberSettings;
@@ -54,7 +54,14 @@ pub struct Processed<'a> {
         ("Partition-Key" = Option<String>, Header, description = "The handler state's entity, for a subscriber whose partition_key source is the envelope key"),
         ("Prefer" = Option<String>, Header, description = "`wait=N` (RFC 7240): while the same key is in flight, wait up to N seconds (at most half of http.request_timeout) for it to be decided instead of a 409"),
     ),
-    request_body(content = serde_json::Value, content_type = "application/json", description = "The payload: JSON (any other content type is taken as bytes, with a token)"),
+    request_body(
+        description = "The payload. Under `application/json` or another `application/*+json` type it must be JSON (400 otherwise); under any other type it is taken as bytes, stored as they are (a body that parses as JSON is read as JSON, so the key source can find its key). Without a token (http.token) the types a web page can send cross-origin (`text/plain`, `application/x-www-form-urlencoded`, `multipart/form-data`) and a body without `Content-Type` are refused (415); with one they are taken too (without `Content-Type`: as JSON).",
+        content(
+            (serde_json::Value = "application/json"),
+            (inline(BinaryBody) = "application/octet-stream"),
+            (String = "text/plain"),
+        ),
+    ),
     responses(
         (status = 201, description = "Processed, or (with `Idempotent-Replayed: true`) processed before", body = Processed,
             headers(

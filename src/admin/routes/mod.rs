@@ -42,6 +42,25 @@ use crate::ledger::{Ledger, Subscriber};
 
 type ApiResult<T> = Result<T, ApiError>;
 
+/// A request body that is bytes as they are (a handler component, an opaque payload), in
+/// the document: a binary string (`format: binary`) so that generated clients and fuzzers
+/// send raw bytes rather than the JSON array of numbers utoipa makes of a `Vec<u8>`. Only
+/// a schema: the routes take the body as [`Bytes`], under whatever content type `guard`
+/// lets through.
+pub struct BinaryBody;
+
+impl utoipa::PartialSchema for BinaryBody {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Binary)))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for BinaryBody {}
+
 /// Every route with its documentation. Each handler is routed at the method and path its
 /// `#[utoipa::path]` annotation names and adds its operation to the document, so the
 /// router and `/openapi.json` ([`super::openapi`]) come from this one list. `upload_limit`

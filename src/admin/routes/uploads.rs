@@ -8,7 +8,7 @@ use axum::extract::{Path, State};
 use axum::Json;
 use serde_json::json;
 
-use super::{audit, blocking, body, check_name, known, path, ApiResult};
+use super::{audit, blocking, body, check_name, known, path, ApiResult, BinaryBody};
 use crate::admin::{AdminState, ApiError, ErrorBody, HandlerInfo, UploadError};
 
 #[utoipa::path(get, path = "/v1/subscribers/{s}/handler", tag = "handlers",
@@ -28,24 +28,6 @@ pub async fn get_handler(
     Ok(Json(st.0.uploads.info(st.ledger(), &name)))
 }
 
-/// The body of an upload in the document: the component's bytes as they are, a binary
-/// string (`format: binary`) so that generated clients and fuzzers send raw bytes rather
-/// than the JSON array of numbers utoipa makes of a `Vec<u8>`. Only a schema: the route
-/// takes the body as [`Bytes`], under whatever content type `guard` lets through.
-pub struct ComponentBytes;
-
-impl utoipa::PartialSchema for ComponentBytes {
-    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-        use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
-        ObjectBuilder::new()
-            .schema_type(Type::String)
-            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Binary)))
-            .into()
-    }
-}
-
-impl utoipa::ToSchema for ComponentBytes {}
-
 pub(super) fn upload_error(e: UploadError) -> ApiError {
     match e {
         UploadError::Invalid(h) => ApiError::bad("body", h.to_string()),
@@ -61,7 +43,7 @@ pub(super) fn upload_error(e: UploadError) -> ApiError {
     params(("s" = String, Path, description = "Subscriber name; an unknown one is registered (up to ledger.max_implicit_subscribers)")),
     request_body(
         description = "The component's bytes (at most http.max_handler_bytes), under any content type but a form type without a token; application/wasm and application/octet-stream are documented",
-        content((inline(ComponentBytes) = "application/wasm"), (inline(ComponentBytes) = "application/octet-stream")),
+        content((inline(BinaryBody) = "application/wasm"), (inline(BinaryBody) = "application/octet-stream")),
     ),
     responses(
         (status = 200, description = "Installed", body = HandlerInfo),

@@ -6,6 +6,7 @@ mod args;
 mod benches;
 mod commands;
 mod output;
+mod repair_progress;
 
 use std::process::ExitCode;
 
@@ -159,7 +160,15 @@ fn run(command: Command) -> Result<()> {
             let report = match repair {
                 false => dedupd::inspect::inspect(&data_dir)?,
                 true => {
-                    dedupd::inspect::inspect_repairing(&data_dir, &load_config(config.as_deref())?)?
+                    let config = load_config(config.as_deref())?;
+                    let shown = repair_progress::RepairProgress::new(&data_dir);
+                    let report = dedupd::inspect::inspect_repairing_observed(
+                        &data_dir,
+                        &config,
+                        shown.observer(),
+                    );
+                    shown.finish();
+                    report?
                 }
             };
             match json {

@@ -45,7 +45,7 @@ pub fn progress(line: &dyn std::fmt::Display) {
 }
 
 /// How often progress is printed when stderr is not a terminal.
-const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+pub const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Ends a progress line on a terminal (elsewhere every progress line is whole already).
 pub fn end_progress() {

@@ -233,6 +233,8 @@ pub(crate) struct ShardContext {
     /// The newest engine time any shard committed (`engine_time_ms`), raised by each
     /// shard as it opens.
     pub time_mark: Arc<std::sync::atomic::AtomicU64>,
+    /// Told what the open does (`opening.rs`); dropped once the shard is open.
+    pub observer: Option<crate::ledger::OpenObserver>,
 }
 
 pub(crate) struct Shard {

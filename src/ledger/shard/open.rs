@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::ledger::tracked::TrackedBackend;
+use crate::ledger::OpenProgress;
 
 struct Loaded {
     metas: Vec<(String, u64, GenMeta)>,
@@ -20,6 +21,21 @@ impl Shard {
         let mut builder = Database::builder();
         builder.set_cache_size(ctx.config.cache_mib.get() << 20);
         builder.set_check_integrity_on_open(ctx.config.verify_on_open);
+        if let Some(observer) = ctx.observer.clone() {
+            observer(OpenProgress::Opening {
+                shard: ctx.index,
+                of: ctx.count,
+            });
+            // redb scans the whole file (several times) to repair it: the long step after a
+            // kill. It calls back at the start and after each scan.
+            let shard = ctx.index;
+            builder.set_repair_callback(move |session| {
+                observer(OpenProgress::Repairing {
+                    shard,
+                    fraction: session.progress(),
+                })
+            });
+        }
         // As `builder.create(path)` opens it, with the writes recorded during a backup.
         // Only the open that creates the data directory creates a shard file; later, a
         // missing file (or a symlink to a missing file) is refused, not created empty.
@@ -102,7 +118,18 @@ impl Shard {
         state::upgrade_old_tables(&txn, &loaded.tables).map_err(|e| shard.err(e))?;
         shard.recover(&txn, loaded)?;
         txn.commit().map_err(|e| err(e.into()))?;
+        let index = shard.ctx.index;
+        shard.observe(|| OpenProgress::Opened { shard: index });
+        shard.ctx.observer = None;
         Ok(shard)
+    }
+
+    /// Tells the open's observer, if any, what the open does now (built only if there is
+    /// one).
+    fn observe(&self, step: impl FnOnce() -> OpenProgress) {
+        if let Some(observer) = &self.ctx.observer {
+            observer(step());
+        }
     }
 
     fn check_meta_and_load(&mut self, txn: &WriteTransaction) -> Result<Loaded, LedgerError> {
@@ -306,6 +333,13 @@ impl Shard {
                     }
                 }
             }
+            if !st.sealed.is_empty() {
+                self.observe(|| OpenProgress::Loaded {
+                    shard: self.ctx.index,
+                    subscriber: name.clone(),
+                    generations: st.sealed.len(),
+                });
+            }
             // The newest log generation stays active; older ones are sealed again as one.
             if let Some((id, m)) = logs.pop() {
                 let (map, rows, until) = self.replay_log(txn, &name, &[id])?;
@@ -462,6 +496,12 @@ impl Shard {
         let mut map = KeyMap::default();
         let mut rows = 0;
         let mut live_until = 0;
+        let mut replayed = 0u64;
+        let replaying = |rows| OpenProgress::Replaying {
+            shard: self.ctx.index,
+            subscriber: sub.to_string(),
+            rows,
+        };
         for id in ids {
             let name = tables::log_name(sub, *id);
             let t = txn.open_table(log_def(&name)).map_err(|e| self.err(e))?;
@@ -475,7 +515,14 @@ impl Shard {
                     map.insert(key, rec);
                 }
                 rows = k.value() + 1;
+                replayed += 1;
+                if replayed.is_multiple_of(crate::ledger::REPLAY_EVERY) {
+                    self.observe(|| replaying(replayed));
+                }
             }
+        }
+        if !replayed.is_multiple_of(crate::ledger::REPLAY_EVERY) {
+            self.observe(|| replaying(replayed));
         }
         Ok((map, rows, live_until))
     }
