@@ -12,7 +12,8 @@
 //!
 //! Where things are, in the order a message meets them:
 //!
-//! - `mod.rs`: [`Ledger`] (open, route, submit, lookup, close);
+//! - `mod.rs`: [`Ledger`] (open, route, submit, lookup, close); `opening.rs`: what a
+//!   shard reports while it opens (redb's repair, log replay), for `inspect --repair`;
 //! - `job.rs`: one message on its way: [`Job`], [`Outcome`], [`Done`], [`Origin`];
 //! - `format/`: the on-disk layout: every redb table (`tables.rs`), the data directory,
 //!   its manifest and format upgrade on open (`datadir.rs`);
