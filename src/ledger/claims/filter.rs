@@ -168,9 +168,8 @@ fn fuse_slots(f: &BinaryFuse16, key: u128) -> [usize; 3] {
     [h0 as usize, h1 as usize, h2 as usize]
 }
 
-/// Asks the CPU to bring the cache line at `p` in; used by the state runs' filters too.
 #[inline]
-pub(crate) fn prefetch_read<T>(p: *const T) {
+fn prefetch_read<T>(p: *const T) {
     // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has; a prefetch is a hint
     // that never faults and reads nothing into the program, whatever the address.
     #[cfg(target_arch = "x86_64")]

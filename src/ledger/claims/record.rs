@@ -31,10 +31,7 @@
 ///   begins; `key_sources_v1` the key source of each subscriber's claims; a state run list
 ///   the first log row no run covers (covered rows are deleted later). An older binary
 ///   would derive other ids for the same messages and replay covered rows.
-/// - 9: new handler state runs get split-block Bloom filters (`hashes` 0 in their run row,
-///   `state/run_filter.rs`); an older binary would refuse the row as damaged. Format-8
-///   shards are read as they are (classic filters stay until their runs merge).
-pub const FORMAT_VERSION: u64 = 9;
+pub const FORMAT_VERSION: u64 = 8;
 
 /// Bytes of an encoded [`ClaimRecord`].
 pub const CLAIM_LEN: usize = 32;

@@ -23,7 +23,6 @@
 //! - `state_map.rs`: a buffer's state entries, hashed until a handler scans them;
 //! - `log_row.rs`: the encoding of one batch's effects as a log row, written call by call;
 //! - `run.rs`: the block format of one run, its writer, lookups and scans;
-//! - `run_filter.rs`: a run's filter (split-block; classic in runs of format 8 and older);
 //! - `runs.rs`: the run list, its metadata and filters, and the merge policy;
 //! - `cover.rs`: filters over the keys of many runs, so a key no run holds costs one probe;
 //! - `view.rs`: the layered read view a handler gets during a batch ([`BatchView`]);
@@ -38,7 +37,6 @@ mod cover;
 mod fuzz;
 mod log_row;
 mod run;
-mod run_filter;
 mod runs;
 mod state_map;
 mod upgrade;

@@ -26,10 +26,10 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::sync::Arc;
 
+use fastbloom::BloomFilter;
 use redb::{ReadOnlyTable, ReadableTable, StorageError, Table};
 
 use super::cover::CoverBits;
-use super::run_filter::RunFilter;
 
 /// Handler state entries (`state::put`).
 pub(crate) const KIND_STATE: u8 = b's';
@@ -158,10 +158,17 @@ pub(crate) fn key_hash(run_key: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(run_key)
 }
 
-/// Keys a run writer pushes before it sets their filter bits: a merge's output filter is
-/// megabytes, so each insert is a cache miss (~0.5 core-µs a message in the CPU budget,
-/// `docs/design.md`); prefetched this many pushes ahead, the misses overlap.
-const PENDING: usize = 8;
+/// Filter bits per entry: with [`FILTER_HASHES`] probes about 0.8 % false positives.
+const FILTER_BITS_PER_ENTRY: usize = 10;
+pub(crate) const FILTER_HASHES: u32 = 7;
+
+/// An empty filter sized for `entries` keys.
+pub(crate) fn new_filter(entries: u64) -> BloomFilter {
+    let bits = (entries as usize)
+        .saturating_mul(FILTER_BITS_PER_ENTRY)
+        .max(1024);
+    BloomFilter::with_num_bits(bits).hashes(FILTER_HASHES)
+}
 
 /// Walks the entries of one block, rebuilding each key from its shared prefix.
 pub(crate) struct BlockCursor<'a> {
@@ -276,11 +283,8 @@ pub(crate) struct RunWriter {
     stored: Vec<u8>,
     /// The last key pushed (the key of the block being filled, once it is written).
     last: Vec<u8>,
-    /// Filter over every key written, built as they are written: a key's bits are set
-    /// [`PENDING`] pushes after it, its block prefetched when it is pushed.
-    filter: RunFilter,
-    /// Hashes pushed whose filter bits are not set yet.
-    pending: Vec<u64>,
+    /// Filter over every key written, built as they are written.
+    filter: BloomFilter,
     entries: u64,
     bytes: u64,
     /// Raw bytes a block is filled to: [`BLOCK_TARGET`] for raw runs; for compressed ones,
@@ -295,7 +299,7 @@ pub(crate) struct RunWriter {
 /// What a finished run holds: its filter, entries and bytes written, and the cover that
 /// holds every key of it, if any.
 pub(crate) struct Written {
-    pub filter: RunFilter,
+    pub filter: BloomFilter,
     pub entries: u64,
     pub bytes: u64,
     pub cover: Option<Arc<CoverBits>>,
@@ -314,8 +318,7 @@ impl RunWriter {
                 .flatten(),
             stored: Vec::new(),
             last: Vec::new(),
-            filter: RunFilter::for_entries(expected),
-            pending: Vec::with_capacity(PENDING),
+            filter: new_filter(expected),
             entries: 0,
             bytes: 0,
             raw_target: BLOCK_TARGET,
@@ -338,7 +341,7 @@ impl RunWriter {
 
     /// Heap bytes of its filter.
     pub fn filter_bytes(&self) -> u64 {
-        self.filter.bytes()
+        (self.filter.num_bits() / 8) as u64
     }
 
     /// Appends one entry; keys must come in strictly ascending order.
@@ -371,23 +374,12 @@ impl RunWriter {
         self.last.clear();
         self.last.extend_from_slice(key);
         let hash = key_hash(key);
-        self.filter.prefetch(hash);
-        self.pending.push(hash);
-        if self.pending.len() == PENDING {
-            self.set_pending();
-        }
+        self.filter.insert_hash(hash);
         if let Some(c) = &self.cover {
             c.insert(hash);
         }
         self.entries += 1;
         Ok(())
-    }
-
-    /// Sets the filter bits of the keys pushed since the last call.
-    fn set_pending(&mut self) {
-        for h in self.pending.drain(..) {
-            self.filter.insert_hash(h);
-        }
     }
 
     fn write_block(
@@ -471,7 +463,6 @@ impl RunWriter {
         t: &mut Table<&'static [u8], &'static [u8]>,
     ) -> Result<Written, StorageError> {
         self.write_block(t)?;
-        self.set_pending();
         Ok(Written {
             filter: self.filter,
             entries: self.entries,

@@ -29,6 +29,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use fastbloom::BloomFilter;
 use redb::{
     Database, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableHandle,
 };
@@ -36,7 +37,6 @@ use redb::{StorageError, WriteTransaction};
 
 use super::cover::{CoverBits, CoverView, Covers};
 use super::run::{self, Merge, RunScan, RunWriter, Written};
-use super::run_filter::RunFilter;
 use crate::ledger::format::tables::{
     missing_is_none, state_run_name, state_runs_name, BlockDef, StateRunsDef, STATE_RUN_PREFIX,
 };
@@ -56,6 +56,10 @@ pub(crate) const COMPRESS_FROM_TIER: u32 = 1;
 /// retired table counts as this many entries of a slice's budget.
 const ENTRIES_PER_BLOCK: usize = 16;
 
+/// Most hash functions a stored run filter may name (runs are written with
+/// `run::FILTER_HASHES`).
+const MAX_FILTER_HASHES: u32 = 32;
+
 /// One run: its table, its age and its filter.
 pub(crate) struct Run {
     pub table_id: u64,
@@ -64,7 +68,7 @@ pub(crate) struct Run {
     pub entries: u64,
     /// Bytes of its blocks and block keys.
     pub bytes: u64,
-    filter: RunFilter,
+    filter: BloomFilter,
 }
 
 impl Run {
@@ -75,17 +79,22 @@ impl Run {
     }
 
     pub fn filter_bytes(&self) -> u64 {
-        self.filter.bytes()
+        (self.filter.num_bits() / 8) as u64
     }
 
-    /// Row format (v1): `order u64, entries u64, bytes u64`, then the filter
-    /// (`run_filter.rs`: `hashes u32, words u64`, the words); little endian.
+    /// Row format (v1): `order u64, entries u64, bytes u64, hashes u32, words u64`, then
+    /// the filter's words; little endian.
     fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(24 + 12 + self.filter.bytes() as usize);
+        let words = self.filter.as_slice();
+        let mut out = Vec::with_capacity(36 + words.len() * 8);
         for n in [self.order, self.entries, self.bytes] {
             out.extend_from_slice(&n.to_le_bytes());
         }
-        self.filter.encode_into(&mut out);
+        out.extend_from_slice(&self.filter.num_hashes().to_le_bytes());
+        out.extend_from_slice(&(words.len() as u64).to_le_bytes());
+        for w in words {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
         out
     }
 
@@ -93,12 +102,23 @@ impl Run {
         let u64_at = |at: usize| -> Option<u64> {
             Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
         };
+        let hashes = u32::from_le_bytes(b.get(24..28)?.try_into().ok()?);
+        let n = usize::try_from(u64_at(28)?).ok()?;
+        let body = b.get(36..)?;
+        // A damaged hash count would make every probe loop billions of times.
+        if n == 0 || !(1..=MAX_FILTER_HASHES).contains(&hashes) || body.len() != n.checked_mul(8)? {
+            return None;
+        }
+        let words = body
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect();
         Some(Run {
             table_id,
             order: u64_at(0)?,
             entries: u64_at(8)?,
             bytes: u64_at(16)?,
-            filter: RunFilter::decode(b.get(24..)?)?,
+            filter: BloomFilter::from_vec(words).hashes(hashes),
         })
     }
 }

@@ -10,7 +10,7 @@ fn runs(sizes: &[u64]) -> Vec<Arc<Run>> {
                 order: 100 - i as u64,
                 entries,
                 bytes: 0,
-                filter: RunFilter::for_entries(1),
+                filter: run::new_filter(1),
             })
         })
         .collect()
@@ -365,7 +365,7 @@ fn covers_skip_runs_for_absent_keys_and_never_hide_a_written_one() {
 
 #[test]
 fn run_metadata_round_trips_and_damage_is_refused() {
-    let mut filter = RunFilter::for_entries(100);
+    let mut filter = run::new_filter(100);
     filter.insert_hash(7);
     let r = Run {
         table_id: 3,
@@ -382,43 +382,9 @@ fn run_metadata_round_trips_and_damage_is_refused() {
     assert!(Run::decode(3, &b[..20]).is_none());
     // A hash count no writer uses (found by fuzzing: u32::MAX hashes stalled a probe
     // for 32 s) is refused, not probed.
-    for hashes in [33u32, u32::MAX] {
+    for hashes in [0u32, 33, u32::MAX] {
         let mut bad = b.clone();
         bad[24..28].copy_from_slice(&hashes.to_le_bytes());
         assert!(Run::decode(3, &bad).is_none(), "{hashes} hashes");
     }
-}
-
-#[test]
-fn runs_written_before_format_9_keep_their_classic_filters() {
-    // A format-8 run row: `hashes` 7 and fastbloom's words, as `RunWriter` wrote them.
-    let mut classic = fastbloom::BloomFilter::with_num_bits(1_000).hashes(7);
-    for h in [7u64, 11, 13] {
-        classic.insert_hash(h);
-    }
-    let mut row = Vec::new();
-    for n in [9u64, 3, 4096] {
-        row.extend_from_slice(&n.to_le_bytes());
-    }
-    row.extend_from_slice(&7u32.to_le_bytes());
-    row.extend_from_slice(&(classic.as_slice().len() as u64).to_le_bytes());
-    for w in classic.as_slice() {
-        row.extend_from_slice(&w.to_le_bytes());
-    }
-    let back = Run::decode(3, &row).expect("a format-8 row reads");
-    assert!([7u64, 11, 13].iter().all(|h| back.may_contain(*h)));
-    assert_eq!(back.encode(), row, "written back unchanged");
-    // Runs written now get split-block filters, flushed and merged alike.
-    let dir = tempfile::tempdir().unwrap();
-    let db = Database::create(dir.path().join("r.redb")).unwrap();
-    let mut runs = Runs::default();
-    for i in 0..5 {
-        flush(&db, &mut runs, i * 40..(i + 1) * 40);
-    }
-    settle(&db, &mut runs, 40);
-    assert!(runs.list.len() < 5, "merged");
-    assert!(runs
-        .list
-        .iter()
-        .all(|r| matches!(r.filter, RunFilter::SplitBlock(_))));
 }
