@@ -24,7 +24,8 @@ use dedupd::source::rabbitmq::{self, RabbitMqSummary};
 
 use common::broker::{
     assert_counts_exact, claims, config_check, dedupd_run, free_port, handler_lines, http_get,
-    last_logged, run_source_until, stop_gracefully, wait_logged, wait_until, KillRounds,
+    last_logged, logged_with_certificate, refused_over_tls, run_source_until, stop_gracefully,
+    wait_logged, wait_until, KillRounds,
 };
 use common::component;
 use common::tls::Pki;
@@ -513,39 +514,23 @@ fn amqps_with_a_wrong_ca_or_no_client_certificate_is_not_ready_and_says_why() {
             tls_config_text("127.0.0.1", port, q, &pki.ca, None),
         ),
     ] {
-        let run = dir.path().join(case.replace(' ', "-"));
-        std::fs::create_dir_all(&run).unwrap();
-        let cfg = run.join("dedupd.toml");
-        let metrics = format!("127.0.0.1:{}", free_port());
-        std::fs::write(&cfg, format!("{text}\n[metrics]\nbind = \"{metrics}\"\n")).unwrap();
-        let log = run.join("run.log");
-        let child = dedupd_run(&cfg, &run.join("data"), &log);
-        let mut reason = String::new();
-        wait_logged(
-            &format!("{case}: readyz 503 naming a certificate"),
-            Duration::from_secs(30),
-            Some(&log),
-            || {
-                let (status, body) = http_get(&metrics, "/readyz");
-                reason = body;
-                status == 503 && reason.to_lowercase().contains("certificate")
-            },
-        );
-        eprintln!("{case}: {reason}");
+        let seen = refused_over_tls(dir.path(), case, &text);
         assert!(
-            reason.contains("cannot connect to the RabbitMQ server"),
-            "{reason}"
+            seen.readyz
+                .contains("cannot connect to the RabbitMQ server"),
+            "{}",
+            seen.readyz
         );
-        let logged = std::fs::read_to_string(&log).unwrap();
         assert!(
-            logged
-                .lines()
-                .any(|l| l.contains("cannot connect to RabbitMQ")
-                    && l.to_lowercase().contains("certificate")),
-            "{case}: {logged}"
+            logged_with_certificate(&seen.log, "cannot connect to RabbitMQ"),
+            "{case}: {}",
+            seen.log
         );
-        let summary = stop_gracefully(child, &log);
-        assert_eq!(summary["rabbitmq"]["received"], 0, "{case}: {summary}");
+        assert_eq!(
+            seen.summary["rabbitmq"]["received"], 0,
+            "{case}: {}",
+            seen.summary
+        );
         assert_eq!(broker.ready(q), (10, 0), "{case}: the messages wait");
     }
 }

@@ -186,6 +186,54 @@ pub fn stop_gracefully(mut child: KillOnDrop, log: &Path) -> serde_json::Value {
     serde_json::from_str(printed.trim()).unwrap()
 }
 
+/// What `dedupd run` showed of a broker it cannot reach over TLS ([`refused_over_tls`]).
+pub struct Refused {
+    /// The body of `/readyz` once it said 503 naming a certificate.
+    pub readyz: String,
+    /// The run's log.
+    pub log: String,
+    /// The summary line it printed when stopped.
+    pub summary: serde_json::Value,
+}
+
+/// `dedupd run` of the config `text` (a source section, no `[metrics]`) in `dir/<case>`,
+/// until `/readyz` answers 503 with a reason that names a certificate (30 s at most); then
+/// a graceful stop. The TLS tests of each broker check the reason, the log and the summary.
+pub fn refused_over_tls(dir: &Path, case: &str, text: &str) -> Refused {
+    let run = dir.join(case.replace(' ', "-"));
+    std::fs::create_dir_all(&run).unwrap();
+    let cfg = run.join("dedupd.toml");
+    let metrics = format!("127.0.0.1:{}", free_port());
+    std::fs::write(&cfg, format!("{text}\n[metrics]\nbind = \"{metrics}\"\n")).unwrap();
+    let log = run.join("run.log");
+    let child = dedupd_run(&cfg, &run.join("data"), &log);
+    let mut readyz = String::new();
+    wait_logged(
+        &format!("{case}: readyz 503 naming a certificate"),
+        Duration::from_secs(30),
+        Some(&log),
+        || {
+            let (status, body) = http_get(&metrics, "/readyz");
+            readyz = body;
+            status == 503 && readyz.to_lowercase().contains("certificate")
+        },
+    );
+    eprintln!("{case}: {readyz}");
+    let logged = std::fs::read_to_string(&log).unwrap();
+    let summary = stop_gracefully(child, &log);
+    Refused {
+        readyz,
+        log: logged,
+        summary,
+    }
+}
+
+/// Whether a line of `log` contains `marker` and names a certificate.
+pub fn logged_with_certificate(log: &str, marker: &str) -> bool {
+    log.lines()
+        .any(|l| l.contains(marker) && l.to_lowercase().contains("certificate"))
+}
+
 /// The last value of ` field=` in the lines of `log` that contain `marker` (a progress
 /// line's counter, `acked`).
 pub fn last_logged(log: &Path, marker: &str, field: &str) -> Option<u64> {
