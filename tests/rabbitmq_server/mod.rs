@@ -150,11 +150,11 @@ impl RabbitServer {
         self.spawn();
     }
 
-    /// `rabbitmqctl list_connections COLUMNS`: one row of fields per connection.
-    pub fn connections(&self, columns: &[&str]) -> Vec<Vec<String>> {
+    /// `rabbitmqctl -q -n NODE ARGS`: its output as rows of tab-separated fields; asserts
+    /// that it succeeded.
+    fn ctl_rows(&self, args: &[&str]) -> Vec<Vec<String>> {
         let mut cmd = Command::new(format!("{SBIN}/rabbitmqctl"));
-        cmd.args(["-q", "-n", &self.node, "list_connections"])
-            .args(columns);
+        cmd.args(["-q", "-n", &self.node]).args(args);
         self.env(&mut cmd);
         let out = cmd.output().unwrap();
         assert!(
@@ -165,40 +165,33 @@ impl RabbitServer {
         String::from_utf8(out.stdout)
             .unwrap()
             .lines()
-            .map(|l| l.split('\t').map(str::to_string).collect::<Vec<_>>())
+            .map(|l| l.split('\t').map(str::to_string).collect())
+            .collect()
+    }
+
+    /// `rabbitmqctl list_connections COLUMNS`: one row of fields per connection.
+    pub fn connections(&self, columns: &[&str]) -> Vec<Vec<String>> {
+        let mut args = vec!["list_connections"];
+        args.extend_from_slice(columns);
+        self.ctl_rows(&args)
+            .into_iter()
             .filter(|f| f.len() == columns.len())
             .collect()
     }
 
     /// (ready, unacknowledged) messages of `queue`, from `rabbitmqctl list_queues`.
     pub fn pending(&self, queue: &str) -> (u64, u64) {
-        let mut cmd = Command::new(format!("{SBIN}/rabbitmqctl"));
-        cmd.args([
-            "-q",
-            "-n",
-            &self.node,
+        self.ctl_rows(&[
             "list_queues",
             "name",
             "messages_ready",
             "messages_unacknowledged",
-        ]);
-        self.env(&mut cmd);
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "rabbitmqctl: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split('\t').collect();
-                (f.len() == 3 && f[0] == queue)
-                    .then(|| (f[1].parse().unwrap(), f[2].parse().unwrap()))
-            })
-            .next()
-            .unwrap_or((u64::MAX, u64::MAX))
+        ])
+        .into_iter()
+        .find_map(|f| {
+            (f.len() == 3 && f[0] == queue).then(|| (f[1].parse().unwrap(), f[2].parse().unwrap()))
+        })
+        .unwrap_or((u64::MAX, u64::MAX))
     }
 }
 
