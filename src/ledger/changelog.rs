@@ -282,7 +282,7 @@ impl Job {
             &[],
             ack,
         );
-        job.restore = Some(Box::new(change));
+        job.work = super::Work::Restore(Box::new(change));
         job
     }
 
@@ -302,7 +302,7 @@ impl Job {
         let mut job = Job::new(seq, subscriber, items.key, 0, &items.id, &[], ack);
         items.origin = Some(origin.clone());
         job.origin = Some(origin);
-        job.snapshot = Some(Box::new(items));
+        job.work = super::Work::Snapshot(Box::new(items));
         job
     }
 }
@@ -410,6 +410,9 @@ mod tests {
             crossbeam_channel::unbounded().0,
         );
         assert_eq!((restore.key, restore.fingerprint), (42, 9));
-        assert_eq!(restore.restore.as_deref(), Some(&change));
+        assert_eq!(
+            restore.work,
+            super::super::Work::Restore(Box::new(change.clone()))
+        );
     }
 }

@@ -126,6 +126,51 @@ impl From<String> for Origin {
     }
 }
 
+/// The kinds of work a [`Job`] carries to its shard; `decide` dispatches on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Work {
+    /// A message from a source: claimed, given to the handler, committed.
+    Deliver,
+    /// A stored record replayed (`dedupd replay`, the admin API) as a delivery. A
+    /// replayed quarantine replaces the live claim's payload instead of being quarantined
+    /// again. `settle`: the record's sequence number when it lives on the job's shard, so
+    /// that it is removed in the transaction of the job's final outcome (otherwise the
+    /// caller removes it once that outcome is durable).
+    Replay {
+        kind: RecordKind,
+        settle: Option<u64>,
+    },
+    /// A change replayed from a changelog ([`Job::restore`]): stored with no handler call.
+    Restore(Box<changelog::Change>),
+    /// The items a snapshot reads and publishes ([`Job::snapshot`]): nothing is stored.
+    Snapshot(Box<changelog::Change>),
+}
+
+impl Work {
+    /// A live claim with another payload is replaced, not quarantined: the replay of a
+    /// quarantined message.
+    pub(crate) fn replaces(&self) -> bool {
+        matches!(
+            self,
+            Work::Replay {
+                kind: RecordKind::Quarantine,
+                ..
+            }
+        )
+    }
+
+    /// The stored record to remove with the job's final outcome, on this shard.
+    pub(crate) fn settles(&self) -> Option<(RecordKind, u64)> {
+        match self {
+            Work::Replay {
+                kind,
+                settle: Some(seq),
+            } => Some((*kind, *seq)),
+            _ => None,
+        }
+    }
+}
+
 /// One keyed message on its way to a shard.
 #[derive(Debug)]
 pub struct Job {
@@ -151,19 +196,13 @@ pub struct Job {
     /// Where the message came from (e.g. `kafka:orders/3/1234`), kept in dead-letter and
     /// quarantine records.
     pub origin: Option<Origin>,
-    /// A stored record this job replays; removed with the job's final outcome.
-    pub(crate) settle: Option<(RecordKind, u64)>,
-    /// Replaces a live claim with another payload instead of quarantining (replay of a
-    /// quarantined message).
-    pub(crate) replace: bool,
+    /// What the shard does with the job: a delivery, or one of the ledger's own kinds of
+    /// work (a replayed record, a changelog change to restore, a snapshot to read).
+    pub(crate) work: Work,
     /// How [`super::Ledger::place`] chose the shard.
     pub placement: Placement,
     /// The partition key's text under [`Placement::Entity`]: handler state is scoped to it.
     pub entity: Option<Box<str>>,
-    /// A change replayed from a changelog ([`Job::restore`]): stored with no handler call.
-    pub(crate) restore: Option<Box<changelog::Change>>,
-    /// The items a snapshot reads and publishes ([`Job::snapshot`]): nothing is stored.
-    pub(crate) snapshot: Option<Box<changelog::Change>>,
     /// The newest record the other shards hold for this key, once they were asked
     /// (`placement.rs`). While `Some`, this shard holds the key in the in-flight set.
     pub(crate) probed: Option<Option<ClaimRecord>>,
@@ -196,12 +235,9 @@ impl Job {
             attempt: 1,
             received_at_ms: 0,
             origin: None,
-            settle: None,
-            replace: false,
+            work: Work::Deliver,
             placement: Placement::ByKey,
             entity: None,
-            restore: None,
-            snapshot: None,
             probed: None,
             created: std::time::Instant::now(),
         }

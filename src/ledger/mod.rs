@@ -72,6 +72,7 @@ pub use format::datadir::{
     create_private_dir_all, dir_allocated_bytes, dir_bytes, private_file, read_manifest,
     shard_path, sync_dir, tree_bytes, AUDIT_LOG, HANDLERS_DIR, MANIFEST,
 };
+pub(crate) use job::Work;
 pub use job::{AckSender, Done, Job, Origin, Outcome};
 pub use naive::{NaiveBaseline, NaiveError};
 pub use offline::{close_copied_shard, hold_closed_shards, offline_report, ClosedShards};

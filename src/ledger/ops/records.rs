@@ -265,10 +265,12 @@ impl Ledger {
         } = envelope(self, delivery, Keying::Given(&given), ack)
             .map_err(|e| LedgerError::Invalid(format!("record {id}: {e}")))?;
         job.seq = seq;
-        job.replace = kind == RecordKind::Quarantine;
-        if target == shard {
-            job.settle = Some((kind, record_seq));
-        } else {
+        let settle_here = target == shard;
+        job.work = crate::ledger::Work::Replay {
+            kind,
+            settle: settle_here.then_some(record_seq),
+        };
+        if !settle_here {
             self.settle_after_outcome(&mut job, shard, kind, sub.id, record_seq)?;
         }
         self.submit(target, vec![job])?;

@@ -7,6 +7,7 @@ use super::open::{apply_settings, new_sub_state};
 use super::tally::{BatchCounts, Tally};
 use super::*;
 use crate::ledger::placement::presence::PresenceWriter;
+use crate::ledger::Work;
 
 impl Shard {
     #[inline]
@@ -162,7 +163,7 @@ impl Shard {
     /// outgrow the caches, 16 % of a 100M-claim run), so the batch asks for them
     /// `PREFETCH_AHEAD` jobs early.
     fn prefetch_filters(&self, job: &Job) {
-        if job.restore.is_some() || job.snapshot.is_some() {
+        if !matches!(job.work, Work::Deliver | Work::Replay { .. }) {
             return;
         }
         if let Some(Some(st)) = self.subs.get(job.subscriber.0 as usize) {
@@ -187,11 +188,10 @@ impl Shard {
         tally: &mut Tally,
     ) -> Result<Decision, LedgerError> {
         let idx = self.sub_index(job.subscriber)?;
-        if let Some(change) = &job.restore {
-            return self.restore(idx, job, change, now, tally);
-        }
-        if let Some(items) = &job.snapshot {
-            return self.snapshot(idx, items);
+        match &job.work {
+            Work::Restore(change) => return self.restore(idx, job, change, now, tally),
+            Work::Snapshot(items) => return self.snapshot(idx, items),
+            Work::Deliver | Work::Replay { .. } => {}
         }
         let st = self.subs[idx]
             .as_mut()
@@ -242,7 +242,7 @@ impl Shard {
                 tally.of(idx).duplicates += 1;
                 Decision::Done(Outcome::Duplicate)
             }
-            Some(r) if r.is_live(now) && !job.replace => {
+            Some(r) if r.is_live(now) && !job.work.replaces() => {
                 self.quarantine_rows
                     .push(records::quarantine(st, job, r.fingerprint, now));
                 st.quarantined += 1;
@@ -268,7 +268,7 @@ impl Shard {
                 self.settle_handled(idx, job, handled, now, tally)?
             }
         };
-        if let (Some((kind, seq)), Decision::Done(outcome)) = (job.settle, &decision) {
+        if let (Some((kind, seq)), Decision::Done(outcome)) = (job.work.settles(), &decision) {
             if !matches!(outcome, Outcome::Quarantined { .. }) {
                 self.settled.push((kind, job.subscriber, seq));
                 tally.wrote = true;
