@@ -66,17 +66,22 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use dedupd::{config::Config, clock::SystemClock, ledger::{Ledger, Job, Outcome}, envelope};
+//! use dedupd::{clock::SystemClock, config::Config, ledger::{Ledger, Outcome}};
+//! use dedupd::source::delivery::{envelope, Delivery, Keying, Payload, Target};
 //!
 //! let dir = tempfile::tempdir().unwrap();
 //! let ledger = Ledger::open(dir.path(), &Config::default(), Arc::new(SystemClock)).unwrap();
-//! let sub = ledger.subscriber("billing").unwrap();
 //! let (ack, outcomes) = crossbeam_channel::unbounded();
 //! for seq in 0..2 {
-//!     let key = envelope::key_hash(b"order-1");
-//!     let mut job = Job::new(seq, sub.id, key, 7, "order-1", b"{}", ack.clone());
-//!     let shard = ledger.place(&sub, &mut job, None);
-//!     ledger.submit(shard, vec![job]).unwrap();
+//!     // What a source received: a message for subscriber `billing`, with an id.
+//!     let payload = Payload::Json(serde_json::json!({"order": 1, "total": 30}));
+//!     let mut delivery = Delivery::new(Target::Name("billing".into()), payload);
+//!     delivery.id = Some("order-1".into());
+//!     // The step every source shares: key, fingerprint, placement.
+//!     let mut routed = envelope(&ledger, delivery, Keying::Derive, ack.clone()).unwrap();
+//!     routed.job.seq = seq;
+//!     ledger.submit(routed.shard, vec![routed.job]).unwrap();
+//!     // Released once the claim is durable (G1); the redelivery is a duplicate.
 //!     let done = outcomes.recv().unwrap();
 //!     let want = if seq == 0 { Outcome::Processed } else { Outcome::Duplicate };
 //!     assert_eq!(done[0].outcome, want);
