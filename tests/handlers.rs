@@ -1146,7 +1146,7 @@ struct Recorder {
 struct Unacknowledged;
 
 impl dedupd::ledger::changelog::Published for Unacknowledged {
-    fn wait(self: Box<Self>) -> Result<(), String> {
+    fn wait(self: Box<Self>) -> Result<(), dedupd::ledger::changelog::SinkError> {
         Err("2 of 2 changes not acknowledged".into())
     }
 }
@@ -1155,7 +1155,8 @@ impl dedupd::ledger::changelog::ChangelogSink for Recorder {
     fn publish(
         &self,
         changes: &[dedupd::ledger::changelog::Change],
-    ) -> Result<Box<dyn dedupd::ledger::changelog::Published>, String> {
+    ) -> Result<Box<dyn dedupd::ledger::changelog::Published>, dedupd::ledger::changelog::SinkError>
+    {
         if self.refuse.load(std::sync::atomic::Ordering::Relaxed) {
             return Err("the topic is unreachable".into());
         }

@@ -241,26 +241,31 @@ impl SnapshotItem<'_> {
     }
 }
 
+/// Why a sink did not take a batch, or did not acknowledge it: the sink's own error (the
+/// Kafka changelog's is `source::kafka::ChangelogError`). The ledger stops with its text
+/// (`LedgerError::Changelog`).
+pub type SinkError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Where a subscriber's shards publish their changes before committing.
 pub trait ChangelogSink: Send + Sync + std::fmt::Debug {
     /// Starts publishing the changes, in order per source partition. The shard writes the
     /// batch into its transaction meanwhile and commits only after [`Published::wait`]
     /// said every change is durable in the changelog; an error from either stops the
     /// shard without committing the batch.
-    fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, String>;
+    fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, SinkError>;
 }
 
 /// Changes on their way into a changelog.
 pub trait Published: Send {
     /// Returns once every change is durable in the changelog, or why it is not.
-    fn wait(self: Box<Self>) -> Result<(), String>;
+    fn wait(self: Box<Self>) -> Result<(), SinkError>;
 }
 
 /// Changes that were durable when `publish` returned.
 pub struct AlreadyPublished;
 
 impl Published for AlreadyPublished {
-    fn wait(self: Box<Self>) -> Result<(), String> {
+    fn wait(self: Box<Self>) -> Result<(), SinkError> {
         Ok(())
     }
 }

@@ -61,9 +61,9 @@ pub(crate) fn fresh_ledger(
 }
 
 /// Closes `ledger` when this was its last holder.
-pub(crate) fn close_ledger(ledger: Arc<Ledger>) -> Result<(), String> {
+pub(crate) fn close_ledger(ledger: Arc<Ledger>) -> Result<(), crate::ledger::LedgerError> {
     match Arc::try_unwrap(ledger) {
-        Ok(l) => l.close().map_err(|e| e.to_string()),
+        Ok(l) => l.close(),
         Err(_) => Ok(()),
     }
 }

@@ -445,7 +445,8 @@ mod tests {
         fn publish(
             &self,
             _: &[crate::ledger::changelog::Change],
-        ) -> Result<Box<dyn crate::ledger::changelog::Published>, String> {
+        ) -> Result<Box<dyn crate::ledger::changelog::Published>, crate::ledger::changelog::SinkError>
+        {
             Err("not reached".into())
         }
     }

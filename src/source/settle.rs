@@ -11,16 +11,28 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use crate::ledger::{Done, Job, Ledger, Outcome, StoredPayload};
+use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome, StoredPayload};
+
+/// Why the ledger did not take (or finish) a source's work: nothing more is acknowledged
+/// (G7). Each source stops with it as its `Ledger` error.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LedgerFailure {
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    /// A job's outcome: failed, for the reason the ledger gave it.
+    #[error("{reason}")]
+    Failed { reason: String },
+    /// The blocking task writing a dead-letter record panicked or was cancelled.
+    #[error("dead-letter write panicked: {0}")]
+    Panicked(#[source] tokio::task::JoinError),
+}
 
 /// Submits the jobs staged per shard (`staged[shard]`), leaving every list empty. An error
 /// is the ledger's.
-pub(crate) fn submit_staged(ledger: &Ledger, staged: &mut [Vec<Job>]) -> Result<(), String> {
+pub(crate) fn submit_staged(ledger: &Ledger, staged: &mut [Vec<Job>]) -> Result<(), LedgerFailure> {
     for (shard, jobs) in staged.iter_mut().enumerate() {
         if !jobs.is_empty() {
-            ledger
-                .submit(shard, std::mem::take(jobs))
-                .map_err(|e| e.to_string())?;
+            ledger.submit(shard, std::mem::take(jobs))?;
         }
     }
     Ok(())
@@ -131,14 +143,18 @@ impl OutcomeStats {
     /// Counts a durable outcome; returns its name (the `outcome` label of the source's
     /// messages metric) and how it is settled. A `Failed` outcome is counted nowhere and
     /// its reason returned: the ledger failed and nothing more is acknowledged (G7).
-    pub(crate) fn count(&self, outcome: &Outcome) -> Result<(&'static str, Settle), String> {
+    pub(crate) fn count(&self, outcome: &Outcome) -> Result<(&'static str, Settle), LedgerFailure> {
         let (counter, name, settle) = match outcome {
             Outcome::Processed => (&self.processed, "processed", Settle::Ack),
             Outcome::Duplicate => (&self.duplicate, "duplicate", Settle::Ack),
             Outcome::Quarantined { .. } => (&self.quarantined, "quarantined", Settle::Ack),
             Outcome::DeadLettered { .. } => (&self.dead_lettered, "dead_lettered", Settle::Refuse),
             Outcome::Rejected { .. } => (&self.rejected, "rejected", Settle::Refuse),
-            Outcome::Failed { reason } => return Err(reason.clone()),
+            Outcome::Failed { reason } => {
+                return Err(LedgerFailure::Failed {
+                    reason: reason.clone(),
+                })
+            }
         };
         counter.fetch_add(1, Ordering::Relaxed);
         Ok((name, settle))
@@ -157,7 +173,7 @@ pub(crate) async fn keep_dead_letter(
     reason: String,
     about: serde_json::Value,
     payload: &[u8],
-) -> Result<(), String> {
+) -> Result<(), LedgerFailure> {
     let mut record = serde_json::json!({
         "reason": reason,
         "attempts": 0,
@@ -173,8 +189,7 @@ pub(crate) async fn keep_dead_letter(
     let (ledger, name) = (ledger.clone(), subscriber.to_string());
     tokio::task::spawn_blocking(move || ledger.add_dead_letter(&name, record))
         .await
-        .map_err(|e| format!("dead-letter write panicked: {e}"))?
-        .map_err(|e| e.to_string())?;
+        .map_err(LedgerFailure::Panicked)??;
     stats.rejected.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }

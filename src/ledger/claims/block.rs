@@ -28,7 +28,33 @@ use crate::ledger::claims::record::ClaimRecord;
 #[derive(Debug)]
 pub(crate) enum BlockError {
     Storage(redb::StorageError),
-    Damaged(String),
+    Damaged(BlockDamage),
+}
+
+/// What is wrong with a stored claim block: damage, refused with the reason, never read
+/// as "absent".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum BlockDamage {
+    #[error("empty claim block")]
+    Empty,
+    #[error("claim block version {0} (expected {VERSION})")]
+    Version(u8),
+    #[error("claim block count is cut")]
+    CountCut,
+    #[error("claim block holds {0} entries (1 to {MAX_ENTRIES})")]
+    Count(u64),
+    #[error("claim block of {entries} entries is cut at {bytes} bytes")]
+    Cut { entries: usize, bytes: usize },
+    #[error("claim block keys out of order at entry {0}")]
+    Order(usize),
+    /// A block moved to another row (or swapped): a lookup by the row's key would miss
+    /// claims.
+    #[error("claim block stored under key {row_key:032x} ends with key {last:032x}")]
+    Row { row_key: u128, last: u128 },
+    #[error("claim block has {extra} bytes after its {entries} entries")]
+    Trailing { extra: usize, entries: usize },
+    #[error("claim block is cut in entry {0}")]
+    EntryCut(usize),
 }
 
 impl From<redb::StorageError> for BlockError {
@@ -180,27 +206,23 @@ pub(crate) struct ClaimBlock<'a> {
 impl<'a> ClaimBlock<'a> {
     /// Checks the header, the sizes and the key order (lookups binary-search the keys, so a
     /// block out of order must not be read).
-    pub fn parse(b: &'a [u8]) -> Result<ClaimBlock<'a>, String> {
-        let (&version, rest) = b.split_first().ok_or("empty claim block")?;
+    pub fn parse(b: &'a [u8]) -> Result<ClaimBlock<'a>, BlockDamage> {
+        let (&version, rest) = b.split_first().ok_or(BlockDamage::Empty)?;
         if version != VERSION {
-            return Err(format!(
-                "claim block version {version} (expected {VERSION})"
-            ));
+            return Err(BlockDamage::Version(version));
         }
         let mut pos = 0;
-        let n = get_varint(rest, &mut pos).ok_or("claim block count is cut")?;
+        let n = get_varint(rest, &mut pos).ok_or(BlockDamage::CountCut)?;
         if n == 0 || n > MAX_ENTRIES as u64 {
-            return Err(format!(
-                "claim block holds {n} entries (1 to {MAX_ENTRIES})"
-            ));
+            return Err(BlockDamage::Count(n));
         }
         let n = n as usize;
         let rest = &rest[pos..];
         if rest.len() < 16 + n * 24 + n * 3 {
-            return Err(format!(
-                "claim block of {n} entries is cut at {} bytes",
-                b.len()
-            ));
+            return Err(BlockDamage::Cut {
+                entries: n,
+                bytes: b.len(),
+            });
         }
         let base_processed = read_u64(rest, 0);
         let base_life = read_u64(rest, 8);
@@ -217,7 +239,7 @@ impl<'a> ClaimBlock<'a> {
         };
         for i in 1..n {
             if block.key(i) <= block.key(i - 1) {
-                return Err(format!("claim block keys out of order at entry {i}"));
+                return Err(BlockDamage::Order(i));
             }
         }
         Ok(block)
@@ -225,13 +247,11 @@ impl<'a> ClaimBlock<'a> {
 
     /// A block as stored: its row key must be its last key, or a lookup that picked the
     /// row by that key would miss claims (a row moved or a block swapped is damage).
-    pub fn parse_row(row_key: u128, b: &'a [u8]) -> Result<ClaimBlock<'a>, String> {
+    pub fn parse_row(row_key: u128, b: &'a [u8]) -> Result<ClaimBlock<'a>, BlockDamage> {
         let block = Self::parse(b)?;
         let last = block.key(block.n - 1);
         if last != row_key {
-            return Err(format!(
-                "claim block stored under key {row_key:032x} ends with key {last:032x}"
-            ));
+            return Err(BlockDamage::Row { row_key, last });
         }
         Ok(block)
     }
@@ -248,7 +268,7 @@ impl<'a> ClaimBlock<'a> {
     }
 
     /// The record of `key`, if the block holds it.
-    pub fn find(&self, key: u128) -> Result<Option<ClaimRecord>, String> {
+    pub fn find(&self, key: u128) -> Result<Option<ClaimRecord>, BlockDamage> {
         let (mut lo, mut hi) = (0, self.n);
         while lo < hi {
             let mid = (lo + hi) / 2;
@@ -268,28 +288,27 @@ impl<'a> ClaimBlock<'a> {
     }
 
     /// Every entry, in key order; the variable part must be exactly as long as its entries.
-    pub fn entries(&self) -> Result<Vec<(u128, ClaimRecord)>, String> {
+    pub fn entries(&self) -> Result<Vec<(u128, ClaimRecord)>, BlockDamage> {
         let mut out = Vec::with_capacity(self.n);
         let mut pos = 0;
         for i in 0..self.n {
             out.push((self.key(i), self.record_at(i, &mut pos, false)?));
         }
         if pos != self.vars.len() {
-            return Err(format!(
-                "claim block has {} bytes after its {} entries",
-                self.vars.len() - pos,
-                self.n
-            ));
+            return Err(BlockDamage::Trailing {
+                extra: self.vars.len() - pos,
+                entries: self.n,
+            });
         }
         Ok(out)
     }
 
     /// Decodes the variable part at `pos` as entry `i`'s (or only skips it).
-    fn record_at(&self, i: usize, pos: &mut usize, skip: bool) -> Result<ClaimRecord, String> {
-        let cut = || format!("claim block is cut in entry {i}");
-        let d_processed = get_varint(self.vars, pos).ok_or_else(cut)?;
-        let d_life = get_varint(self.vars, pos).ok_or_else(cut)?;
-        let handler_version = get_varint(self.vars, pos).ok_or_else(cut)?;
+    fn record_at(&self, i: usize, pos: &mut usize, skip: bool) -> Result<ClaimRecord, BlockDamage> {
+        let cut = BlockDamage::EntryCut(i);
+        let d_processed = get_varint(self.vars, pos).ok_or(cut)?;
+        let d_life = get_varint(self.vars, pos).ok_or(cut)?;
+        let handler_version = get_varint(self.vars, pos).ok_or(cut)?;
         if skip {
             return Ok(ClaimRecord {
                 fingerprint: 0,
@@ -536,7 +555,7 @@ mod tests {
         swapped[at..at + 16].copy_from_slice(&b);
         swapped[at + 16..at + 32].copy_from_slice(&a);
         let err = |b: &[u8]| match ClaimBlock::parse(b).and_then(|k| k.entries()) {
-            Err(e) => e,
+            Err(e) => e.to_string(),
             Ok(_) => panic!("damaged block accepted"),
         };
         assert!(err(&swapped).contains("out of order"));
@@ -551,7 +570,10 @@ mod tests {
         // Stored under another key than its last: a lookup by that key would miss claims.
         let last = entries.last().unwrap().0;
         assert!(ClaimBlock::parse_row(last, &good).is_ok());
-        let moved = ClaimBlock::parse_row(last + 1, &good).err().unwrap();
+        let moved = ClaimBlock::parse_row(last + 1, &good)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(moved.contains("stored under key"), "{moved}");
     }
 
@@ -597,7 +619,7 @@ mod tests {
             },
         );
         fuzzing::run("claim_block_round_trip", 300, valid_block(), |b| {
-            let block = ClaimBlock::parse(&b).map_err(TestCaseError::fail)?;
+            let block = ClaimBlock::parse(&b).map_err(|e| TestCaseError::fail(e.to_string()))?;
             prop_assert!(block.entries().is_ok());
             Ok(())
         });

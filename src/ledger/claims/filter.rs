@@ -357,45 +357,44 @@ impl GenFilter {
     }
 
     /// Decodes a persisted filter; `Err` means "rebuild it from the table".
-    pub fn decode(b: &[u8]) -> Result<GenFilter, String> {
+    pub fn decode(b: &[u8]) -> Result<GenFilter, FilterDecodeError> {
         match b.first() {
             Some(&FILTER_VERSION) => {
                 let body_len = b
                     .len()
                     .checked_sub(CHECKSUM_BYTES)
-                    .ok_or("filter record is truncated")?;
+                    .ok_or(FilterDecodeError::Truncated)?;
                 let (body, sum) = b.split_at(body_len);
                 let mut stored = [0u8; CHECKSUM_BYTES];
                 stored.copy_from_slice(sum);
                 if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(stored) {
-                    return Err("filter record fails its checksum".into());
+                    return Err(FilterDecodeError::Checksum);
                 }
                 Self::decode_body(body)
             }
             // Written before checksums: taken as it is (its structure is still checked).
             Some(&FILTER_VERSION_UNCHECKED) => Self::decode_body(b),
-            _ => Err("filter record has an unknown version".into()),
+            _ => Err(FilterDecodeError::UnknownVersion),
         }
     }
 
     /// Decodes `version u8 | kind u8 | payload` without a checksum.
-    fn decode_body(b: &[u8]) -> Result<GenFilter, String> {
-        let take = |at: usize, n: usize| -> Result<&[u8], String> {
-            b.get(at..at + n)
-                .ok_or_else(|| "filter record is truncated".to_string())
+    fn decode_body(b: &[u8]) -> Result<GenFilter, FilterDecodeError> {
+        let take = |at: usize, n: usize| -> Result<&[u8], FilterDecodeError> {
+            b.get(at..at + n).ok_or(FilterDecodeError::Truncated)
         };
-        let u64_at = |at: usize| -> Result<u64, String> {
+        let u64_at = |at: usize| -> Result<u64, FilterDecodeError> {
             let mut x = [0u8; 8];
             x.copy_from_slice(take(at, 8)?);
             Ok(u64::from_le_bytes(x))
         };
-        let u32_at = |at: usize| -> Result<u32, String> {
+        let u32_at = |at: usize| -> Result<u32, FilterDecodeError> {
             let mut x = [0u8; 4];
             x.copy_from_slice(take(at, 4)?);
             Ok(u32::from_le_bytes(x))
         };
         if b.len() < 2 {
-            return Err("filter record is truncated".into());
+            return Err(FilterDecodeError::Truncated);
         }
         match b[1] {
             KIND_FUSE => {
@@ -406,9 +405,9 @@ impl GenFilter {
                     segment_count_length: u32_at(18)?,
                 };
                 let n = u64_at(22)? as usize;
-                let body = take(30, n.checked_mul(2).ok_or("filter length overflows")?)?;
+                let body = take(30, n.checked_mul(2).ok_or(FilterDecodeError::Overflow)?)?;
                 if b.len() != 30 + n * 2 {
-                    return Err("filter record has trailing bytes".into());
+                    return Err(FilterDecodeError::Trailing);
                 }
                 // `may_contain` indexes the fingerprints with positions the descriptor
                 // yields (up to `segment_count_length + 2 * segment_length`), unchecked
@@ -420,7 +419,7 @@ impl GenFilter {
                     && u64::from(descriptor.segment_count_length) % l == 0
                     && u64::from(descriptor.segment_count_length) + 2 * l <= n as u64;
                 if !consistent {
-                    return Err("filter record has an inconsistent descriptor".into());
+                    return Err(FilterDecodeError::Inconsistent);
                 }
                 let fingerprints: Box<[u16]> = body
                     .chunks_exact(2)
@@ -433,9 +432,9 @@ impl GenFilter {
             }
             KIND_EXACT => {
                 let n = u64_at(2)? as usize;
-                let body = take(10, n.checked_mul(8).ok_or("filter length overflows")?)?;
+                let body = take(10, n.checked_mul(8).ok_or(FilterDecodeError::Overflow)?)?;
                 if b.len() != 10 + body.len() {
-                    return Err("filter record has trailing bytes".into());
+                    return Err(FilterDecodeError::Trailing);
                 }
                 let halves: Vec<u64> = body
                     .chunks_exact(8)
@@ -450,19 +449,19 @@ impl GenFilter {
                 // skip the store and run again (G2). `build` writes it sorted and
                 // without repeats, so anything else is damage: rebuild it.
                 if halves.windows(2).any(|w| w[0] >= w[1]) {
-                    return Err("filter record lists its keys out of order".into());
+                    return Err(FilterDecodeError::Unsorted);
                 }
                 Ok(GenFilter::Exact(halves))
             }
             KIND_BLOCKED => {
                 let n = u64_at(2)? as usize;
-                let body = take(10, n.checked_mul(32).ok_or("filter length overflows")?)?;
+                let body = take(10, n.checked_mul(32).ok_or(FilterDecodeError::Overflow)?)?;
                 if b.len() != 10 + body.len() {
-                    return Err("filter record has trailing bytes".into());
+                    return Err(FilterDecodeError::Trailing);
                 }
                 // A probe indexes a block: a filter without one has nothing to read.
                 if n == 0 {
-                    return Err("blocked filter record has no blocks".into());
+                    return Err(FilterDecodeError::NoBlocks);
                 }
                 let blocks: Box<[Block]> = body
                     .chunks_exact(32)
@@ -476,9 +475,37 @@ impl GenFilter {
                     .collect();
                 Ok(GenFilter::Blocked(blocks))
             }
-            k => Err(format!("filter kind {k} is unknown")),
+            k => Err(FilterDecodeError::UnknownKind(k)),
         }
     }
+}
+
+/// Why a persisted filter cannot be used as it is: the shard rebuilds it from its
+/// generation's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FilterDecodeError {
+    #[error("filter record is truncated")]
+    Truncated,
+    #[error("filter record fails its checksum")]
+    Checksum,
+    #[error("filter record has an unknown version")]
+    UnknownVersion,
+    #[error("filter kind {0} is unknown")]
+    UnknownKind(u8),
+    #[error("filter length overflows")]
+    Overflow,
+    #[error("filter record has trailing bytes")]
+    Trailing,
+    /// A fuse filter whose descriptor disagrees with its length: a lookup would index
+    /// past its fingerprints.
+    #[error("filter record has an inconsistent descriptor")]
+    Inconsistent,
+    /// An exact filter's keys are not sorted without repeats.
+    #[error("filter record lists its keys out of order")]
+    Unsorted,
+    #[error("blocked filter record has no blocks")]
+    NoBlocks,
 }
 
 #[cfg(test)]

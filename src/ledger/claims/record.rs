@@ -144,19 +144,19 @@ impl LogRow {
     }
 
     /// Decodes a row; `Err` names what is wrong so corruption is reported, not skipped.
-    pub fn decode(bytes: &[u8]) -> Result<Vec<(u128, ClaimRecord)>, String> {
+    pub fn decode(bytes: &[u8]) -> Result<Vec<(u128, ClaimRecord)>, ClaimRowError> {
         if bytes.len() < 5 {
-            return Err(format!("log row of {} bytes is too short", bytes.len()));
+            return Err(ClaimRowError::LogRowShort(bytes.len()));
         }
         if bytes[0] != LOG_VERSION {
-            return Err(format!("log row version {} is unknown", bytes[0]));
+            return Err(ClaimRowError::LogRowVersion(bytes[0]));
         }
         let n = u32::from_le_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
         if bytes.len() != 5 + n * LOG_ENTRY {
-            return Err(format!(
-                "log row says {n} entries but holds {} bytes",
-                bytes.len()
-            ));
+            return Err(ClaimRowError::LogRowLength {
+                entries: n,
+                bytes: bytes.len(),
+            });
         }
         let mut out = Vec::with_capacity(n);
         for chunk in bytes[5..].chunks_exact(LOG_ENTRY) {
@@ -168,6 +168,23 @@ impl LogRow {
         }
         Ok(out)
     }
+}
+
+/// What is wrong with a stored log row or generation record: reported as corruption,
+/// never skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClaimRowError {
+    #[error("log row of {0} bytes is too short")]
+    LogRowShort(usize),
+    #[error("log row version {0} is unknown")]
+    LogRowVersion(u8),
+    #[error("log row says {entries} entries but holds {bytes} bytes")]
+    LogRowLength { entries: usize, bytes: usize },
+    #[error("generation record ({bytes} bytes, version {version:?}) is not readable")]
+    Generation { bytes: usize, version: Option<u8> },
+    #[error("generation state {0} is unknown")]
+    GenerationState(u8),
 }
 
 /// Lifecycle of a generation as recorded in the generations table.
@@ -208,19 +225,18 @@ impl GenMeta {
         out
     }
 
-    pub fn decode(b: &[u8]) -> Result<Self, String> {
+    pub fn decode(b: &[u8]) -> Result<Self, ClaimRowError> {
         if b.len() != GEN_META_LEN || b[0] != GEN_VERSION {
-            return Err(format!(
-                "generation record ({} bytes, version {:?}) is not readable",
-                b.len(),
-                b.first()
-            ));
+            return Err(ClaimRowError::Generation {
+                bytes: b.len(),
+                version: b.first().copied(),
+            });
         }
         let state = match b[1] {
             1 => GenState::Active,
             2 => GenState::Sealing,
             3 => GenState::Sealed,
-            s => return Err(format!("generation state {s} is unknown")),
+            s => return Err(ClaimRowError::GenerationState(s)),
         };
         Ok(GenMeta {
             state,
@@ -306,7 +322,7 @@ mod tests {
     #[test]
     fn fuzz_log_rows_round_trip() {
         fuzzing::run("log_row_round_trip", 500, valid_log_row(), |b| {
-            let entries = LogRow::decode(&b).map_err(TestCaseError::fail)?;
+            let entries = LogRow::decode(&b).map_err(|e| TestCaseError::fail(e.to_string()))?;
             prop_assert_eq!(5 + entries.len() * LOG_ENTRY, b.len());
             Ok(())
         });

@@ -34,7 +34,7 @@ impl Ledger {
         })?;
         for (shard, rows) in pending.into_iter().enumerate() {
             for (seq, bytes) in rows {
-                let unreadable = |e: String| {
+                let unreadable = |e: crate::ledger::records::StoredRecordError| {
                     LedgerError::Invalid(format!("outbox row {shard}-{seq} is unreadable: {e}"))
                 };
                 let r = OutboxRecord::decode(&bytes).map_err(unreadable)?;

@@ -38,16 +38,25 @@ impl StoredPayload {
     }
 
     /// The payload's bytes as they were given to [`StoredPayload::of`].
-    pub fn bytes(&self) -> Result<Vec<u8>, String> {
+    pub fn bytes(&self) -> Result<Vec<u8>, StoredRecordError> {
         use base64::Engine as _;
         match (&self.payload, &self.payload_base64) {
-            (_, Some(b64)) => base64::engine::general_purpose::STANDARD
-                .decode(b64)
-                .map_err(|e| format!("payload_base64 is not base64: {e}")),
+            (_, Some(b64)) => Ok(base64::engine::general_purpose::STANDARD.decode(b64)?),
             (Some(text), None) => Ok(text.clone().into_bytes()),
             (None, None) => Ok(Vec::new()),
         }
     }
+}
+
+/// Why a stored record (an outbox row, a payload in it) cannot be read back.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoredRecordError {
+    #[error("payload_base64 is not base64: {0}")]
+    Base64(#[from] base64::DecodeError),
+    /// The row is not the JSON of its record.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
 }
 
 /// A message with a known id and another payload than the one claimed (G4). Field names

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::effects::OutboxMessage;
 use crate::ledger::format::tables::OUTBOX;
-use crate::ledger::records::StoredPayload;
+use crate::ledger::records::{StoredPayload, StoredRecordError};
 
 /// One emitted message as the outbox stores it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -50,8 +50,8 @@ impl OutboxRecord {
     }
 
     /// Reads a stored row; `Err` says what is wrong with it.
-    pub fn decode(row: &[u8]) -> Result<OutboxRecord, String> {
-        serde_json::from_slice(row).map_err(|e| e.to_string())
+    pub fn decode(row: &[u8]) -> Result<OutboxRecord, StoredRecordError> {
+        Ok(serde_json::from_slice(row)?)
     }
 }
 
@@ -165,7 +165,7 @@ mod tests {
                 fuzzing::decoded();
                 r.payload.bytes().ok();
                 let again = serde_json::to_vec(&r).unwrap();
-                prop_assert_eq!(OutboxRecord::decode(&again), Ok(r));
+                prop_assert_eq!(OutboxRecord::decode(&again).ok(), Some(r));
             }
             Ok(())
         });

@@ -129,8 +129,10 @@ impl Shard {
         let maintenance = self.maintenance(&txn, now, budget, false)?;
         published.extend(self.publish_records()?);
         for (subscriber, p) in published {
-            p.wait()
-                .map_err(|detail| LedgerError::Changelog { subscriber, detail })?;
+            p.wait().map_err(|e| LedgerError::Changelog {
+                subscriber,
+                detail: e.to_string(),
+            })?;
         }
         let t3 = Instant::now();
         self.request_spare_map();

@@ -466,7 +466,7 @@ impl Shard {
                 // A lost, unreadable or damaged (checksum) filter is rebuilt from the
                 // sorted table itself.
                 let problem = match other {
-                    Some(Err(e)) => e,
+                    Some(Err(e)) => e.to_string(),
                     _ => "filter record missing".to_string(),
                 };
                 tracing::warn!(file = %self.ctx.path.display(), shard = self.ctx.index,

@@ -114,8 +114,10 @@ impl Shard {
     /// are acknowledged.
     pub(super) fn publish_records_now(&mut self) -> Result<(), LedgerError> {
         for (subscriber, p) in self.publish_records()? {
-            p.wait()
-                .map_err(|detail| LedgerError::Changelog { subscriber, detail })?;
+            p.wait().map_err(|e| LedgerError::Changelog {
+                subscriber,
+                detail: e.to_string(),
+            })?;
         }
         Ok(())
     }
@@ -149,6 +151,9 @@ fn hand_to_sink(
             out.push((subscriber, p));
             Ok(())
         }
-        Err(detail) => Err(LedgerError::Changelog { subscriber, detail }),
+        Err(e) => Err(LedgerError::Changelog {
+            subscriber,
+            detail: e.to_string(),
+        }),
     }
 }

@@ -30,7 +30,7 @@ use serde::Serialize;
 
 use crate::clock::SystemClock;
 use crate::config::{Config, KeySource, PartitionSource, SubscriberConfig};
-use crate::ledger::Ledger;
+use crate::ledger::{Ledger, LedgerError};
 use crate::source::generator::{Event, Traffic, TrafficSpec};
 
 use super::{
@@ -183,8 +183,45 @@ impl std::fmt::Display for KafkaBenchReport {
 /// librdkafka's default of 500 ms would be measured as end-to-end latency.
 const FETCH_WAIT_MS: &str = "10";
 
-fn client(err: impl std::fmt::Display) -> KafkaError {
-    KafkaError::Client(err.to_string())
+/// Why `dedupd kafka-bench` stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KafkaBenchError {
+    /// The Kafka source under test failed.
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    /// The benchmark's own producer or consumer failed.
+    #[error("kafka client error: {0}")]
+    Client(#[from] RdError),
+    #[error("the ledger stopped: {0}")]
+    Ledger(#[from] LedgerError),
+    #[error("kafka client error: cannot create a data directory: {0}")]
+    DataDir(#[source] std::io::Error),
+    #[error("cannot load the handler: {0}")]
+    Handler(#[source] Box<crate::pipeline::RunError>),
+    #[error("kafka client error: no broker")]
+    NoBroker,
+    #[error("kafka client error: the {0} panicked")]
+    Panicked(&'static str),
+    #[error("kafka client error: the consumer got no partitions in 60 s")]
+    NoPartitions,
+    #[error("kafka client error: the baseline consumer read {read} of {total} messages")]
+    BaselineShort { read: u64, total: u64 },
+    #[error("kafka client error: no progress for 60 s at {stored} of {total} offsets stored")]
+    NoProgress { stored: u64, total: u64 },
+    #[error(
+        "kafka client error: the Kafka source stopped or stalled after {stored} of {total} offsets"
+    )]
+    Stalled { stored: u64, total: u64 },
+    #[error("kafka client error: restore check failed: {changes} changes for {processed} processed messages, {restored} claims restored of {original}")]
+    RestoreCheck {
+        changes: u64,
+        processed: u64,
+        restored: u64,
+        original: u64,
+    },
+    #[error("the ledger stopped: the ledger is still in use")]
+    LedgerInUse,
 }
 
 /// Serves delivery reports, then sleeps. `BaseProducer::poll(timeout)` loops until its
@@ -205,7 +242,7 @@ fn produce(
     rate: Option<f64>,
     consumed: &AtomicU64,
     stop: &AtomicBool,
-) -> Result<f64, KafkaError> {
+) -> Result<f64, KafkaBenchError> {
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("linger.ms", if rate.is_some() { "1" } else { "20" })
@@ -213,7 +250,7 @@ fn produce(
         .set("queue.buffering.max.messages", "500000")
         .set("compression.type", "none")
         .create()
-        .map_err(client)?;
+        .map_err(KafkaBenchError::Client)?;
     let mut traffic = Traffic::new(spec);
     let mut ev = Event::default();
     let mut key = String::new();
@@ -251,7 +288,7 @@ fn produce(
                 Err((RdError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
                     idle(&producer, Duration::from_millis(1));
                 }
-                Err((e, _)) => return Err(client(e)),
+                Err((e, _)) => return Err(e.into()),
             }
         }
         n += 1;
@@ -259,7 +296,9 @@ fn produce(
             producer.poll(Duration::ZERO);
         }
     }
-    producer.flush(Duration::from_secs(120)).map_err(client)?;
+    producer
+        .flush(Duration::from_secs(120))
+        .map_err(KafkaBenchError::Client)?;
     Ok(n as f64 / start.elapsed().as_secs_f64().max(1e-9))
 }
 
@@ -270,7 +309,7 @@ fn baseline(
     topic: &str,
     spec: TrafficSpec,
     progress: &mut dyn FnMut(BenchProgress),
-) -> Result<f64, KafkaError> {
+) -> Result<f64, KafkaBenchError> {
     let total = spec.messages;
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
@@ -280,8 +319,10 @@ fn baseline(
         .set("session.timeout.ms", "6000")
         .set("fetch.wait.max.ms", FETCH_WAIT_MS)
         .create()
-        .map_err(client)?;
-    consumer.subscribe(&[topic]).map_err(client)?;
+        .map_err(KafkaBenchError::Client)?;
+    consumer
+        .subscribe(&[topic])
+        .map_err(KafkaBenchError::Client)?;
     let consumed = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
@@ -294,9 +335,7 @@ fn baseline(
         let mut outcome = Ok(());
         while n < total {
             if Instant::now() > deadline || producer.is_finished() && n == 0 {
-                outcome = Err(client(format!(
-                    "the baseline consumer read {n} of {total} messages"
-                )));
+                outcome = Err(KafkaBenchError::BaselineShort { read: n, total });
                 break;
             }
             match consumer.poll(Duration::from_millis(100)) {
@@ -326,7 +365,7 @@ fn baseline(
         std::hint::black_box(bytes);
         producer
             .join()
-            .unwrap_or_else(|_| Err(client("the producer panicked")))?;
+            .unwrap_or_else(|_| Err(KafkaBenchError::Panicked("producer")))?;
         outcome.map(|()| secs)
     })
 }
@@ -344,7 +383,7 @@ fn engine(
     rate: Option<f64>,
     changelog: bool,
     progress: &mut dyn FnMut(BenchProgress),
-) -> Result<(f64, Arc<SourceStats>, crate::telemetry::Latency), KafkaError> {
+) -> Result<(f64, Arc<SourceStats>, crate::telemetry::Latency), KafkaBenchError> {
     let stats = Arc::new(SourceStats::default());
     let stop = AtomicBool::new(false);
     let sub = SubscriptionConfig {
@@ -378,7 +417,7 @@ fn engine(
                 let deadline = Instant::now() + Duration::from_secs(60);
                 while stats.assigned_partitions.load(Ordering::Relaxed) == 0 {
                     if Instant::now() > deadline {
-                        return Err(client("the consumer got no partitions in 60 s"));
+                        return Err(KafkaBenchError::NoPartitions);
                     }
                     std::thread::sleep(Duration::from_millis(10));
                 }
@@ -395,9 +434,10 @@ fn engine(
             if released != last_released {
                 (last_released, last_change) = (released, Instant::now());
             } else if last_change.elapsed() > Duration::from_secs(60) {
-                outcome = Err(client(format!(
-                    "no progress for 60 s at {released} of {total} offsets stored"
-                )));
+                outcome = Err(KafkaBenchError::NoProgress {
+                    stored: released,
+                    total,
+                });
                 break;
             }
             if first.is_none() && stats.received.load(Ordering::Relaxed) > 0 {
@@ -407,9 +447,10 @@ fn engine(
                 break;
             }
             if worker.is_finished() || Instant::now() > deadline {
-                outcome = Err(client(format!(
-                    "the Kafka source stopped or stalled after {released} of {total} offsets"
-                )));
+                outcome = Err(KafkaBenchError::Stalled {
+                    stored: released,
+                    total,
+                });
                 break;
             }
             if last.elapsed() >= Duration::from_millis(500) {
@@ -427,11 +468,11 @@ fn engine(
         stop.store(true, Ordering::Relaxed);
         let latency = worker
             .join()
-            .unwrap_or_else(|_| Err(client("the Kafka source panicked")))?;
+            .map_err(|_| KafkaBenchError::Panicked("Kafka source"))??;
         outcome?;
         feeder
             .join()
-            .unwrap_or_else(|_| Err(client("the producer panicked")))?;
+            .unwrap_or_else(|_| Err(KafkaBenchError::Panicked("producer")))?;
         Ok((secs, stats.clone(), latency.unwrap_or_default()))
     })
 }
@@ -456,16 +497,17 @@ fn restore_phase(
     topic: &str,
     partitions: i32,
     processed: u64,
-) -> Result<RestorePhase, KafkaError> {
+) -> Result<RestorePhase, KafkaBenchError> {
     // The mock broker keeps only the newest 5 MB of a partition: a changelog it trimmed
     // cannot be restored whole, and a partial restore would measure less than it claims.
-    let probe: rdkafka::consumer::BaseConsumer =
-        super::client_config(kafka).create().map_err(client)?;
+    let probe: rdkafka::consumer::BaseConsumer = super::client_config(kafka)
+        .create()
+        .map_err(KafkaBenchError::Client)?;
     let mut dropped = 0;
     for p in 0..partitions {
         let (low, _) = probe
             .fetch_watermarks(topic, p, Duration::from_secs(30))
-            .map_err(client)?;
+            .map_err(KafkaBenchError::Client)?;
         dropped += low;
     }
     if dropped > 0 {
@@ -479,18 +521,15 @@ fn restore_phase(
     let fresh = tempfile::Builder::new()
         .prefix("dedupd-kafka-bench-restore-")
         .tempdir_in(dir)
-        .map_err(|e| client(format!("cannot create a data directory: {e}")))?;
-    let ledger = Ledger::open(fresh.path(), config, Arc::new(SystemClock))
-        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
-    let sub = ledger
-        .subscriber("bench")
-        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+        .map_err(KafkaBenchError::DataDir)?;
+    let ledger = Ledger::open(fresh.path(), config, Arc::new(SystemClock))?;
+    let sub = ledger.subscriber("bench")?;
     let first = super::changelog::restore(&ledger, &sub, kafka, topic, &[0])?;
     let rest: Vec<i32> = (1..partitions).collect();
     let others = super::changelog::restore(&ledger, &sub, kafka, topic, &rest)?;
     let changes = first.changes + others.changes;
-    let claims_of = |l: &Ledger| -> Result<u64, KafkaError> {
-        let r = l.report().map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    let claims_of = |l: &Ledger| -> Result<u64, KafkaBenchError> {
+        let r = l.report()?;
         Ok(r.subscribers
             .iter()
             .filter(|s| s.subscriber == "bench")
@@ -499,13 +538,14 @@ fn restore_phase(
     };
     let (restored, original) = (claims_of(&ledger)?, claims_of(engine)?);
     if changes != processed || restored != original {
-        return Err(client(format!(
-            "restore check failed: {changes} changes for {processed} processed messages, {restored} claims restored of {original}"
-        )));
+        return Err(KafkaBenchError::RestoreCheck {
+            changes,
+            processed,
+            restored,
+            original,
+        });
     }
-    ledger
-        .close()
-        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    ledger.close()?;
     Ok(RestorePhase {
         takeover_changes: first.changes,
         takeover_s: first.elapsed.as_secs_f64(),
@@ -519,7 +559,7 @@ fn restore_phase(
 pub fn run(
     params: &KafkaBenchParams,
     progress: &mut dyn FnMut(BenchProgress),
-) -> Result<KafkaBenchReport, KafkaError> {
+) -> Result<KafkaBenchReport, KafkaBenchError> {
     let broker = match &params.brokers {
         Some(_) => None,
         None => Some(DevBroker::start(1)?),
@@ -527,7 +567,7 @@ pub fn run(
     let brokers = match (&params.brokers, &broker) {
         (Some(b), _) => b.clone(),
         (None, Some(d)) => d.bootstrap_servers(),
-        (None, None) => return Err(client("no broker")),
+        (None, None) => return Err(KafkaBenchError::NoBroker),
     };
     let run_id = format!("{}-{}", std::process::id(), params.seed);
     let base_topic = format!("dedupd-bench-base-{run_id}");
@@ -560,7 +600,7 @@ pub fn run(
     let dir = tempfile::Builder::new()
         .prefix("dedupd-kafka-bench-")
         .tempdir_in(&params.dir)
-        .map_err(|e| client(format!("cannot create a data directory: {e}")))?;
+        .map_err(KafkaBenchError::DataDir)?;
     let mut config = Config::default();
     config.ledger.shards = params.shards.and_then(NonZeroUsize::new);
     for name in ["bench", "bench-live"] {
@@ -576,12 +616,9 @@ pub fn run(
             ..Default::default()
         });
     }
-    let ledger = Arc::new(
-        Ledger::open(dir.path(), &config, Arc::new(SystemClock))
-            .map_err(|e| KafkaError::Ledger(e.to_string()))?,
-    );
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock))?);
     crate::pipeline::install_handlers(&ledger, &config)
-        .map_err(|e| KafkaError::Config(format!("cannot load the handler: {e}")))?;
+        .map_err(|e| KafkaBenchError::Handler(Box::new(e)))?;
     let mut kafka = KafkaConfig::new(brokers.clone());
     kafka.session_timeout = Duration::from_secs(6);
     kafka
@@ -676,8 +713,8 @@ pub fn run(
         changelog_snapshots: stats.changelog_snapshots.load(Ordering::Relaxed),
     };
     match Arc::try_unwrap(ledger) {
-        Ok(l) => l.close().map_err(|e| KafkaError::Ledger(e.to_string()))?,
-        Err(_) => return Err(KafkaError::Ledger("the ledger is still in use".into())),
+        Ok(l) => l.close()?,
+        Err(_) => return Err(KafkaBenchError::LedgerInUse),
     }
     Ok(report)
 }

@@ -15,8 +15,10 @@ pub struct DevBroker {
 impl DevBroker {
     /// Starts a cluster of `brokers` brokers on loopback ports.
     pub fn start(brokers: i32) -> Result<DevBroker, KafkaError> {
-        let cluster = MockCluster::new(brokers.max(1))
-            .map_err(|e| KafkaError::Client(format!("cannot start the mock cluster: {e}")))?;
+        let cluster = MockCluster::new(brokers.max(1)).map_err(|source| KafkaError::Client {
+            what: "cannot start the mock cluster".into(),
+            source,
+        })?;
         Ok(DevBroker { cluster })
     }
 
@@ -30,6 +32,9 @@ impl DevBroker {
     pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<(), KafkaError> {
         self.cluster
             .create_topic(topic, partitions, 1)
-            .map_err(|e| KafkaError::Client(format!("cannot create topic {topic}: {e}")))
+            .map_err(|source| KafkaError::Client {
+                what: format!("cannot create topic {topic}"),
+                source,
+            })
     }
 }

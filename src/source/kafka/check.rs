@@ -5,7 +5,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::BaseConsumer;
 use rdkafka::producer::BaseProducer;
 
-use super::{KafkaConfig, KafkaError};
+use super::{KafkaConfig, KafkaConfigError, KafkaError};
 
 /// Creates (and drops) every client `dedupd run` would create from `kafka`, without its
 /// brokers: one consumer per subscription, with the options dedupd sets for it, and the
@@ -55,19 +55,20 @@ fn unconnected(mut config: ClientConfig) -> ClientConfig {
 }
 
 /// librdkafka's refusal, told as the config field that caused it.
-fn refused(kafka: &KafkaConfig, client: &str, e: rdkafka::error::KafkaError) -> KafkaError {
+fn refused(kafka: &KafkaConfig, client: &'static str, e: rdkafka::error::KafkaError) -> KafkaError {
     use rdkafka::error::KafkaError as Rd;
     match e {
         Rd::ClientConfig(_, detail, key, _) if kafka.options.contains_key(&key) => {
-            KafkaError::Config(format!("kafka.options.{key:?}: {detail}"))
+            KafkaConfigError::Option { key, detail }.into()
         }
-        Rd::ClientConfig(_, detail, key, value) => KafkaError::Config(format!(
-            "kafka: librdkafka refused {key:?} = {value:?} (set by dedupd from the [kafka] section): {detail}"
-        )),
-        Rd::ClientCreation(detail) => KafkaError::Config(format!(
-            "kafka.options: librdkafka cannot create a {client} with these options: {detail}"
-        )),
-        other => KafkaError::Client(format!("cannot create a Kafka {client}: {other}")),
+        Rd::ClientConfig(_, detail, key, value) => {
+            KafkaConfigError::Derived { key, value, detail }.into()
+        }
+        Rd::ClientCreation(detail) => KafkaConfigError::Client { client, detail }.into(),
+        other => KafkaError::Client {
+            what: format!("cannot create a Kafka {client}"),
+            source: other,
+        },
     }
 }
 

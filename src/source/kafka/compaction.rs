@@ -159,7 +159,10 @@ impl Compactor {
             .set("enable.auto.offset.store", "false")
             .set("enable.partition.eof", "false")
             .create()
-            .map_err(|e| KafkaError::Client(format!("compacting {topic}: {e}")))?;
+            .map_err(|source| KafkaError::Client {
+                what: format!("compacting {topic}"),
+                source,
+            })?;
         Ok(Compactor {
             consumer,
             producer,
@@ -189,8 +192,9 @@ impl Compactor {
 
     fn partition(&self, p: i32, now_ms: u64, stop: &AtomicBool) -> Result<Compacted, KafkaError> {
         let topic = &self.topic;
-        let client = |e: rdkafka::error::KafkaError| {
-            KafkaError::Client(format!("compacting {topic}/{p}: {e}"))
+        let client = |source: rdkafka::error::KafkaError| KafkaError::Client {
+            what: format!("compacting {topic}/{p}"),
+            source,
         };
         let (low, high) = self
             .consumer
@@ -334,7 +338,6 @@ impl Compactor {
         let Some(s) = &self.snapshots else {
             return Ok(Some(0));
         };
-        let ledger_err = |e: crate::ledger::LedgerError| KafkaError::Ledger(e.to_string());
         let _round = s.gate.lock().unwrap_or_else(|e| e.into_inner());
         if !s
             .owned
@@ -361,27 +364,29 @@ impl Compactor {
         }
         for (shard, jobs) in staged.into_iter().enumerate() {
             if !jobs.is_empty() {
-                s.ledger.submit(shard, jobs).map_err(ledger_err)?;
+                s.ledger.submit(shard, jobs)?;
             }
         }
         let deadline = Instant::now() + s.timeout;
         let mut settled = 0u64;
         while settled < jobs {
             let left = deadline.saturating_duration_since(Instant::now());
-            let dones = rx.recv_timeout(left).map_err(|_| {
-                KafkaError::Ledger(format!(
-                    "{} of {jobs} snapshots of {}/{p} not committed within {:?}",
-                    jobs - settled,
-                    self.topic,
-                    s.timeout
-                ))
-            })?;
+            let dones = rx
+                .recv_timeout(left)
+                .map_err(|_| KafkaError::SnapshotsLate {
+                    left: jobs - settled,
+                    jobs,
+                    topic: self.topic.clone(),
+                    partition: p,
+                    timeout: s.timeout,
+                })?;
             for d in dones {
                 if let Outcome::Failed { reason } = d.outcome {
-                    return Err(KafkaError::Ledger(format!(
-                        "snapshot of {}/{p}: {reason}",
-                        self.topic
-                    )));
+                    return Err(KafkaError::SnapshotFailed {
+                        topic: self.topic.clone(),
+                        partition: p,
+                        reason,
+                    });
                 }
                 settled += 1;
             }
@@ -411,18 +416,27 @@ impl Compactor {
             batch.keys.extend(batch.emitted.drain());
             self.producer
                 .tombstone(p, &batch.keys)
-                .and_then(|acks| acks.wait())
-                .map_err(|e| KafkaError::Client(format!("tombstones to {topic}/{p}: {e}")))?;
+                .and_then(|acks| acks.acknowledged())
+                .map_err(|source| KafkaError::Changelog {
+                    what: format!("tombstones to {topic}/{p}"),
+                    source: Box::new(source),
+                })?;
             batch.keys.clear();
             done.tombstones += n;
             done.emitted += emitted;
         }
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(topic, p, Offset::Offset(batch.next))
-            .map_err(|e| KafkaError::Client(format!("compacting {topic}/{p}: {e}")))?;
+            .map_err(|source| KafkaError::Client {
+                what: format!("compacting {topic}/{p}"),
+                source,
+            })?;
         self.consumer
             .commit(&tpl, CommitMode::Sync)
-            .map_err(|e| KafkaError::Client(format!("compaction offset of {topic}/{p}: {e}")))?;
+            .map_err(|source| KafkaError::Client {
+                what: format!("compaction offset of {topic}/{p}"),
+                source,
+            })?;
         Ok(true)
     }
 }

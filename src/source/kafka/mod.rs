@@ -38,6 +38,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rdkafka::config::ClientConfig;
+use rdkafka::error::KafkaError as RdError;
 
 pub use broker::DevBroker;
 pub use check::check_clients;
@@ -49,23 +50,124 @@ pub use keying::{key_record, Keyed, RecordView};
 pub use offsets::{OffsetTracker, Released};
 pub use outbox::{run_relay, RelayStats};
 
-use crate::ledger::Ledger;
+pub use changelog::ChangelogError;
+
+use crate::ledger::{Ledger, LedgerError};
 use crate::pipeline::{Cause, Shutdown};
 
 /// Why the Kafka source stopped.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum KafkaError {
     /// A Kafka client could not be created or used; check `kafka.brokers` and
     /// `kafka.options`.
-    #[error("kafka client error: {0}")]
-    Client(String),
+    #[error("kafka client error: {what}: {source}")]
+    Client {
+        /// What the client was doing (`metadata of orders`, `changelog producer`).
+        what: String,
+        #[source]
+        source: RdError,
+    },
+    /// A subscription's changelog topic is missing and the broker did not create it.
+    #[error("kafka client error: changelog topic {topic} is missing and creating it failed: {source}; create it with {partitions} partitions and cleanup.policy=compact, or let dedupd create it (CreateTopics, the cluster's ACLs permitting)")]
+    TopicCreation {
+        topic: String,
+        partitions: usize,
+        #[source]
+        source: RdError,
+    },
+    /// The runtime the admin client's requests run on could not be built.
+    #[error("kafka client error: admin runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// A thread of the source could not be started.
+    #[error("kafka client error: cannot start {what} thread: {source}")]
+    Spawn {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A thread of the source panicked.
+    #[error("kafka client error: {what} thread panicked")]
+    Panicked { what: &'static str },
+    /// A changelog could not be published to or restored from.
+    #[error("kafka client error: {what}: {source}")]
+    Changelog {
+        /// Where (`my-changelog partition 3 offset 17`, `tombstones to my-changelog/3`).
+        what: String,
+        #[source]
+        source: Box<ChangelogError>,
+    },
+    /// Restoring from a changelog took longer than it may.
+    #[error("kafka client error: restoring from {topic} took longer than kafka.changelog.restore_timeout ({timeout:?}); {replayed} changes replayed")]
+    RestoreTimeout {
+        topic: String,
+        timeout: std::time::Duration,
+        replayed: u64,
+    },
     /// The ledger failed (G7): nothing more was acknowledged; restart after fixing it.
     #[error("the ledger stopped: {0}")]
-    Ledger(String),
+    Ledger(#[from] LedgerError),
+    /// The ledger failed a job of this source (G7), for the reason it gave the job:
+    /// nothing more was acknowledged; restart after fixing it.
+    #[error("the ledger stopped: {reason}")]
+    Failed { reason: String },
+    /// The ledger failed a job that snapshots a changelog partition's state.
+    #[error("the ledger stopped: snapshot of {topic}/{partition}: {reason}")]
+    SnapshotFailed {
+        topic: String,
+        partition: i32,
+        reason: String,
+    },
+    /// Snapshot jobs were not committed within the changelog's publish timeout.
+    #[error("the ledger stopped: {left} of {jobs} snapshots of {topic}/{partition} not committed within {timeout:?}")]
+    SnapshotsLate {
+        left: u64,
+        jobs: u64,
+        topic: String,
+        partition: i32,
+        timeout: std::time::Duration,
+    },
+    /// The ledger stopped reporting the outcomes of a restore's jobs.
+    #[error("the ledger stopped: restore outcomes stopped arriving")]
+    RestoreStalled,
     /// The section is missing or unusable.
-    #[error("{0}")]
-    Config(String),
+    #[error(transparent)]
+    Config(#[from] KafkaConfigError),
+}
+
+/// What is wrong with the `[kafka]` section, or with the topics it names.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KafkaConfigError {
+    #[error("`kafka` has no `subscription` and the outbox relay is disabled: nothing to run")]
+    NothingToRun,
+    #[error("a subscription with a changelog needs one topic")]
+    ChangelogTopics,
+    #[error("topic {input} does not exist (yet): a changelog is created with the input topic's partition count, so create {input} first")]
+    NoInputTopic { input: String },
+    #[error("changelog topic {topic} has {found} partitions but {input} has {partitions}: partition p of the changelog holds the changes of partition p of the input, so it needs at least as many")]
+    ChangelogPartitions {
+        topic: String,
+        found: usize,
+        input: String,
+        partitions: usize,
+    },
+    /// librdkafka refused one of `kafka.options`.
+    #[error("kafka.options.{key:?}: {detail}")]
+    Option { key: String, detail: String },
+    /// librdkafka refused an option dedupd set from the section.
+    #[error("kafka: librdkafka refused {key:?} = {value:?} (set by dedupd from the [kafka] section): {detail}")]
+    Derived {
+        key: String,
+        value: String,
+        detail: String,
+    },
+    /// librdkafka cannot create a client with the options as a whole.
+    #[error("kafka.options: librdkafka cannot create a {client} with these options: {detail}")]
+    Client {
+        client: &'static str,
+        detail: String,
+    },
 }
 
 /// Options every client gets: brokers and the raw passthrough options.
@@ -148,9 +250,7 @@ pub fn run(
     shutdown: &Shutdown,
 ) -> Result<KafkaSummary, KafkaError> {
     if kafka.subscriptions.is_empty() && !kafka.outbox.enabled {
-        return Err(KafkaError::Config(
-            "`kafka` has no `subscription` and the outbox relay is disabled: nothing to run".into(),
-        ));
+        return Err(KafkaConfigError::NothingToRun.into());
     }
     let relay_stop = AtomicBool::new(false);
     let relay_stats = RelayStats::default();
@@ -217,14 +317,59 @@ pub fn run(
 /// The result of a scoped thread that was (or could not be) started.
 fn joined<T>(
     spawned: std::io::Result<std::thread::ScopedJoinHandle<'_, Result<T, KafkaError>>>,
-    what: &str,
+    what: &'static str,
 ) -> Result<T, KafkaError> {
     match spawned {
         Ok(handle) => handle
             .join()
-            .unwrap_or_else(|_| Err(KafkaError::Client(format!("{what} thread panicked")))),
-        Err(e) => Err(KafkaError::Client(format!(
-            "cannot start {what} thread: {e}"
-        ))),
+            .unwrap_or_else(|_| Err(KafkaError::Panicked { what })),
+        Err(source) => Err(KafkaError::Spawn { what, source }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What an operator reads when the source stops: what failed, where, and why, with
+    /// the cause's own text (kept as its `source` too).
+    #[test]
+    fn a_stopped_source_says_what_failed_and_where() {
+        let record = KafkaError::Changelog {
+            what: "dedupd-orders-changelog partition 3 offset 17".into(),
+            source: Box::new(changelog::RecordError::Empty.into()),
+        };
+        assert_eq!(
+            record.to_string(),
+            "kafka client error: dedupd-orders-changelog partition 3 offset 17: an empty record"
+        );
+        assert!(std::error::Error::source(&record).is_some());
+        let refused = KafkaError::TopicCreation {
+            topic: "dedupd-orders-changelog".into(),
+            partitions: 4,
+            source: RdError::AdminOp(rdkafka::types::RDKafkaErrorCode::TopicAuthorizationFailed),
+        };
+        let text = refused.to_string();
+        assert!(
+            text.starts_with("kafka client error: changelog topic dedupd-orders-changelog is missing and creating it failed: "),
+            "{text}"
+        );
+        assert!(text.contains("authorization"), "{text}");
+        assert!(
+            text.ends_with("; create it with 4 partitions and cleanup.policy=compact, or let dedupd create it (CreateTopics, the cluster's ACLs permitting)"),
+            "{text}"
+        );
+        let ledger = KafkaError::from(LedgerError::Poisoned("disk full".into()));
+        assert_eq!(
+            ledger.to_string(),
+            "the ledger stopped: the ledger is stopped after an earlier failure: disk full"
+        );
+        let config = KafkaError::from(KafkaConfigError::NoInputTopic {
+            input: "orders".into(),
+        });
+        assert_eq!(
+            config.to_string(),
+            "topic orders does not exist (yet): a changelog is created with the input topic's partition count, so create orders first"
+        );
     }
 }

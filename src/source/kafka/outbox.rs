@@ -29,7 +29,7 @@ pub struct RelayStats {
 const TOMBSTONE: usize = usize::MAX;
 
 struct RelayContext {
-    tx: Sender<(usize, Result<(), String>)>,
+    tx: Sender<(usize, Result<(), rdkafka::error::KafkaError>)>,
 }
 
 impl ClientContext for RelayContext {
@@ -48,7 +48,7 @@ impl ProducerContext for RelayContext {
     fn delivery(&self, result: &DeliveryResult<'_>, index: usize) {
         let r = match result {
             Ok(_) => Ok(()),
-            Err((e, _)) => Err(e.to_string()),
+            Err((e, _)) => Err(e.clone()),
         };
         let _ = self.tx.send((index, r));
     }
@@ -71,7 +71,10 @@ pub fn run_relay(
     let (tx, reports) = unbounded();
     let producer: ThreadedProducer<RelayContext> = super::producer_config(kafka)
         .create_with_context(RelayContext { tx })
-        .map_err(|e| KafkaError::Client(e.to_string()))?;
+        .map_err(|source| KafkaError::Client {
+            what: "outbox relay producer".into(),
+            source,
+        })?;
     let batch = kafka.outbox.batch.get();
     // The changelog of each subscriber that publishes one: its emitted records are
     // tombstoned once relayed, so the partition's next owner does not relay them again.
@@ -99,9 +102,7 @@ pub fn run_relay(
                 return Ok(());
             }
         }
-        let rows = ledger
-            .outbox_pending(batch)
-            .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+        let rows = ledger.outbox_pending(batch)?;
         let oldest = rows.iter().map(|r| r.written_at_ms).min();
         metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_ROWS).set(rows.len() as f64);
         metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_SECONDS).set(
@@ -211,9 +212,7 @@ pub fn run_relay(
         }
         let acked: Vec<String> = acked.into_iter().map(|(id, _)| id).collect();
         if !acked.is_empty() {
-            ledger
-                .outbox_ack(&acked)
-                .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+            ledger.outbox_ack(&acked)?;
             stats
                 .relayed
                 .fetch_add(acked.len() as u64, Ordering::Relaxed);

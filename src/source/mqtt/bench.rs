@@ -105,7 +105,7 @@ pub fn run(
     params: &MqttBenchParams,
     progress: &mut dyn FnMut(&str),
 ) -> Result<MqttBenchReport, MqttError> {
-    let addr = BrokerAddr::parse(&params.broker).map_err(MqttError::Config)?;
+    let addr = BrokerAddr::parse(&params.broker).map_err(|e| MqttError::Config(e.to_string()))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -366,6 +366,6 @@ topics = ["{filter}"]
     }
 
     fn close(self) -> Result<(), MqttError> {
-        bench_common::close_ledger(self.ledger).map_err(MqttError::Ledger)
+        bench_common::close_ledger(self.ledger).map_err(|e| MqttError::Ledger(e.to_string()))
     }
 }

@@ -136,30 +136,42 @@ pub struct BrokerAddr {
     pub tls: bool,
 }
 
+/// Why `mqtt.broker` is not a broker URL.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BrokerUrlError {
+    #[error("{url:?} is not a broker URL (mqtt://host:1883 or mqtts://host:8883)")]
+    Scheme { url: String },
+    #[error("{url:?}: the port {port:?} is not a number")]
+    Port { url: String, port: String },
+    #[error("{url:?}: no usable host name")]
+    Host { url: String },
+}
+
 impl BrokerAddr {
     /// `mqtt://host[:1883]` or `mqtts://host[:8883]`.
-    pub fn parse(url: &str) -> Result<BrokerAddr, String> {
+    pub fn parse(url: &str) -> Result<BrokerAddr, BrokerUrlError> {
         let (tls, rest) = if let Some(r) = url.strip_prefix("mqtts://") {
             (true, r)
         } else if let Some(r) = url.strip_prefix("mqtt://") {
             (false, r)
         } else {
-            return Err(format!(
-                "{url:?} is not a broker URL (mqtt://host:1883 or mqtts://host:8883)"
-            ));
+            return Err(BrokerUrlError::Scheme { url: url.into() });
         };
         let rest = rest.trim_end_matches('/');
         let (host, port) = match rest.rsplit_once(':') {
             Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (
                 h,
-                p.parse::<u16>()
-                    .map_err(|_| format!("{url:?}: the port {p:?} is not a number"))?,
+                p.parse::<u16>().map_err(|_| BrokerUrlError::Port {
+                    url: url.into(),
+                    port: p.into(),
+                })?,
             ),
             _ => (rest, if tls { 8883 } else { 1883 }),
         };
         let host = host.trim_start_matches('[').trim_end_matches(']');
         if host.is_empty() || host.contains(['/', '@', '?', ' ']) {
-            return Err(format!("{url:?}: no usable host name"));
+            return Err(BrokerUrlError::Host { url: url.into() });
         }
         Ok(BrokerAddr {
             host: host.to_string(),
@@ -209,7 +221,8 @@ impl MqttConfig {
     /// Checks the section against the rest of the config, without connecting. An error
     /// names the field (`mqtt.subscription[0].topics`).
     pub fn validate(&self, config: &Config) -> Result<(), ConfigError> {
-        let addr = BrokerAddr::parse(&self.broker).map_err(|e| invalid("mqtt.broker", e))?;
+        let addr =
+            BrokerAddr::parse(&self.broker).map_err(|e| invalid("mqtt.broker", e.to_string()))?;
         let id_ok = !self.client_id.is_empty()
             && self.client_id.len() <= 128
             && !self.client_id.contains(['+', '#', '/', ' ']);
@@ -482,6 +495,18 @@ topics = ["orders/#"]
         );
         let b = BrokerAddr::parse("mqtt://[::1]:1884").expect("url");
         assert_eq!((b.host.as_str(), b.port, b.tls), ("::1", 1884, false));
+        assert_eq!(
+            BrokerAddr::parse("tcp://h").unwrap_err().to_string(),
+            r#""tcp://h" is not a broker URL (mqtt://host:1883 or mqtts://host:8883)"#
+        );
+        assert_eq!(
+            BrokerAddr::parse("mqtt://h:x").unwrap_err().to_string(),
+            r#""mqtt://h:x": the port "x" is not a number"#
+        );
+        assert_eq!(
+            BrokerAddr::parse("mqtt://u@h").unwrap_err().to_string(),
+            r#""mqtt://u@h": no usable host name"#
+        );
         assert_eq!(match_filter("$share/g/orders/+"), "orders/+");
         assert_eq!(match_filter("orders/+"), "orders/+");
     }

@@ -377,7 +377,7 @@ impl Consumer {
             &d.payload,
         )
         .await
-        .map_err(MqttError::Ledger)?;
+        .map_err(|e| MqttError::Ledger(e.to_string()))?;
         self.count_outcome(route, "rejected");
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -402,7 +402,7 @@ impl Consumer {
 
     /// Submits the staged jobs to their shards.
     fn flush(&mut self) -> Result<(), MqttError> {
-        submit_staged(&self.ledger, &mut self.staged).map_err(MqttError::Ledger)
+        submit_staged(&self.ledger, &mut self.staged).map_err(|e| MqttError::Ledger(e.to_string()))
     }
 
     /// Records durable outcomes and acknowledges what they release.
@@ -421,7 +421,10 @@ impl Consumer {
             let st = &self.routes[route].stats;
             // G7: on a failure nothing more is acknowledged; the session keeps the rest.
             // MQTT has no reject: every durable outcome is acknowledged.
-            let (name, _) = st.outcomes.count(&d.outcome).map_err(MqttError::Ledger)?;
+            let (name, _) = st
+                .outcomes
+                .count(&d.outcome)
+                .map_err(|e| MqttError::Ledger(e.to_string()))?;
             self.count_outcome(route, name);
             if stale {
                 self.count_unacked(route);

@@ -21,6 +21,18 @@ use rumqttc::{ConnectReturnCode as Code4, Outgoing, SubscribeReasonCode as Sub4}
 use super::config::{BrokerAddr, MqttConfig, Protocol};
 use super::MqttError;
 
+/// Why a PUBACK was not queued.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AckError {
+    #[error(transparent)]
+    V4(Box<rumqttc::ClientError>),
+    #[error(transparent)]
+    V5(Box<rumqttc::v5::ClientError>),
+    /// A handle from a connection of the other protocol version.
+    #[error("an ack handle of the other protocol")]
+    OtherProtocol,
+}
+
 /// A received message, as the consumer keys it.
 pub(crate) struct Message {
     pub topic: String,
@@ -122,7 +134,7 @@ pub(crate) fn tls_config(m: &MqttConfig) -> Result<rustls::ClientConfig, MqttErr
 /// the TLS files.
 pub(crate) fn check(m: &MqttConfig) -> Result<(), MqttError> {
     m.password().map_err(|e| MqttError::Config(e.to_string()))?;
-    let addr = BrokerAddr::parse(&m.broker).map_err(MqttError::Config)?;
+    let addr = BrokerAddr::parse(&m.broker).map_err(|e| MqttError::Config(e.to_string()))?;
     if addr.tls {
         tls_config(m)?;
     }
@@ -131,7 +143,7 @@ pub(crate) fn check(m: &MqttConfig) -> Result<(), MqttError> {
 
 /// The session's two halves; nothing is sent before the first [`Events::poll`].
 pub(crate) fn open(m: &MqttConfig) -> Result<(Client, Events), MqttError> {
-    let addr = BrokerAddr::parse(&m.broker).map_err(MqttError::Config)?;
+    let addr = BrokerAddr::parse(&m.broker).map_err(|e| MqttError::Config(e.to_string()))?;
     let password = m.password().map_err(|e| MqttError::Config(e.to_string()))?;
     let transport = match addr.tls {
         true => Some(rumqttc::Transport::tls_with_config(
@@ -213,11 +225,15 @@ impl Client {
 
     /// Queues the PUBACK of `handle` (sent by the next polls). Call only once the outcome
     /// is durable, and only for a message of the current connection.
-    pub(crate) fn ack(&self, handle: &AckHandle) -> Result<(), String> {
+    pub(crate) fn ack(&self, handle: &AckHandle) -> Result<(), AckError> {
         match (self, handle) {
-            (Client::V4(client), AckHandle::V4(p)) => client.try_ack(p).map_err(|e| e.to_string()),
-            (Client::V5(client), AckHandle::V5(p)) => client.try_ack(p).map_err(|e| e.to_string()),
-            _ => Err("an ack handle of the other protocol".into()),
+            (Client::V4(client), AckHandle::V4(p)) => {
+                client.try_ack(p).map_err(|e| AckError::V4(Box::new(e)))
+            }
+            (Client::V5(client), AckHandle::V5(p)) => {
+                client.try_ack(p).map_err(|e| AckError::V5(Box::new(e)))
+            }
+            _ => Err(AckError::OtherProtocol),
         }
     }
 

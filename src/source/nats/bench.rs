@@ -394,6 +394,6 @@ batch = {}
             summary.acked, params.messages
         )));
     }
-    bench_common::close_ledger(ledger).map_err(NatsError::Ledger)?;
+    bench_common::close_ledger(ledger).map_err(|e| NatsError::Ledger(e.to_string()))?;
     Ok((elapsed.as_secs_f64(), summary.redelivered))
 }

@@ -283,7 +283,7 @@ impl Binding {
             &d.payload,
         )
         .await
-        .map_err(NatsError::Ledger)?;
+        .map_err(|e| NatsError::Ledger(e.to_string()))?;
         self.count_outcome("rejected", 1);
         self.terminate(&acker).await;
         Ok(())
@@ -298,7 +298,7 @@ impl Binding {
 
     /// Submits the staged jobs to their shards.
     fn flush(&mut self) -> Result<(), NatsError> {
-        submit_staged(&self.ledger, &mut self.staged).map_err(NatsError::Ledger)
+        submit_staged(&self.ledger, &mut self.staged).map_err(|e| NatsError::Ledger(e.to_string()))
     }
 
     /// Acknowledges each message whose outcome is durable now.
@@ -313,7 +313,7 @@ impl Binding {
                 .stats
                 .outcomes
                 .count(&d.outcome)
-                .map_err(NatsError::Ledger)?;
+                .map_err(|e| NatsError::Ledger(e.to_string()))?;
             self.count_outcome(name, 1);
             match settle {
                 Settle::Refuse => self.terminate(&acker).await,

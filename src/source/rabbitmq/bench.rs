@@ -311,6 +311,6 @@ fn engine(
     result
         .map_err(|_| client("the source thread panicked"))?
         .map(|_| ())?;
-    bench_common::close_ledger(ledger).map_err(RabbitMqError::Ledger)?;
+    bench_common::close_ledger(ledger).map_err(|e| RabbitMqError::Ledger(e.to_string()))?;
     Ok(elapsed.as_secs_f64())
 }

@@ -466,7 +466,7 @@ impl Binding {
             &d.payload,
         )
         .await
-        .map_err(RabbitMqError::Ledger)?;
+        .map_err(|e| RabbitMqError::Ledger(e.to_string()))?;
         self.count_outcome("rejected", 1);
         self.reject(tag).await
     }
@@ -494,7 +494,8 @@ impl Binding {
 
     /// Submits the staged jobs to their shards.
     fn flush(&mut self) -> Result<(), RabbitMqError> {
-        submit_staged(&self.ledger, &mut self.staged).map_err(RabbitMqError::Ledger)
+        submit_staged(&self.ledger, &mut self.staged)
+            .map_err(|e| RabbitMqError::Ledger(e.to_string()))
     }
 
     /// Marks each message whose outcome is durable now, rejects the dead-lettered ones and
@@ -514,7 +515,7 @@ impl Binding {
                 .stats
                 .outcomes
                 .count(&d.outcome)
-                .map_err(|reason| Halt::Failed(RabbitMqError::Ledger(reason)))?;
+                .map_err(|e| Halt::Failed(RabbitMqError::Ledger(e.to_string())))?;
             self.count_outcome(name, 1);
             if !current {
                 continue;

@@ -151,17 +151,33 @@ pub fn check_options(r: &RabbitMqConfig) -> Result<(), RabbitMqError> {
     tls_config(r).map(|_| ())
 }
 
+/// Why a connection attempt failed (the source tries again, with backoff).
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    /// `rabbitmq.uri` does not parse.
+    #[error(transparent)]
+    Uri(#[from] crate::config::ConfigError),
+    /// The TLS files cannot be read.
+    #[error(transparent)]
+    Tls(#[from] RabbitMqError),
+    /// lapin could not start its runtime, or the server refused the connection.
+    #[error(transparent)]
+    Lapin(#[from] lapin::Error),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+}
+
 /// One connection attempt, bounded by `connect_timeout`.
-async fn connect(r: &RabbitMqConfig) -> Result<Connection, String> {
-    let uri = r.amqp_uri().map_err(|e| e.to_string())?;
-    let tls = tls_config(r).map_err(|e| e.to_string())?;
+async fn connect(r: &RabbitMqConfig) -> Result<Connection, ConnectError> {
+    let uri = r.amqp_uri()?;
+    let tls = tls_config(r)?;
     let props = ConnectionProperties::default().with_connection_name(r.name.clone().into());
-    let runtime = lapin::runtime::default_runtime().map_err(|e| e.to_string())?;
+    let runtime = lapin::runtime::default_runtime()?;
     let attempt = Connection::connect_uri_with_config(uri, props, tls, runtime);
     match tokio::time::timeout(r.connect_timeout, attempt).await {
         Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no answer within {:?}", r.connect_timeout)),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err(ConnectError::Timeout(r.connect_timeout)),
     }
 }
 

@@ -52,21 +52,25 @@
 //!   messages, quarantine and dead-letter records, fences), epochs, value encoding;
 //! - `producer.rs`: [`ChangelogProducer`], publishing a batch's records under this
 //!   member's epochs, fences and tombstones, and the acknowledgements a shard waits for;
+//! - `error.rs`: [`ChangelogError`], why a publish failed or a record could not be read
+//!   (a record's own faults are [`RecordError`]s, in `record.rs`);
 //! - `topics.rs`: the changelog topic's name, partition count and creation;
 //! - `restore.rs`: reading the changelog back into the ledger ([`restore()`]) and the
 //!   checkpoints that let the next restore start where this one ended.
 
+mod error;
 mod producer;
 mod record;
 mod restore;
 mod topics;
 
+pub use error::ChangelogError;
 pub(crate) use producer::Acked;
 pub use producer::ChangelogProducer;
 pub use record::{
     decode, decode_emitted, decode_record, emitted_key, encode, encode_emitted, encode_record,
     fence_key, is_emitted_key, is_fence_key, is_record_key, is_snapshot_key, record_copy_key,
-    record_key, removed_record, snapshot_key, split_epoch, Emitted, EPOCH_FORMAT,
+    record_key, removed_record, snapshot_key, split_epoch, Emitted, RecordError, EPOCH_FORMAT,
 };
 pub(crate) use restore::{checkpoint, checkpoint_key};
 pub use restore::{restore, Restored};

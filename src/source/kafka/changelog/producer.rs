@@ -16,21 +16,22 @@ use super::record::{
     EmittedRef, CHANGE, EMITTED, EMITTED_FORMAT, EPOCH_FORMAT, FENCE_FORMAT, FORMAT, RECORD,
     RECORD_FORMAT,
 };
-use crate::ledger::changelog::{Change, ChangelogSink, Published};
+use super::ChangelogError;
+use crate::ledger::changelog::{Change, ChangelogSink, Published, SinkError};
 use crate::ledger::Origin;
 use crate::source::kafka::{producer_config, KafkaConfig, KafkaError};
 
 /// Acknowledgements still awaited by one `publish` call, and its first error.
 #[derive(Default)]
 struct Pending {
-    state: Mutex<(usize, Option<String>)>,
+    state: Mutex<(usize, Option<RdError>)>,
     done: Condvar,
     /// (partition, offset) of every acknowledged record, when asked for (fences).
     offsets: Option<Mutex<Vec<(i32, i64)>>>,
 }
 
 impl Pending {
-    fn settle(&self, n: usize, error: Option<String>) {
+    fn settle(&self, n: usize, error: Option<RdError>) {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.0 = s.0.saturating_sub(n);
         if let Some(e) = error {
@@ -75,7 +76,7 @@ impl ProducerContext for PublishContext {
                     .push((m.partition(), m.offset()));
             }
         }
-        pending.settle(1, result.as_ref().err().map(|(e, _)| e.to_string()));
+        pending.settle(1, result.as_ref().err().map(|(e, _)| e.clone()));
     }
 }
 
@@ -118,7 +119,10 @@ impl ChangelogProducer {
             .create_with_context(PublishContext {
                 acked: Acked::default(),
             })
-            .map_err(|e| KafkaError::Client(format!("changelog producer: {e}")))?;
+            .map_err(|source| KafkaError::Client {
+                what: "changelog producer".into(),
+                source,
+            })?;
         // Fence keys of two members must differ: the OS-seeded hasher keys of std, the
         // process and the time.
         let random = {
@@ -145,7 +149,7 @@ impl ChangelogProducer {
     /// before restoring them: a restore reads to an end offset found after the fence, and
     /// from then on every restore skips what a former owner publishes under its older
     /// epoch. Returns the epochs.
-    pub fn fence(&self, partitions: &[i32]) -> Result<Vec<(i32, u64)>, String> {
+    pub fn fence(&self, partitions: &[i32]) -> Result<Vec<(i32, u64)>, ChangelogError> {
         let pending = Arc::new(Pending {
             offsets: Some(Mutex::new(Vec::with_capacity(partitions.len()))),
             ..Pending::default()
@@ -162,7 +166,8 @@ impl ChangelogProducer {
                 return Err(e);
             }
         }
-        self.acks(pending.clone(), partitions.len()).wait()?;
+        self.acks(pending.clone(), partitions.len())
+            .acknowledged()?;
         let offsets = pending
             .offsets
             .as_ref()
@@ -172,10 +177,10 @@ impl ChangelogProducer {
         let mut epochs = self.epochs.lock().unwrap_or_else(|p| p.into_inner());
         for &p in partitions {
             let Some(&(_, offset)) = offsets.iter().find(|(q, _)| *q == p) else {
-                return Err(format!(
-                    "no offset reported for the fence of {}/{p}",
-                    self.topic
-                ));
+                return Err(ChangelogError::NoFenceOffset {
+                    topic: self.topic.clone(),
+                    partition: p,
+                });
             };
             let epoch = offset.max(0) as u64;
             epochs.insert(p, epoch);
@@ -203,7 +208,7 @@ impl ChangelogProducer {
         partition: i32,
         key: &[u8],
         value: Option<&[u8]>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ChangelogError> {
         let mut record = BaseRecord::with_opaque_to(&self.topic, pending.clone())
             .partition(partition)
             .key(key);
@@ -220,14 +225,19 @@ impl ChangelogProducer {
                     record = back;
                     std::thread::sleep(Duration::from_millis(1));
                 }
-                Err((e, _)) => return Err(format!("producing to {}: {e}", self.topic)),
+                Err((source, _)) => {
+                    return Err(ChangelogError::Produce {
+                        topic: self.topic.clone(),
+                        source,
+                    })
+                }
             }
         }
     }
 
     /// The acknowledgements of `count` records sent with `pending`.
-    fn acks(&self, pending: Arc<Pending>, count: usize) -> Box<dyn Published> {
-        Box::new(Acks {
+    fn acks(&self, pending: Arc<Pending>, count: usize) -> Acks {
+        Acks {
             pending,
             count,
             topic: self.topic.clone(),
@@ -235,7 +245,7 @@ impl ChangelogProducer {
             // covers the report's way back.
             deadline: Instant::now() + self.timeout + Duration::from_secs(5),
             timeout: self.timeout,
-        })
+        }
     }
 
     /// Produces a tombstone (a record with no value) for each record key to `partition`,
@@ -244,7 +254,7 @@ impl ChangelogProducer {
         &self,
         partition: i32,
         keys: &[Vec<u8>],
-    ) -> Result<Box<dyn Published>, String> {
+    ) -> Result<Acks, ChangelogError> {
         let pending = Arc::new(Pending::default());
         pending.state.lock().unwrap_or_else(|p| p.into_inner()).0 = keys.len();
         for (i, key) in keys.iter().enumerate() {
@@ -258,7 +268,14 @@ impl ChangelogProducer {
 }
 
 impl ChangelogSink for ChangelogProducer {
-    fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, String> {
+    fn publish(&self, changes: &[Change]) -> Result<Box<dyn Published>, SinkError> {
+        Ok(Box::new(self.publish_changes(changes)?))
+    }
+}
+
+impl ChangelogProducer {
+    /// [`ChangelogSink::publish`]: the records of `changes`, sent.
+    fn publish_changes(&self, changes: &[Change]) -> Result<Acks, ChangelogError> {
         // Every key and value is written into one buffer (a record is its partition and
         // two ranges of it): librdkafka copies them as they are sent, so nothing is
         // allocated per record.
@@ -283,10 +300,9 @@ impl ChangelogSink for ChangelogProducer {
         };
         for change in changes {
             let Some(partition) = change.origin.as_ref().and_then(Origin::kafka_partition) else {
-                return Err(format!(
-                    "message {:?} did not come from Kafka: a changelog takes only Kafka messages",
-                    change.id
-                ));
+                return Err(ChangelogError::NotKafka {
+                    id: change.id.clone(),
+                });
             };
             let epoch = epochs.get(&partition).copied();
             if let Some(copy) = &change.record {
@@ -345,7 +361,7 @@ impl ChangelogSink for ChangelogProducer {
 }
 
 /// The acknowledgements one `publish` waits for.
-struct Acks {
+pub(crate) struct Acks {
     pending: Arc<Pending>,
     count: usize,
     topic: String,
@@ -354,15 +370,24 @@ struct Acks {
 }
 
 impl Published for Acks {
-    fn wait(self: Box<Self>) -> Result<(), String> {
+    fn wait(self: Box<Self>) -> Result<(), SinkError> {
+        Ok(self.acknowledged()?)
+    }
+}
+
+impl Acks {
+    /// Returns once every record is acknowledged, or why one is not.
+    pub(crate) fn acknowledged(self) -> Result<(), ChangelogError> {
         let mut s = self.pending.state.lock().unwrap_or_else(|p| p.into_inner());
         while s.0 > 0 {
             let left = self.deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(format!(
-                    "{} of {} changes not acknowledged by {} within {:?}",
-                    s.0, self.count, self.topic, self.timeout
-                ));
+                return Err(ChangelogError::NotAcknowledged {
+                    left: s.0,
+                    count: self.count,
+                    topic: self.topic.clone(),
+                    timeout: self.timeout,
+                });
             }
             s = self
                 .pending
@@ -372,7 +397,10 @@ impl Published for Acks {
                 .unwrap_or_else(|p| p.into_inner().0);
         }
         match s.1.take() {
-            Some(e) => Err(format!("{} refused a change: {e}", self.topic)),
+            Some(source) => Err(ChangelogError::Refused {
+                topic: self.topic.clone(),
+                source,
+            }),
             None => Ok(()),
         }
     }

@@ -7,6 +7,40 @@ use crate::ledger::RecordKind;
 /// The first byte of every record value: the encoding of what follows.
 pub(super) const FORMAT: u8 = 1;
 
+/// What is wrong with a changelog record's value, or why a value could not be encoded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// The epoch in front of a value is cut short.
+    #[error("an epoch of {0} bytes, not 8")]
+    Epoch(usize),
+    #[error("cannot encode {} {}: {source}", .kind.0, .kind.1)]
+    Encode {
+        kind: Kind,
+        #[source]
+        source: bincode::error::EncodeError,
+    },
+    /// The value is damaged: bincode cannot read it as what its format byte says.
+    #[error("undecodable {}: {source}", .kind.1)]
+    Decode {
+        kind: Kind,
+        #[source]
+        source: bincode::error::DecodeError,
+    },
+    /// The value goes on after what it holds.
+    #[error("{trailing} bytes after the {}", .kind.1)]
+    Trailing { kind: Kind, trailing: usize },
+    /// Another format than this build reads: written by a newer (or unknown) dedupd.
+    #[error("{} format {found} (this build reads format {reads}): upgrade dedupd", .kind.2)]
+    Format { kind: Kind, found: u8, reads: u8 },
+    #[error("an empty record")]
+    Empty,
+    /// A tombstone whose key starts like a quarantine or dead-letter record's but names
+    /// neither.
+    #[error("a record key of no known kind")]
+    UnknownRecordKind,
+}
+
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
 }
@@ -65,12 +99,12 @@ pub const EPOCH_FORMAT: u8 = 4;
 
 /// A record value's epoch (`None`: published with no fence, by an earlier version) and
 /// the value under it.
-pub fn split_epoch(value: &[u8]) -> Result<(Option<u64>, &[u8]), String> {
+pub fn split_epoch(value: &[u8]) -> Result<(Option<u64>, &[u8]), RecordError> {
     match value.split_first() {
         Some((&EPOCH_FORMAT, rest)) => {
             let (epoch, inner) = rest
                 .split_first_chunk::<8>()
-                .ok_or_else(|| format!("an epoch of {} bytes, not 8", rest.len()))?;
+                .ok_or(RecordError::Epoch(rest.len()))?;
             Ok((Some(u64::from_be_bytes(*epoch)), inner))
         }
         _ => Ok((None, value)),
@@ -107,7 +141,7 @@ pub struct Emitted {
 }
 
 /// An emitted message as a record value.
-pub fn encode_emitted(emitted: &Emitted) -> Result<Vec<u8>, String> {
+pub fn encode_emitted(emitted: &Emitted) -> Result<Vec<u8>, RecordError> {
     encode_value(EMITTED_FORMAT, EMITTED, emitted)
 }
 
@@ -120,7 +154,7 @@ pub(super) struct EmittedRef<'a> {
 }
 
 /// An emitted record's value; an error names what is wrong with it.
-pub fn decode_emitted(value: &[u8]) -> Result<Emitted, String> {
+pub fn decode_emitted(value: &[u8]) -> Result<Emitted, RecordError> {
     decode_value(value, EMITTED_FORMAT, EMITTED)
 }
 
@@ -172,33 +206,37 @@ pub fn removed_record(key: &[u8], partition: i32) -> Option<RecordCopy> {
 }
 
 /// A stored quarantine or dead-letter record as a record value.
-pub fn encode_record(copy: &RecordCopy) -> Result<Vec<u8>, String> {
+pub fn encode_record(copy: &RecordCopy) -> Result<Vec<u8>, RecordError> {
     encode_value(RECORD_FORMAT, RECORD, copy)
 }
 
 /// A quarantine or dead-letter record's value; an error names what is wrong with it.
-pub fn decode_record(value: &[u8]) -> Result<RecordCopy, String> {
+pub fn decode_record(value: &[u8]) -> Result<RecordCopy, RecordError> {
     decode_value(value, RECORD_FORMAT, RECORD)
 }
 
 /// A change as a record value.
-pub fn encode(change: &Change) -> Result<Vec<u8>, String> {
+pub fn encode(change: &Change) -> Result<Vec<u8>, RecordError> {
     encode_value(FORMAT, CHANGE, change)
 }
 
 /// A record value as a change; an error names what is wrong with it.
-pub fn decode(value: &[u8]) -> Result<Change, String> {
+pub fn decode(value: &[u8]) -> Result<Change, RecordError> {
     decode_value(value, FORMAT, CHANGE)
 }
 
 /// What a record value holds, as errors name it: (article, noun, format name).
-pub(super) type Kind = (&'static str, &'static str, &'static str);
+pub type Kind = (&'static str, &'static str, &'static str);
 pub(super) const CHANGE: Kind = ("a", "change", "change");
 pub(super) const EMITTED: Kind = ("an", "emitted message", "emitted-message");
 pub(super) const RECORD: Kind = ("a", "quarantine or dead-letter record", "record");
 
 /// A record value: the format byte, then `v` in bincode's standard encoding.
-fn encode_value<T: serde::Serialize>(format: u8, kind: Kind, v: &T) -> Result<Vec<u8>, String> {
+fn encode_value<T: serde::Serialize>(
+    format: u8,
+    kind: Kind,
+    v: &T,
+) -> Result<Vec<u8>, RecordError> {
     let mut out = Vec::new();
     encode_value_into(&mut out, format, kind, v)?;
     Ok(out)
@@ -210,11 +248,11 @@ pub(super) fn encode_value_into<T: serde::Serialize>(
     format: u8,
     kind: Kind,
     v: &T,
-) -> Result<(), String> {
+) -> Result<(), RecordError> {
     out.push(format);
     bincode::serde::encode_into_std_write(v, out, bincode_config())
         .map(|_| ())
-        .map_err(|e| format!("cannot encode {} {}: {e}", kind.0, kind.1))
+        .map_err(|source| RecordError::Encode { kind, source })
 }
 
 /// The value [`encode_value`] made with `format`; an error names what is wrong with it
@@ -223,21 +261,25 @@ fn decode_value<T: serde::de::DeserializeOwned>(
     value: &[u8],
     format: u8,
     kind: Kind,
-) -> Result<T, String> {
+) -> Result<T, RecordError> {
     match value.split_first() {
         Some((&f, body)) if f == format => {
             let (v, used): (T, usize) = bincode::serde::decode_from_slice(body, bincode_config())
-                .map_err(|e| format!("undecodable {}: {e}", kind.1))?;
+                .map_err(|source| RecordError::Decode { kind, source })?;
             if used != body.len() {
-                return Err(format!("{} bytes after the {}", body.len() - used, kind.1));
+                return Err(RecordError::Trailing {
+                    kind,
+                    trailing: body.len() - used,
+                });
             }
             Ok(v)
         }
-        Some((other, _)) => Err(format!(
-            "{} format {other} (this build reads format {format}): upgrade dedupd",
-            kind.2
-        )),
-        None => Err("an empty record".into()),
+        Some((&found, _)) => Err(RecordError::Format {
+            kind,
+            found,
+            reads: format,
+        }),
+        None => Err(RecordError::Empty),
     }
 }
 
@@ -332,9 +374,13 @@ pub(super) mod tests {
         assert_eq!((epoch, decode(inner).unwrap()), (Some(7), change()));
         assert!(split_epoch(&under[..5])
             .unwrap_err()
+            .to_string()
             .contains("epoch of 4 bytes"));
         // A build without fences refuses such a value by its format, not as damage.
-        assert!(decode(&under).unwrap_err().contains("upgrade dedupd"));
+        assert!(decode(&under)
+            .unwrap_err()
+            .to_string()
+            .contains("upgrade dedupd"));
         let f = fence_key(1);
         assert!(is_fence_key(&f));
         assert!(!is_emitted_key(&f) && !is_snapshot_key(&f) && !is_record_key(&f));
@@ -383,7 +429,10 @@ pub(super) mod tests {
         // The partition is where the record is, not part of it.
         assert_eq!(back.message.changelog_partition, None);
         assert_eq!(back.message.payload, e.message.payload);
-        assert!(decode(&bytes).unwrap_err().contains("upgrade dedupd"));
+        assert!(decode(&bytes)
+            .unwrap_err()
+            .to_string()
+            .contains("upgrade dedupd"));
         assert!(decode_emitted(&encode(&change()).unwrap()).is_err());
         assert!(decode_emitted(&bytes[..bytes.len() - 1]).is_err());
 
@@ -399,10 +448,52 @@ pub(super) mod tests {
         assert!(decode(&bytes[..bytes.len() - 3]).is_err());
         let mut longer = bytes.clone();
         longer.push(0);
-        assert!(decode(&longer).unwrap_err().contains("after the change"));
+        assert!(decode(&longer)
+            .unwrap_err()
+            .to_string()
+            .contains("after the change"));
         let mut newer = bytes;
         newer[0] = 2;
-        assert!(decode(&newer).unwrap_err().contains("upgrade dedupd"));
+        assert!(decode(&newer)
+            .unwrap_err()
+            .to_string()
+            .contains("upgrade dedupd"));
         assert!(decode(&[]).is_err());
+    }
+
+    /// The texts an operator reads in the log when a restore stops at a record: each says
+    /// what is wrong with the value, and a newer format says what to do.
+    #[test]
+    fn a_refused_record_names_what_is_wrong_with_it() {
+        let bytes = encode(&change()).unwrap();
+        let text = |r: Result<Change, RecordError>| r.unwrap_err().to_string();
+        assert!(text(decode(&bytes[..bytes.len() - 3])).starts_with("undecodable change: "));
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(&[0, 0]);
+        assert_eq!(text(decode(&longer)), "2 bytes after the change");
+        let mut newer = bytes.clone();
+        newer[0] = 9;
+        assert_eq!(
+            text(decode(&newer)),
+            "change format 9 (this build reads format 1): upgrade dedupd"
+        );
+        assert_eq!(
+            decode_record(&bytes).unwrap_err().to_string(),
+            "record format 1 (this build reads format 3): upgrade dedupd"
+        );
+        assert_eq!(
+            decode_emitted(&[EMITTED_FORMAT, 0xff])
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+                .split(':')
+                .next(),
+            Some("undecodable emitted message")
+        );
+        assert_eq!(text(decode(&[])), "an empty record");
+        assert_eq!(
+            split_epoch(&[EPOCH_FORMAT, 1, 2]).unwrap_err().to_string(),
+            "an epoch of 2 bytes, not 8"
+        );
     }
 }

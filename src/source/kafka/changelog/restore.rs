@@ -12,7 +12,7 @@ use rdkafka::topic_partition_list::TopicPartitionList;
 
 use super::record::{
     decode, decode_emitted, decode_record, is_emitted_key, is_fence_key, is_record_key,
-    removed_record, split_epoch,
+    removed_record, split_epoch, RecordError,
 };
 use crate::ledger::changelog::{Change, RecordCopy};
 use crate::ledger::{Done, Job, Ledger, Outcome, Subscriber};
@@ -69,10 +69,11 @@ pub(crate) fn checkpoint<C: rdkafka::consumer::ConsumerContext, K: Consumer<C>>(
     for &p in partitions {
         let (_, high) = consumer
             .fetch_watermarks(topic, p, Duration::from_secs(10))
-            .map_err(|e| KafkaError::Client(format!("end offset of {topic}/{p}: {e}")))?;
-        ledger
-            .set_changelog_checkpoint(&checkpoint_key(topic, p), high.max(0) as u64)
-            .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+            .map_err(|source| KafkaError::Client {
+                what: format!("end offset of {topic}/{p}"),
+                source,
+            })?;
+        ledger.set_changelog_checkpoint(&checkpoint_key(topic, p), high.max(0) as u64)?;
     }
     Ok(())
 }
@@ -91,7 +92,10 @@ pub fn restore(
     partitions: &[i32],
 ) -> Result<Restored, KafkaError> {
     let started = Instant::now();
-    let client = |e: RdError| KafkaError::Client(format!("restoring from {topic}: {e}"));
+    let client = |source: RdError| KafkaError::Client {
+        what: format!("restoring from {topic}"),
+        source,
+    };
     let consumer: BaseConsumer = client_config(kafka)
         .set("group.id", format!("{}-restore", topic))
         .set("enable.auto.commit", "false")
@@ -115,16 +119,12 @@ pub fn restore(
     let mut emitted = Unrelayed::default();
     // The newest copy of each quarantine and dead-letter record (`None` body: removed).
     let mut kept: std::collections::HashMap<Vec<u8>, RecordCopy> = Default::default();
-    let ledger_err = |e: crate::ledger::LedgerError| KafkaError::Ledger(e.to_string());
     for &p in partitions {
         let (low, high) = consumer
             .fetch_watermarks(topic, p, Duration::from_secs(30))
             .map_err(client)?;
         ends.push((p, high));
-        let mut from = match ledger
-            .changelog_checkpoint(&checkpoint_key(topic, p))
-            .map_err(ledger_err)?
-        {
+        let mut from = match ledger.changelog_checkpoint(&checkpoint_key(topic, p))? {
             Some(c) if c as i64 <= high => c as i64,
             Some(c) => {
                 tracing::warn!(subscriber = %sub.name, %topic, partition = p, checkpoint = c, end = high,
@@ -143,8 +143,7 @@ pub fn restore(
         // checkpoint (a replay from the first record finds every fence itself).
         let mut fence = if from > 0 {
             ledger
-                .changelog_checkpoint(&fence_checkpoint_key(topic, p))
-                .map_err(ledger_err)?
+                .changelog_checkpoint(&fence_checkpoint_key(topic, p))?
                 .unwrap_or(0)
         } else {
             0
@@ -159,18 +158,20 @@ pub fn restore(
         consumer.assign(&tpl).map_err(client)?;
         loop {
             if Instant::now() > deadline {
-                return Err(KafkaError::Client(format!(
-                    "restoring from {topic} took longer than kafka.changelog.restore_timeout ({:?}); {} changes replayed",
-                    kafka.changelog.restore_timeout, replay.submitted
-                )));
+                return Err(KafkaError::RestoreTimeout {
+                    topic: topic.to_string(),
+                    timeout: kafka.changelog.restore_timeout,
+                    replayed: replay.submitted,
+                });
             }
             let Some(m) = consumer.poll(Duration::from_millis(100)) else {
                 continue;
             };
             let m = m.map_err(client)?;
             let offset = m.offset();
-            let at = |e: String| {
-                KafkaError::Client(format!("{topic} partition {p} offset {offset}: {e}"))
+            let at = |e: RecordError| KafkaError::Changelog {
+                what: format!("{topic} partition {p} offset {offset}"),
+                source: Box::new(e.into()),
             };
             // The value under its epoch; `None` for a tombstone.
             let (epoch, payload) = match m.payload() {
@@ -189,8 +190,9 @@ pub fn restore(
             } else if let Some(key) = m.key().filter(|k| is_record_key(k)) {
                 let copy = match payload {
                     Some(value) => decode_record(value).map_err(at)?,
-                    None => removed_record(key, p)
-                        .ok_or_else(|| at("a record key of no known kind".into()))?,
+                    None => {
+                        removed_record(key, p).ok_or_else(|| at(RecordError::UnknownRecordKind))?
+                    }
                 };
                 kept.insert(key.to_vec(), copy);
             } else if let Some(key) = m.key().filter(|k| is_emitted_key(k)) {
@@ -222,12 +224,8 @@ pub fn restore(
     consumer.unassign().map_err(client)?;
     replay.finish()?;
     // After the claims: a row relayed from here is one whose claim this member holds.
-    let emitted = ledger
-        .outbox_restore(&sub.name, emitted.unrelayed())
-        .map_err(ledger_err)?;
-    let records = ledger
-        .records_restore(&sub.name, kept.into_values().collect())
-        .map_err(ledger_err)?;
+    let emitted = ledger.outbox_restore(&sub.name, emitted.unrelayed())?;
+    let records = ledger.records_restore(&sub.name, kept.into_values().collect())?;
     // Each checkpoint with its fence, in one transaction: a restore from a checkpoint
     // must start from the fence that was newest there.
     let mut entries = Vec::with_capacity(2 * ends.len());
@@ -236,9 +234,7 @@ pub fn restore(
         entries.push((checkpoint_key(topic, p), high.max(0) as u64));
         entries.push((fence_checkpoint_key(topic, p), fence));
     }
-    ledger
-        .set_changelog_checkpoints(entries)
-        .map_err(ledger_err)?;
+    ledger.set_changelog_checkpoints(entries)?;
     Ok(Restored {
         ends,
         changes: replay.submitted,
@@ -299,8 +295,7 @@ impl Replay<'_> {
         self.submitted += 1;
         if self.staged[shard].len() >= CHUNK {
             self.ledger
-                .submit(shard, std::mem::take(&mut self.staged[shard]))
-                .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+                .submit(shard, std::mem::take(&mut self.staged[shard]))?;
         }
         while let Ok(d) = self.ack.1.try_recv() {
             self.settle(d)?;
@@ -315,7 +310,7 @@ impl Replay<'_> {
     fn settle(&mut self, dones: Vec<Done>) -> Result<(), KafkaError> {
         for d in dones {
             if let Outcome::Failed { reason } = d.outcome {
-                return Err(KafkaError::Ledger(reason));
+                return Err(KafkaError::Failed { reason });
             }
             self.settled += 1;
         }
@@ -333,7 +328,7 @@ impl Replay<'_> {
                 .ack
                 .1
                 .recv_timeout(Duration::from_secs(60))
-                .map_err(|_| KafkaError::Ledger("restore outcomes stopped arriving".into()))?;
+                .map_err(|_| KafkaError::RestoreStalled)?;
             self.settle(d)?;
         }
         Ok(())
@@ -349,9 +344,7 @@ impl Replay<'_> {
 fn flush(ledger: &Ledger, staged: &mut [Vec<Job>]) -> Result<(), KafkaError> {
     for (shard, jobs) in staged.iter_mut().enumerate() {
         if !jobs.is_empty() {
-            ledger
-                .submit(shard, std::mem::take(jobs))
-                .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+            ledger.submit(shard, std::mem::take(jobs))?;
         }
     }
     Ok(())

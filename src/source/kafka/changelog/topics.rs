@@ -21,7 +21,10 @@ pub(crate) fn partition_count<C: rdkafka::consumer::ConsumerContext, K: Consumer
 ) -> Result<Option<usize>, KafkaError> {
     let meta = consumer
         .fetch_metadata(Some(topic), Duration::from_secs(10))
-        .map_err(|e| KafkaError::Client(format!("metadata of {topic}: {e}")))?;
+        .map_err(|source| KafkaError::Client {
+            what: format!("metadata of {topic}"),
+            source,
+        })?;
     Ok(meta
         .topics()
         .iter()
@@ -37,9 +40,13 @@ pub(crate) fn create_topic(
     topic: &str,
     partitions: usize,
 ) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = client_config(kafka)
-        .create()
-        .map_err(|e| KafkaError::Client(format!("admin client: {e}")))?;
+    let admin: AdminClient<DefaultClientContext> =
+        client_config(kafka)
+            .create()
+            .map_err(|source| KafkaError::Client {
+                what: "admin client".into(),
+                source,
+            })?;
     let new = NewTopic::new(
         topic,
         partitions as i32,
@@ -52,28 +59,22 @@ pub(crate) fn create_topic(
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
-        .map_err(|e| KafkaError::Client(format!("admin runtime: {e}")))?;
-    let how = format!(
-        "create it with {partitions} partitions and cleanup.policy=compact, or let dedupd create it (CreateTopics, the cluster's ACLs permitting)"
-    );
+        .map_err(KafkaError::Runtime)?;
+    let failed = |source| KafkaError::TopicCreation {
+        topic: topic.to_string(),
+        partitions,
+        source,
+    };
     let created = runtime
         .block_on(admin.create_topics([&new], &opts))
-        .map_err(|e| {
-            KafkaError::Client(format!(
-                "changelog topic {topic} is missing and creating it failed: {e}; {how}"
-            ))
-        })?;
+        .map_err(failed)?;
     for result in created {
         match result {
             Ok(_) => {
                 tracing::info!(%topic, partitions, "changelog topic created (cleanup.policy=compact)")
             }
             Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((_, code)) => {
-                return Err(KafkaError::Client(format!(
-                    "changelog topic {topic} is missing and creating it failed: {code}; {how}"
-                )))
-            }
+            Err((_, code)) => return Err(failed(rdkafka::error::KafkaError::AdminOp(code))),
         }
     }
     Ok(())

@@ -14,7 +14,9 @@ use rdkafka::topic_partition_list::TopicPartitionList;
 
 use super::{SourceStats, Worker, WorkerContext};
 use crate::ledger::Ledger;
-use crate::source::kafka::{changelog, compaction, KafkaConfig, KafkaError, SubscriptionConfig};
+use crate::source::kafka::{
+    changelog, compaction, KafkaConfig, KafkaConfigError, KafkaError, SubscriptionConfig,
+};
 
 /// What a worker needs to restore newly assigned partitions and move their checkpoints.
 pub(super) struct Changelog {
@@ -248,13 +250,14 @@ pub(super) fn start_changelog(
     subscription: &SubscriptionConfig,
     stats: Arc<SourceStats>,
 ) -> Result<Changelog, KafkaError> {
-    let input = subscription.topics.first().ok_or_else(|| {
-        KafkaError::Config("a subscription with a changelog needs one topic".into())
-    })?;
+    let input = subscription
+        .topics
+        .first()
+        .ok_or_else(|| KafkaError::from(KafkaConfigError::ChangelogTopics))?;
     let partitions = changelog::partition_count(consumer, input)?.ok_or_else(|| {
-        KafkaError::Config(format!(
-            "topic {input} does not exist (yet): a changelog is created with the input topic's partition count, so create {input} first"
-        ))
+        KafkaError::from(KafkaConfigError::NoInputTopic {
+            input: input.clone(),
+        })
     })?;
     let topic = changelog::topic_name(&kafka.changelog.prefix, &subscription.subscriber);
     let existing = match changelog::partition_count(consumer, &topic)? {
@@ -266,23 +269,23 @@ pub(super) fn start_changelog(
     };
     if let Some(n) = existing {
         if n < partitions {
-            return Err(KafkaError::Config(format!(
-                "changelog topic {topic} has {n} partitions but {input} has {partitions}: partition p of the changelog holds the changes of partition p of the input, so it needs at least as many"
-            )));
+            return Err(KafkaConfigError::ChangelogPartitions {
+                topic,
+                found: n,
+                input: input.clone(),
+                partitions,
+            }
+            .into());
         }
     }
     let sink = Arc::new(changelog::ChangelogProducer::new(kafka, topic.clone())?);
     let acked = sink.acked();
-    ledger
-        .set_changelog(&subscription.subscriber, Some(sink.clone()))
-        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    ledger.set_changelog(&subscription.subscriber, Some(sink.clone()))?;
     let owned = Arc::new(Mutex::new(Vec::new()));
     let gate = Arc::new(Mutex::new(()));
     let snapshots = compaction::Snapshots {
         ledger: ledger.clone(),
-        sub: ledger
-            .subscriber(&subscription.subscriber)
-            .map_err(|e| KafkaError::Ledger(e.to_string()))?,
+        sub: ledger.subscriber(&subscription.subscriber)?,
         owned: owned.clone(),
         gate: gate.clone(),
         // A snapshot waits for one batch of its shard and that batch's acknowledgements.
@@ -312,7 +315,10 @@ pub(super) fn start_changelog(
             .increment(c.snapshots);
         },
     )
-    .map_err(|e| KafkaError::Client(format!("changelog compaction thread: {e}")))?;
+    .map_err(|source| KafkaError::Spawn {
+        what: "changelog compaction",
+        source,
+    })?;
     tracing::info!(subscriber = %subscription.subscriber, %topic, partitions,
         compaction_interval = ?kafka.changelog.compaction_interval,
         "changelog on: claims and handler state are published before each commit and restored on assignment");

@@ -15,7 +15,7 @@ use super::{Retained, Worker, WorkerContext, LOCAL_BITS, LOCAL_MASK};
 use crate::ledger::StoredPayload;
 
 /// Delivery reports of the dead-letter producer: (job seq, result).
-pub(super) type DeliveryReport = (usize, Result<(), String>);
+pub(super) type DeliveryReport = (usize, Result<(), rdkafka::error::KafkaError>);
 
 pub(super) struct DeliveryContext {
     pub(super) tx: Sender<DeliveryReport>,
@@ -37,7 +37,7 @@ impl ProducerContext for DeliveryContext {
     fn delivery(&self, result: &DeliveryResult<'_>, seq: usize) {
         let r = match result {
             Ok(_) => Ok(()),
-            Err((e, _)) => Err(e.to_string()),
+            Err((e, _)) => Err(e.clone()),
         };
         let _ = self.tx.send((seq, r));
     }

@@ -57,7 +57,7 @@ pub fn run_subscription(
     let mut last_released = 0;
     while !stop.load(Ordering::Relaxed) {
         if let Some(f) = consumer.context().lock().fatal.clone() {
-            return Err(KafkaError::Ledger(f));
+            return Err(KafkaError::Failed { reason: f });
         }
         poll_round(&consumer, &name);
         consumer.context().lock().checkpoint_owned();
@@ -156,16 +156,17 @@ fn start_consumer(
     stats: Arc<SourceStats>,
     options: &RunOptions,
 ) -> Result<BaseConsumer<WorkerContext>, KafkaError> {
-    let sub = ledger
-        .subscriber(&subscription.subscriber)
-        .map_err(|e| KafkaError::Ledger(e.to_string()))?;
+    let sub = ledger.subscriber(&subscription.subscriber)?;
     let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
     let dlq = match &kafka.dead_letter_topic {
         Some(topic) => {
             let (tx, reports) = unbounded();
             let producer: ThreadedProducer<DeliveryContext> = producer_config(kafka)
                 .create_with_context(DeliveryContext { tx })
-                .map_err(|e| KafkaError::Client(e.to_string()))?;
+                .map_err(|source| KafkaError::Client {
+                    what: format!("dead-letter producer for {topic}"),
+                    source,
+                })?;
             Some(DeadLetterTopic {
                 topic: topic.clone(),
                 producer,
@@ -200,7 +201,10 @@ fn start_consumer(
     };
     let consumer: BaseConsumer<WorkerContext> = consumer_config(kafka, subscription)
         .create_with_context(ctx)
-        .map_err(|e| KafkaError::Client(e.to_string()))?;
+        .map_err(|source| KafkaError::Client {
+            what: format!("consumer of subscriber {}", sub.name),
+            source,
+        })?;
     if subscription.changelog {
         let changelog = start_changelog(&consumer, &ledger, kafka, subscription, stats)?;
         consumer.context().lock().changelog = Some(changelog);
@@ -208,7 +212,10 @@ fn start_consumer(
     let topics: Vec<&str> = subscription.topics.iter().map(String::as_str).collect();
     consumer
         .subscribe(&topics)
-        .map_err(|e| KafkaError::Client(e.to_string()))?;
+        .map_err(|source| KafkaError::Client {
+            what: format!("subscribing to {}", topics.join(", ")),
+            source,
+        })?;
     tracing::info!(subscriber = %sub.name, group = kafka.group_of(subscription), ?topics, "kafka consumer started");
     Ok(consumer)
 }
@@ -268,7 +275,7 @@ fn drain_and_commit(
         drained = w.drain(consumer, None, deadline);
     }
     if let Some(f) = w.fatal.clone() {
-        return Err(KafkaError::Ledger(f));
+        return Err(KafkaError::Failed { reason: f });
     }
     if !drained {
         tracing::error!(subscriber = %name, "in-flight messages did not finish within kafka.drain_timeout; they will be delivered again");
