@@ -13,8 +13,6 @@
 //!
 //! A filter may only say "no" or "maybe" (G3): a "maybe" is always confirmed in the store.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-
 use xorf::{BinaryFuse16, Descriptor, Filter};
 
 /// The filter of one sealed generation.
@@ -168,57 +166,6 @@ fn fuse_slots(f: &BinaryFuse16, key: u128) -> [usize; 3] {
     let h1 = (h0 + d.segment_length) ^ (((k >> 18) as u32) & d.segment_length_mask);
     let h2 = (h0 + 2 * d.segment_length) ^ ((k as u32) & d.segment_length_mask);
     [h0 as usize, h1 as usize, h2 as usize]
-}
-
-/// A split-block Bloom filter that one thread fills while others read it: the blocks of
-/// [`GenFilter::Blocked`] with atomic words, for the presences other shards read
-/// (`placement/presence.rs`). A probe reads one cache line, as a sealed generation's does.
-/// Bits are only ever set, so a reader sees "maybe" for a key once its insert is visible to
-/// it; the presences order that visibility through the in-flight set's mutex.
-#[derive(Debug)]
-pub(crate) struct AtomicBlocked(Box<[AtomicBlock]>);
-
-/// One block of an [`AtomicBlocked`]: aligned so it never straddles two cache lines.
-#[derive(Debug, Default)]
-#[repr(C, align(32))]
-pub(crate) struct AtomicBlock([AtomicU32; 8]);
-
-impl AtomicBlocked {
-    /// An empty filter for `keys` keys at the sealed filters' 16 bits a key (~0.13 % false
-    /// positives when full).
-    pub(crate) fn for_keys(keys: usize) -> AtomicBlocked {
-        let n = (keys.max(1) * BLOCKED_BITS_PER_KEY).div_ceil(256);
-        AtomicBlocked((0..n).map(|_| AtomicBlock::default()).collect())
-    }
-
-    #[inline]
-    pub(crate) fn insert(&self, key: u128) {
-        let (b, mask) = blocked_slot(blocked_hash(key), self.0.len());
-        for (w, m) in self.0[b].0.iter().zip(mask) {
-            w.fetch_or(m, Ordering::Relaxed);
-        }
-    }
-
-    /// `false`: `key` was never inserted.
-    #[inline]
-    pub(crate) fn may_contain(&self, key: u128) -> bool {
-        let (b, mask) = blocked_slot(blocked_hash(key), self.0.len());
-        self.0[b]
-            .0
-            .iter()
-            .zip(mask)
-            .all(|(w, m)| w.load(Ordering::Relaxed) & m != 0)
-    }
-
-    /// Starts loading the line `may_contain(key)` will read.
-    pub(crate) fn prefetch(&self, key: u128) {
-        let b = blocked_block(blocked_hash(key), self.0.len());
-        prefetch_read(self.0.as_ptr().wrapping_add(b));
-    }
-
-    pub(crate) fn memory_bytes(&self) -> usize {
-        self.0.len() * 32
-    }
 }
 
 #[inline]

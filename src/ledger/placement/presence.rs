@@ -22,21 +22,19 @@
 //! what the owner holds: filters leave a snapshot only after their replacement is in it,
 //! and Bloom filters for new generations are published before their first insert.
 //!
-//! The in-memory generations' Bloom filters are split-block ones ([`AtomicBlocked`], as
-//! the sealed generations' filters): a probe reads one cache line. Until 2026-12-07 they
-//! were fastbloom's `AtomicBloomFilter`, nine bits anywhere in each of a chain of up to
-//! five filters, and the check of a new key against the other shard's presence was
-//! ~0.34 core-µs of every message on the handler path (`scripts/cpu-budget`).
-//!
 //! Memory grows with the claims: a generation's Bloom filters start at a few kilobytes
 //! and each next one is four times larger, so a quiet subscriber costs little and a busy
-//! one ~2 bytes (16 bits) per in-memory claim; only subscribers that probe publish one.
+//! one ~1.8 bytes per in-memory claim; only subscribers that probe publish one.
 
 use std::sync::{Arc, RwLock};
 
-use crate::ledger::claims::filter::{AtomicBlocked, GenFilter};
+use fastbloom::AtomicBloomFilter;
+
+use crate::ledger::claims::filter::{half, GenFilter};
 use crate::ledger::SubscriberId;
 
+/// False-positive rate of each in-memory Bloom filter (a "maybe" costs one probe).
+const BLOOM_FALSE_POSITIVES: f64 = 0.002;
 /// Keys the first Bloom filter of a generation is sized for.
 const FIRST_BLOOM_KEYS: usize = 4_096;
 /// Each next Bloom filter of a generation is this many times larger.
@@ -50,7 +48,7 @@ pub(crate) struct Presence {
 
 #[derive(Debug, Default)]
 struct Snapshot {
-    blooms: Vec<Arc<AtomicBlocked>>,
+    blooms: Vec<Arc<AtomicBloomFilter>>,
     filters: Vec<Arc<GenFilter>>,
 }
 
@@ -58,7 +56,8 @@ impl Presence {
     /// `false` means the shard certainly holds no record of `key`; `true` means ask it.
     pub(crate) fn may_contain(&self, key: u128) -> bool {
         let snap = self.snap.read().unwrap_or_else(|p| p.into_inner()).clone();
-        snap.blooms.iter().any(|b| b.may_contain(key))
+        let h = half(key);
+        snap.blooms.iter().any(|b| b.contains_hash(h))
             || snap.filters.iter().any(|f| f.may_contain(key))
     }
 }
@@ -97,15 +96,13 @@ impl Presences {
         slots[i] = Some(presence);
     }
 
-    /// Starts loading the lines of the other shards' filters (in-memory and sealed) that
-    /// [`Presences::others_lack`] will read for `key` (see [`GenFilter::prefetch`]).
+    /// Starts loading the slots of the other shards' sealed filters that
+    /// [`Presences::others_lack`] will read for `key` (see [`GenFilter::prefetch`]); their
+    /// Bloom filters are small and recent, and mostly cached.
     pub(crate) fn prefetch_others(&self, me: usize, sub: SubscriberId, key: u128) {
         for s in (0..self.shards.len()).filter(|&s| s != me) {
             if let Some(p) = self.get(s, sub) {
                 let snap = p.snap.read().unwrap_or_else(|p| p.into_inner());
-                for b in &snap.blooms {
-                    b.prefetch(key);
-                }
                 for f in &snap.filters {
                     f.prefetch(key);
                 }
@@ -126,7 +123,7 @@ impl Presences {
 /// newest is full (a filter cannot be resized in place while others read it).
 #[derive(Debug, Default)]
 pub(crate) struct Chain {
-    blooms: Vec<Arc<AtomicBlocked>>,
+    blooms: Vec<Arc<AtomicBloomFilter>>,
     /// Keys the newest filter still has room for.
     room: usize,
 }
@@ -176,7 +173,7 @@ impl PresenceWriter {
             self.publish(sealed());
         }
         if let Some(b) = self.active.blooms.last() {
-            b.insert(key);
+            b.insert_hash(half(key));
         }
         self.active.room -= 1;
     }
@@ -215,9 +212,13 @@ impl PresenceWriter {
             .blooms
             .iter()
             .chain(&self.sealing.blooms)
-            .map(|b| b.memory_bytes())
+            .map(|b| b.num_bits() / 8)
             .sum()
     }
+}
+
+fn bloom(keys: usize) -> AtomicBloomFilter {
+    AtomicBloomFilter::with_false_pos(BLOOM_FALSE_POSITIVES).expected_items(keys.max(1))
 }
 
 /// Adds a filter with room for at least `need` more keys.
@@ -225,7 +226,7 @@ fn grow(chain: &mut Chain, need: usize) {
     let last = chain.blooms.len();
     let mut size = FIRST_BLOOM_KEYS.saturating_mul(BLOOM_GROWTH.saturating_pow(last as u32));
     size = size.max(need);
-    chain.blooms.push(Arc::new(AtomicBlocked::for_keys(size)));
+    chain.blooms.push(Arc::new(bloom(size)));
     chain.room = size;
 }
 
@@ -237,7 +238,7 @@ fn fill(chain: &mut Chain, keys: Option<impl ExactSizeIterator<Item = u128>>) {
     let b = chain.blooms.last().cloned();
     for key in keys {
         if let Some(b) = &b {
-            b.insert(key);
+            b.insert_hash(half(key));
         }
         chain.room = chain.room.saturating_sub(1);
     }

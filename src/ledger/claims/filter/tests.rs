@@ -389,33 +389,3 @@ fn corrupt_filter_is_an_error() {
     assert!(GenFilter::decode(&bytes[..bytes.len() - 3]).is_err());
     assert!(GenFilter::decode(&[9, 9]).is_err());
 }
-
-/// The atomic blocked filter the presences fill sets exactly the bits a sealed
-/// generation's blocked filter sets for the same keys, so it says "maybe" for every key
-/// inserted, and its false positives are the sealed filters' (~0.13 % when full).
-#[test]
-fn atomic_blocked_filters_set_the_bits_of_blocked_ones() {
-    let mut rng = SmallRng::seed_from_u64(11);
-    let keys: Vec<u128> = (0..50_000).map(|_| rng.random()).collect();
-    let atomic = AtomicBlocked::for_keys(keys.len());
-    let mut builder = FilterBuilder::for_at_most(keys.len());
-    for &k in &keys {
-        atomic.insert(k);
-        builder.insert(k);
-    }
-    let FilterBuilder::Blocked(blocks) = builder else {
-        panic!("50,000 keys make a blocked filter")
-    };
-    assert_eq!(atomic.0.len(), blocks.len());
-    for (a, b) in atomic.0.iter().zip(blocks.iter()) {
-        let words: Vec<u32> = a.0.iter().map(|w| w.load(Ordering::Relaxed)).collect();
-        assert_eq!(words, b.0);
-    }
-    assert!(keys.iter().all(|&k| atomic.may_contain(k)));
-    let false_positives = (0..100_000)
-        .map(|_| rng.random::<u128>())
-        .filter(|&k| atomic.may_contain(k))
-        .count();
-    assert!(false_positives < 400, "{false_positives} of 100,000");
-    assert_eq!(atomic.memory_bytes(), blocks.len() * 32);
-}
