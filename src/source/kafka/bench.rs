@@ -28,6 +28,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use serde::Serialize;
 
+use crate::bench::params::{self, ParamError};
 use crate::clock::SystemClock;
 use crate::config::{Config, KeySource, PartitionSource, SubscriberConfig};
 use crate::ledger::Ledger;
@@ -60,6 +61,17 @@ pub struct KafkaBenchParams {
     /// Claims expire this long after processing (with `changelog`, compaction every second).
     #[serde(with = "humantime_serde")]
     pub ttl: Option<Duration>,
+}
+
+impl KafkaBenchParams {
+    /// Refuses parameters the run cannot use: `dup_rate` in [0, 1), `messages` and
+    /// `partitions` at least 1, a `handler` that exists. [`run`] calls it first.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        params::fraction("dup_rate", self.dup_rate)?;
+        params::at_least_one("messages", self.messages)?;
+        params::at_least_one("partitions", self.partitions)?;
+        params::handler_built(self.handler.as_deref())
+    }
 }
 
 /// Progress of a phase.
@@ -515,11 +527,15 @@ fn restore_phase(
     })
 }
 
-/// Runs the whole benchmark.
+/// Runs the whole benchmark, after [`KafkaBenchParams::validate`] (its refusal comes as
+/// [`KafkaError::Config`]).
 pub fn run(
     params: &KafkaBenchParams,
     progress: &mut dyn FnMut(BenchProgress),
 ) -> Result<KafkaBenchReport, KafkaError> {
+    params
+        .validate()
+        .map_err(|e| KafkaError::Config(e.to_string()))?;
     let broker = match &params.brokers {
         Some(_) => None,
         None => Some(DevBroker::start(1)?),
