@@ -20,6 +20,8 @@
 //! - `bench.rs`: what a run takes and reports ([`BenchParams`], [`BenchReport`]), the
 //!   run ([`run()`]): the engine part, what the ledger measured, the naive baseline
 //!   ([`run_naive`]);
+//! - `params.rs`: the checks every bench's params run before anything starts
+//!   ([`ParamError`]), the broker benches' included;
 //! - `drive.rs`: the engine part's two threads: the generator that submits (within the
 //!   window, paced with `--rate`) and the acker that releases outcomes in order and
 //!   measures latency, memory and the series;
@@ -34,10 +36,12 @@ use std::time::{Duration, Instant};
 
 pub mod adversarial;
 mod drive;
+pub mod params;
 mod report;
 pub mod soak;
 
 pub use adversarial::{run_adversarial, AdversarialParams, AdversarialReport};
+pub use params::ParamError;
 pub use soak::{run_soak, SoakParams, SoakReport, SoakSample};
 
 use crossbeam_channel::unbounded;
@@ -86,6 +90,22 @@ pub struct BenchParams {
     pub rate: Option<u64>,
     #[serde(skip)]
     pub config: Config,
+}
+
+impl BenchParams {
+    /// Refuses parameters the run cannot use: the rates are fractions whose sum is below 1,
+    /// and `messages`, `series_step`, `orders` and `rate` (when set) are at least 1.
+    /// [`run()`] calls it first.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        params::fraction("dup_rate", self.dup_rate)?;
+        params::fraction("mismatch_rate", self.mismatch_rate)?;
+        let sum = self.dup_rate + self.mismatch_rate;
+        params::require(sum < 1.0, "dup_rate + mismatch_rate", "less than 1", sum)?;
+        params::at_least_one("messages", self.messages)?;
+        params::at_least_one("series_step", self.series_step)?;
+        params::at_least_one_if_set("orders", self.orders)?;
+        params::at_least_one_if_set("rate", self.rate)
+    }
 }
 
 /// Everything a run measured.
@@ -198,6 +218,8 @@ pub enum BenchError {
     Naive(String),
     #[error(transparent)]
     Handler(#[from] crate::handler::HandlerError),
+    #[error(transparent)]
+    Params(#[from] ParamError),
 }
 
 /// Resident bytes per key added over a base; never negative (an end below the base, when
@@ -253,11 +275,13 @@ pub fn place_event(
     Ok(ledger.place(sub, job, entity))
 }
 
-/// Runs the engine part and, unless disabled, the naive baseline.
+/// Runs the engine part and, unless disabled, the naive baseline, after
+/// [`BenchParams::validate`].
 pub fn run(
     params: &BenchParams,
     mut progress: impl FnMut(Progress),
 ) -> Result<BenchReport, BenchError> {
+    params.validate()?;
     let tmp = tempfile::Builder::new()
         .prefix(".dedupd-bench-")
         .tempdir_in(&params.dir)
@@ -591,6 +615,53 @@ mod tests {
             rate: None,
             config: Config::default(),
         }
+    }
+
+    /// `run` refuses what it cannot use before it creates anything, and says which
+    /// parameter and which flag.
+    #[test]
+    fn run_refuses_bad_parameters_before_it_starts() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        for (params, said) in [
+            (
+                BenchParams {
+                    dup_rate: 1.5,
+                    ..small_params()
+                },
+                "dup_rate (--dup-rate) must be in [0, 1), got 1.5",
+            ),
+            (
+                BenchParams {
+                    dup_rate: 0.5,
+                    mismatch_rate: 0.5,
+                    ..small_params()
+                },
+                "dup_rate + mismatch_rate (--dup-rate + --mismatch-rate) must be less than 1, got 1",
+            ),
+            (
+                BenchParams {
+                    messages: 0,
+                    ..small_params()
+                },
+                "messages (--messages) must be at least 1, got 0",
+            ),
+            (
+                BenchParams {
+                    orders: Some(0),
+                    ..small_params()
+                },
+                "orders (--orders) must be at least 1, got 0",
+            ),
+        ] {
+            let params = BenchParams {
+                dir: dir.clone(),
+                ..params
+            };
+            let e = run(&params, |_| {}).unwrap_err();
+            assert_eq!(e.to_string(), said);
+        }
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
     }
 
     #[test]

@@ -61,6 +61,39 @@ fn bench_rate_paces_the_offered_load() {
     assert_eq!(refused.code, Some(2), "{}", refused.stderr);
 }
 
+/// Parameters a bench cannot use are refused before it starts, by the library's check,
+/// naming the flag: the engine bench and a broker bench (which would otherwise connect).
+#[test]
+fn benches_refuse_bad_parameters_naming_the_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    common::dedupd(&["bench", "--dup-rate", "1.5", "--dir", dir])
+        .assert_refused(&["dedupd: dup_rate (--dup-rate) must be in [0, 1), got 1.5"]);
+    common::dedupd(&[
+        "bench",
+        "--dup-rate",
+        "0.6",
+        "--mismatch-rate",
+        "0.4",
+        "--dir",
+        dir,
+    ])
+    .assert_refused(&["(--dup-rate + --mismatch-rate) must be less than 1"]);
+    common::dedupd(&["bench", "adversarial", "--orders", "0", "--dir", dir])
+        .assert_refused(&["orders (--orders) must be at least 1, got 0"]);
+    common::dedupd(&[
+        "nats-bench",
+        "--server",
+        "nats://127.0.0.1:9",
+        "--batch",
+        "5000",
+        "--dir",
+        dir,
+    ])
+    .assert_refused(&["batch (--batch) must be at most the window, got 5000 with window 4096"]);
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
 /// `dedupd demo` started outside the repository finds its handler beside the checkout the
 /// binary was built in (it used to look only under the current directory); a handler that
 /// is nowhere says where it looked and how to build it.

@@ -32,6 +32,7 @@ use crate::effects::HandlerFactory;
 use crate::envelope::{fingerprint, key_hash};
 use crate::ledger::{entity_scope, Done, Job, Ledger, LedgerError, Outcome};
 
+use super::params::{self, ParamError};
 use super::BenchError;
 
 /// What a subscriber's handler does.
@@ -126,6 +127,16 @@ pub struct AdversarialParams {
     /// Ledger settings and subscriber defaults (budget, memory cap, attempts, backoff).
     #[serde(skip)]
     pub config: Config,
+}
+
+impl AdversarialParams {
+    /// Refuses parameters the run cannot use: `messages`, `good_subscribers` and `orders`
+    /// are at least 1. [`run_adversarial`] calls it first.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        params::at_least_one("messages", self.messages)?;
+        params::at_least_one("good_subscribers", self.good_subscribers)?;
+        params::at_least_one("orders", self.orders)
+    }
 }
 
 /// One subscriber's outcomes in one phase.
@@ -225,6 +236,7 @@ pub fn run_adversarial(
     params: &AdversarialParams,
     mut progress: impl FnMut(&str),
 ) -> Result<AdversarialReport, BenchError> {
+    params.validate()?;
     let config = adversarial_config(params);
     let mut factories = BTreeMap::new();
     for b in std::iter::once(Behaviour::Good).chain(Behaviour::HOSTILE) {
@@ -627,6 +639,28 @@ pub fn default_components() -> &'static Path {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `run_adversarial` refuses what it cannot use before it loads a component.
+    #[test]
+    fn run_refuses_bad_parameters_before_it_starts() {
+        let tmp = tempfile::tempdir().unwrap();
+        let params = AdversarialParams {
+            good_subscribers: 0,
+            messages: 10,
+            bad_messages: 1,
+            orders: 1,
+            redeliver_every: 0,
+            window: 1,
+            components: tmp.path().join("nowhere"),
+            dir: tmp.path().to_path_buf(),
+            config: Config::default(),
+        };
+        let e = run_adversarial(&params, |_| {}).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "good_subscribers (--good-subscribers) must be at least 1, got 0"
+        );
+    }
 
     #[test]
     fn lanes_redeliver_only_ids_already_sent() {

@@ -34,15 +34,15 @@
 //! - `report.rs`, `usage.rs`: `inspect` counts, shard metrics, bytes per kind of table;
 //!   `offline.rs`: the read-only look at a closed directory;
 //! - `poison.rs`: the fail-stop switch (G7);
-//! - `tracked.rs`: the writes recorded while an online backup copies a shard file;
-//! - `naive.rs`: the bench's baseline; `fault.rs`: test fault injection.
+//! - `backends/`: what sits under a shard file: `tracked.rs`, the writes recorded while an
+//!   online backup copies it, and `fault.rs`, test fault injection; and `naive.rs`, the
+//!   bench's baseline store.
 
+mod backends;
 pub mod changelog;
 pub mod claims;
-mod fault;
 mod format;
 mod job;
-mod naive;
 mod offline;
 mod opening;
 mod ops;
@@ -53,7 +53,6 @@ mod registry;
 mod report;
 mod shard;
 mod state;
-mod tracked;
 mod usage;
 
 use std::path::{Path, PathBuf};
@@ -67,6 +66,7 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
+pub use backends::naive::{NaiveBaseline, NaiveError};
 pub use claims::record::{ClaimRecord, FORMAT_VERSION};
 pub use format::datadir::{
     create_private_dir_all, dir_allocated_bytes, dir_bytes, private_file, read_manifest,
@@ -74,7 +74,6 @@ pub use format::datadir::{
 };
 pub(crate) use job::Work;
 pub use job::{AckSender, Done, Job, Origin, Outcome};
-pub use naive::{NaiveBaseline, NaiveError};
 pub use offline::{close_copied_shard, hold_closed_shards, offline_report, ClosedShards};
 pub use opening::{OpenObserver, OpenProgress, REPLAY_EVERY};
 pub use ops::{
@@ -356,7 +355,7 @@ impl Ledger {
         data_dir: &Path,
         config: &Config,
         clock: Arc<dyn Clock>,
-        fault: Option<Arc<fault::FaultPlan>>,
+        fault: Option<Arc<backends::fault::FaultPlan>>,
         observer: Option<OpenObserver>,
     ) -> Result<Ledger, LedgerError> {
         let (shard_count, created) = format::datadir::prepare_data_dir(data_dir, &config.ledger)?;
@@ -656,7 +655,7 @@ impl Drop for Ledger {
 /// Arms the injected storage fault of [`Ledger::open_with_fault_switch`].
 #[doc(hidden)]
 #[derive(Debug, Clone)]
-pub struct FaultSwitch(Arc<fault::FaultPlan>);
+pub struct FaultSwitch(Arc<backends::fault::FaultPlan>);
 
 impl Default for FaultSwitch {
     fn default() -> Self {
@@ -667,33 +666,35 @@ impl Default for FaultSwitch {
 impl FaultSwitch {
     /// A switch with nothing armed, for [`Ledger::open_with_faults`].
     pub fn new() -> FaultSwitch {
-        FaultSwitch(Arc::new(fault::FaultPlan::new()))
+        FaultSwitch(Arc::new(backends::fault::FaultPlan::new()))
     }
 
     /// From now on, `fsyncs` more fsyncs succeed (across all shards); then storage fails,
     /// keeping what was written (as a dying disk under a live page cache would).
     pub fn fail_after_fsyncs(&self, fsyncs: u64) {
-        self.0.arm(fsyncs, fault::FaultKind::FailDisk, 1);
+        self.0.arm(fsyncs, backends::fault::FaultKind::FailDisk, 1);
     }
 
     /// From now on, `fsyncs` more fsyncs succeed; then the power is cut: every write since
     /// a file's last completed fsync is lost except a random half (drawn from `seed`),
     /// and storage answers nothing more.
     pub fn cut_power_after_fsyncs(&self, fsyncs: u64, seed: u64) {
-        self.0.arm(fsyncs, fault::FaultKind::PowerCut, seed);
+        self.0
+            .arm(fsyncs, backends::fault::FaultKind::PowerCut, seed);
     }
 
     /// As [`cut_power_after_fsyncs`](Self::cut_power_after_fsyncs), and the newest
     /// unsynced write is kept half-written: a torn write.
     pub fn tear_a_write_after_fsyncs(&self, fsyncs: u64, seed: u64) {
-        self.0.arm(fsyncs, fault::FaultKind::TornWrite, seed);
+        self.0
+            .arm(fsyncs, backends::fault::FaultKind::TornWrite, seed);
     }
 
     /// From now on, `fsyncs` more fsyncs succeed; then the disk is full: every write that
     /// needs new blocks (past what a file ever held) fails with `ENOSPC` (os error 28);
     /// writes in place and fsyncs work.
     pub fn fill_disk_after_fsyncs(&self, fsyncs: u64) {
-        self.0.arm(fsyncs, fault::FaultKind::DiskFull, 1);
+        self.0.arm(fsyncs, backends::fault::FaultKind::DiskFull, 1);
     }
 
     /// From now on, `reads` more reads succeed (across all shards); then every read fails

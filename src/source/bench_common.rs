@@ -137,3 +137,83 @@ pub(crate) fn write_rates(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use crate::source::{kafka, mqtt, nats, rabbitmq};
+
+    /// Each broker bench's `run` refuses what it cannot use before it starts a broker,
+    /// connects or creates a directory (the addresses here lead nowhere), and says which
+    /// parameter and which flag.
+    #[test]
+    fn every_broker_bench_refuses_bad_parameters_before_it_starts() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let kafka = kafka::bench::KafkaBenchParams {
+            messages: 10,
+            dup_rate: 0.1,
+            seed: 1,
+            partitions: 1,
+            live_messages: 0,
+            handler: Some(PathBuf::from("nowhere.wasm")),
+            shards: None,
+            dir: dir.clone(),
+            brokers: None,
+            changelog: false,
+            ttl: None,
+        };
+        let e = kafka::bench::run(&kafka, &mut |_| {}).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "handler nowhere.wasm not found: build the plugins first (plugins/build.sh)"
+        );
+        let mqtt = mqtt::bench::MqttBenchParams {
+            broker: "mqtt://127.0.0.1:9".into(),
+            messages: 10,
+            dup_rate: 1.0,
+            seed: 1,
+            window: 10,
+            round: 10,
+            handler: None,
+            dir: dir.clone(),
+        };
+        let e = mqtt::bench::run(&mqtt, &mut |_| {}).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "dup_rate (--dup-rate) must be in [0, 1), got 1"
+        );
+        let nats = nats::bench::NatsBenchParams {
+            server: "nats://127.0.0.1:9".into(),
+            messages: 10,
+            dup_rate: 0.1,
+            seed: 1,
+            window: 8,
+            batch: 16,
+            handler: None,
+            dir: dir.clone(),
+        };
+        let e = nats::bench::run(&nats, &mut |_, _, _| {}).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch (--batch) must be at most the window, got 16 with window 8"
+        );
+        let rabbit = rabbitmq::bench::RabbitBenchParams {
+            uri: "amqp://127.0.0.1:9/%2f".into(),
+            messages: 10,
+            dup_rate: 0.1,
+            seed: 1,
+            prefetch: 0,
+            handler: None,
+            shards: None,
+            dir: dir.clone(),
+        };
+        let e = rabbitmq::bench::run(&rabbit, &mut |_, _, _| {}).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "prefetch (--prefetch) must be at least 1, got 0"
+        );
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    }
+}

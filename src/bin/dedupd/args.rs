@@ -5,10 +5,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use dedupd::bench::{AdversarialParams, BenchParams};
 use dedupd::config::Config;
 
+mod bench;
 mod brokers;
+pub use bench::{AdversarialArgs, BenchArgs, BenchCommand};
 pub use brokers::{KafkaBenchArgs, MqttBenchArgs, NatsBenchArgs, RabbitmqBenchArgs};
 
 #[derive(Parser)]
@@ -328,198 +329,12 @@ pub enum StateCommand {
 
 pub const DEFAULT_DEMO_HANDLER: &str = "plugins/target/wasm32-wasip2/release/shipping_label.wasm";
 
-/// `dedupd bench`.
-#[derive(Args)]
-#[command(args_conflicts_with_subcommands = true)]
-pub struct BenchArgs {
-    #[command(subcommand)]
-    pub command: Option<BenchCommand>,
-    /// Messages offered (redeliveries included).
-    #[arg(long, default_value_t = 10_000_000)]
-    messages: u64,
-    /// Fraction of messages that redeliver an earlier message.
-    #[arg(long, default_value_t = 0.1)]
-    dup_rate: f64,
-    /// Fraction of messages that reuse an id with another payload.
-    #[arg(long, default_value_t = 0.0)]
-    mismatch_rate: f64,
-    /// Subscribers the messages are spread over (round robin).
-    #[arg(long, default_value_t = 1)]
-    subscribers: u32,
-    /// Seed of the generated traffic: the same seed gives the same messages.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    /// Most messages in flight (handed to the engine, outcome not yet released).
-    #[arg(long, default_value_t = 8_192)]
-    window: u64,
-    /// Messages for the naive baseline (default: same as --messages; 0 skips it).
-    #[arg(long)]
-    naive_messages: Option<u64>,
-    /// Shards (default: number of cores).
-    #[arg(long)]
-    shards: Option<usize>,
-    /// Directory in which the temporary data directory is created.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
-    /// Keep the data directory.
-    #[arg(long)]
-    keep: bool,
-    /// TOML config for ledger settings.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Run this handler component for every new message.
-    #[arg(long)]
-    handler: Option<PathBuf>,
-    /// Order ids as random 16-hex-digit strings (like UUIDs or hashes) instead of
-    /// numbers in sequence: handler state keys then land anywhere in the sorted tables.
-    #[arg(long)]
-    random_order_ids: bool,
-    /// Spread new messages over this many orders, so a handler with state per order reads
-    /// and updates existing state (e.g. `--handler …/fixture_counter.wasm --orders
-    /// 100000`); default: a new order per new message.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    orders: Option<u64>,
-    /// With --handler: the subscribers' partition key, a JSON pointer into the payload
-    /// (as the docs recommend for per-order state), or `none` to run each subscriber's
-    /// handler on one shard. Ignored when --config sets a partition key.
-    #[arg(long, default_value = "/order_id")]
-    partition_key: String,
-    /// Also print the throughput of every `--series-step` messages, to see whether the
-    /// rate holds as claims accumulate (always in `--json`, as `series`).
-    #[arg(long)]
-    pub series: bool,
-    /// Messages per point of the series.
-    #[arg(long, default_value_t = 1_000_000)]
-    series_step: u64,
-    /// Offer messages at this rate (per second) instead of as fast as the window allows,
-    /// to see latency below capacity: run once without it to learn the capacity, then at
-    /// half of it. Latency counts from when each message was due, so a run that falls
-    /// behind shows the wait (no coordinated omission).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    rate: Option<u64>,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-impl BenchArgs {
-    /// The run's parameters, after checking the rates and loading `--config`.
-    pub fn params(self) -> Result<BenchParams> {
-        let (dup, mismatch) = (self.dup_rate, self.mismatch_rate);
-        if !(0.0..1.0).contains(&dup) || !(0.0..1.0).contains(&mismatch) || dup + mismatch >= 1.0 {
-            bail!("--dup-rate and --mismatch-rate must be in [0, 1) and sum to less than 1");
-        }
-        if self.messages == 0 || self.series_step == 0 {
-            bail!("--messages and --series-step must be at least 1");
-        }
-        let config = bench_config(self.config.as_deref(), self.shards)?;
-        Ok(BenchParams {
-            messages: self.messages,
-            dup_rate: dup,
-            mismatch_rate: mismatch,
-            subscribers: self.subscribers,
-            seed: self.seed,
-            window: self.window,
-            naive_messages: self.naive_messages.unwrap_or(self.messages),
-            random_order_ids: self.random_order_ids,
-            orders: self.orders,
-            series_step: self.series_step,
-            rate: self.rate,
-            dir: self.dir,
-            keep: self.keep,
-            partition_pointer: (self.partition_key != "none").then_some(self.partition_key),
-            handler: self.handler,
-            config,
-        })
-    }
-}
-
-/// The comparison with PostgreSQL, Redis and SQLite and the soak with its plots are the
-/// workspace's `dedupd-bench` binary (`cargo run -p dedupd-bench -- compare`), so the
-/// product builds without their clients.
-#[derive(Subcommand)]
-pub enum BenchCommand {
-    /// Fifteen well-behaved handlers next to five hostile ones (trap, endless loop, memory
-    /// hog, log flood, sleep in a host call): the good subscribers' throughput with the
-    /// hostile ones over without, and exact outcomes, claims and counts for every subscriber.
-    Adversarial(AdversarialArgs),
-}
-
-/// `dedupd bench adversarial`.
-#[derive(Args)]
-pub struct AdversarialArgs {
-    /// Messages per well-behaved subscriber (redeliveries included), in each phase.
-    #[arg(long, default_value_t = 20_000)]
-    messages: u64,
-    /// Messages per hostile subscriber.
-    #[arg(long, default_value_t = 200)]
-    bad_messages: u64,
-    /// Well-behaved subscribers.
-    #[arg(long, default_value_t = 15)]
-    good_subscribers: u32,
-    /// Distinct orders (counters) per subscriber.
-    #[arg(long, default_value_t = 500)]
-    orders: u64,
-    /// Every this many messages of a subscriber is a redelivery (0: none).
-    #[arg(long, default_value_t = 10)]
-    redeliver_every: u64,
-    /// Messages in flight per subscriber.
-    #[arg(long, default_value_t = 512)]
-    window: u64,
-    /// Directory holding the fixture components built by plugins/build.sh.
-    #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
-    components: PathBuf,
-    /// Directory in which the scratch data directories are created.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
-    /// TOML config for ledger settings and subscriber defaults (budget, memory cap,
-    /// attempts, backoff).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Shards (default: number of cores).
-    #[arg(long)]
-    shards: Option<usize>,
-    /// Print one JSON object instead of the table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-impl AdversarialArgs {
-    pub fn params(self) -> Result<AdversarialParams> {
-        if self.messages == 0 || self.good_subscribers == 0 || self.orders == 0 {
-            bail!("--messages, --good-subscribers and --orders must be at least 1");
-        }
-        let config = bench_config(self.config.as_deref(), self.shards)?;
-        Ok(AdversarialParams {
-            good_subscribers: self.good_subscribers,
-            messages: self.messages,
-            bad_messages: self.bad_messages,
-            orders: self.orders,
-            redeliver_every: self.redeliver_every,
-            window: self.window.max(1),
-            components: self.components,
-            dir: self.dir,
-            config,
-        })
-    }
-}
-
 /// The config file, or the defaults without one.
 pub fn load_config(path: Option<&std::path::Path>) -> Result<Config> {
     match path {
         Some(p) => Ok(Config::load(p)?),
         None => Ok(Config::default()),
     }
-}
-
-/// A bench's config: the file (or the defaults) with `--shards` over its shard count.
-fn bench_config(path: Option<&std::path::Path>, shards: Option<usize>) -> Result<Config> {
-    let mut config = load_config(path)?;
-    if let Some(n) = shards {
-        config.ledger.shards =
-            Some(std::num::NonZeroUsize::new(n).context("--shards must be at least 1")?);
-    }
-    Ok(config)
 }
 
 /// The data directory: the flag, else the config's `data_dir`.

@@ -23,7 +23,7 @@ pub fn engine(mut args: args::BenchArgs) -> Result<()> {
     if let Some(args::BenchCommand::Adversarial(a)) = args.command.take() {
         return adversarial(a);
     }
-    let (json, series) = (args.json, args.series);
+    let (json, series) = (args.run.json, args.series);
     let params = args.params()?;
     eprintln!("{params}");
     let report = dedupd::bench::run(&params, |p| progress(&p))?;
@@ -61,7 +61,7 @@ fn adversarial(args: args::AdversarialArgs) -> Result<()> {
 
 /// `dedupd kafka-bench`.
 pub fn kafka(args: args::KafkaBenchArgs) -> Result<()> {
-    let json = args.json;
+    let json = args.run.json;
     let params = args.params()?;
     eprintln!("{params}");
     let report = dedupd::source::kafka::bench::run(&params, &mut |p| progress(&p))?;
@@ -71,7 +71,7 @@ pub fn kafka(args: args::KafkaBenchArgs) -> Result<()> {
 
 /// `dedupd mqtt-bench`.
 pub fn mqtt(args: args::MqttBenchArgs) -> Result<()> {
-    let json = args.json;
+    let json = args.run.json;
     let params = args.params()?;
     eprintln!("{params}");
     let report = dedupd::source::mqtt::bench::run(&params, &mut |phase| eprintln!("{phase}"))?;
@@ -80,7 +80,7 @@ pub fn mqtt(args: args::MqttBenchArgs) -> Result<()> {
 
 /// `dedupd nats-bench`.
 pub fn nats(args: args::NatsBenchArgs) -> Result<()> {
-    let json = args.json;
+    let json = args.run.json;
     let params = args.params()?;
     eprintln!("{params}");
     let report = dedupd::source::nats::bench::run(&params, &mut |phase, done, total| {
@@ -92,7 +92,7 @@ pub fn nats(args: args::NatsBenchArgs) -> Result<()> {
 
 /// `dedupd rabbitmq-bench`.
 pub fn rabbitmq(args: args::RabbitmqBenchArgs) -> Result<()> {
-    let json = args.json;
+    let json = args.run.json;
     let params = args.params()?;
     eprintln!("{params}");
     let report = dedupd::source::rabbitmq::bench::run(&params, &mut |phase, done, total| {

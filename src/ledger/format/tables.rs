@@ -218,7 +218,7 @@ pub fn state_table_subscriber(table: &str) -> Option<&str> {
 
 // ---- Outside a data directory ------------------------------------------------------------
 
-/// The bench's naive baseline (`naive.rs`): key hash -> fingerprint in a 32-byte record.
+/// The bench's naive baseline (`backends/naive.rs`): key hash -> fingerprint in a 32-byte record.
 /// Lives in its own scratch file, never in a shard file.
 pub const NAIVE: TableDefinition<u128, [u8; 32]> = TableDefinition::new("naive");
 

@@ -1,5 +1,5 @@
 //! Online backups: every shard file copied at one common batch boundary of the whole
-//! engine (`tracked.rs` records what a writer writes meanwhile).
+//! engine (`backends/tracked.rs` records what a writer writes meanwhile).
 
 use super::*;
 
@@ -32,7 +32,7 @@ impl Ledger {
     /// Copies every shard file and the manifest into `dir`, which must be absent or
     /// empty; all copies are the files at one instant of the engine. The writers go on
     /// while their files are copied; each then pauses at its next batch boundary until
-    /// every writer is paused, copies again the ranges written meanwhile (`tracked.rs`)
+    /// every writer is paused, copies again the ranges written meanwhile (`backends/tracked.rs`)
     /// and goes on. Afterwards, off the writer threads, each copy is closed the way redb
     /// closes a file ([`close_copied_shard`]) and fsync'd, so the copy opens as a data
     /// directory of its own, read-only too. The directory entries are not fsync'd here: the caller adds files and
@@ -88,7 +88,7 @@ impl Ledger {
         }
         let dest = copied.is_ok().then(|| dir.to_path_buf());
         // Every writer pauses at its next batch boundary until all are paused, then each
-        // brings its copy up to that one instant (`tracked.rs`).
+        // brings its copy up to that one instant (`backends/tracked.rs`).
         let meeting = Arc::new(Rendezvous::new(
             self.shards.len(),
             BACKUP_RENDEZVOUS_TIMEOUT,

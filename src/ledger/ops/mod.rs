@@ -21,11 +21,11 @@ use std::time::Duration;
 use crossbeam_channel::bounded;
 use serde::{Deserialize, Serialize};
 
+use super::backends::tracked::Rendezvous;
 use super::format::datadir::MANIFEST;
 use super::offline::close_copied_shard;
 use super::records::outbox::OutboxRecord;
 use super::shard::{Control, ShardMsg};
-use super::tracked::Rendezvous;
 use super::{AckSender, Ledger, LedgerError, Origin, Placement};
 use crate::config::SubscriberSettings;
 use crate::envelope::{key_hash, IdempotencyKey};

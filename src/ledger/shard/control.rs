@@ -369,7 +369,7 @@ impl Shard {
 
     /// Brings the copy of the shard file at `dest`, taken while this writer went on since
     /// [`Control::BackupBegin`], up to this commit boundary: copies again the ranges written
-    /// meanwhile and sets the length (`tracked.rs`). Every commit is durable and only this
+    /// meanwhile and sets the length (`backends/tracked.rs`). Every commit is durable and only this
     /// thread writes the file, so the copy is then the state after the last commit. The
     /// writer first waits at `meeting` until every shard's writer is at a boundary, so all
     /// copies are cut at one engine-wide instant; it is paused for the wait and this copy
@@ -378,7 +378,7 @@ impl Shard {
     fn finish_backup(
         &self,
         dest: Option<&std::path::Path>,
-        meeting: &crate::ledger::tracked::Rendezvous,
+        meeting: &crate::ledger::backends::tracked::Rendezvous,
     ) -> Result<crate::ledger::ShardCopy, LedgerError> {
         let started = std::time::Instant::now();
         let ranges = self.ctx.writes.stop();
@@ -413,13 +413,11 @@ impl Shard {
             });
         };
         let target = dest.join(&name);
-        let recopied =
-            crate::ledger::tracked::recopy(&self.ctx.path, &target, &ranges).map_err(|e| {
-                LedgerError::DataDir {
-                    path: dest.to_path_buf(),
-                    detail: format!("backup of {} failed: {e}", self.ctx.path.display()),
-                }
-            })?;
+        let recopied = crate::ledger::backends::tracked::recopy(&self.ctx.path, &target, &ranges)
+            .map_err(|e| LedgerError::DataDir {
+            path: dest.to_path_buf(),
+            detail: format!("backup of {} failed: {e}", self.ctx.path.display()),
+        })?;
         let paused = started.elapsed();
         let bytes = std::fs::metadata(&target).map(|m| m.len()).unwrap_or(0);
         tracing::info!(shard = self.ctx.index, bytes, recopied, paused_ms = paused.as_secs_f64() * 1e3,

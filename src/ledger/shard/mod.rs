@@ -200,7 +200,7 @@ pub(crate) enum Control {
     /// `dest` (if any) up to this commit boundary.
     BackupFinish {
         dest: Option<PathBuf>,
-        meeting: Arc<crate::ledger::tracked::Rendezvous>,
+        meeting: Arc<crate::ledger::backends::tracked::Rendezvous>,
         reply: Sender<Result<crate::ledger::ShardCopy, LedgerError>>,
     },
 }
@@ -215,16 +215,16 @@ pub(crate) struct ShardContext {
     pub poison: Arc<super::poison::Poison>,
     pub metrics: Arc<Mutex<ShardMetrics>>,
     pub builder: Builder,
-    /// Test-only fault injection (see `fault.rs`).
-    pub fault: Option<Arc<crate::ledger::fault::FaultPlan>>,
+    /// Test-only fault injection (see `backends/fault.rs`).
+    pub fault: Option<Arc<crate::ledger::backends::fault::FaultPlan>>,
     /// Every shard's peer channel, by index (set before `Ledger::open` returns).
     pub peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>>,
     /// Keys being decided with a probe, shared by all shards.
     pub inflight: Arc<InFlight>,
     /// What each shard holds of probing subscribers' claims (`presence.rs`).
     pub presences: Arc<crate::ledger::placement::presence::Presences>,
-    /// The ranges of the file written while an online backup copies it (`tracked.rs`).
-    pub writes: Arc<crate::ledger::tracked::WriteLog>,
+    /// The ranges of the file written while an online backup copies it (`backends/tracked.rs`).
+    pub writes: Arc<crate::ledger::backends::tracked::WriteLog>,
     /// Durable commits of all shards (shared): what an online backup's copies are cut at.
     pub engine_commits: Arc<std::sync::atomic::AtomicU64>,
     /// This open created the data directory's manifest: only then is the shard file

@@ -3,7 +3,7 @@
 //! it runs in one durable transaction before the shard accepts anything (G3).
 
 use super::*;
-use crate::ledger::tracked::TrackedBackend;
+use crate::ledger::backends::tracked::TrackedBackend;
 use crate::ledger::OpenProgress;
 
 struct Loaded {
@@ -71,8 +71,9 @@ impl Shard {
                 builder.create_with_backend(TrackedBackend::new(backend, writes))
             }
             Some(budget) => {
-                let backend = crate::ledger::fault::FaultyBackend::new(file, budget.clone())
-                    .map_err(|e| storage(&path, e))?;
+                let backend =
+                    crate::ledger::backends::fault::FaultyBackend::new(file, budget.clone())
+                        .map_err(|e| storage(&path, e))?;
                 builder.create_with_backend(TrackedBackend::new(backend, writes))
             }
         }

@@ -30,7 +30,7 @@ impl Shard {
         Ok(took)
     }
 
-    /// Counts a durable commit of this shard, and of the engine (`tracked.rs`).
+    /// Counts a durable commit of this shard, and of the engine (`backends/tracked.rs`).
     pub(super) fn count_commit(&mut self) {
         self.undurable = false;
         self.ctx

@@ -28,6 +28,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use serde::Serialize;
 
+use crate::bench::params::{self, ParamError};
 use crate::clock::SystemClock;
 use crate::config::{Config, KeySource, PartitionSource, SubscriberConfig};
 use crate::ledger::{Ledger, LedgerError};
@@ -60,6 +61,17 @@ pub struct KafkaBenchParams {
     /// Claims expire this long after processing (with `changelog`, compaction every second).
     #[serde(with = "humantime_serde")]
     pub ttl: Option<Duration>,
+}
+
+impl KafkaBenchParams {
+    /// Refuses parameters the run cannot use: `dup_rate` in [0, 1), `messages` and
+    /// `partitions` at least 1, a `handler` that exists. [`run`] calls it first.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        params::fraction("dup_rate", self.dup_rate)?;
+        params::at_least_one("messages", self.messages)?;
+        params::at_least_one("partitions", self.partitions)?;
+        params::handler_built(self.handler.as_deref())
+    }
 }
 
 /// Progress of a phase.
@@ -201,6 +213,9 @@ pub enum KafkaBenchError {
     Handler(#[source] Box<crate::pipeline::RunError>),
     #[error("kafka client error: no broker")]
     NoBroker,
+    /// A parameter out of range, refused before anything starts.
+    #[error(transparent)]
+    Params(#[from] ParamError),
     #[error("kafka client error: the {0} panicked")]
     Panicked(&'static str),
     #[error("kafka client error: the consumer got no partitions in 60 s")]
@@ -555,11 +570,13 @@ fn restore_phase(
     })
 }
 
-/// Runs the whole benchmark.
+/// Runs the whole benchmark, after [`KafkaBenchParams::validate`] (its refusal comes as
+/// [`KafkaError::Config`]).
 pub fn run(
     params: &KafkaBenchParams,
     progress: &mut dyn FnMut(BenchProgress),
 ) -> Result<KafkaBenchReport, KafkaBenchError> {
+    params.validate()?;
     let broker = match &params.brokers {
         Some(_) => None,
         None => Some(DevBroker::start(1)?),

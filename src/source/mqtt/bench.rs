@@ -27,6 +27,7 @@ use serde::Serialize;
 
 use super::config::BrokerAddr;
 use super::{MqttError, MqttStats};
+use crate::bench::params::{self, ParamError};
 use crate::config::Config;
 use crate::ledger::Ledger;
 use crate::source::bench_common::{self, SetupError};
@@ -46,6 +47,18 @@ pub struct MqttBenchParams {
     pub handler: Option<PathBuf>,
     /// Directory for the temporary data directories.
     pub dir: PathBuf,
+}
+
+impl MqttBenchParams {
+    /// Refuses parameters the run cannot use: `dup_rate` in [0, 1), `messages`, `window`
+    /// and `round` at least 1, a `handler` that exists. [`run`] calls it first.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        params::fraction("dup_rate", self.dup_rate)?;
+        params::at_least_one("messages", self.messages)?;
+        params::at_least_one("window", self.window)?;
+        params::at_least_one("round", self.round)?;
+        params::handler_built(self.handler.as_deref())
+    }
 }
 
 /// The figures (messages per second, from the consumer's connection to its last message).
@@ -100,11 +113,15 @@ fn client_error(e: impl std::fmt::Display) -> MqttError {
     MqttError::Client(e.to_string())
 }
 
-/// Runs the phases; `progress` hears each phase's name as it starts.
+/// Runs the phases, after [`MqttBenchParams::validate`] (its refusal comes as
+/// [`MqttError::Config`]); `progress` hears each phase's name as it starts.
 pub fn run(
     params: &MqttBenchParams,
     progress: &mut dyn FnMut(&str),
 ) -> Result<MqttBenchReport, MqttError> {
+    params
+        .validate()
+        .map_err(|e| MqttError::Config(e.to_string()))?;
     let addr = BrokerAddr::parse(&params.broker).map_err(|e| MqttError::Config(e.to_string()))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

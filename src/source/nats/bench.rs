@@ -32,6 +32,7 @@ use futures_util::StreamExt;
 use serde::Serialize;
 
 use super::{NatsConfig, NatsError, NatsStats};
+use crate::bench::params::{self, ParamError};
 use crate::config::Config;
 use crate::source::bench_common::{self, SetupError};
 use crate::source::generator::Event;
@@ -53,6 +54,25 @@ pub struct NatsBenchParams {
     pub handler: Option<PathBuf>,
     /// Directory for the temporary data directories.
     pub dir: PathBuf,
+}
+
+impl NatsBenchParams {
+    /// Refuses parameters the run cannot use: `dup_rate` in [0, 1), `messages` and
+    /// `batch` at least 1, `batch` at most `window`, a `handler` that exists. [`run`] calls
+    /// it first.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        params::fraction("dup_rate", self.dup_rate)?;
+        params::at_least_one("messages", self.messages)?;
+        params::at_least_one("batch", self.batch)?;
+        let (batch, window) = (self.batch, self.window);
+        params::require(
+            batch <= window,
+            "batch",
+            "at most the window",
+            format!("{batch} with window {window}"),
+        )?;
+        params::handler_built(self.handler.as_deref())
+    }
 }
 
 /// The figures; what the server counts acknowledged after each phase (the consumer's ack
@@ -117,16 +137,15 @@ fn client(e: impl std::fmt::Display) -> NatsError {
 /// The durable consumer of every phase (one per stream).
 const DURABLE: &str = "dedupd-bench";
 
-/// Runs the phases; `progress` gets (phase, messages done, total).
+/// Runs the phases, after [`NatsBenchParams::validate`] (its refusal comes as
+/// [`NatsError::Config`]); `progress` gets (phase, messages done, total).
 pub fn run(
     params: &NatsBenchParams,
     progress: &mut dyn FnMut(&str, u64, u64),
 ) -> Result<NatsBenchReport, NatsError> {
-    if params.batch == 0 || params.window == 0 || params.batch > params.window {
-        return Err(NatsError::Config(
-            "the batch must be at least 1 and at most the window".into(),
-        ));
-    }
+    params
+        .validate()
+        .map_err(|e| NatsError::Config(e.to_string()))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

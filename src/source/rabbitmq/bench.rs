@@ -29,6 +29,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use serde::Serialize;
 
 use super::{BindingConfig, RabbitMqConfig, RabbitMqError, RabbitMqStats};
+use crate::bench::params::{self, ParamError};
 use crate::config::{Config, PartitionSource, SubscriberConfig};
 use crate::source::bench_common::{self, SetupError};
 use crate::source::generator::Event;
@@ -46,6 +47,17 @@ pub struct RabbitBenchParams {
     pub shards: Option<usize>,
     /// Directory for the temporary data directory.
     pub dir: PathBuf,
+}
+
+impl RabbitBenchParams {
+    /// Refuses parameters the run cannot use: `dup_rate` in [0, 1), `messages` and
+    /// `prefetch` at least 1, a `handler` that exists. [`run`] calls it first.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        params::fraction("dup_rate", self.dup_rate)?;
+        params::at_least_one("messages", self.messages)?;
+        params::at_least_one("prefetch", self.prefetch)?;
+        params::handler_built(self.handler.as_deref())
+    }
 }
 
 /// The figures.
@@ -98,11 +110,15 @@ fn client(e: impl std::fmt::Display) -> RabbitMqError {
     RabbitMqError::Client(e.to_string())
 }
 
-/// Runs the phases; `progress` gets (phase, messages done, total).
+/// Runs the phases, after [`RabbitBenchParams::validate`] (its refusal comes as
+/// [`RabbitMqError::Config`]); `progress` gets (phase, messages done, total).
 pub fn run(
     params: &RabbitBenchParams,
     progress: &mut dyn FnMut(&str, u64, u64),
 ) -> Result<RabbitBenchReport, RabbitMqError> {
+    params
+        .validate()
+        .map_err(|e| RabbitMqError::Config(e.to_string()))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

@@ -1,10 +1,10 @@
 //! The arguments of the broker benches (`kafka-bench`, `mqtt-bench`, `nats-bench`,
 //! `rabbitmq-bench`): each source against a consume-only client of the same broker, same
-//! run.
+//! run. The flags every bench shares are `bench.rs`'s; the library checks the parameters.
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 
 use dedupd::source::kafka::bench::KafkaBenchParams;
@@ -12,18 +12,11 @@ use dedupd::source::mqtt::bench::MqttBenchParams;
 use dedupd::source::nats::bench::NatsBenchParams;
 use dedupd::source::rabbitmq::bench::RabbitBenchParams;
 
-/// A `--handler` of a bench must exist: the plugins are built separately.
-fn handler_built(handler: Option<&PathBuf>) -> Result<()> {
-    if let Some(h) = handler {
-        if !h.exists() {
-            bail!(
-                "handler {} not found: build the plugins first (plugins/build.sh)",
-                h.display()
-            );
-        }
-    }
-    Ok(())
-}
+use super::bench::{RunFlags, ShardFlags, TrafficFlags};
+
+/// `--dir` of the benches with a data directory per phase (without the final period, as
+/// clap drops it from doc comments).
+const DIRS_HELP: &str = "Directory in which the temporary data directories are created";
 
 /// `dedupd kafka-bench`.
 #[derive(Args)]
@@ -31,12 +24,8 @@ pub struct KafkaBenchArgs {
     /// Messages produced to the input topic (redeliveries included).
     #[arg(long, default_value_t = 2_000_000)]
     messages: u64,
-    /// Fraction of messages that redeliver an earlier message.
-    #[arg(long, default_value_t = 0.1)]
-    dup_rate: f64,
-    /// Seed of the generated traffic: the same seed gives the same messages.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
+    #[command(flatten)]
+    traffic: TrafficFlags,
     /// Partitions of the input topic.
     #[arg(long, default_value_t = 4)]
     partitions: i32,
@@ -46,12 +35,8 @@ pub struct KafkaBenchArgs {
     /// Handler component run for every new message.
     #[arg(long)]
     handler: Option<PathBuf>,
-    /// Shards (default: number of cores).
-    #[arg(long)]
-    shards: Option<usize>,
-    /// Directory in which the temporary data directory is created.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
+    #[command(flatten)]
+    shards: ShardFlags,
     /// Use this cluster instead of the built-in mock broker.
     #[arg(long)]
     brokers: Option<String>,
@@ -66,13 +51,37 @@ pub struct KafkaBenchArgs {
     /// phase is skipped (expired claims restore nothing to check).
     #[arg(long, value_parser = humantime::parse_duration)]
     ttl: Option<std::time::Duration>,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub run: RunFlags,
+}
+
+impl KafkaBenchArgs {
+    /// The run's parameters, checked by the library.
+    pub fn params(self) -> Result<KafkaBenchParams> {
+        let params = KafkaBenchParams {
+            messages: self.messages,
+            dup_rate: self.traffic.dup_rate,
+            seed: self.traffic.seed,
+            partitions: self.partitions,
+            live_messages: self.live_messages,
+            handler: self.handler,
+            shards: self.shards.shards,
+            dir: self.run.dir,
+            brokers: self.brokers,
+            changelog: self.changelog,
+            ttl: self.ttl,
+        };
+        params.validate()?;
+        Ok(params)
+    }
 }
 
 /// `dedupd mqtt-bench`.
 #[derive(Args)]
+#[command(
+    mut_arg("seed", |a| a.help("Seed of the generated traffic")),
+    mut_arg("dir", |a| a.help(DIRS_HELP))
+)]
 pub struct MqttBenchArgs {
     /// The broker (loopback for the figures): its `max_queued_messages` must hold
     /// `--messages` for an offline session.
@@ -83,12 +92,8 @@ pub struct MqttBenchArgs {
     /// request channel fills (see docs/mqtt.md, "Throughput").
     #[arg(long, default_value_t = 50_000)]
     messages: u64,
-    /// Fraction of messages that redeliver an earlier message.
-    #[arg(long, default_value_t = 0.1)]
-    dup_rate: f64,
-    /// Seed of the generated traffic.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
+    #[command(flatten)]
+    traffic: TrafficFlags,
     /// The in-flight window of both consumers (Receive Maximum).
     #[arg(long, default_value_t = 1000)]
     window: u16,
@@ -99,64 +104,31 @@ pub struct MqttBenchArgs {
     /// Handler component: a third phase runs it for every new message.
     #[arg(long)]
     handler: Option<PathBuf>,
-    /// Directory in which the temporary data directories are created.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub run: RunFlags,
 }
 
 impl MqttBenchArgs {
+    /// The run's parameters, checked by the library.
     pub fn params(self) -> Result<MqttBenchParams> {
-        if !(0.0..1.0).contains(&self.dup_rate)
-            || self.messages == 0
-            || self.window == 0
-            || self.round == 0
-        {
-            bail!("--dup-rate must be in [0, 1), --messages, --window and --round at least 1");
-        }
-        handler_built(self.handler.as_ref())?;
-        Ok(MqttBenchParams {
+        let params = MqttBenchParams {
             broker: self.broker,
             messages: self.messages,
-            dup_rate: self.dup_rate,
-            seed: self.seed,
+            dup_rate: self.traffic.dup_rate,
+            seed: self.traffic.seed,
             window: self.window,
             round: self.round,
             handler: self.handler,
-            dir: self.dir,
-        })
-    }
-}
-
-impl KafkaBenchArgs {
-    pub fn params(self) -> Result<KafkaBenchParams> {
-        if !(0.0..1.0).contains(&self.dup_rate) {
-            bail!("--dup-rate must be in [0, 1)");
-        }
-        if self.messages == 0 || self.partitions < 1 {
-            bail!("--messages and --partitions must be at least 1");
-        }
-        handler_built(self.handler.as_ref())?;
-        Ok(KafkaBenchParams {
-            messages: self.messages,
-            dup_rate: self.dup_rate,
-            seed: self.seed,
-            partitions: self.partitions,
-            live_messages: self.live_messages,
-            handler: self.handler,
-            shards: self.shards,
-            dir: self.dir,
-            brokers: self.brokers,
-            changelog: self.changelog,
-            ttl: self.ttl,
-        })
+            dir: self.run.dir,
+        };
+        params.validate()?;
+        Ok(params)
     }
 }
 
 /// `dedupd rabbitmq-bench`.
 #[derive(Args)]
+#[command(mut_arg("dir", |a| a.help(DIRS_HELP)))]
 pub struct RabbitmqBenchArgs {
     /// The server (`amqp://host:5672/%2f`); the bench declares and deletes queues of its own.
     #[arg(long, default_value = "amqp://127.0.0.1:5672/%2f")]
@@ -164,53 +136,41 @@ pub struct RabbitmqBenchArgs {
     /// Messages published to each phase's queue (redeliveries included).
     #[arg(long, default_value_t = 200_000)]
     messages: u64,
-    /// Fraction of messages that redeliver an earlier message.
-    #[arg(long, default_value_t = 0.1)]
-    dup_rate: f64,
-    /// Seed of the generated traffic: the same seed gives the same messages.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
+    #[command(flatten)]
+    traffic: TrafficFlags,
     /// `basic.qos` prefetch of every consumer.
     #[arg(long, default_value_t = 1024)]
     prefetch: u16,
     /// Handler component for a third phase (the engine with it).
     #[arg(long)]
     handler: Option<PathBuf>,
-    /// Shards (default: number of cores).
-    #[arg(long)]
-    shards: Option<usize>,
-    /// Directory in which the temporary data directories are created.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    shards: ShardFlags,
+    #[command(flatten)]
+    pub run: RunFlags,
 }
 
 impl RabbitmqBenchArgs {
+    /// The run's parameters, checked by the library.
     pub fn params(self) -> Result<RabbitBenchParams> {
-        if !(0.0..1.0).contains(&self.dup_rate) {
-            bail!("--dup-rate must be in [0, 1)");
-        }
-        if self.messages == 0 || self.prefetch == 0 {
-            bail!("--messages and --prefetch must be at least 1");
-        }
-        handler_built(self.handler.as_ref())?;
-        Ok(RabbitBenchParams {
+        let params = RabbitBenchParams {
             uri: self.uri,
             messages: self.messages,
-            dup_rate: self.dup_rate,
-            seed: self.seed,
+            dup_rate: self.traffic.dup_rate,
+            seed: self.traffic.seed,
             prefetch: self.prefetch,
             handler: self.handler,
-            shards: self.shards,
-            dir: self.dir,
-        })
+            shards: self.shards.shards,
+            dir: self.run.dir,
+        };
+        params.validate()?;
+        Ok(params)
     }
 }
 
 /// `dedupd nats-bench`.
 #[derive(Args)]
+#[command(mut_arg("dir", |a| a.help(DIRS_HELP)))]
 pub struct NatsBenchArgs {
     /// The server, with JetStream enabled (`nats-server -js`); the bench creates and
     /// deletes streams of its own.
@@ -219,12 +179,8 @@ pub struct NatsBenchArgs {
     /// Messages published to each phase's stream (redeliveries included).
     #[arg(long, default_value_t = 200_000)]
     messages: u64,
-    /// Fraction of messages that redeliver an earlier message.
-    #[arg(long, default_value_t = 0.1)]
-    dup_rate: f64,
-    /// Seed of the generated traffic: the same seed gives the same messages.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
+    #[command(flatten)]
+    traffic: TrafficFlags,
     /// `MaxAckPending` of every consumer (the in-flight window; the source's default).
     #[arg(long, default_value_t = 4096)]
     window: usize,
@@ -234,32 +190,24 @@ pub struct NatsBenchArgs {
     /// Handler component for a third phase (the engine with it).
     #[arg(long)]
     handler: Option<PathBuf>,
-    /// Directory in which the temporary data directories are created.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub run: RunFlags,
 }
 
 impl NatsBenchArgs {
+    /// The run's parameters, checked by the library.
     pub fn params(self) -> Result<NatsBenchParams> {
-        if !(0.0..1.0).contains(&self.dup_rate) {
-            bail!("--dup-rate must be in [0, 1)");
-        }
-        if self.messages == 0 || self.batch == 0 || self.batch > self.window {
-            bail!("--messages and --batch must be at least 1, --batch at most --window");
-        }
-        handler_built(self.handler.as_ref())?;
-        Ok(NatsBenchParams {
+        let params = NatsBenchParams {
             server: self.server,
             messages: self.messages,
-            dup_rate: self.dup_rate,
-            seed: self.seed,
+            dup_rate: self.traffic.dup_rate,
+            seed: self.traffic.seed,
             window: self.window,
             batch: self.batch,
             handler: self.handler,
-            dir: self.dir,
-        })
+            dir: self.run.dir,
+        };
+        params.validate()?;
+        Ok(params)
     }
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use redb::{Database, Durability, ReadableTable};
 
-use super::format::tables::NAIVE;
+use crate::ledger::format::tables::NAIVE;
 
 /// A storage failure of the baseline's scratch file (redb's own text).
 #[derive(Debug, thiserror::Error)]
