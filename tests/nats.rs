@@ -208,6 +208,14 @@ impl Broker {
         })
     }
 
+    /// How many messages the stream holds.
+    fn stored(&self, stream: &str) -> u64 {
+        self.rt.block_on(async {
+            let mut s = self.js.get_stream(stream).await.unwrap();
+            s.info().await.unwrap().state.messages
+        })
+    }
+
     /// Creates the durable consumer as dedupd would (explicit acks), with `ack_wait`.
     fn create_consumer(&self, stream: &str, durable: &str, ack_wait: Duration) {
         self.rt.block_on(async {
@@ -697,18 +705,21 @@ fn nats_bench_acknowledges_every_message_in_each_phase() {
     );
 }
 
-/// [`config_text`] for the servers `url` with the CA file `ca`, `require_tls` and the
-/// test's client certificate and key.
-fn tls_config_text(url: &str, ca: &Path, pki: &Pki) -> String {
-    config_text(url, None, "30s").replace(
-        "drain_timeout",
-        &format!(
-            "require_tls = true\ntls_ca_file = {:?}\ntls_cert_file = {:?}\ntls_key_file = {:?}\ndrain_timeout",
-            ca.display().to_string(),
+/// [`config_text`] for the servers `url` with the CA file `ca`, `require_tls` and, with
+/// `client`, the test's client certificate and key.
+fn tls_config_text(url: &str, ca: &Path, client: Option<&Pki>) -> String {
+    let mut tls = format!(
+        "require_tls = true\ntls_ca_file = {:?}\n",
+        ca.display().to_string()
+    );
+    if let Some(pki) = client {
+        tls += &format!(
+            "tls_cert_file = {:?}\ntls_key_file = {:?}\n",
             pki.client_cert.display().to_string(),
             pki.client_key.display().to_string()
-        ),
-    )
+        );
+    }
+    config_text(url, None, "30s").replace("drain_timeout", &format!("{tls}drain_timeout"))
 }
 
 /// TLS against the real server (a `tls` block that requires a client certificate, so
@@ -728,7 +739,7 @@ fn each_message_is_processed_once_and_acked_over_tls_with_a_client_certificate()
     assert_eq!(broker.publish(&order_msgs(50..100)), 50);
 
     let data = dir.path().join("data");
-    let text = tls_config_text(&server.url, &pki.ca, &pki);
+    let text = tls_config_text(&server.url, &pki.ca, Some(&pki));
     let config = Config::parse(&text).unwrap();
     let (summary, ledger) = run_until_drained(&broker, &config, &data);
     eprintln!("{summary:?}");
@@ -742,7 +753,7 @@ fn each_message_is_processed_once_and_acked_over_tls_with_a_client_certificate()
     std::thread::sleep(Duration::from_millis(400));
     assert_eq!(broker.publish(&order_msgs(150..300)), 150);
     let url = format!("tls://localhost:{}", server.port);
-    let config = Config::parse(&tls_config_text(&url, &pki.ca, &pki)).unwrap();
+    let config = Config::parse(&tls_config_text(&url, &pki.ca, Some(&pki))).unwrap();
     let (summary, ledger) = run_until_drained(&broker, &config, &data);
     eprintln!("{summary:?}");
     assert_eq!(
@@ -753,6 +764,26 @@ fn each_message_is_processed_once_and_acked_over_tls_with_a_client_certificate()
     assert_eq!(claims(&ledger), 300);
     ledger.close().unwrap();
     assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
+}
+
+/// `dedupd run` of the config `text` in `dir`, which must fail: waits for its exit (30 s at
+/// most) and returns its log and how long it ran, asserting a non-zero exit.
+fn failed_run(dir: &Path, text: &str) -> (String, Duration) {
+    let cfg = dir.join("dedupd.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let log = dir.join("run.log");
+    let mut child = dedupd_run(&cfg, &dir.join("data"), &log);
+    let start = Instant::now();
+    let mut exit = None;
+    wait_until("dedupd run to fail", Duration::from_secs(30), || {
+        exit = child.0.try_wait().unwrap();
+        exit.is_some()
+    });
+    let took = start.elapsed();
+    let logged = std::fs::read_to_string(&log).unwrap();
+    eprintln!("failed after {took:?}: {logged}");
+    assert!(!exit.unwrap().success(), "{logged}");
+    (logged, took)
 }
 
 /// `dedupd run` with a CA that did not sign the server's certificate: the source cannot
@@ -766,19 +797,8 @@ fn a_wrong_ca_fails_the_nats_run_within_seconds_naming_the_certificate() {
     let broker = Broker::connect_tls(&server.url, &pki);
     broker.create_stream(STREAM, Duration::from_secs(120));
     assert_eq!(broker.publish(&order_msgs(0..10)), 10);
-    let cfg = dir.path().join("dedupd.toml");
-    std::fs::write(&cfg, tls_config_text(&server.url, &pki.other_ca, &pki)).unwrap();
-    let log = dir.path().join("run.log");
-    let mut child = dedupd_run(&cfg, &dir.path().join("data"), &log);
-    let start = Instant::now();
-    let mut exit = None;
-    wait_until("dedupd run to fail", Duration::from_secs(30), || {
-        exit = child.0.try_wait().unwrap();
-        exit.is_some()
-    });
-    let logged = std::fs::read_to_string(&log).unwrap();
-    eprintln!("failed after {:?}: {logged}", start.elapsed());
-    assert!(!exit.unwrap().success(), "{logged}");
+    let text = tls_config_text(&server.url, &pki.other_ca, Some(&pki));
+    let (logged, _) = failed_run(dir.path(), &text);
     assert!(
         logged
             .lines()
@@ -790,4 +810,33 @@ fn a_wrong_ca_fails_the_nats_run_within_seconds_naming_the_certificate() {
         (u64::MAX, usize::MAX),
         "no consumer was made"
     );
+}
+
+/// `dedupd run` with the right CA but no client certificate, against a server whose `tls`
+/// block requires one (`verify: true`): the run ends within seconds with an error that
+/// says the server requires a client certificate and names the settings that send one;
+/// no consumer was made and the stream still holds every message.
+#[test]
+fn no_client_certificate_fails_the_nats_run_within_seconds_saying_the_server_requires_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::make(dir.path());
+    let server = NatsServer::start_tls(&pki, dir.path());
+    let broker = Broker::connect_tls(&server.url, &pki);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    assert_eq!(broker.publish(&order_msgs(0..10)), 10);
+    let text = tls_config_text(&server.url, &pki.ca, None);
+    let (logged, took) = failed_run(dir.path(), &text);
+    assert!(took < Duration::from_secs(15), "took {took:?}: {logged}");
+    assert!(
+        logged.lines().any(|l| l.contains("cannot connect")
+            && l.contains("requires a client certificate")
+            && l.contains("tls_cert_file")),
+        "{logged}"
+    );
+    assert_eq!(
+        broker.pending(STREAM, DURABLE),
+        (u64::MAX, usize::MAX),
+        "no consumer was made"
+    );
+    assert_eq!(broker.stored(STREAM), 10, "the messages wait in the stream");
 }

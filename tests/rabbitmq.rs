@@ -4,8 +4,9 @@
 //! with duplicates and redeliveries, a poison message rejected to a dead-letter queue,
 //! kill -9 rounds of `dedupd run` with the non-idempotent counter handler, the server
 //! killed and restarted under load, a slow handler outliving the server's
-//! `consumer_timeout`, `config check` of a bad section, and TLS (`amqps://` with a client
-//! certificate; a wrong CA and a missing client certificate refused, and said why).
+//! `consumer_timeout`, `config check` of a bad section, TLS (`amqps://` with a client
+//! certificate; a wrong CA and a missing client certificate refused, and said why), and
+//! two instances fed by a consistent-hash exchange on `message_id`, one queue each.
 //!
 //! A server takes seconds to start, so the tests that do not stop it or change its
 //! settings share one (each with queues of its own); it stops when the last of them ends,
@@ -15,9 +16,12 @@
 mod common;
 mod rabbitmq_server;
 
+use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
+use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
 use dedupd::source::rabbitmq::{self, RabbitMqSummary};
@@ -532,5 +536,142 @@ fn amqps_with_a_wrong_ca_or_no_client_certificate_is_not_ready_and_says_why() {
             seen.summary
         );
         assert_eq!(broker.ready(q), (10, 0), "{case}: the messages wait");
+    }
+}
+
+/// Events `range`, each its own order (`order_id` = `o-<n>`): the counter handler's count
+/// of an order is then how many times its one event had an effect.
+fn single_event_orders(range: impl Iterator<Item = usize>) -> Vec<Msg> {
+    range
+        .map(|n| Msg {
+            id: Some(format!("e-{n}")),
+            payload: format!(r#"{{"type":"OrderPlaced","order_id":"o-{n}","n":{n}}}"#),
+        })
+        .collect()
+}
+
+/// Several instances on RabbitMQ, the supported way (docs/rabbitmq.md, "Several
+/// instances"): a consistent-hash exchange (plugin `rabbitmq_consistent_hash_exchange`)
+/// hashes the `message_id` property onto one queue per instance, and each `dedupd run`
+/// consumes its own queue into its own data directory, with the non-idempotent counter
+/// handler. Producer retries (copies with the same `message_id`, published with the
+/// originals and again after they were processed) and the redeliveries of a consumer that
+/// died holding messages all reach the instance that saw the id first. Afterwards each
+/// event had its effect exactly once across both instances (every count is 1, no order
+/// counted in both ledgers), both instances got a share, every copy was a duplicate, every
+/// message was acknowledged and both queues are empty.
+#[test]
+fn two_instances_behind_a_consistent_hash_exchange_process_each_id_once() {
+    const EVENTS: usize = 600;
+    const LATER: usize = 200;
+    let server = RabbitServer::start_plugins(&["rabbitmq_consistent_hash_exchange"]);
+    let broker = Broker::connect(&server.uri);
+    let (exchange, queues) = ("orders", ["orders-1", "orders-2"]);
+    // The server is not restarted here: a restart of rabbitmq-server 3.10.8 rebuilt the
+    // exchange's ring with every id on the other queue (docs/rabbitmq.md).
+    broker.consistent_hash(exchange, &queues);
+    // The originals, each fifth retried by its producer at once.
+    let mut first = single_event_orders(0..EVENTS);
+    first.extend(single_event_orders((0..EVENTS).step_by(5)));
+    broker.publish_to(exchange, "orders.placed", &first, &[]);
+    let (a, b) = (broker.ready(queues[0]).0, broker.ready(queues[1]).0);
+    assert_eq!(
+        (a + b) as usize,
+        first.len(),
+        "every message routed to one queue"
+    );
+    // A consumer that dies holding messages of the first queue: delivered again.
+    broker.take_without_ack(queues[0], 20);
+
+    let dir = tempfile::tempdir().unwrap();
+    let handler = component("fixture_counter");
+    let instances: Vec<_> = queues
+        .iter()
+        .map(|q| {
+            let run = dir.path().join(q);
+            std::fs::create_dir_all(&run).unwrap();
+            let cfg = run.join("dedupd.toml");
+            std::fs::write(&cfg, config_text(&server.uri, Some(&handler), &[q], "")).unwrap();
+            let log = run.join("run.log");
+            let child = dedupd_run(&cfg, &run.join("data"), &log);
+            (run, cfg, log, child)
+        })
+        .collect();
+    let all_acked = |server: &RabbitServer| queues.iter().all(|q| server.pending(q) == (0, 0));
+    wait_logged(
+        "the first messages acknowledged",
+        Duration::from_secs(60),
+        Some(&instances[0].2),
+        || all_acked(&server),
+    );
+    // Producer retries after the originals were processed (each third), and new events.
+    let mut later = single_event_orders((0..EVENTS).step_by(3));
+    later.extend(single_event_orders(EVENTS..EVENTS + LATER));
+    broker.publish_to(exchange, "orders.placed", &later, &[]);
+    wait_logged(
+        "every message acknowledged",
+        Duration::from_secs(60),
+        Some(&instances[1].2),
+        || all_acked(&server),
+    );
+
+    let events = (EVENTS + LATER) as u64;
+    let copies = (first.len() + later.len()) as u64 - events;
+    let mut counted: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    let mut totals = [0u64; 4];
+    for (i, (run, cfg, log, child)) in instances.into_iter().enumerate() {
+        let summary = stop_gracefully(child, &log);
+        eprintln!("instance {}: {summary}", i + 1);
+        let r = &summary["rabbitmq"];
+        let n = |f: &str| r[f].as_u64().unwrap();
+        assert!(
+            n("processed") > 0,
+            "instance {} got no share: {summary}",
+            i + 1
+        );
+        assert_eq!(n("processed") + n("duplicate"), n("received"), "{summary}");
+        assert_eq!(n("acked"), n("received"), "{summary}");
+        assert_eq!((n("rejected"), n("reconnects")), (0, 0), "{summary}");
+        for (t, f) in totals
+            .iter_mut()
+            .zip(["processed", "duplicate", "acked", "redelivered"])
+        {
+            *t += n(f);
+        }
+        let config = Config::load(&cfg).unwrap();
+        let ledger = Ledger::open(&run.join("data"), &config, Arc::new(SystemClock)).unwrap();
+        assert_eq!(
+            claims(&ledger),
+            n("processed"),
+            "one claim per event processed here"
+        );
+        for (k, v) in ledger.state_entries("orders").unwrap() {
+            let (k, v) = (String::from_utf8(k).unwrap(), String::from_utf8(v).unwrap());
+            if let Some((other, _)) = counted.insert(k.clone(), (i, v)) {
+                panic!("{k} counted by both instances ({other} and {i})");
+            }
+        }
+        ledger.close().unwrap();
+    }
+    let [processed, duplicate, acked, redelivered] = totals;
+    assert_eq!(
+        processed, events,
+        "each event processed once across the instances"
+    );
+    assert_eq!(
+        duplicate, copies,
+        "every copy a duplicate where its original was"
+    );
+    assert_eq!(acked, events + copies, "every message acknowledged");
+    assert!(redelivered >= 20, "the dead consumer's messages came again");
+    assert_eq!(counted.len(), EVENTS + LATER, "orders lost");
+    let wrong: Vec<_> = counted
+        .iter()
+        .filter(|(_, (_, v))| v != "1")
+        .take(5)
+        .collect();
+    assert!(wrong.is_empty(), "effects applied twice or lost: {wrong:?}");
+    for q in queues {
+        assert_all_acked(&broker, q);
     }
 }

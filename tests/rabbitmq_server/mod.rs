@@ -1,6 +1,7 @@
 //! The RabbitMQ nodes and the client `tests/rabbitmq.rs` uses: a `rabbitmq-server` of the
-//! tests' own on free loopback ports (own epmd, cookie, database, logs; no plugins), one
-//! shared by the tests that leave it alone, and a publisher/inspector over lapin.
+//! tests' own on free loopback ports (own epmd, cookie, database, logs; no plugins unless
+//! a test names some), one shared by the tests that leave it alone, and a
+//! publisher/inspector over lapin.
 
 use std::process::{Child, Command};
 use std::sync::{Arc, Mutex, Weak};
@@ -9,10 +10,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
 use crate::common::broker::{free_port, wait_until};
 
@@ -28,6 +29,8 @@ pub struct RabbitServer {
     epmd_port: u16,
     dist_port: u16,
     node: String,
+    /// The plugins it runs (comma-separated names; empty: none).
+    plugins: String,
     dir: tempfile::TempDir,
     pub uri: String,
 }
@@ -41,6 +44,16 @@ impl RabbitServer {
 
     /// [`RabbitServer::start`], with `conf` added to rabbitmq.conf (a TLS listener).
     pub fn start_conf(rabbit_env: &[&str], conf: &str) -> RabbitServer {
+        RabbitServer::start_with(rabbit_env, conf, &[])
+    }
+
+    /// A node that runs the `plugins` shipped with the server (e.g.
+    /// `rabbitmq_consistent_hash_exchange`), enabled from its start.
+    pub fn start_plugins(plugins: &[&str]) -> RabbitServer {
+        RabbitServer::start_with(&[], "", plugins)
+    }
+
+    fn start_with(rabbit_env: &[&str], conf: &str, plugins: &[&str]) -> RabbitServer {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = tempfile::tempdir().unwrap();
@@ -60,13 +73,18 @@ impl RabbitServer {
             format!("[{{rabbit, [{}]}}].\n", rabbit_env.join(", ")),
         )
         .unwrap();
-        std::fs::write(dir.path().join("enabled_plugins"), "[].\n").unwrap();
+        std::fs::write(
+            dir.path().join("enabled_plugins"),
+            format!("[{}].\n", plugins.join(",")),
+        )
+        .unwrap();
         let mut server = RabbitServer {
             group: None,
             port,
             epmd_port: free_port(),
             dist_port: free_port(),
             node: format!("dedupd-test-{}-{n}@localhost", std::process::id()),
+            plugins: plugins.join(","),
             uri: format!("amqp://127.0.0.1:{port}/%2f"),
             dir,
         };
@@ -87,7 +105,7 @@ impl RabbitServer {
             .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
             .env("RABBITMQ_ADVANCED_CONFIG_FILE", d.join("advanced.config"))
             .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
-            .env("RABBITMQ_ENABLED_PLUGINS", "");
+            .env("RABBITMQ_ENABLED_PLUGINS", &self.plugins);
     }
 
     /// Starts the group and waits until the server takes connections.
@@ -280,9 +298,62 @@ impl Broker {
         });
     }
 
+    /// A durable consistent-hash exchange (plugin `rabbitmq_consistent_hash_exchange`)
+    /// that hashes the `message_id` property, and `queues` declared as dedupd does, each
+    /// bound to it with the weight 1 (the binding's routing key): every message with the
+    /// same `message_id` goes to the same queue.
+    pub fn consistent_hash(&self, exchange: &str, queues: &[&str]) {
+        self.rt.block_on(async {
+            let mut args = FieldTable::default();
+            args.insert(
+                "hash-property".into(),
+                AMQPValue::LongString("message_id".into()),
+            );
+            self.ch
+                .exchange_declare(
+                    exchange.into(),
+                    ExchangeKind::Custom("x-consistent-hash".into()),
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    args,
+                )
+                .await
+                .unwrap();
+        });
+        for q in queues {
+            self.declare(q, None);
+            self.rt.block_on(async {
+                self.ch
+                    .queue_bind(
+                        (*q).into(),
+                        exchange.into(),
+                        "1".into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .unwrap();
+            });
+        }
+    }
+
     /// Publishes persistent messages to `queue` (the default exchange) with `extra`
     /// headers, and waits for every confirm.
     pub fn publish(&self, queue: &str, msgs: &[Msg], extra: &[(&str, &str)]) {
+        self.publish_to("", queue, msgs, extra);
+    }
+
+    /// Publishes persistent messages to `exchange` with `routing_key` and `extra` headers,
+    /// and waits for every confirm (`mandatory`: a message no queue took fails the test).
+    pub fn publish_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        msgs: &[Msg],
+        extra: &[(&str, &str)],
+    ) {
         self.rt.block_on(async {
             let mut confirms = Vec::new();
             for m in msgs {
@@ -299,9 +370,12 @@ impl Broker {
                 confirms.push(
                     self.ch
                         .basic_publish(
-                            "".into(),
-                            queue.into(),
-                            BasicPublishOptions::default(),
+                            exchange.into(),
+                            routing_key.into(),
+                            BasicPublishOptions {
+                                mandatory: true,
+                                ..Default::default()
+                            },
                             m.payload.as_bytes(),
                             props,
                         )
@@ -310,7 +384,12 @@ impl Broker {
                 );
             }
             for c in confirms {
-                assert!(c.await.unwrap().is_ack(), "publish confirmed");
+                let confirm = c.await.unwrap();
+                assert!(confirm.is_ack(), "publish confirmed");
+                assert!(
+                    confirm.take_message().is_none(),
+                    "a message no queue took came back"
+                );
             }
         });
     }

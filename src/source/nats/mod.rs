@@ -156,10 +156,26 @@ async fn connect(nats: &NatsConfig) -> Result<Client, NatsError> {
         .map(|s| s.parse())
         .collect::<Result<_, _>>()
         .map_err(|e| NatsError::Config(format!("nats.servers: {e}")))?;
-    options
-        .connect(addrs)
-        .await
-        .map_err(|e| NatsError::Client(format!("cannot connect to {:?}: {e}", nats.servers)))
+    options.connect(addrs).await.map_err(|e| {
+        let e = e.to_string();
+        let hint = client_certificate_hint(&e, nats.tls_cert_file.is_some());
+        NatsError::Client(format!("cannot connect to {:?}: {e}{hint}", nats.servers))
+    })
+}
+
+/// What to add to a connection error when the server ended the TLS handshake with an
+/// alert about the client's certificate while dedupd sent none: a server whose `tls`
+/// block has `verify: true` requires one (Go's TLS 1.2 says `BadCertificate`, TLS 1.3
+/// `CertificateRequired`), which the error alone does not say.
+fn client_certificate_hint(error: &str, sent_certificate: bool) -> &'static str {
+    let alert = ["BadCertificate", "CertificateRequired"]
+        .iter()
+        .any(|a| error.contains(&format!("received fatal alert: {a}")));
+    if alert && !sent_certificate {
+        " (the server requires a client certificate: set nats.tls_cert_file and nats.tls_key_file)"
+    } else {
+        ""
+    }
 }
 
 /// Runs every binding until `shutdown` triggers; then each drains and acknowledges what
@@ -260,4 +276,24 @@ async fn run_bindings(
         }
     }
     first_err.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::client_certificate_hint;
+
+    #[test]
+    fn a_certificate_alert_without_a_client_certificate_says_the_server_requires_one() {
+        for alert in ["BadCertificate", "CertificateRequired"] {
+            let e = format!("IO error: received fatal alert: {alert}");
+            assert!(
+                client_certificate_hint(&e, false).contains("requires a client certificate"),
+                "{e}"
+            );
+            // A certificate was sent: the alert is about that one, not a missing one.
+            assert_eq!(client_certificate_hint(&e, true), "");
+        }
+        let other = "IO error: invalid peer certificate: UnknownIssuer";
+        assert_eq!(client_certificate_hint(other, false), "");
+    }
 }

@@ -22,8 +22,10 @@
 //! queue), ends the session: the server requeues every message that was not acknowledged
 //! and delivers it again, flagged `redelivered`, to the next session; the ledger answers
 //! `duplicate` for what was durable already. Instances do not share claims: several
-//! dedupd instances consuming one queue must share nothing they would do twice, or run one
-//! instance per queue (docs/rabbitmq.md).
+//! dedupd instances consuming one queue would process a retry or a redelivery that reached
+//! the other one again. Several instances take one queue each, fed by a consistent-hash
+//! exchange on `message_id`, so every copy of an id reaches the same instance
+//! (docs/rabbitmq.md, "Several instances").
 
 pub mod bench;
 mod config;
