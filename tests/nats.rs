@@ -722,6 +722,16 @@ fn tls_config_text(url: &str, ca: &Path, client: Option<&Pki>) -> String {
     config_text(url, None, "30s").replace("drain_timeout", &format!("{tls}drain_timeout"))
 }
 
+/// A certificate authority with its certificates, a server whose `tls` block requires a
+/// client certificate, a client of it, and the test stream with duplicate window `window`.
+fn tls_stream(dir: &std::path::Path, window: Duration) -> (Pki, NatsServer, Broker) {
+    let pki = Pki::make(dir);
+    let server = NatsServer::start_tls(&pki, dir);
+    let broker = Broker::connect_tls(&server.url, &pki);
+    broker.create_stream(STREAM, window);
+    (pki, server, broker)
+}
+
 /// TLS against the real server (a `tls` block that requires a client certificate, so
 /// every client speaks TLS): dedupd consumes by `nats://127.0.0.1` with `require_tls`,
 /// then by `tls://localhost` (both in the certificate's names), with events stored again
@@ -730,10 +740,7 @@ fn tls_config_text(url: &str, ca: &Path, client: Option<&Pki>) -> String {
 #[test]
 fn each_message_is_processed_once_and_acked_over_tls_with_a_client_certificate() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::make(dir.path());
-    let server = NatsServer::start_tls(&pki, dir.path());
-    let broker = Broker::connect_tls(&server.url, &pki);
-    broker.create_stream(STREAM, Duration::from_millis(200));
+    let (pki, server, broker) = tls_stream(dir.path(), Duration::from_millis(200));
     assert_eq!(broker.publish(&order_msgs(0..200)), 200);
     std::thread::sleep(Duration::from_millis(400));
     assert_eq!(broker.publish(&order_msgs(50..100)), 50);
@@ -792,10 +799,7 @@ fn failed_run(dir: &Path, text: &str) -> (String, Duration) {
 #[test]
 fn a_wrong_ca_fails_the_nats_run_within_seconds_naming_the_certificate() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::make(dir.path());
-    let server = NatsServer::start_tls(&pki, dir.path());
-    let broker = Broker::connect_tls(&server.url, &pki);
-    broker.create_stream(STREAM, Duration::from_secs(120));
+    let (pki, server, broker) = tls_stream(dir.path(), Duration::from_secs(120));
     assert_eq!(broker.publish(&order_msgs(0..10)), 10);
     let text = tls_config_text(&server.url, &pki.other_ca, Some(&pki));
     let (logged, _) = failed_run(dir.path(), &text);
@@ -819,10 +823,7 @@ fn a_wrong_ca_fails_the_nats_run_within_seconds_naming_the_certificate() {
 #[test]
 fn no_client_certificate_fails_the_nats_run_within_seconds_saying_the_server_requires_one() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::make(dir.path());
-    let server = NatsServer::start_tls(&pki, dir.path());
-    let broker = Broker::connect_tls(&server.url, &pki);
-    broker.create_stream(STREAM, Duration::from_secs(120));
+    let (pki, server, broker) = tls_stream(dir.path(), Duration::from_secs(120));
     assert_eq!(broker.publish(&order_msgs(0..10)), 10);
     let text = tls_config_text(&server.url, &pki.ca, None);
     let (logged, took) = failed_run(dir.path(), &text);
