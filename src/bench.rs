@@ -426,7 +426,7 @@ fn assemble(
     let seq = driven.messages;
     let mean_batch = seq as f64 / batches.max(1) as f64;
     let counts = &acked.counts;
-    let verified = counts[..3] == driven.expected && counts[3..].iter().all(|c| *c == 0);
+    let verified = counts.matches(&driven.expected);
     let probes = measured.filter_probes;
     BenchReport {
         params: params.clone(),
@@ -434,9 +434,9 @@ fn assemble(
         shards: measured.report.shards,
         elapsed_s: elapsed.as_secs_f64(),
         msgs_per_sec: seq as f64 / elapsed.as_secs_f64(),
-        processed: counts[0],
-        duplicates: counts[1],
-        quarantined: counts[2],
+        processed: counts.processed,
+        duplicates: counts.duplicates,
+        quarantined: counts.quarantined,
         verified,
         p50_ack_ms: acked.latency.quantile_ms(0.5),
         p99_ack_ms: acked.latency.quantile_ms(0.99),
@@ -468,7 +468,7 @@ fn assemble(
         probed_keys: m.iter().map(|m| m.probed_keys).sum(),
         unprobed_keys: m.iter().map(|m| m.unprobed_keys).sum(),
         state_entries: measured.state_entries,
-        dead_lettered: counts[3],
+        dead_lettered: counts.dead_lettered,
         naive_messages: 0,
         naive_batch: 0,
         naive_msgs_per_sec: f64::NAN,

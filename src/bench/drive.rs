@@ -16,10 +16,61 @@ use crate::telemetry::{rss_bytes, Latency};
 
 pub(super) struct AckerResult {
     pub(super) latency: Latency,
-    pub(super) counts: [u64; 6],
+    /// Outcomes released, by kind.
+    pub(super) counts: Released,
     /// The highest RSS sampled (every quarter second).
     pub(super) rss_max: u64,
     pub(super) series: Vec<SeriesPoint>,
+}
+
+/// Released outcomes, by kind.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Released {
+    pub(super) processed: u64,
+    pub(super) duplicates: u64,
+    pub(super) quarantined: u64,
+    pub(super) dead_lettered: u64,
+    pub(super) rejected: u64,
+    pub(super) failed: u64,
+}
+
+impl Released {
+    fn add(&mut self, kind: Kind) {
+        *match kind {
+            Kind::Processed => &mut self.processed,
+            Kind::Duplicate => &mut self.duplicates,
+            Kind::Quarantined => &mut self.quarantined,
+            Kind::DeadLettered => &mut self.dead_lettered,
+            Kind::Rejected => &mut self.rejected,
+            Kind::Failed => &mut self.failed,
+        } += 1;
+    }
+
+    /// Exactly what the generator expected, and nothing dead-lettered, rejected or failed.
+    pub(super) fn matches(&self, expected: &Expected) -> bool {
+        (self.processed, self.duplicates, self.quarantined)
+            == (expected.new, expected.duplicates, expected.quarantined)
+            && self.dead_lettered + self.rejected + self.failed == 0
+    }
+}
+
+/// An outcome's kind, held by the acker until it is released in order.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Processed,
+    Duplicate,
+    Quarantined,
+    DeadLettered,
+    Rejected,
+    Failed,
+}
+
+/// What the generator knows each message must get.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Expected {
+    pub(super) new: u64,
+    pub(super) duplicates: u64,
+    pub(super) quarantined: u64,
 }
 
 /// What the generator and the acker share while the engine runs.
@@ -61,10 +112,10 @@ pub(super) fn spawn_acker(
     std::thread::Builder::new()
         .name("bench-acker".into())
         .spawn(move || {
-            let mut order: Sequencer<u8> = Sequencer::starting_at(0);
+            let mut order: Sequencer<Kind> = Sequencer::starting_at(0);
             let mut r = AckerResult {
                 latency: Latency::default(),
-                counts: [0; 6],
+                counts: Released::default(),
                 rss_max: 0,
                 series: Vec::new(),
             };
@@ -72,21 +123,21 @@ pub(super) fn spawn_acker(
             let mut step_start = (0u64, Duration::ZERO);
             for batch in ack_rx {
                 for d in batch {
-                    let code = match d.outcome {
-                        Outcome::Processed => 0,
-                        Outcome::Duplicate => 1,
-                        Outcome::Quarantined { .. } => 2,
-                        Outcome::DeadLettered { .. } => 3,
-                        Outcome::Rejected { .. } => 4,
-                        Outcome::Failed { .. } => 5,
+                    let kind = match d.outcome {
+                        Outcome::Processed => Kind::Processed,
+                        Outcome::Duplicate => Kind::Duplicate,
+                        Outcome::Quarantined { .. } => Kind::Quarantined,
+                        Outcome::DeadLettered { .. } => Kind::DeadLettered,
+                        Outcome::Rejected { .. } => Kind::Rejected,
+                        Outcome::Failed { .. } => Kind::Failed,
                     };
-                    order.insert(d.seq, code);
+                    order.insert(d.seq, kind);
                 }
                 let now = live.start.elapsed().as_micros() as u64;
-                while let Some((seq, code)) = order.pop_ready() {
+                while let Some((seq, kind)) = order.pop_ready() {
                     let t = live.submitted_at[(seq % live.window) as usize].load(Ordering::Acquire);
                     r.latency.record_us(now.saturating_sub(t));
-                    r.counts[code as usize] += 1;
+                    r.counts.add(kind);
                 }
                 if last_sample.elapsed() >= Duration::from_millis(250) {
                     last_sample = Instant::now();
@@ -99,7 +150,7 @@ pub(super) fn spawn_acker(
                     r.series.push(SeriesPoint {
                         messages: released,
                         msgs_per_sec: (released - step_start.0) as f64 / secs,
-                        processed: r.counts[0],
+                        processed: r.counts.processed,
                         rss_bytes: rss_bytes(),
                         disk_allocated_bytes: crate::ledger::dir_allocated_bytes(&data_dir),
                     });
@@ -121,8 +172,8 @@ pub(super) fn spawn_acker(
 pub(super) struct Driven {
     /// Messages submitted (all released when `drive` returns).
     pub(super) messages: u64,
-    /// What the generator knows each message must get: new, duplicate, quarantined.
-    pub(super) expected: [u64; 3],
+    /// What the generator knows each message must get.
+    pub(super) expected: Expected,
 }
 
 /// Generates the traffic and submits it, at most `window` messages ahead of the released
@@ -139,7 +190,7 @@ pub(super) fn drive(
     let mut traffic = Traffic::new(spec);
     let mut ev = Event::default();
     let mut staged: Vec<Vec<Job>> = (0..ledger.shard_count()).map(|_| Vec::new()).collect();
-    let mut expected = [0u64; 3];
+    let mut expected = Expected::default();
     let mut last_report = Instant::now();
     let flush = |staged: &mut Vec<Vec<Job>>| -> Result<(), LedgerError> {
         for (i, s) in staged.iter_mut().enumerate() {
@@ -173,9 +224,9 @@ pub(super) fn drive(
             }
         }
         match ev.expect {
-            Some(Expect::New) => expected[0] += 1,
-            Some(Expect::Duplicate) => expected[1] += 1,
-            _ => expected[2] += 1,
+            Some(Expect::New) => expected.new += 1,
+            Some(Expect::Duplicate) => expected.duplicates += 1,
+            _ => expected.quarantined += 1,
         }
         let key = key_hash(ev.id.as_bytes());
         let sub = &subs[ev.subscriber as usize];
@@ -223,3 +274,34 @@ pub(super) fn drive(
 
 /// How early a paced message may go rather than the generator sleeping until it is due.
 const PACE_SLACK_US: u64 = 200;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `verified` in the report: exactly the expected outcomes, and nothing else.
+    #[test]
+    fn released_outcomes_match_only_exactly_what_was_expected() {
+        let expected = Expected {
+            new: 2,
+            duplicates: 1,
+            quarantined: 0,
+        };
+        let mut r = Released::default();
+        for kind in [Kind::Processed, Kind::Duplicate, Kind::Processed] {
+            r.add(kind);
+        }
+        assert!(r.matches(&expected));
+        let mut extra = r;
+        extra.add(Kind::DeadLettered);
+        assert!(!extra.matches(&expected), "a dead letter is not expected");
+        let mut swapped = Released::default();
+        for kind in [Kind::Processed, Kind::Duplicate, Kind::Quarantined] {
+            swapped.add(kind);
+        }
+        assert!(
+            !swapped.matches(&expected),
+            "a quarantine in place of a new message"
+        );
+    }
+}
