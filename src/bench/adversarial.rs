@@ -309,18 +309,10 @@ struct Counts {
     last_outcome: Duration,
 }
 
-fn run_phase(
-    params: &AdversarialParams,
-    config: &Config,
-    factories: &BTreeMap<&'static str, Arc<dyn HandlerFactory>>,
-    with_hostile: bool,
-) -> Result<PhaseReport, BenchError> {
-    let tmp = tempfile::Builder::new()
-        .prefix(".dedupd-adversarial-")
-        .tempdir_in(&params.dir)
-        .map_err(|e| BenchError::Dir(params.dir.clone(), e))?;
-    let ledger = Ledger::open(&tmp.path().join("engine"), config, Arc::new(SystemClock))?;
-    let mut lanes: Vec<Lane> = (0..params.good_subscribers)
+/// The phase's lanes: the good subscribers, then (`with_hostile`) one of each hostile
+/// behaviour.
+fn lanes(params: &AdversarialParams, with_hostile: bool) -> Vec<Lane> {
+    (0..params.good_subscribers)
         .map(|i| (Behaviour::Good, i))
         .chain(
             Behaviour::HOSTILE
@@ -338,7 +330,60 @@ fn run_phase(
             sent: 0,
             unique: 0,
         })
-        .collect();
+        .collect()
+}
+
+/// The thread that counts each lane's outcomes (the lane is in the high bits of a seq)
+/// and frees its in-flight slots.
+fn spawn_acker(
+    behaviours: Vec<Behaviour>,
+    inflight: Arc<Vec<AtomicU64>>,
+    ack_rx: crossbeam_channel::Receiver<Vec<Done>>,
+    start: Instant,
+) -> Result<std::thread::JoinHandle<Vec<Counts>>, BenchError> {
+    std::thread::Builder::new()
+        .name("adversarial-acker".into())
+        .spawn(move || {
+            let mut counts: Vec<Counts> = behaviours.iter().map(|_| Counts::default()).collect();
+            for batch in ack_rx {
+                let at = start.elapsed();
+                for d in batch {
+                    let lane = (d.seq >> LANE_SHIFT) as usize;
+                    let c = &mut counts[lane];
+                    c.last_outcome = at;
+                    match d.outcome {
+                        Outcome::Processed => c.processed += 1,
+                        Outcome::Duplicate => c.duplicates += 1,
+                        Outcome::DeadLettered { reason, .. } => {
+                            c.dead_lettered += 1;
+                            let expected = behaviours[lane].expected_reasons();
+                            if !expected.iter().any(|e| reason.contains(e)) {
+                                c.unexpected_reasons += 1;
+                            }
+                            c.first_reason.get_or_insert(reason);
+                        }
+                        _ => c.other += 1,
+                    }
+                    inflight[lane].fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            counts
+        })
+        .map_err(|e| BenchError::Naive(format!("cannot start the acker: {e}")))
+}
+
+fn run_phase(
+    params: &AdversarialParams,
+    config: &Config,
+    factories: &BTreeMap<&'static str, Arc<dyn HandlerFactory>>,
+    with_hostile: bool,
+) -> Result<PhaseReport, BenchError> {
+    let tmp = tempfile::Builder::new()
+        .prefix(".dedupd-adversarial-")
+        .tempdir_in(&params.dir)
+        .map_err(|e| BenchError::Dir(params.dir.clone(), e))?;
+    let ledger = Ledger::open(&tmp.path().join("engine"), config, Arc::new(SystemClock))?;
+    let mut lanes = lanes(params, with_hostile);
     let subs: Vec<_> = lanes
         .iter()
         .map(|l| ledger.subscriber(&l.name))
@@ -351,39 +396,7 @@ fn run_phase(
     let behaviours: Vec<Behaviour> = lanes.iter().map(|l| l.behaviour).collect();
     let (ack_tx, ack_rx) = unbounded::<Vec<Done>>();
     let start = Instant::now();
-    let acker = {
-        let inflight = inflight.clone();
-        std::thread::Builder::new()
-            .name("adversarial-acker".into())
-            .spawn(move || {
-                let mut counts: Vec<Counts> =
-                    behaviours.iter().map(|_| Counts::default()).collect();
-                for batch in ack_rx {
-                    let at = start.elapsed();
-                    for d in batch {
-                        let lane = (d.seq >> LANE_SHIFT) as usize;
-                        let c = &mut counts[lane];
-                        c.last_outcome = at;
-                        match d.outcome {
-                            Outcome::Processed => c.processed += 1,
-                            Outcome::Duplicate => c.duplicates += 1,
-                            Outcome::DeadLettered { reason, .. } => {
-                                c.dead_lettered += 1;
-                                let expected = behaviours[lane].expected_reasons();
-                                if !expected.iter().any(|e| reason.contains(e)) {
-                                    c.unexpected_reasons += 1;
-                                }
-                                c.first_reason.get_or_insert(reason);
-                            }
-                            _ => c.other += 1,
-                        }
-                        inflight[lane].fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-                counts
-            })
-            .map_err(|e| BenchError::Naive(format!("cannot start the acker: {e}")))?
-    };
+    let acker = spawn_acker(behaviours, inflight.clone(), ack_rx, start)?;
     let driven = drive_lanes(params, &ledger, &subs, &mut lanes, &inflight, ack_tx);
     let elapsed = start.elapsed();
     let counts = acker

@@ -238,6 +238,33 @@ impl SubscriberConfig {
 }
 
 pub(super) fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(), ConfigError> {
+    validate_limits(field, s)?;
+    for (i, pointer) in s.fingerprint.ignore.iter().enumerate() {
+        if !pointer.starts_with('/') {
+            return Err(invalid(
+                format!("{field}.fingerprint.ignore[{i}]"),
+                format!("{pointer:?} is not a JSON pointer: it must start with `/` (the whole payload cannot be ignored)"),
+            ));
+        }
+    }
+    validate_key(field, &s.key)?;
+    // A pointer without '/' or an empty header name would match no message: every one
+    // would be rejected at run time for a missing partition key.
+    match &s.partition_key {
+        PartitionSource::Header { name } if name.is_empty() => Err(invalid(
+            format!("{field}.partition_key.name"),
+            "must not be empty",
+        )),
+        PartitionSource::JsonPointer { pointer } if !pointer.starts_with('/') => Err(invalid(
+            format!("{field}.partition_key.pointer"),
+            "must be a JSON pointer starting with '/'",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The numeric settings: retention, key size, the handler's limits, retries, breaker.
+fn validate_limits(field: &str, s: &SubscriberSettings) -> Result<(), ConfigError> {
     if s.ttl < Duration::from_secs(1) {
         return Err(invalid(format!("{field}.ttl"), "must be at least 1s"));
     }
@@ -314,15 +341,12 @@ pub(super) fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(
             "must be between 1ms and 1h",
         ));
     }
-    for (i, pointer) in s.fingerprint.ignore.iter().enumerate() {
-        if !pointer.starts_with('/') {
-            return Err(invalid(
-                format!("{field}.fingerprint.ignore[{i}]"),
-                format!("{pointer:?} is not a JSON pointer: it must start with `/` (the whole payload cannot be ignored)"),
-            ));
-        }
-    }
-    match &s.key {
+    Ok(())
+}
+
+/// The key source: a header name, one JSON pointer or a composite of distinct ones.
+fn validate_key(field: &str, key: &KeySource) -> Result<(), ConfigError> {
+    match key {
         KeySource::Header { name } if name.is_empty() => {
             return Err(invalid(format!("{field}.key.name"), "must not be empty"))
         }
@@ -356,19 +380,7 @@ pub(super) fn validate_settings(field: &str, s: &SubscriberSettings) -> Result<(
         }
         _ => {}
     }
-    // A pointer without '/' or an empty header name would match no message: every one
-    // would be rejected at run time for a missing partition key.
-    match &s.partition_key {
-        PartitionSource::Header { name } if name.is_empty() => Err(invalid(
-            format!("{field}.partition_key.name"),
-            "must not be empty",
-        )),
-        PartitionSource::JsonPointer { pointer } if !pointer.starts_with('/') => Err(invalid(
-            format!("{field}.partition_key.pointer"),
-            "must be a JSON pointer starting with '/'",
-        )),
-        _ => Ok(()),
-    }
+    Ok(())
 }
 
 /// Subscriber names become part of table names, so they are kept to a safe alphabet.

@@ -1,8 +1,9 @@
-//! The commands that are more than a library call and a print: `handler test`,
-//! `restore`, `dev-broker`, `demo` (the benchmarks are in `benches.rs`).
+//! The commands that are more than a library call and a print: `handler check/test/new`,
+//! `inspect`, `backup`, `restore`, `dev-broker`, `demo` (the benchmarks are in
+//! `benches.rs`).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
@@ -11,8 +12,72 @@ use crate::output::{end_progress, progress, CopyProgress};
 use dedupd::pipeline;
 use dedupd::source::kafka;
 
+/// `dedupd handler check|test|new`.
+pub fn handler(command: args::HandlerCommand) -> Result<()> {
+    match command {
+        args::HandlerCommand::Check { file, json } => {
+            let component = dedupd::handler::Component::load(&file, Default::default())?;
+            match json {
+                true => println!("{}", serde_json::to_string_pretty(component.report())?),
+                false => print!("{}", component.report()),
+            }
+        }
+        args::HandlerCommand::Test(args) => handler_test(args)?,
+        args::HandlerCommand::New { name, lang, dir } => {
+            let project = dedupd::scaffold::create(&dir, &name, lang.parse()?)?;
+            println!(
+                "created {} ({} files)\n\nnext:\n{}",
+                project.dir.display(),
+                project.files.len(),
+                project.next_steps()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `dedupd inspect`; with `repair` (the config file it names, if any) `--repair`, with
+/// its progress at a terminal.
+pub fn inspect(data_dir: &Path, repair: Option<Option<&Path>>, json: bool) -> Result<()> {
+    let report = match repair {
+        None => dedupd::inspect::inspect(data_dir)?,
+        Some(config) => {
+            let config = load_config(config)?;
+            let shown = crate::repair_progress::RepairProgress::new(data_dir);
+            let report =
+                dedupd::inspect::inspect_repairing_observed(data_dir, &config, shown.observer());
+            shown.finish();
+            report?
+        }
+    };
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&report)?),
+        false => dedupd::inspect::write_table(&report, std::io::stdout().lock())?,
+    }
+    Ok(())
+}
+
+/// `dedupd backup`, with its progress at a terminal.
+pub fn backup(data_dir: &Path, to: &Path, json: bool) -> Result<()> {
+    let report = {
+        let mut shown = CopyProgress::new();
+        dedupd::backup::backup_offline_observed(data_dir, to, &mut |p| shown.observe(p))?
+    };
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&report)?),
+        false => println!(
+            "backup {}: {} files, {} bytes, checksums in {}",
+            to.display(),
+            report.manifest.files.len(),
+            report.bytes,
+            dedupd::backup::BACKUP_MANIFEST
+        ),
+    }
+    Ok(())
+}
+
 /// `dedupd handler test`.
-pub fn handler_test(args: args::HandlerTestArgs) -> Result<()> {
+fn handler_test(args: args::HandlerTestArgs) -> Result<()> {
     use dedupd::harness;
     if !args.file.exists() {
         bail!("handler {} not found", args.file.display());

@@ -13,8 +13,8 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::Parser;
 
-use args::{data_dir, load_config, Cli, Command, ConfigCommand, HandlerCommand, StateCommand};
-use commands::{demo, dev_broker, handler_test, restore};
+use args::{data_dir, load_config, Cli, Command, ConfigCommand, StateCommand};
+use commands::{backup, demo, dev_broker, handler, inspect, restore};
 use dedupd::pipeline::{self, Mode, Summary};
 use output::init_logs;
 
@@ -117,29 +117,7 @@ fn run(command: Command) -> Result<()> {
                 false => print!("{report}"),
             }
         }
-        Command::Handler {
-            command: HandlerCommand::Check { file, json },
-        } => {
-            let component = dedupd::handler::Component::load(&file, Default::default())?;
-            match json {
-                true => println!("{}", serde_json::to_string_pretty(component.report())?),
-                false => print!("{}", component.report()),
-            }
-        }
-        Command::Handler {
-            command: HandlerCommand::Test(args),
-        } => handler_test(args)?,
-        Command::Handler {
-            command: HandlerCommand::New { name, lang, dir },
-        } => {
-            let project = dedupd::scaffold::create(&dir, &name, lang.parse()?)?;
-            println!(
-                "created {} ({} files)\n\nnext:\n{}",
-                project.dir.display(),
-                project.files.len(),
-                project.next_steps()
-            );
-        }
+        Command::Handler { command } => handler(command)?,
         Command::State {
             command:
                 StateCommand::Dump {
@@ -156,42 +134,8 @@ fn run(command: Command) -> Result<()> {
             repair,
             config,
             json,
-        } => {
-            let report = match repair {
-                false => dedupd::inspect::inspect(&data_dir)?,
-                true => {
-                    let config = load_config(config.as_deref())?;
-                    let shown = repair_progress::RepairProgress::new(&data_dir);
-                    let report = dedupd::inspect::inspect_repairing_observed(
-                        &data_dir,
-                        &config,
-                        shown.observer(),
-                    );
-                    shown.finish();
-                    report?
-                }
-            };
-            match json {
-                true => println!("{}", serde_json::to_string_pretty(&report)?),
-                false => dedupd::inspect::write_table(&report, std::io::stdout().lock())?,
-            }
-        }
-        Command::Backup { data_dir, to, json } => {
-            let report = {
-                let mut shown = output::CopyProgress::new();
-                dedupd::backup::backup_offline_observed(&data_dir, &to, &mut |p| shown.observe(p))?
-            };
-            match json {
-                true => println!("{}", serde_json::to_string_pretty(&report)?),
-                false => println!(
-                    "backup {}: {} files, {} bytes, checksums in {}",
-                    to.display(),
-                    report.manifest.files.len(),
-                    report.bytes,
-                    dedupd::backup::BACKUP_MANIFEST
-                ),
-            }
-        }
+        } => inspect(&data_dir, repair.then_some(config.as_deref()), json)?,
+        Command::Backup { data_dir, to, json } => backup(&data_dir, &to, json)?,
         Command::Restore {
             from,
             data_dir,

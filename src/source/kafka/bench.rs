@@ -577,32 +577,14 @@ pub fn run(
     progress: &mut dyn FnMut(BenchProgress),
 ) -> Result<KafkaBenchReport, KafkaBenchError> {
     params.validate()?;
-    let broker = match &params.brokers {
-        Some(_) => None,
-        None => Some(DevBroker::start(1)?),
-    };
-    let brokers = match (&params.brokers, &broker) {
-        (Some(b), _) => b.clone(),
-        (None, Some(d)) => d.bootstrap_servers(),
-        (None, None) => return Err(KafkaBenchError::NoBroker),
-    };
-    let run_id = format!("{}-{}", std::process::id(), params.seed);
-    let base_topic = format!("dedupd-bench-base-{run_id}");
-    let topic = format!("dedupd-bench-{run_id}");
-    let live_topic = format!("dedupd-bench-live-{run_id}");
-    let changelog_prefix = format!("dedupd-bench-{run_id}");
-    if let Some(d) = &broker {
-        for t in [&base_topic, &topic, &live_topic] {
-            d.create_topic(t, params.partitions)?;
-        }
-        if params.changelog {
-            // The mock cluster has no CreateTopics; on a real one dedupd creates them.
-            for sub in ["bench", "bench-live"] {
-                let t = super::changelog::topic_name(&changelog_prefix, sub);
-                d.create_topic(&t, params.partitions)?;
-            }
-        }
-    }
+    let Cluster {
+        _broker,
+        brokers,
+        base_topic,
+        topic,
+        live_topic,
+        changelog_prefix,
+    } = Cluster::start(params)?;
     let spec = TrafficSpec {
         seed: params.seed,
         messages: params.messages,
@@ -618,34 +600,11 @@ pub fn run(
         .prefix("dedupd-kafka-bench-")
         .tempdir_in(&params.dir)
         .map_err(KafkaBenchError::DataDir)?;
-    let mut config = Config::default();
-    config.ledger.shards = params.shards.and_then(NonZeroUsize::new);
-    for name in ["bench", "bench-live"] {
-        config.subscribers.push(SubscriberConfig {
-            name: name.into(),
-            key: Some(KeySource::Header {
-                name: "message-id".into(),
-            }),
-            // One writer per order: the handler's per-order state stays consistent.
-            partition_key: Some(PartitionSource::EnvelopeKey),
-            handler: params.handler.clone(),
-            ttl: params.ttl,
-            ..Default::default()
-        });
-    }
+    let config = engine_config(params);
     let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock))?);
     crate::pipeline::install_handlers(&ledger, &config)
         .map_err(|e| KafkaBenchError::Handler(Box::new(e)))?;
-    let mut kafka = KafkaConfig::new(brokers.clone());
-    kafka.session_timeout = Duration::from_secs(6);
-    kafka
-        .options
-        .insert("fetch.wait.max.ms".into(), FETCH_WAIT_MS.into());
-    kafka.changelog.prefix = changelog_prefix.clone();
-    if params.ttl.is_some() {
-        kafka.changelog.compaction_interval = Duration::from_secs(1);
-        kafka.changelog.expiry_grace = Duration::ZERO;
-    }
+    let kafka = kafka_config(params, &brokers, &changelog_prefix);
     let (engine_s, stats, backlog) = engine(
         &ledger,
         &kafka,
@@ -734,4 +693,88 @@ pub fn run(
         Err(_) => return Err(KafkaBenchError::LedgerInUse),
     }
     Ok(report)
+}
+
+/// The cluster of a run (the mock one unless `--brokers`) and its topics, named after
+/// the process and the seed.
+struct Cluster {
+    /// The mock cluster, kept running until the run ends.
+    _broker: Option<DevBroker>,
+    brokers: String,
+    base_topic: String,
+    topic: String,
+    live_topic: String,
+    changelog_prefix: String,
+}
+
+impl Cluster {
+    fn start(params: &KafkaBenchParams) -> Result<Cluster, KafkaBenchError> {
+        let broker = match &params.brokers {
+            Some(_) => None,
+            None => Some(DevBroker::start(1)?),
+        };
+        let brokers = match (&params.brokers, &broker) {
+            (Some(b), _) => b.clone(),
+            (None, Some(d)) => d.bootstrap_servers(),
+            (None, None) => return Err(KafkaBenchError::NoBroker),
+        };
+        let run_id = format!("{}-{}", std::process::id(), params.seed);
+        let c = Cluster {
+            brokers,
+            base_topic: format!("dedupd-bench-base-{run_id}"),
+            topic: format!("dedupd-bench-{run_id}"),
+            live_topic: format!("dedupd-bench-live-{run_id}"),
+            changelog_prefix: format!("dedupd-bench-{run_id}"),
+            _broker: broker,
+        };
+        if let Some(d) = &c._broker {
+            for t in [&c.base_topic, &c.topic, &c.live_topic] {
+                d.create_topic(t, params.partitions)?;
+            }
+            if params.changelog {
+                // The mock cluster has no CreateTopics; on a real one dedupd creates them.
+                for sub in ["bench", "bench-live"] {
+                    let t = super::changelog::topic_name(&c.changelog_prefix, sub);
+                    d.create_topic(&t, params.partitions)?;
+                }
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// The engine's config: the subscribers `bench` and `bench-live`, keyed by the
+/// `message-id` header, state per order.
+fn engine_config(params: &KafkaBenchParams) -> Config {
+    let mut config = Config::default();
+    config.ledger.shards = params.shards.and_then(NonZeroUsize::new);
+    for name in ["bench", "bench-live"] {
+        config.subscribers.push(SubscriberConfig {
+            name: name.into(),
+            key: Some(KeySource::Header {
+                name: "message-id".into(),
+            }),
+            // One writer per order: the handler's per-order state stays consistent.
+            partition_key: Some(PartitionSource::EnvelopeKey),
+            handler: params.handler.clone(),
+            ttl: params.ttl,
+            ..Default::default()
+        });
+    }
+    config
+}
+
+/// The `[kafka]` section the engine runs with.
+fn kafka_config(params: &KafkaBenchParams, brokers: &str, changelog_prefix: &str) -> KafkaConfig {
+    let mut kafka = KafkaConfig::new(brokers.to_string());
+    kafka.session_timeout = Duration::from_secs(6);
+    kafka
+        .options
+        .insert("fetch.wait.max.ms".into(), FETCH_WAIT_MS.into());
+    kafka.changelog.prefix = changelog_prefix.to_string();
+    if params.ttl.is_some() {
+        kafka.changelog.compaction_interval = Duration::from_secs(1);
+        kafka.changelog.expiry_grace = Duration::ZERO;
+    }
+    kafka
 }

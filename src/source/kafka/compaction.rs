@@ -52,7 +52,7 @@ use rdkafka::Offset;
 
 use super::changelog::{
     decode, decode_emitted, is_emitted_key, is_fence_key, is_record_key, is_snapshot_key,
-    split_epoch, ChangelogProducer,
+    split_epoch, ChangelogProducer, RecordError,
 };
 use super::{KafkaConfig, KafkaError};
 use crate::clock::{Clock, SystemClock};
@@ -236,67 +236,13 @@ impl Compactor {
             last_record = Instant::now();
             let m = m.map_err(client)?;
             done.read += 1;
-            // Snapshots are replaced by the cleaner, quarantine and dead-letter records
-            // by their owner's tombstones: both are passed over.
-            // Fences too: every restore needs every fence.
-            let passed_over = m
-                .key()
-                .is_some_and(|k| is_snapshot_key(k) || is_record_key(k) || is_fence_key(k));
-            let emitted = m.key().is_some_and(is_emitted_key);
-            // The value under its epoch. A value a former owner published after this
-            // member's fence is compacted like any other: restores skip it, and a
-            // snapshot holds this member's value of an item, not the change's.
-            let payload = match m.payload().map(split_epoch).transpose() {
-                Ok(v) => v.map(|(_, inner)| inner),
+            match self.take(&m, &mut batch, &mut done, now_ms) {
+                Ok(true) => {}
+                Ok(false) => break, // live: so, roughly, is everything after it
                 Err(e) => {
                     tracing::warn!(%topic, partition = p, offset = m.offset(), error = %e,
                         "changelog compaction stopped at a record it cannot read");
                     break;
-                }
-            };
-            if let (Some(value), true) = (payload, emitted) {
-                // An emitted message the relay has not tombstoned (its outbox is read over
-                // HTTP, or not at all): it goes with the claim of the message that emitted it.
-                let expires_at_ms = match decode_emitted(value) {
-                    Ok(e) => e.expires_at_ms,
-                    Err(e) => {
-                        tracing::warn!(%topic, partition = p, offset = m.offset(), error = %e,
-                            "changelog compaction stopped at a record it cannot read");
-                        break;
-                    }
-                };
-                if expires_at_ms.saturating_add(self.grace_ms) > now_ms {
-                    break;
-                }
-                if let Some(key) = m.key() {
-                    batch.emitted.insert(key.to_vec());
-                }
-            } else if emitted && m.payload().is_none() {
-                // The relay's tombstone: the message was relayed, its record goes.
-                if let Some(key) = m.key() {
-                    batch.emitted.remove(key);
-                }
-            } else if let (Some(value), false) = (payload, passed_over) {
-                let change = match decode(value) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(%topic, partition = p, offset = m.offset(), error = %e,
-                            "changelog compaction stopped at a record it cannot read");
-                        break;
-                    }
-                };
-                if change.expires_at_ms.saturating_add(self.grace_ms) > now_ms {
-                    break; // live: so, roughly, is everything after it
-                }
-                if change.has_effects() {
-                    if !self.can_snapshot(&change) {
-                        done.kept_with_state += 1;
-                    } else if let Some(key) = m.key() {
-                        batch.keys.push(key.to_vec());
-                        batch.add_items(change);
-                    }
-                } else if let Some(key) = m.key() {
-                    batch.keys.push(key.to_vec());
                 }
             }
             batch.next = m.offset() + 1;
@@ -312,6 +258,63 @@ impl Compactor {
         }
         self.consumer.unassign().map_err(client)?;
         Ok(done)
+    }
+
+    /// Takes one record into `batch`: false when it is still live (the pass stops there).
+    fn take<M: Message>(
+        &self,
+        m: &M,
+        batch: &mut Settling,
+        done: &mut Compacted,
+        now_ms: u64,
+    ) -> Result<bool, RecordError> {
+        // Snapshots are replaced by the cleaner, quarantine and dead-letter records by
+        // their owner's tombstones: both are passed over. Fences too: every restore needs
+        // every fence.
+        let passed_over = m
+            .key()
+            .is_some_and(|k| is_snapshot_key(k) || is_record_key(k) || is_fence_key(k));
+        let emitted = m.key().is_some_and(is_emitted_key);
+        // The value under its epoch. A value a former owner published after this member's
+        // fence is compacted like any other: restores skip it, and a snapshot holds this
+        // member's value of an item, not the change's.
+        let payload = m
+            .payload()
+            .map(split_epoch)
+            .transpose()?
+            .map(|(_, inner)| inner);
+        if let (Some(value), true) = (payload, emitted) {
+            // An emitted message the relay has not tombstoned (its outbox is read over
+            // HTTP, or not at all): it goes with the claim of the message that emitted it.
+            let expires_at_ms = decode_emitted(value)?.expires_at_ms;
+            if expires_at_ms.saturating_add(self.grace_ms) > now_ms {
+                return Ok(false);
+            }
+            if let Some(key) = m.key() {
+                batch.emitted.insert(key.to_vec());
+            }
+        } else if emitted && m.payload().is_none() {
+            // The relay's tombstone: the message was relayed, its record goes.
+            if let Some(key) = m.key() {
+                batch.emitted.remove(key);
+            }
+        } else if let (Some(value), false) = (payload, passed_over) {
+            let change = decode(value)?;
+            if change.expires_at_ms.saturating_add(self.grace_ms) > now_ms {
+                return Ok(false);
+            }
+            if change.has_effects() {
+                if !self.can_snapshot(&change) {
+                    done.kept_with_state += 1;
+                } else if let Some(key) = m.key() {
+                    batch.keys.push(key.to_vec());
+                    batch.add_items(change);
+                }
+            } else if let Some(key) = m.key() {
+                batch.keys.push(key.to_vec());
+            }
+        }
+        Ok(true)
     }
 
     /// Whether the state `change` wrote can be snapshotted: the subscriber places its

@@ -4,15 +4,16 @@
 //! deleted only after the broker acknowledged it, so a crash relays it again (at least
 //! once; consumers deduplicate by the message id).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Sender};
+use crossbeam_channel::{unbounded, Receiver, Sender};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::ClientContext;
 
-use crate::ledger::Ledger;
+use crate::ledger::{Ledger, OutboxRow};
 
 use super::{KafkaConfig, KafkaError};
 
@@ -78,7 +79,7 @@ pub fn run_relay(
     let batch = kafka.outbox.batch.get();
     // The changelog of each subscriber that publishes one: its emitted records are
     // tombstoned once relayed, so the partition's next owner does not relay them again.
-    let changelogs: std::collections::HashMap<&str, String> = kafka
+    let changelogs: HashMap<&str, String> = kafka
         .subscriptions
         .iter()
         .filter(|s| s.changelog)
@@ -103,114 +104,17 @@ pub fn run_relay(
             }
         }
         let rows = ledger.outbox_pending(batch)?;
-        let oldest = rows.iter().map(|r| r.written_at_ms).min();
-        metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_ROWS).set(rows.len() as f64);
-        metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_SECONDS).set(
-            oldest
-                .map(|t| now_ms().saturating_sub(t) as f64 / 1000.0)
-                .unwrap_or(0.0),
-        );
+        report_lag(&rows);
         if rows.is_empty() {
             if stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
-            let until = Instant::now() + kafka.outbox.poll_interval;
-            let wakes = ledger.outbox_wakes();
-            while Instant::now() < until
-                && !stop.load(Ordering::Relaxed)
-                && ledger.outbox_wakes() == wakes
-            {
-                std::thread::sleep(Duration::from_millis(10).min(kafka.outbox.poll_interval));
-            }
+            wait_for_rows(ledger, kafka.outbox.poll_interval, stop);
             continue;
         }
-        let mut sent = 0usize;
-        for (i, row) in rows.iter().enumerate() {
-            let mut headers =
-                OwnedHeaders::new_with_capacity(row.headers.len() + 1).insert(Header {
-                    key: "dedupd-message-id",
-                    value: Some(row.message_id.as_bytes()),
-                });
-            for (k, v) in &row.headers {
-                headers = headers.insert(Header {
-                    key: k,
-                    value: Some(v.as_bytes()),
-                });
-            }
-            let mut record: BaseRecord<'_, str, [u8], usize> =
-                BaseRecord::with_opaque_to(&row.topic, i)
-                    .payload(row.payload.as_slice())
-                    .headers(headers);
-            if let Some(k) = &row.key {
-                record = record.key(k.as_str());
-            }
-            match producer.send(record) {
-                Ok(()) => sent += 1,
-                Err((e, _)) => {
-                    stats.failed.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        "outbox relay: producing to {} failed, retrying later: {e}",
-                        row.topic
-                    );
-                }
-            }
-        }
-        if let Err(e) = producer.flush(kafka.drain_timeout) {
-            tracing::warn!("outbox relay: flush did not finish: {e}");
-        }
-        // A finished flush means every delivery report was served (librdkafka counts
-        // unserved reports as outstanding); a report still missing leaves its row pending.
-        let mut acked = Vec::with_capacity(sent);
-        let deadline = Instant::now() + Duration::from_millis(100);
-        while acked.len() < sent {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match reports.recv_timeout(left) {
-                Ok((TOMBSTONE, _)) => {} // a changelog tombstone of an earlier round
-                Ok((i, Ok(()))) => {
-                    if let Some(row) = rows.get(i) {
-                        acked.push((row.id.clone(), i));
-                    }
-                }
-                Ok((i, Err(e))) => {
-                    sent -= 1;
-                    stats.failed.fetch_add(1, Ordering::Relaxed);
-                    if let Some(row) = rows.get(i) {
-                        tracing::warn!(
-                            "outbox relay: {} not delivered, retrying later: {e}",
-                            row.topic
-                        );
-                    }
-                }
-                Err(_) => break,
-            }
-        }
-        let mut tombstones = 0;
-        for &(_, i) in &acked {
-            let Some(row) = rows.get(i) else { continue };
-            let (Some(topic), Some(partition)) = (
-                changelogs.get(row.subscriber.as_str()),
-                row.changelog_partition,
-            ) else {
-                continue;
-            };
-            let key = super::changelog::emitted_key(&row.message_id);
-            let record = BaseRecord::<'_, [u8], [u8], usize>::with_opaque_to(topic, TOMBSTONE)
-                .partition(partition)
-                .key(&key[..]);
-            match producer.send(record) {
-                Ok(()) => tombstones += 1,
-                Err((e, _)) => tracing::warn!(
-                    "outbox relay: tombstoning {:?} in {topic} failed (the partition's next owner relays it again, with the same id): {e}",
-                    row.message_id
-                ),
-            }
-        }
-        if tombstones > 0 {
-            if let Err(e) = producer.flush(kafka.drain_timeout) {
-                tracing::warn!("outbox relay: flush of changelog tombstones did not finish: {e}");
-            }
-        }
-        let acked: Vec<String> = acked.into_iter().map(|(id, _)| id).collect();
+        let acked = produce(&producer, &reports, &rows, kafka.drain_timeout, stats);
+        tombstone(&producer, &changelogs, &rows, &acked, kafka.drain_timeout);
+        let acked: Vec<String> = acked.into_iter().map(|i| rows[i].id.clone()).collect();
         if !acked.is_empty() {
             ledger.outbox_ack(&acked)?;
             stats
@@ -220,6 +124,135 @@ pub fn run_relay(
         if acked.len() < rows.len() {
             // Something failed: do not spin on it.
             std::thread::sleep(kafka.outbox.poll_interval);
+        }
+    }
+}
+
+fn report_lag(rows: &[OutboxRow]) {
+    let oldest = rows.iter().map(|r| r.written_at_ms).min();
+    metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_ROWS).set(rows.len() as f64);
+    metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_SECONDS).set(
+        oldest
+            .map(|t| now_ms().saturating_sub(t) as f64 / 1000.0)
+            .unwrap_or(0.0),
+    );
+}
+
+/// Sleeps up to `poll_interval`, less when a handler emitted (the ledger wakes the relay)
+/// or `stop` is set.
+fn wait_for_rows(ledger: &Ledger, poll_interval: Duration, stop: &AtomicBool) {
+    let until = Instant::now() + poll_interval;
+    let wakes = ledger.outbox_wakes();
+    while Instant::now() < until && !stop.load(Ordering::Relaxed) && ledger.outbox_wakes() == wakes
+    {
+        std::thread::sleep(Duration::from_millis(10).min(poll_interval));
+    }
+}
+
+/// Produces `rows` and waits for their delivery reports: the indexes of the rows the
+/// broker acknowledged. A finished flush means every delivery report was served
+/// (librdkafka counts unserved reports as outstanding); a report still missing leaves its
+/// row pending.
+fn produce(
+    producer: &ThreadedProducer<RelayContext>,
+    reports: &Receiver<(usize, Result<(), rdkafka::error::KafkaError>)>,
+    rows: &[OutboxRow],
+    drain_timeout: Duration,
+    stats: &RelayStats,
+) -> Vec<usize> {
+    let mut sent = 0usize;
+    for (i, row) in rows.iter().enumerate() {
+        let mut headers = OwnedHeaders::new_with_capacity(row.headers.len() + 1).insert(Header {
+            key: "dedupd-message-id",
+            value: Some(row.message_id.as_bytes()),
+        });
+        for (k, v) in &row.headers {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
+        }
+        let mut record: BaseRecord<'_, str, [u8], usize> =
+            BaseRecord::with_opaque_to(&row.topic, i)
+                .payload(row.payload.as_slice())
+                .headers(headers);
+        if let Some(k) = &row.key {
+            record = record.key(k.as_str());
+        }
+        match producer.send(record) {
+            Ok(()) => sent += 1,
+            Err((e, _)) => {
+                stats.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    "outbox relay: producing to {} failed, retrying later: {e}",
+                    row.topic
+                );
+            }
+        }
+    }
+    if let Err(e) = producer.flush(drain_timeout) {
+        tracing::warn!("outbox relay: flush did not finish: {e}");
+    }
+    let mut acked = Vec::with_capacity(sent);
+    let deadline = Instant::now() + Duration::from_millis(100);
+    while acked.len() < sent {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match reports.recv_timeout(left) {
+            Ok((TOMBSTONE, _)) => {} // a changelog tombstone of an earlier round
+            Ok((i, Ok(()))) => {
+                if i < rows.len() {
+                    acked.push(i);
+                }
+            }
+            Ok((i, Err(e))) => {
+                sent -= 1;
+                stats.failed.fetch_add(1, Ordering::Relaxed);
+                if let Some(row) = rows.get(i) {
+                    tracing::warn!(
+                        "outbox relay: {} not delivered, retrying later: {e}",
+                        row.topic
+                    );
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    acked
+}
+
+/// Tombstones the emitted records of the relayed rows `acked` in their changelogs, so the
+/// partition's next owner does not relay them again.
+fn tombstone(
+    producer: &ThreadedProducer<RelayContext>,
+    changelogs: &HashMap<&str, String>,
+    rows: &[OutboxRow],
+    acked: &[usize],
+    drain_timeout: Duration,
+) {
+    let mut tombstones = 0;
+    for &i in acked {
+        let row = &rows[i];
+        let (Some(topic), Some(partition)) = (
+            changelogs.get(row.subscriber.as_str()),
+            row.changelog_partition,
+        ) else {
+            continue;
+        };
+        let key = super::changelog::emitted_key(&row.message_id);
+        let record = BaseRecord::<'_, [u8], [u8], usize>::with_opaque_to(topic, TOMBSTONE)
+            .partition(partition)
+            .key(&key[..]);
+        match producer.send(record) {
+            Ok(()) => tombstones += 1,
+            Err((e, _)) => tracing::warn!(
+                "outbox relay: tombstoning {:?} in {topic} failed (the partition's next owner relays it again, with the same id): {e}",
+                row.message_id
+            ),
+        }
+    }
+    if tombstones > 0 {
+        if let Err(e) = producer.flush(drain_timeout) {
+            tracing::warn!("outbox relay: flush of changelog tombstones did not finish: {e}");
         }
     }
 }

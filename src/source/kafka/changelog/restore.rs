@@ -103,45 +103,36 @@ pub fn restore(
         .set("enable.partition.eof", "false")
         .create()
         .map_err(client)?;
-    let mut replay = Replay {
-        ledger,
-        sub,
-        ack: unbounded(),
-        staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
-        submitted: 0,
-        settled: 0,
+    let mut g = Gather {
+        replay: Replay {
+            ledger,
+            sub,
+            ack: unbounded(),
+            staged: (0..ledger.shard_count()).map(|_| Vec::new()).collect(),
+            submitted: 0,
+            settled: 0,
+        },
+        emitted: Unrelayed::default(),
+        kept: Default::default(),
+        fence: 0,
+        fenced: 0,
+        tombstones: 0,
     };
     let deadline = Instant::now() + kafka.changelog.restore_timeout;
     let mut last_log = Instant::now();
-    let (mut ends, mut skipped, mut tombstones, mut fenced) = (Vec::new(), 0u64, 0u64, 0u64);
+    let (mut ends, mut skipped) = (Vec::new(), 0u64);
     // Each partition's newest fence at its end offset, stored with its checkpoint.
     let mut fences = Vec::with_capacity(partitions.len());
-    let mut emitted = Unrelayed::default();
-    // The newest copy of each quarantine and dead-letter record (`None` body: removed).
-    let mut kept: std::collections::HashMap<Vec<u8>, RecordCopy> = Default::default();
     for &p in partitions {
         let (low, high) = consumer
             .fetch_watermarks(topic, p, Duration::from_secs(30))
             .map_err(client)?;
         ends.push((p, high));
-        let mut from = match ledger.changelog_checkpoint(&checkpoint_key(topic, p))? {
-            Some(c) if c as i64 <= high => c as i64,
-            Some(c) => {
-                tracing::warn!(subscriber = %sub.name, %topic, partition = p, checkpoint = c, end = high,
-                    "the changelog partition ends before this data directory's checkpoint (was the topic deleted and created again?): replaying it whole");
-                0
-            }
-            None => 0,
-        };
-        if low > from {
-            tracing::warn!(subscriber = %sub.name, %topic, partition = p, first_offset = low,
-                "the changelog partition does not start at offset 0: changes before it were deleted (a retention setting, or a broker that keeps only recent data) and the claims and state they held are not restored; a changelog topic needs cleanup.policy=compact and no retention.ms");
-            from = low;
-        }
+        let from = start_offset(ledger, sub, topic, p, (low, high))?;
         skipped += (from - low).max(0) as u64;
         // The newest fence before `from`, as this data directory recorded it with its
         // checkpoint (a replay from the first record finds every fence itself).
-        let mut fence = if from > 0 {
+        g.fence = if from > 0 {
             ledger
                 .changelog_checkpoint(&fence_checkpoint_key(topic, p))?
                 .unwrap_or(0)
@@ -149,7 +140,7 @@ pub fn restore(
             0
         };
         if high <= from {
-            fences.push((p, fence));
+            fences.push((p, g.fence));
             continue;
         }
         let mut tpl = TopicPartitionList::new();
@@ -161,7 +152,7 @@ pub fn restore(
                 return Err(KafkaError::RestoreTimeout {
                     topic: topic.to_string(),
                     timeout: kafka.changelog.restore_timeout,
-                    replayed: replay.submitted,
+                    replayed: g.replay.submitted,
                 });
             }
             let Some(m) = consumer.poll(Duration::from_millis(100)) else {
@@ -169,59 +160,26 @@ pub fn restore(
             };
             let m = m.map_err(client)?;
             let offset = m.offset();
-            let at = |e: RecordError| KafkaError::Changelog {
-                what: format!("{topic} partition {p} offset {offset}"),
-                source: Box::new(e.into()),
-            };
-            // The value under its epoch; `None` for a tombstone.
-            let (epoch, payload) = match m.payload() {
-                Some(v) => {
-                    let (epoch, inner) = split_epoch(v).map_err(at)?;
-                    (epoch, Some(inner))
-                }
-                None => (None, None),
-            };
-            if m.key().is_some_and(is_fence_key) {
-                // A member took the partition over here: what an older owner publishes
-                // from now on is not its to publish.
-                fence = fence.max(offset.max(0) as u64);
-            } else if epoch.is_some_and(|e| e < fence) {
-                fenced += 1;
-            } else if let Some(key) = m.key().filter(|k| is_record_key(k)) {
-                let copy = match payload {
-                    Some(value) => decode_record(value).map_err(at)?,
-                    None => {
-                        removed_record(key, p).ok_or_else(|| at(RecordError::UnknownRecordKind))?
-                    }
-                };
-                kept.insert(key.to_vec(), copy);
-            } else if let Some(key) = m.key().filter(|k| is_emitted_key(k)) {
-                // An emitted message; its tombstone says the relay delivered it.
-                match payload {
-                    Some(value) => {
-                        let mut message = decode_emitted(value).map_err(at)?.message;
-                        message.changelog_partition = Some(p);
-                        emitted.put(key, message);
-                    }
-                    None => emitted.relayed(key),
-                }
-            } else if let Some(value) = payload {
-                replay.push(decode(value).map_err(at)?)?;
-            } else {
-                // Compaction's mark that an expired claim's record may go.
-                tombstones += 1;
-            }
+            g.take(&m, topic, p)?;
             if last_log.elapsed() >= Duration::from_secs(5) {
                 last_log = Instant::now();
-                tracing::info!(subscriber = %sub.name, %topic, partition = p, changes = replay.submitted, "restoring from the changelog");
+                tracing::info!(subscriber = %sub.name, %topic, partition = p, changes = g.replay.submitted, "restoring from the changelog");
             }
             if offset + 1 >= high {
                 break;
             }
         }
-        fences.push((p, fence));
+        fences.push((p, g.fence));
     }
     consumer.unassign().map_err(client)?;
+    let Gather {
+        mut replay,
+        emitted,
+        kept,
+        fenced,
+        tombstones,
+        ..
+    } = g;
     replay.finish()?;
     // After the claims: a row relayed from here is one whose claim this member holds.
     let emitted = ledger.outbox_restore(&sub.name, emitted.unrelayed())?;
@@ -248,6 +206,94 @@ pub fn restore(
 }
 
 /// Emitted messages read in a restore, in offset order, less those relayed since.
+/// Where a partition's replay starts: this data directory's checkpoint, unless the
+/// partition ends before it (the topic was made again: replayed whole) or starts after it
+/// (deleted by retention: warned, from the first record there is).
+fn start_offset(
+    ledger: &Ledger,
+    sub: &Subscriber,
+    topic: &str,
+    p: i32,
+    (low, high): (i64, i64),
+) -> Result<i64, KafkaError> {
+    let mut from = match ledger.changelog_checkpoint(&checkpoint_key(topic, p))? {
+        Some(c) if c as i64 <= high => c as i64,
+        Some(c) => {
+            tracing::warn!(subscriber = %sub.name, %topic, partition = p, checkpoint = c, end = high,
+                "the changelog partition ends before this data directory's checkpoint (was the topic deleted and created again?): replaying it whole");
+            0
+        }
+        None => 0,
+    };
+    if low > from {
+        tracing::warn!(subscriber = %sub.name, %topic, partition = p, first_offset = low,
+            "the changelog partition does not start at offset 0: changes before it were deleted (a retention setting, or a broker that keeps only recent data) and the claims and state they held are not restored; a changelog topic needs cleanup.policy=compact and no retention.ms");
+        from = low;
+    }
+    Ok(from)
+}
+
+/// What a restore gathers from the changelog records it reads.
+struct Gather<'a> {
+    /// Changes replayed into the shards.
+    replay: Replay<'a>,
+    emitted: Unrelayed,
+    /// The newest copy of each quarantine and dead-letter record (`None` body: removed).
+    kept: std::collections::HashMap<Vec<u8>, RecordCopy>,
+    /// The current partition's newest fence so far.
+    fence: u64,
+    fenced: u64,
+    tombstones: u64,
+}
+
+impl Gather<'_> {
+    /// Takes one record of partition `p`.
+    fn take<M: Message>(&mut self, m: &M, topic: &str, p: i32) -> Result<(), KafkaError> {
+        let offset = m.offset();
+        let at = |e: RecordError| KafkaError::Changelog {
+            what: format!("{topic} partition {p} offset {offset}"),
+            source: Box::new(e.into()),
+        };
+        // The value under its epoch; `None` for a tombstone.
+        let (epoch, payload) = match m.payload() {
+            Some(v) => {
+                let (epoch, inner) = split_epoch(v).map_err(at)?;
+                (epoch, Some(inner))
+            }
+            None => (None, None),
+        };
+        if m.key().is_some_and(is_fence_key) {
+            // A member took the partition over here: what an older owner publishes from
+            // now on is not its to publish.
+            self.fence = self.fence.max(offset.max(0) as u64);
+        } else if epoch.is_some_and(|e| e < self.fence) {
+            self.fenced += 1;
+        } else if let Some(key) = m.key().filter(|k| is_record_key(k)) {
+            let copy = match payload {
+                Some(value) => decode_record(value).map_err(at)?,
+                None => removed_record(key, p).ok_or_else(|| at(RecordError::UnknownRecordKind))?,
+            };
+            self.kept.insert(key.to_vec(), copy);
+        } else if let Some(key) = m.key().filter(|k| is_emitted_key(k)) {
+            // An emitted message; its tombstone says the relay delivered it.
+            match payload {
+                Some(value) => {
+                    let mut message = decode_emitted(value).map_err(at)?.message;
+                    message.changelog_partition = Some(p);
+                    self.emitted.put(key, message);
+                }
+                None => self.emitted.relayed(key),
+            }
+        } else if let Some(value) = payload {
+            self.replay.push(decode(value).map_err(at)?)?;
+        } else {
+            // Compaction's mark that an expired claim's record may go.
+            self.tombstones += 1;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Default)]
 struct Unrelayed {
     messages: Vec<Option<crate::effects::OutboxMessage>>,
