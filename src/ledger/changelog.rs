@@ -22,6 +22,31 @@ use serde::{Deserialize, Serialize};
 use super::{AckSender, ClaimRecord, Job, Origin, SubscriberId};
 use crate::effects::{Effects, OutboxMessage};
 
+/// A subscriber's changelog on one shard: where its batches' changes are published
+/// before they commit, and the current batch's.
+#[derive(Default)]
+pub(crate) struct SubChangelog {
+    pub sink: Option<Arc<dyn ChangelogSink>>,
+    /// This batch's processed messages, for `sink`.
+    pub changes: Vec<Change>,
+    /// Quarantine and dead-letter records stored or removed by the current transaction,
+    /// for `sink` (`Some` exactly while it has one; `records/`).
+    pub record_copies: Option<Vec<RecordCopy>>,
+}
+
+impl SubChangelog {
+    /// Sets where the subscriber's changes and record copies are published (`None`: it
+    /// has no changelog).
+    pub fn set(&mut self, sink: Option<Arc<dyn ChangelogSink>>) {
+        match (&sink, &self.record_copies) {
+            (Some(_), None) => self.record_copies = Some(Vec::new()),
+            (None, Some(_)) => self.record_copies = None,
+            _ => {}
+        }
+        self.sink = sink;
+    }
+}
+
 /// One processed message as a changelog carries it: its claim and the state it wrote, as
 /// the handler wrote it (unscoped; `entity` names the scope).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

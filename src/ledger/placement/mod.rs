@@ -33,7 +33,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 pub(crate) mod presence;
 
@@ -50,6 +50,24 @@ pub enum Placement {
     Subscriber,
     /// On the entity's shard (a handler and a partition key); state is scoped to it.
     Entity,
+}
+
+/// A subscriber's placement on one shard: whether this batch probes, the bits recorded,
+/// the key source in force and recorded, and what it publishes for the other shards.
+pub(crate) struct SubPlacement {
+    /// Whether this batch asks the other shards before deciding "new".
+    pub probe: bool,
+    /// Placement bits recorded for this subscriber in this shard's `placements_v1`.
+    pub disk_mask: u8,
+    /// Bits of claims written in the current batch, recorded with its commit.
+    pub mask_pending: u8,
+    /// The key source in force ([`crate::ledger::key_source_text`]), and the one this
+    /// shard's `key_sources_v1` records for the subscriber's claims.
+    pub key_source: Arc<str>,
+    pub key_source_on_disk: Option<Arc<str>>,
+    /// What this shard publishes of the subscriber's records for the other shards, while
+    /// they probe for its claims (`presence.rs`).
+    pub presence: Option<presence::PresenceWriter>,
 }
 
 /// Bits of a placement mask: which placements a subscriber's claims were written under.

@@ -112,7 +112,7 @@ fn travel(
     route: u128,
     body: Option<&[u8]>,
 ) {
-    let Some(copies) = st.record_copies.as_mut() else {
+    let Some(copies) = st.changelog.record_copies.as_mut() else {
         return;
     };
     let Some(stamp) = stamp else { return };
@@ -144,6 +144,9 @@ pub(crate) struct Shelf {
 pub(crate) struct SubRecords {
     pub quarantine: Shelf,
     pub dead_letter: Shelf,
+    /// Outcomes counted (persisted with the records).
+    pub quarantined: u64,
+    pub dead_lettered: u64,
 }
 
 impl SubRecords {
@@ -358,7 +361,7 @@ pub(crate) fn store(
                 if let Some(body) = bumped {
                     records.insert((&*name, seq), body.as_slice())?;
                     seqs.push(seq);
-                    if st.record_copies.is_some() {
+                    if st.changelog.record_copies.is_some() {
                         let stamp = Stamp::read(&body);
                         travel(st, kind, stamp.as_ref(), row.route, Some(&body));
                     }
@@ -370,7 +373,7 @@ pub(crate) fn store(
             records.insert((&*name, seq), row.body.as_slice())?;
             index.insert(ikey, seq)?;
             seqs.push(seq);
-            if st.record_copies.is_some() {
+            if st.changelog.record_copies.is_some() {
                 let stamp = Stamp::read(&row.body);
                 travel(st, kind, stamp.as_ref(), row.route, Some(&row.body));
             }
@@ -396,8 +399,8 @@ pub(crate) fn store(
     for sub in touched {
         if let Some(st) = subs.get(sub.0 as usize).and_then(|s| s.as_ref()) {
             let outcomes = match kind {
-                RecordKind::Quarantine => st.quarantined,
-                RecordKind::DeadLetter => st.dead_lettered,
+                RecordKind::Quarantine => st.records.quarantined,
+                RecordKind::DeadLetter => st.records.dead_lettered,
             };
             meta.insert(outcome_key(kind, &st.name).as_str(), outcomes)?;
         }

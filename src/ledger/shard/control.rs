@@ -137,7 +137,7 @@ impl Shard {
         let idx = self.sub_index(spec.id)?;
         self.flush_state(idx)?;
         let r = match self.subs[idx].as_ref() {
-            Some(st) => read(&self.db, &st.state_buf),
+            Some(st) => read(&self.db, &st.handling.state_buf),
             None => StateBuffer::load(&self.db, subscriber).and_then(|b| read(&self.db, &b)),
         };
         r.map_err(|e| self.err(e))
@@ -148,7 +148,7 @@ impl Shard {
         let threshold = self.ctx.config.state_buffer_entries.get();
         if self.subs[idx]
             .as_ref()
-            .is_none_or(|st| st.state_buf.is_empty())
+            .is_none_or(|st| st.handling.state_buf.is_empty())
         {
             return Ok(());
         }
@@ -157,7 +157,8 @@ impl Shard {
             let Some(st) = shard.subs[idx].as_mut() else {
                 return Ok(());
             };
-            st.state_buf
+            st.handling
+                .state_buf
                 .flush_all(&db, txn, &st.name, threshold)
                 .map(|_| ())
                 .map_err(|e| storage(&shard.ctx.path, e))
@@ -250,7 +251,7 @@ impl Shard {
                     "subscriber state missing".into(),
                 ));
             };
-            st.dead_lettered += 1;
+            st.records.dead_lettered += 1;
             shard.dead_rows.push(row);
             let seqs = shard.write_records(txn, RecordKind::DeadLetter)?;
             seqs.first()
@@ -438,19 +439,19 @@ impl Shard {
             .iter()
             .flatten()
             .map(|st| {
-                let (claims, active) = st.claims();
-                let state = st.state_buf.stats();
+                let (claims, active) = st.claims.count();
+                let state = st.handling.state_buf.stats();
                 SubscriberReport {
                     subscriber: st.name.to_string(),
                     claims,
                     active_claims: active,
-                    sealed_generations: st.sealed.len() as u64,
-                    quarantined: st.quarantined,
+                    sealed_generations: st.claims.sealed.len() as u64,
+                    quarantined: st.records.quarantined,
                     quarantine_records: st.records.quarantine.stored,
-                    dead_lettered: st.dead_lettered,
+                    dead_lettered: st.records.dead_lettered,
                     dead_letter_records: st.records.dead_letter.stored,
                     filter_bytes: st.filter_bytes(),
-                    index_bytes: st.index_bytes(),
+                    index_bytes: st.claims.index_bytes(),
                     state_runs: state.runs,
                     state_run_entries: state.run_entries,
                     state_buffered: state.buffered,

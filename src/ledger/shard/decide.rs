@@ -49,16 +49,16 @@ impl Shard {
                 if spec.settings_epoch() != st.settings_epoch {
                     apply_settings(st, spec);
                 }
-                st.probe = placement::needs_probe(
-                    spec.placements.load(Ordering::Acquire) | st.disk_mask,
+                st.placement.probe = placement::needs_probe(
+                    spec.placements.load(Ordering::Acquire) | st.placement.disk_mask,
                     self.ctx.count,
                 );
-                if st.probe && st.presence.is_none() {
-                    st.presence = Some(start_presence(st, &self.ctx));
+                if st.placement.probe && st.placement.presence.is_none() {
+                    st.placement.presence = Some(start_presence(st, &self.ctx));
                 }
-                st.set_changelog(spec.changelog());
+                st.changelog.set(spec.changelog());
             }
-            let current = st.handler.as_ref().map(|h| &h.factory);
+            let current = st.handling.handler.as_ref().map(|h| &h.factory);
             let same = match (current, &want) {
                 (None, None) => true,
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
@@ -67,8 +67,8 @@ impl Shard {
             if same {
                 continue;
             }
-            st.breaker = Default::default();
-            st.handler = want.map(|factory| {
+            st.handling.breaker = Default::default();
+            st.handling.handler = want.map(|factory| {
                 let instance = factory.instantiate().unwrap_or_else(|e| {
                     tracing::error!(shard = self.ctx.index, subscriber = %st.name, error = %e,
                         "handler cannot be instantiated; its messages fail and are dead-lettered");
@@ -116,7 +116,7 @@ impl Shard {
         // effects are in the shard's buffer already, and in the log row written above:
         // every absorbed call sets `tally.wrote`.
         for st in self.subs.iter_mut().flatten() {
-            if let Some(view) = st.view.take() {
+            if let Some(view) = st.handling.view.take() {
                 debug_assert!(
                     view.finish().log_row.is_none(),
                     "a batch's handler effects were not written"
@@ -169,10 +169,10 @@ impl Shard {
             return;
         }
         if let Some(Some(st)) = self.subs.get(job.subscriber.0 as usize) {
-            for g in &st.sealed {
+            for g in &st.claims.sealed {
                 g.filter.prefetch(job.key);
             }
-            if st.probe && job.probed.is_none() {
+            if st.placement.probe && job.probed.is_none() {
                 self.ctx
                     .presences
                     .prefetch_others(self.ctx.index, job.subscriber, job.key);
@@ -205,7 +205,7 @@ impl Shard {
         let existing = match (&job.probed, here) {
             (_, Some(r)) if r.is_live(now) => Some(r),
             (Some(elsewhere), here) => ClaimRecord::newer(here, *elsewhere),
-            (None, here) if st.probe => {
+            (None, here) if st.placement.probe => {
                 match self
                     .ctx
                     .inflight
@@ -232,9 +232,9 @@ impl Shard {
         };
         let decision = match existing {
             Some(r) if r.is_live(now) && r.fingerprint == job.fingerprint => {
-                if st.sliding {
+                if st.claims.sliding {
                     let refreshed = ClaimRecord {
-                        expires_at_ms: now.saturating_add(st.ttl_ms),
+                        expires_at_ms: now.saturating_add(st.claims.ttl_ms),
                         ..r
                     };
                     self.claim(idx, job, refreshed, now);
@@ -247,7 +247,7 @@ impl Shard {
             Some(r) if r.is_live(now) && !job.work.replaces() => {
                 self.quarantine_rows
                     .push(records::quarantine(st, job, r.fingerprint, now));
-                st.quarantined += 1;
+                st.records.quarantined += 1;
                 tally.of(idx).quarantined += 1;
                 tally.wrote = true;
                 Decision::Done(Outcome::Quarantined {
@@ -293,7 +293,8 @@ impl Shard {
                 presize,
                 &mut self.spare_maps,
             );
-            st.mask_pending |= placement_bit(job, self.ctx.index, self.ctx.count, &st.name);
+            st.placement.mask_pending |=
+                placement_bit(job, self.ctx.index, self.ctx.count, &st.name);
         }
     }
 
@@ -332,16 +333,16 @@ impl Shard {
 /// The subscriber's view for this batch (a replayed change or a snapshot; a handler call,
 /// which holds the handler borrowed, takes it the same way inline): the one its earlier
 /// messages used, or a fresh one over its buffers and runs. Give it back
-/// (`st.view = Some(..)`) when done.
+/// (`st.handling.view = Some(..)`) when done.
 pub(super) fn batch_view(
     st: &mut SubState,
     db: &redb::Database,
     path: &std::path::Path,
 ) -> Result<Box<dyn StateReader>, LedgerError> {
-    match st.view.take() {
+    match st.handling.view.take() {
         Some(v) => Ok(v),
         None => Ok(Box::new(
-            BatchView::open(db, &st.name, &st.state_buf).map_err(|e| storage(path, e))?,
+            BatchView::open(db, &st.name, &st.handling.state_buf).map_err(|e| storage(path, e))?,
         )),
     }
 }
@@ -353,9 +354,9 @@ pub(super) fn start_presence(st: &SubState, ctx: &ShardContext) -> PresenceWrite
         &ctx.presences,
         ctx.index,
         st.id,
-        st.active.as_ref().map(|a| a.map.keys().copied()),
-        st.sealing.as_ref().map(|s| s.map.keys().copied()),
-        SubState::sealed_filters(&st.sealed),
+        st.claims.active.as_ref().map(|a| a.map.keys().copied()),
+        st.claims.sealing.as_ref().map(|s| s.map.keys().copied()),
+        SubClaims::sealed_filters(&st.claims.sealed),
     )
 }
 
@@ -370,10 +371,10 @@ fn newest_record_in(
     counts: &mut BatchCounts,
     mut read: impl FnMut(&str, u64) -> Result<Option<ClaimRecord>, LedgerError>,
 ) -> Result<Option<ClaimRecord>, LedgerError> {
-    match st.find_in_memory(key) {
+    match st.claims.find_in_memory(key) {
         Found::Active(r) | Found::Older(r) => Ok(Some(r)),
         Found::AskSealed => {
-            for g in st.sealed.iter().rev() {
+            for g in st.claims.sealed.iter().rev() {
                 counts.filter_probes += 1;
                 if !g.filter.may_contain(key) {
                     continue;
@@ -461,11 +462,11 @@ pub(super) fn insert_claim(
     presize: usize,
     spare: &mut Vec<KeyMap>,
 ) {
-    let active = st.active.get_or_insert_with(|| {
+    let active = st.claims.active.get_or_insert_with(|| {
         let id = *next_table_id;
         *next_table_id += 1;
-        let order = st.next_order;
-        st.next_order += 1;
+        let order = st.claims.next_order;
+        st.claims.next_order += 1;
         ActiveGen {
             table_id: id,
             order,
@@ -481,11 +482,11 @@ pub(super) fn insert_claim(
     });
     make_room(&mut active.map, presize, spare);
     active.map.insert(key, claim);
-    LogRow::push(&mut st.pending_log, key, &claim);
+    LogRow::push(&mut st.claims.pending_log, key, &claim);
     // Before the batch commits and gives the key back to the in-flight set.
-    if let Some(p) = st.presence.as_mut() {
-        let sealed = &st.sealed;
-        p.insert(key, || SubState::sealed_filters(sealed));
+    if let Some(p) = st.placement.presence.as_mut() {
+        let sealed = &st.claims.sealed;
+        p.insert(key, || SubClaims::sealed_filters(sealed));
     }
 }
 

@@ -19,13 +19,13 @@ impl Shard {
         let st = self.subs[idx]
             .as_mut()
             .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
-        let Some(h) = st.handler.as_mut() else {
+        let Some(h) = st.handling.handler.as_mut() else {
             return Ok(Ok(0));
         };
-        let mut view = match st.view.take() {
+        let mut view = match st.handling.view.take() {
             Some(v) => v,
             None => Box::new(
-                BatchView::open(&self.db, &st.name, &st.state_buf)
+                BatchView::open(&self.db, &st.name, &st.handling.state_buf)
                     .map_err(|e| storage(&self.ctx.path, e))?,
             ),
         };
@@ -49,7 +49,7 @@ impl Shard {
         let returned = Instant::now();
         self.shares
             .record_call(idx, returned.saturating_duration_since(called), returned);
-        let keep = st.changelog.is_some();
+        let keep = st.changelog.sink.is_some();
         let handled = result.map(|mut effects| {
             if keep {
                 // Emitted messages get a record in the changelog partition of their
@@ -66,7 +66,7 @@ impl Shard {
             view.absorb(effects);
             version
         });
-        st.view = Some(view);
+        st.handling.view = Some(view);
         if let Err(f) = &handled {
             let kind = f.kind();
             if let (Some(i), Some(spec)) = (
@@ -90,8 +90,8 @@ impl Shard {
         tally: &mut Tally,
     ) -> Option<Failure> {
         let st = self.subs[idx].as_ref()?;
-        st.handler.as_ref()?;
-        let refused = st.breaker.refuses(now)?;
+        st.handling.handler.as_ref()?;
+        let refused = st.handling.breaker.refuses(now)?;
         tally.of(idx).calls_skipped += 1;
         Some(refused)
     }
@@ -109,13 +109,20 @@ impl Shard {
         let Some(st) = self.subs[idx].as_mut() else {
             return;
         };
-        let (threshold, cooldown_ms) = (st.breaker_threshold, st.breaker_cooldown_ms);
+        let (threshold, cooldown_ms) = (
+            st.handling.breaker_threshold,
+            st.handling.breaker_cooldown_ms,
+        );
         let result = handled.as_ref().map(|_| ());
-        match st.breaker.record(result, now, threshold, cooldown_ms) {
+        match st
+            .handling
+            .breaker
+            .record(result, now, threshold, cooldown_ms)
+        {
             Transition::Opened => {
                 tally.of(idx).circuits_opened += 1;
                 let last = handled.as_ref().err().map(ToString::to_string);
-                tracing::warn!(shard, subscriber = %st.name, failures = st.breaker.failures(),
+                tracing::warn!(shard, subscriber = %st.name, failures = st.handling.breaker.failures(),
                     cooldown_ms, last = last.as_deref().unwrap_or_default(),
                     "handler circuit opened: its messages use up attempts without a call and wait for the cool-down (dead-lettered once their attempts are used up)");
             }
@@ -140,7 +147,7 @@ impl Shard {
         let st = self.subs[idx]
             .as_mut()
             .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
-        let (ttl_ms, max_attempts) = (st.ttl_ms, st.max_attempts);
+        let (ttl_ms, max_attempts) = (st.claims.ttl_ms, st.handling.max_attempts);
         Ok(match handled {
             Ok(handler_version) => {
                 let claim = ClaimRecord {
@@ -152,8 +159,8 @@ impl Shard {
                 self.claim(idx, job, claim, now);
                 let effects = self.last_effects.take();
                 if let Some(st) = self.subs[idx].as_mut() {
-                    if st.changelog.is_some() {
-                        st.changes.push(Change::new(job, claim, effects));
+                    if st.changelog.sink.is_some() {
+                        st.changelog.changes.push(Change::new(job, claim, effects));
                     }
                 }
                 tally.of(idx).processed += 1;
@@ -168,7 +175,7 @@ impl Shard {
                 let reason = format!("{f} (attempt {} of {max_attempts})", job.attempt);
                 self.dead_rows
                     .push(records::dead_letter(st, job, &f, &reason, now));
-                st.dead_lettered += 1;
+                st.records.dead_lettered += 1;
                 tally.of(idx).dead_lettered += 1;
                 tally.wrote = true;
                 Decision::Done(Outcome::DeadLettered {

@@ -62,14 +62,15 @@ impl Shard {
         let cfg = &self.ctx.config;
         let now = self.ctx.clock.now_ms();
         self.subs.iter().flatten().any(|st| {
-            (st.state_buf.frozen.is_some()
-                && st.state_buf.active_len() >= cfg.state_buffer_entries.get())
-                || (st.sealing.is_some()
+            (st.handling.state_buf.frozen.is_some()
+                && st.handling.state_buf.active_len() >= cfg.state_buffer_entries.get())
+                || (st.claims.sealing.is_some()
                     && st
+                        .claims
                         .active
                         .as_ref()
                         .is_some_and(|a| due_to_seal(a, cfg, now, false)))
-                || st.sealed.len() > 2 * cfg.merge_trigger_generations.get()
+                || st.claims.sealed.len() > 2 * cfg.merge_trigger_generations.get()
         }) || self.retired_claims.len() > 4
     }
 
@@ -81,12 +82,15 @@ impl Shard {
             || !self.retired_claims.is_empty()
             || records::sweep_due(&self.subs, now)
             || self.subs.iter().flatten().any(|st| {
-                st.state_buf.has_work(cfg.state_buffer_entries.get())
-                    || st.sealing.is_some()
-                    || st.merging.is_some()
-                    || st.sealed.len() > cfg.merge_trigger_generations.get()
-                    || (expiry_due && st.sealed.iter().any(|g| g.max_expires_ms <= now))
+                st.handling
+                    .state_buf
+                    .has_work(cfg.state_buffer_entries.get())
+                    || st.claims.sealing.is_some()
+                    || st.claims.merging.is_some()
+                    || st.claims.sealed.len() > cfg.merge_trigger_generations.get()
+                    || (expiry_due && st.claims.sealed.iter().any(|g| g.max_expires_ms <= now))
                     || st
+                        .claims
                         .active
                         .as_ref()
                         .is_some_and(|a| due_to_seal(a, cfg, now, seal_all))
@@ -295,6 +299,7 @@ impl Shard {
         let stamp = || timed.then(Instant::now);
         let t0 = stamp();
         let mut did = st
+            .handling
             .state_buf
             .maintain(
                 &self.db,
@@ -305,8 +310,9 @@ impl Shard {
                 seal_all,
             )
             .map_err(|e| self.err(e))?;
-        if st.sealing.is_none()
+        if st.claims.sealing.is_none()
             && st
+                .claims
                 .active
                 .as_ref()
                 .is_some_and(|a| due_to_seal(a, cfg, now, seal_all))
@@ -321,7 +327,7 @@ impl Shard {
         }
         let t3 = stamp();
         did |= self.start_merge(st, cfg);
-        if st.merging.is_some() {
+        if st.claims.merging.is_some() {
             did |= self.merge_step(st, txn, now, budget)?;
         }
         if let (Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) = (t0, t1, t2, t3, stamp()) {
@@ -345,12 +351,12 @@ impl Shard {
         txn: &WriteTransaction,
         now: u64,
     ) -> Result<bool, LedgerError> {
-        let Some(a) = st.active.take() else {
+        let Some(a) = st.claims.active.take() else {
             return Ok(false);
         };
         // Its Bloom filters move with it; the next active generation starts new ones.
-        if let Some(p) = st.presence.as_mut() {
-            p.seal_active(SubState::sealed_filters(&st.sealed));
+        if let Some(p) = st.placement.presence.as_mut() {
+            p.seal_active(SubClaims::sealed_filters(&st.claims.sealed));
         }
         let mut gens = txn
             .open_table(tables::GENERATIONS)
@@ -386,7 +392,7 @@ impl Shard {
         txn: &WriteTransaction,
         budget: usize,
     ) -> Result<bool, LedgerError> {
-        let Some(s) = st.sealing.as_mut() else {
+        let Some(s) = st.claims.sealing.as_mut() else {
             return Ok(false);
         };
         let Some((entries, _)) = s.built.as_ref() else {
@@ -435,7 +441,7 @@ impl Shard {
         st: &mut SubState,
         txn: &WriteTransaction,
     ) -> Result<(), LedgerError> {
-        let Some(s) = st.sealing.as_mut() else {
+        let Some(s) = st.claims.sealing.as_mut() else {
             return Ok(());
         };
         let Some((entries, filter)) = s.built.as_ref() else {
@@ -445,7 +451,7 @@ impl Shard {
         let count = entries.len() as u64;
         let filter = filter.clone();
         tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims = count,
-            sealed_generations = st.sealed.len() + 1, "generation sealed");
+            sealed_generations = st.claims.sealed.len() + 1, "generation sealed");
         let (table_id, order, created, extra) = (
             s.table_id,
             s.order,
@@ -465,8 +471,8 @@ impl Shard {
                 filter: Arc::new(filter),
             },
         )?;
-        if let Some(p) = st.presence.as_mut() {
-            p.sealed(SubState::sealed_filters(&st.sealed));
+        if let Some(p) = st.placement.presence.as_mut() {
+            p.sealed(SubClaims::sealed_filters(&st.claims.sealed));
         }
         let mut gens = txn
             .open_table(tables::GENERATIONS)
@@ -480,7 +486,7 @@ impl Shard {
         for id in std::iter::once(table_id).chain(extra) {
             self.retired_logs.push_back(tables::log_name(&st.name, id));
         }
-        if let Some(done) = st.sealing.take() {
+        if let Some(done) = st.claims.sealing.take() {
             if let Ok(mut map) = Arc::try_unwrap(done.map) {
                 // Only full-size indexes are worth keeping: small ones belong to quiet
                 // subscribers and would make a busy one grow in place. One spare is
@@ -508,19 +514,19 @@ impl Shard {
         now: u64,
     ) -> Result<bool, LedgerError> {
         let mut did = false;
-        let busy = st.merging.as_ref().map(|m| (m.older, m.newer));
+        let busy = st.claims.merging.as_ref().map(|m| (m.older, m.newer));
         let mut i = 0;
-        while i < st.sealed.len() {
-            let g = &st.sealed[i];
+        while i < st.claims.sealed.len() {
+            let g = &st.claims.sealed[i];
             let in_merge = busy.is_some_and(|(a, b)| g.table_id == a || g.table_id == b);
             if g.max_expires_ms <= now && !in_merge {
                 let (id, claims) = (g.table_id, g.count);
                 tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims,
                     "expired generation dropped");
                 self.delete_generation(txn, &st.name, id, claims)?;
-                st.sealed.remove(i);
-                if let Some(p) = &st.presence {
-                    p.publish(SubState::sealed_filters(&st.sealed));
+                st.claims.sealed.remove(i);
+                if let Some(p) = &st.placement.presence {
+                    p.publish(SubClaims::sealed_filters(&st.claims.sealed));
                 }
                 self.ctx
                     .metrics
@@ -565,7 +571,8 @@ impl Shard {
     /// shard was ~50 MB of resident memory for nothing), and reports the spare's size.
     pub(super) fn request_spare_map(&mut self) {
         let returning = self.subs.iter().flatten().any(|st| {
-            st.sealing
+            st.claims
+                .sealing
                 .as_ref()
                 .is_some_and(|s| s.map.capacity() >= self.ctx.config.full_index_claims())
         });
@@ -590,7 +597,7 @@ impl Shard {
     /// index keeps answering lookups until the sealed table commits.
     pub(super) fn start_sealing(&self, st: &mut SubState, gen: SealingGen, now: u64) {
         let (table_id, map) = (gen.table_id, gen.map.clone());
-        st.sealing = Some(gen);
+        st.claims.sealing = Some(gen);
         let sent = self.ctx.builder.send(BuildJob::Seal {
             sub: st.id,
             table_id,
@@ -615,7 +622,12 @@ impl Shard {
                 filter,
             } => {
                 if let Some(Some(st)) = self.subs.get_mut(sub.0 as usize) {
-                    if let Some(s) = st.sealing.as_mut().filter(|s| s.table_id == table_id) {
+                    if let Some(s) = st
+                        .claims
+                        .sealing
+                        .as_mut()
+                        .filter(|s| s.table_id == table_id)
+                    {
                         s.built = Some((entries, filter));
                     }
                 }
@@ -664,8 +676,8 @@ impl Shard {
             .map_err(|e| self.err(e))?;
         gens.insert((&*st.name, gen.table_id), meta.encode().as_slice())
             .map_err(|e| self.err(e))?;
-        let pos = st.sealed.partition_point(|g| g.order < gen.order);
-        st.sealed.insert(pos, gen);
+        let pos = st.claims.sealed.partition_point(|g| g.order < gen.order);
+        st.claims.sealed.insert(pos, gen);
         Ok(())
     }
 
@@ -712,7 +724,7 @@ impl Shard {
                 .subs
                 .iter()
                 .flatten()
-                .any(|s| s.sealing.as_ref().is_some_and(|g| g.built.is_none()));
+                .any(|s| s.claims.sealing.as_ref().is_some_and(|g| g.built.is_none()));
             if waiting {
                 if let Ok(b) = self.built_rx.recv_timeout(Duration::from_secs(60)) {
                     self.attach_built(b);

@@ -11,12 +11,14 @@ impl Shard {
     /// Starts merging the smallest pair of neighbouring sealed generations when there are
     /// too many, so lookups probe few generations.
     pub(super) fn start_merge(&mut self, st: &mut SubState, cfg: &LedgerConfig) -> bool {
-        if st.merging.is_some() || st.sealed.len() <= cfg.merge_trigger_generations.get() {
+        if st.claims.merging.is_some()
+            || st.claims.sealed.len() <= cfg.merge_trigger_generations.get()
+        {
             return false;
         }
         let limit = cfg.merge_max_claims.get() as u64;
-        let pick = (0..st.sealed.len().saturating_sub(1))
-            .map(|i| (st.sealed[i].count + st.sealed[i + 1].count, i))
+        let pick = (0..st.claims.sealed.len().saturating_sub(1))
+            .map(|i| (st.claims.sealed[i].count + st.claims.sealed[i + 1].count, i))
             .filter(|(n, _)| *n <= limit)
             .min();
         let Some((_, i)) = pick else {
@@ -24,10 +26,10 @@ impl Shard {
         };
         let out_table = self.next_table_id;
         self.next_table_id += 1;
-        let at_most = st.sealed[i].count + st.sealed[i + 1].count;
-        st.merging = Some(MergeJob {
-            older: st.sealed[i].table_id,
-            newer: st.sealed[i + 1].table_id,
+        let at_most = st.claims.sealed[i].count + st.claims.sealed[i + 1].count;
+        st.claims.merging = Some(MergeJob {
+            older: st.claims.sealed[i].table_id,
+            newer: st.claims.sealed[i + 1].table_id,
             out_table,
             cursor_older: None,
             cursor_newer: None,
@@ -51,7 +53,7 @@ impl Shard {
         now: u64,
         budget: usize,
     ) -> Result<bool, LedgerError> {
-        let Some(m) = st.merging.as_mut() else {
+        let Some(m) = st.claims.merging.as_mut() else {
             return Ok(false);
         };
         // The finished output's filter row goes one transaction before the finish: a
@@ -81,29 +83,30 @@ impl Shard {
         st: &mut SubState,
         txn: &WriteTransaction,
     ) -> Result<bool, LedgerError> {
-        let Some(m) = st.merging.as_mut() else {
+        let Some(m) = st.claims.merging.as_mut() else {
             return Ok(false);
         };
         let Some(filter) = m.filter.take() else {
             return Ok(false);
         };
         let (older, newer, out) = (m.older, m.newer, m.out_table);
-        let oi = st.sealed.iter().position(|g| g.table_id == older);
-        let ni = st.sealed.iter().position(|g| g.table_id == newer);
+        let oi = st.claims.sealed.iter().position(|g| g.table_id == older);
+        let ni = st.claims.sealed.iter().position(|g| g.table_id == newer);
         let (Some(oi), Some(ni)) = (oi, ni) else {
-            st.merging = None;
+            st.claims.merging = None;
             return Ok(false);
         };
-        let order = st.sealed[ni].order;
-        let created = st.sealed[oi].created_at_ms;
-        let (older_claims, newer_claims) = (st.sealed[oi].count, st.sealed[ni].count);
+        let order = st.claims.sealed[ni].order;
+        let created = st.claims.sealed[oi].created_at_ms;
+        let (older_claims, newer_claims) = (st.claims.sealed[oi].count, st.claims.sealed[ni].count);
         let count = m.count;
         let max_expires = m.max_expires_ms;
         let started = std::time::Instant::now();
         self.delete_generation(txn, &st.name, older, older_claims)?;
         self.delete_generation(txn, &st.name, newer, newer_claims)?;
         let deleted = started.elapsed();
-        st.sealed
+        st.claims
+            .sealed
             .retain(|g| g.table_id != older && g.table_id != newer);
         self.commit_sealed(
             txn,
@@ -117,9 +120,9 @@ impl Shard {
                 filter: Arc::new(filter),
             },
         )?;
-        st.merging = None;
-        if let Some(p) = &st.presence {
-            p.publish(SubState::sealed_filters(&st.sealed));
+        st.claims.merging = None;
+        if let Some(p) = &st.placement.presence {
+            p.publish(SubClaims::sealed_filters(&st.claims.sealed));
         }
         tracing::info!(shard = self.ctx.index, subscriber = %st.name, claims = count, delete_ms = deleted.as_millis() as u64,
             finish_ms = started.elapsed().as_millis() as u64, "generations merged");
@@ -141,7 +144,7 @@ impl Shard {
         now: u64,
         budget: usize,
     ) -> Result<bool, LedgerError> {
-        let Some(m) = st.merging.as_mut() else {
+        let Some(m) = st.claims.merging.as_mut() else {
             return Ok(false);
         };
         let half = (budget / 2).max(1);

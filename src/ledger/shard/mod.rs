@@ -26,7 +26,9 @@
 //! - `maintain.rs`: sealing, expiry, retired logs and record retention, and when to merge;
 //! - `merge.rs`: merging two sealed generations slice by slice;
 //! - `control.rs`: requests answered between batches (lookups, records, outbox, backup);
-//! - `sub_state.rs`: `SubState`, everything the shard knows about one subscriber;
+//! - `sub_state.rs`: `SubState`, everything the shard knows about one subscriber, one
+//!   part per product (claims, records, handling, placement, changelog), each defined in
+//!   its product's folder;
 //! - `breaker.rs`, `share.rs`: a subscriber's circuit breaker and fair share of the thread.
 
 pub(crate) mod breaker;
@@ -67,10 +69,11 @@ use super::claims::generation::{
     SealedGen, SealingGen,
 };
 use super::claims::record::{ClaimRecord, GenMeta, GenState, LogRow, FORMAT_VERSION};
+use super::claims::SubClaims;
 use super::format::tables::{self, claims_def, log_def};
-use super::placement::{self, Acquire, InFlight, Placement};
+use super::placement::{self, Acquire, InFlight, Placement, SubPlacement};
 use super::records::{self, PendingRecord};
-use super::state::{self, BatchView, ShardHandler, StateBuffer};
+use super::state::{self, BatchView, ShardHandler, StateBuffer, SubHandling};
 use super::{
     Done, Job, LedgerError, Outcome, RecordKind, Registry, ShardMetrics, SubscriberId,
     SubscriberReport,

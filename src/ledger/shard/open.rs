@@ -305,7 +305,7 @@ impl Shard {
             let spec = self.ctx.registry.resolve(&name, true)?;
             gens.sort_by_key(|(_, m)| m.order);
             let mut st = new_sub_state(&spec, &self.db).map_err(|e| self.err(e))?;
-            st.next_order = gens.last().map_or(1, |(_, m)| m.order + 1);
+            st.claims.next_order = gens.last().map_or(1, |(_, m)| m.order + 1);
             // How long this shard's claims of the subscriber live, for `check_key_source`.
             let mut live_until = 0u64;
             let mut logs: Vec<(u64, GenMeta)> = Vec::new();
@@ -319,7 +319,7 @@ impl Shard {
                         let filter = self.load_filter(txn, &name, id)?;
                         keep_claims.insert(tables::claims_name(&name, id));
                         live_until = live_until.max(m.max_expires_ms);
-                        st.sealed.push(SealedGen {
+                        st.claims.sealed.push(SealedGen {
                             table_id: id,
                             order: m.order,
                             count: m.count,
@@ -334,18 +334,18 @@ impl Shard {
                     }
                 }
             }
-            if !st.sealed.is_empty() {
+            if !st.claims.sealed.is_empty() {
                 self.observe(|| OpenProgress::Loaded {
                     shard: self.ctx.index,
                     subscriber: name.clone(),
-                    generations: st.sealed.len(),
+                    generations: st.claims.sealed.len(),
                 });
             }
             // The newest log generation stays active; older ones are sealed again as one.
             if let Some((id, m)) = logs.pop() {
                 let (map, rows, until) = self.replay_log(txn, &name, &[id])?;
                 live_until = live_until.max(until);
-                st.active = Some(ActiveGen {
+                st.claims.active = Some(ActiveGen {
                     table_id: id,
                     order: m.order,
                     map,
@@ -382,7 +382,7 @@ impl Shard {
                 }
             }
             // Directories of formats before 8 recorded no key source: nothing to compare.
-            if let Some(key) = &st.key_source_on_disk {
+            if let Some(key) = &st.placement.key_source_on_disk {
                 spec.note_claims(key, live_until);
             }
             let idx = spec.id.0 as usize;
@@ -537,44 +537,27 @@ pub(super) fn new_sub_state(
 ) -> Result<SubState, redb::Error> {
     let mut pending_log = Vec::new();
     LogRow::start(&mut pending_log);
+    let kept = records::load(db, &spec.name)?;
+    let mut records = kept.records;
+    records.quarantined = kept.quarantined;
+    records.dead_lettered = kept.dead_lettered;
     let mut st = SubState {
         id: spec.id,
         name: spec.name.clone(),
-        ttl_ms: 0,
-        sliding: false,
-        active: None,
-        sealing: None,
-        sealed: Vec::new(),
-        merging: None,
-        next_order: 1,
-        pending_log,
-        quarantined: 0,
-        dead_lettered: 0,
-        records: Default::default(),
-        max_attempts: 1,
-        retry_backoff: Duration::ZERO,
-        max_backoff: Duration::ZERO,
-        breaker_threshold: 0,
-        breaker_cooldown_ms: 0,
-        breaker: Default::default(),
         settings_epoch: 0,
-        handler: None,
-        view: None,
-        state_buf: StateBuffer::load(db, &spec.name)?,
-        probe: false,
-        disk_mask: placement_mask(db, &spec.name)?,
-        mask_pending: 0,
-        key_source: Arc::from(""),
-        key_source_on_disk: recorded_key_source(db, &spec.name)?,
-        changelog: None,
-        changes: Vec::new(),
-        record_copies: None,
-        presence: None,
+        claims: SubClaims::new(pending_log),
+        records,
+        handling: SubHandling::new(StateBuffer::load(db, &spec.name)?),
+        placement: SubPlacement {
+            probe: false,
+            disk_mask: placement_mask(db, &spec.name)?,
+            mask_pending: 0,
+            key_source: Arc::from(""),
+            key_source_on_disk: recorded_key_source(db, &spec.name)?,
+            presence: None,
+        },
+        changelog: Default::default(),
     };
-    let kept = records::load(db, &spec.name)?;
-    st.records = kept.records;
-    st.quarantined = kept.quarantined;
-    st.dead_lettered = kept.dead_lettered;
     apply_settings(&mut st, spec);
     Ok(st)
 }
@@ -605,12 +588,12 @@ fn recorded_key_source(db: &Database, subscriber: &str) -> Result<Option<Arc<str
 pub(super) fn apply_settings(st: &mut SubState, spec: &crate::ledger::Subscriber) {
     st.settings_epoch = spec.settings_epoch();
     let settings = spec.settings();
-    st.key_source = Arc::from(crate::ledger::key_source_text(&settings.key));
-    st.ttl_ms = settings.ttl.as_millis() as u64;
-    st.sliding = settings.sliding_ttl;
-    st.max_attempts = settings.max_attempts.max(1);
-    st.retry_backoff = settings.retry_backoff;
-    st.max_backoff = settings.max_backoff;
-    st.breaker_threshold = settings.handler_breaker_failures;
-    st.breaker_cooldown_ms = settings.handler_breaker_cooldown.as_millis() as u64;
+    st.placement.key_source = Arc::from(crate::ledger::key_source_text(&settings.key));
+    st.claims.ttl_ms = settings.ttl.as_millis() as u64;
+    st.claims.sliding = settings.sliding_ttl;
+    st.handling.max_attempts = settings.max_attempts.max(1);
+    st.handling.retry_backoff = settings.retry_backoff;
+    st.handling.max_backoff = settings.max_backoff;
+    st.handling.breaker_threshold = settings.handler_breaker_failures;
+    st.handling.breaker_cooldown_ms = settings.handler_breaker_cooldown.as_millis() as u64;
 }

@@ -92,10 +92,10 @@ impl Shard {
                 .get(sub)
                 .map(|s| s.placements.load(Ordering::Acquire));
             if let (Some(Some(st)), Some(placements)) = (self.subs.get_mut(idx), placements) {
-                if st.presence.is_none()
-                    && placement::needs_probe(placements | st.disk_mask, self.ctx.count)
+                if st.placement.presence.is_none()
+                    && placement::needs_probe(placements | st.placement.disk_mask, self.ctx.count)
                 {
-                    st.presence = Some(super::decide::start_presence(st, &self.ctx));
+                    st.placement.presence = Some(super::decide::start_presence(st, &self.ctx));
                 }
             }
         }

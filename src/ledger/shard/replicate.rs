@@ -29,7 +29,7 @@ impl Shard {
             let mut view = batch_view(st, &self.db, &self.ctx.path)?;
             view.set_scope(change.entity.as_deref());
             view.absorb(change.effects());
-            st.view = Some(view);
+            st.handling.view = Some(view);
         }
         tally.wrote = true;
         Ok(Decision::Done(Outcome::Processed))
@@ -43,7 +43,7 @@ impl Shard {
         let st = self.subs[idx]
             .as_mut()
             .ok_or_else(|| LedgerError::InvalidSubscriber("subscriber state missing".into()))?;
-        if st.changelog.is_none() {
+        if st.changelog.sink.is_none() {
             // Nothing would be published, and the caller would then drop the records the
             // snapshot stands for.
             return Ok(Decision::Done(Outcome::Failed {
@@ -69,8 +69,8 @@ impl Shard {
             }
             None => false,
         });
-        st.view = Some(view);
-        st.changes.push(current);
+        st.handling.view = Some(view);
+        st.changelog.changes.push(current);
         Ok(Decision::Done(Outcome::Processed))
     }
 
@@ -83,10 +83,10 @@ impl Shard {
     ) -> Result<Vec<(String, Box<dyn Published>)>, LedgerError> {
         let mut out = Vec::new();
         for st in self.subs.iter_mut().flatten() {
-            if st.changes.is_empty() {
+            if st.changelog.changes.is_empty() {
                 continue;
             }
-            let changes = std::mem::take(&mut st.changes);
+            let changes = std::mem::take(&mut st.changelog.changes);
             hand_to_sink(st, &changes, &mut out)?;
         }
         Ok(out)
@@ -101,7 +101,12 @@ impl Shard {
     ) -> Result<Vec<(String, Box<dyn Published>)>, LedgerError> {
         let mut out = Vec::new();
         for st in self.subs.iter_mut().flatten() {
-            let Some(copies) = st.record_copies.as_mut().filter(|c| !c.is_empty()) else {
+            let Some(copies) = st
+                .changelog
+                .record_copies
+                .as_mut()
+                .filter(|c| !c.is_empty())
+            else {
                 continue;
             };
             let changes: Vec<Change> = copies.drain(..).map(RecordCopy::into_change).collect();
@@ -129,7 +134,7 @@ impl Shard {
             return;
         };
         if let Some(spec) = self.ctx.registry.get(st.id) {
-            st.set_changelog(spec.changelog());
+            st.changelog.set(spec.changelog());
         }
     }
 }
@@ -142,7 +147,7 @@ fn hand_to_sink(
     changes: &[Change],
     out: &mut Vec<(String, Box<dyn Published>)>,
 ) -> Result<(), LedgerError> {
-    let Some(sink) = &st.changelog else {
+    let Some(sink) = &st.changelog.sink else {
         return Ok(());
     };
     let subscriber = st.name.to_string();

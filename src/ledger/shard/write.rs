@@ -67,7 +67,7 @@ impl Shard {
     ) -> Result<(), LedgerError> {
         let path = self.ctx.path.clone();
         for st in self.subs.iter_mut().flatten() {
-            let Some(view) = st.view.take() else {
+            let Some(view) = st.handling.view.take() else {
                 continue;
             };
             let absorbed = view.finish();
@@ -86,7 +86,8 @@ impl Shard {
                     "outbox rows pile up: nothing consumes them (relay them to Kafka with [kafka.outbox], or pull and acknowledge them over HTTP: GET /v1/outbox, POST /v1/outbox/ack)");
             }
             if let Some(row) = absorbed.log_row {
-                st.state_buf
+                st.handling
+                    .state_buf
                     .append_row(txn, &st.name, &row)
                     .map_err(|e| storage(&path, e))?;
             }
@@ -103,11 +104,11 @@ impl Shard {
     ) -> Result<(), LedgerError> {
         let mut table = None;
         for st in self.subs.iter_mut().flatten() {
-            if st.mask_pending != 0 {
+            if st.placement.mask_pending != 0 {
                 record_key_source(&self.ctx, txn, st, now)?;
             }
-            let new = st.mask_pending & !st.disk_mask;
-            st.mask_pending = 0;
+            let new = st.placement.mask_pending & !st.placement.disk_mask;
+            st.placement.mask_pending = 0;
             if new == 0 {
                 continue;
             }
@@ -118,10 +119,10 @@ impl Shard {
                 );
             }
             if let Some(t) = table.as_mut() {
-                t.insert(&*st.name, st.disk_mask | new)
+                t.insert(&*st.name, st.placement.disk_mask | new)
                     .map_err(|e| storage(&self.ctx.path, e))?;
             }
-            st.disk_mask |= new;
+            st.placement.disk_mask |= new;
         }
         Ok(())
     }
@@ -133,10 +134,10 @@ impl Shard {
         let err = |e: redb::TableError| storage(&path, e);
         let serr = |e: redb::StorageError| storage(&path, e);
         for st in self.subs.iter_mut().flatten() {
-            if LogRow::is_empty(&st.pending_log) {
+            if LogRow::is_empty(&st.claims.pending_log) {
                 continue;
             }
-            let Some(active) = st.active.as_mut() else {
+            let Some(active) = st.claims.active.as_mut() else {
                 continue;
             };
             if active.next_row == 0 {
@@ -153,10 +154,10 @@ impl Shard {
             }
             let name = tables::log_name(&st.name, active.table_id);
             let mut t = txn.open_table(log_def(&name)).map_err(err)?;
-            t.insert(active.next_row, st.pending_log.as_slice())
+            t.insert(active.next_row, st.claims.pending_log.as_slice())
                 .map_err(serr)?;
             active.next_row += 1;
-            LogRow::start(&mut st.pending_log);
+            LogRow::start(&mut st.claims.pending_log);
         }
         Ok(())
     }
@@ -223,16 +224,19 @@ fn record_key_source(
     let Some(spec) = ctx.registry.get(st.id) else {
         return Ok(());
     };
-    spec.note_claims(&st.key_source, now.saturating_add(st.ttl_ms));
-    if st.key_source_on_disk.as_deref() == Some(&*st.key_source) {
+    spec.note_claims(
+        &st.placement.key_source,
+        now.saturating_add(st.claims.ttl_ms),
+    );
+    if st.placement.key_source_on_disk.as_deref() == Some(&*st.placement.key_source) {
         return Ok(());
     }
     let mut t = txn
         .open_table(tables::KEY_SOURCES)
         .map_err(|e| storage(&ctx.path, e))?;
-    t.insert(&*st.name, &*st.key_source)
+    t.insert(&*st.name, &*st.placement.key_source)
         .map_err(|e| storage(&ctx.path, e))?;
-    st.key_source_on_disk = Some(st.key_source.clone());
+    st.placement.key_source_on_disk = Some(st.placement.key_source.clone());
     Ok(())
 }
 

@@ -202,11 +202,16 @@ impl Shard {
                         Failure::CircuitOpen { retry_in_ms, .. } => {
                             Duration::from_millis(retry_in_ms.saturating_add(1))
                         }
-                        _ => self.subs[job.subscriber.0 as usize]
-                            .as_ref()
-                            .map_or(Duration::from_millis(50), |s| {
-                                handle::retry_delay(s.retry_backoff, s.max_backoff, job.attempt)
-                            }),
+                        _ => self.subs[job.subscriber.0 as usize].as_ref().map_or(
+                            Duration::from_millis(50),
+                            |s| {
+                                handle::retry_delay(
+                                    s.handling.retry_backoff,
+                                    s.handling.max_backoff,
+                                    job.attempt,
+                                )
+                            },
+                        ),
                     };
                     tracing::debug!(shard = self.ctx.index, id = %job.id, attempt = job.attempt,
                         error = %failure, "handler failed; retrying after {delay:?}");
@@ -319,9 +324,9 @@ impl Shard {
         self.dead_rows.clear();
         self.settled.clear();
         for st in self.subs.iter_mut().flatten() {
-            LogRow::start(&mut st.pending_log);
-            st.view = None;
-            if let Some(copies) = st.record_copies.as_mut() {
+            LogRow::start(&mut st.claims.pending_log);
+            st.handling.view = None;
+            if let Some(copies) = st.changelog.record_copies.as_mut() {
                 copies.clear();
             }
         }
