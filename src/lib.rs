@@ -28,7 +28,7 @@
 //! ```text
 //! source/    stdin JSON lines | HTTP ingest | Kafka records | NATS JetStream | RabbitMQ
 //!            | generator
-//!   -> source::delivery::envelope (one step for every source and for replay):
+//!   -> source::delivery::route (one step for every source and for replay):
 //!      decode, idempotency key (xxh3-128), payload fingerprint, entity
 //!   -> Ledger::place: shard by key (no handler), by subscriber (handler), or by entity
 //!      (handler + partition key; state scoped to the entity)
@@ -51,7 +51,7 @@
 //!
 //! Modules, in the order of the flow: [`source`] (stdin, Kafka — the only rdkafka user —,
 //! NATS JetStream — the only async-nats user —, MQTT — the only rumqttc user —, RabbitMQ —
-//! the only lapin user —, the generator, and the shared envelope step), [`envelope`] (keys
+//! the only lapin user —, the generator, and the shared routing step), [`envelope`] (keys
 //! and fingerprints),
 //! [`config`] (validated settings), [`ledger`] (the only redb user), [`effects`] (the seam
 //! between the ledger and handlers), [`handler`] (the only wasmtime user), [`harness`]
@@ -67,7 +67,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use dedupd::{clock::SystemClock, config::Config, ledger::{Ledger, Outcome}};
-//! use dedupd::source::delivery::{envelope, Delivery, Keying, Payload, Target};
+//! use dedupd::source::delivery::{route, Delivery, Keying, Payload, Target};
 //!
 //! let dir = tempfile::tempdir().unwrap();
 //! let ledger = Ledger::open(dir.path(), &Config::default(), Arc::new(SystemClock)).unwrap();
@@ -78,7 +78,7 @@
 //!     let mut delivery = Delivery::new(Target::Name("billing".into()), payload);
 //!     delivery.id = Some("order-1".into());
 //!     // The step every source shares: key, fingerprint, placement.
-//!     let mut routed = envelope(&ledger, delivery, Keying::Derive, ack.clone()).unwrap();
+//!     let mut routed = route(&ledger, delivery, Keying::Derive, ack.clone()).unwrap();
 //!     routed.job.seq = seq;
 //!     ledger.submit(routed.shard, vec![routed.job]).unwrap();
 //!     // Released once the claim is durable (G1); the redelivery is a duplicate.

@@ -2,7 +2,7 @@
 //! reports, per message, what the engine decided and what the handler did.
 //!
 //! Nothing of the engine is re-implemented here. Each line goes through the step every
-//! source shares ([`envelope`]: canonical payload, idempotency key, fingerprint, entity),
+//! source shares ([`route`]: canonical payload, idempotency key, fingerprint, entity),
 //! is decided by a real [`Ledger`] on a temporary data directory (claims, duplicates,
 //! quarantine, retries, dead letters), and the handler runs in the engine's host with the
 //! subscriber's limits, reading state through the engine's own batch view
@@ -31,7 +31,7 @@
 //!   ([`json_lines`], [`write_human`]);
 //! - `compare.rs`: the reports against an expected `--json` output ([`compare()`]).
 //!
-//! [`envelope`]: crate::source::delivery::envelope
+//! [`route`]: crate::source::delivery::route
 //! [`Ledger`]: crate::ledger::Ledger
 
 mod compare;

@@ -19,7 +19,7 @@ use crate::envelope::key_hash;
 use crate::handler::{CallTrace, Component, GuardCall, WasmHandler};
 use crate::inspect::readable;
 use crate::ledger::{Job, Ledger, Outcome};
-use crate::source::delivery::{envelope, Delivery, EnvelopeError, Keying, Payload, Target};
+use crate::source::delivery::{route, Delivery, Keying, Payload, RouteError, Target};
 
 /// How long one message may take to be decided before the run is given up.
 const DECIDE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -239,7 +239,7 @@ fn run_on(
             emitted: Vec::new(),
             calls: Vec::new(),
         };
-        match envelope(ledger, delivery, Keying::Derive, ack.clone()) {
+        match route(ledger, delivery, Keying::Derive, ack.clone()) {
             Ok(mut routed) => {
                 routed.job.seq = input.line as u64;
                 report.id = Some(routed.job.id.to_string());
@@ -255,7 +255,7 @@ fn run_on(
             Err(e) => {
                 // As pipe mode answers: the derived key when only the entity failed.
                 report.id = match &e {
-                    EnvelopeError::Entity { key, .. } => Some(key.text.clone()),
+                    RouteError::Entity { key, .. } => Some(key.text.clone()),
                     _ => env.id,
                 };
                 report.reason = Some(e.to_string());

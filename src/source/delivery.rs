@@ -1,5 +1,5 @@
 //! The step every source shares: a [`Delivery`] (what a source received, in one shape)
-//! becomes a routed [`Job`] in [`envelope`]: payload decoded, idempotency key derived,
+//! becomes a routed [`Job`] in [`route`]: payload decoded, idempotency key derived,
 //! payload fingerprinted, entity derived, shard chosen by [`Ledger::place`]. Pipe mode,
 //! HTTP ingest, the Kafka source and the replay of stored records all go through it, so
 //! they key, fingerprint and route a message the same way.
@@ -7,7 +7,7 @@
 //! What stays with each source: reading its input, its own key overrides (HTTP's
 //! `Idempotency-Key` header, Kafka's hashing of binary header ids, a replayed record's
 //! stored key, see [`Keying`]) and how it answers a refusal (a pipe `rejected` line, an
-//! HTTP 400, a Kafka dead letter): [`EnvelopeError`] says which step refused, so each
+//! HTTP 400, a Kafka dead letter): [`RouteError`] says which step refused, so each
 //! source keeps its own texts and statuses.
 
 use std::borrow::Cow;
@@ -123,7 +123,7 @@ impl std::fmt::Debug for Keying<'_> {
 /// Which step refused a delivery. Displays as the underlying error, unchanged.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum EnvelopeError {
+pub enum RouteError {
     /// The subscriber is unknown (only for [`Target::Name`]).
     #[error("{0}")]
     Subscriber(LedgerError),
@@ -181,12 +181,12 @@ fn keys(
     settings: &SubscriberSettings,
     keying: Keying<'_>,
     want_entity: bool,
-) -> Result<Keys, EnvelopeError> {
+) -> Result<Keys, RouteError> {
     let key = match keying {
         Keying::Given(k) => k.clone(),
         Keying::Derive | Keying::DeriveThen(_) => {
             // `open` put the headers read under the names the settings give them.
-            let mut key = derive_key(env, bytes, settings).map_err(|error| EnvelopeError::Key {
+            let mut key = derive_key(env, bytes, settings).map_err(|error| RouteError::Key {
                 subscriber: subscriber.clone(),
                 error,
             })?;
@@ -203,7 +203,7 @@ fn keys(
             key,
             entity: entity.filter(|_| want_entity).map(Cow::into_owned),
         }),
-        Err(error) => Err(EnvelopeError::Entity {
+        Err(error) => Err(RouteError::Entity {
             subscriber: subscriber.clone(),
             key,
             error,
@@ -270,7 +270,7 @@ pub fn key_delivery(
     delivery: Delivery,
     settings: &SubscriberSettings,
     keying: Keying<'_>,
-) -> Result<Keys, EnvelopeError> {
+) -> Result<Keys, RouteError> {
     let mut delivery = delivery;
     let subscriber: Arc<str> = match &delivery.subscriber {
         Target::Name(n) => n.as_str().into(),
@@ -283,13 +283,13 @@ pub fn key_delivery(
 /// Turns a delivery into a routed job: resolves the subscriber, decodes the payload,
 /// derives the key and fingerprint, derives the entity and places the job on its shard.
 /// Every source and the replay of records come through here.
-pub fn envelope(
+pub fn route(
     ledger: &Ledger,
     delivery: Delivery,
     keying: Keying<'_>,
     ack: AckSender,
-) -> Result<Routed, EnvelopeError> {
-    envelope_or_return(ledger, delivery, keying, ack).map_err(|refused| refused.0)
+) -> Result<Routed, RouteError> {
+    route_or_return(ledger, delivery, keying, ack).map_err(|refused| refused.0)
 }
 
 /// What a refused delivery gives back to its source for a dead-letter record: its id,
@@ -321,22 +321,22 @@ impl Unrouted {
     }
 }
 
-/// [`envelope`], giving a refused delivery's parts back with the refusal: a source that
+/// [`route`], giving a refused delivery's parts back with the refusal: a source that
 /// keeps a dead-letter record of refused input need not copy every message's id, key and
 /// headers beforehand for the rare one refused (boxed: the refusal is the rare path).
-pub fn envelope_or_return(
+pub fn route_or_return(
     ledger: &Ledger,
     delivery: Delivery,
     keying: Keying<'_>,
     ack: AckSender,
-) -> Result<Routed, Box<(EnvelopeError, Unrouted)>> {
+) -> Result<Routed, Box<(RouteError, Unrouted)>> {
     let sub = match &delivery.subscriber {
         Target::Resolved(s) => s.clone(),
         Target::Name(name) => match ledger.subscriber(name) {
             Ok(sub) => sub,
             Err(e) => {
                 return Err(Box::new((
-                    EnvelopeError::Subscriber(e),
+                    RouteError::Subscriber(e),
                     Unrouted::of(delivery),
                 )))
             }
@@ -350,7 +350,7 @@ pub fn envelope_or_return(
             .and_then(Origin::kafka_partition)
             .is_none()
     {
-        let e = EnvelopeError::Subscriber(LedgerError::Invalid(format!(
+        let e = RouteError::Subscriber(LedgerError::Invalid(format!(
             "subscriber {:?} takes its messages from Kafka with a changelog (changelog = true): a message from another source would change claims and state that no partition owns; produce it to the subscription's topic",
             sub.name
         )));
@@ -415,8 +415,8 @@ mod tests {
         Ledger::open(dir, &config, Arc::new(SystemClock)).unwrap()
     }
 
-    fn route(ledger: &Ledger, d: Delivery, keying: Keying<'_>) -> Result<Routed, EnvelopeError> {
-        envelope(ledger, d, keying, crossbeam_channel::unbounded().0)
+    fn route(ledger: &Ledger, d: Delivery, keying: Keying<'_>) -> Result<Routed, RouteError> {
+        super::route(ledger, d, keying, crossbeam_channel::unbounded().0)
     }
 
     #[test]
@@ -571,13 +571,13 @@ mod tests {
         );
         assert!(matches!(
             key_delivery(opaque, &s, Keying::Derive),
-            Err(EnvelopeError::Key { .. })
+            Err(RouteError::Key { .. })
         ));
         s.key = KeySource::Id;
         s.partition_key = PartitionSource::EnvelopeKey;
         let given = IdempotencyKey::from_id("m-1");
         match key_delivery(d(), &s, Keying::Given(&given)) {
-            Err(EnvelopeError::Entity { key, error, .. }) => {
+            Err(RouteError::Entity { key, error, .. }) => {
                 assert_eq!(key, given);
                 assert!(error.to_string().contains("no partition key"), "{error}");
             }
@@ -618,14 +618,14 @@ mod tests {
             received_at_ms: 42,
             ..Delivery::new(Target::Resolved(sub), Payload::Bytes(b"not json".to_vec()))
         };
-        let (e, back) = *envelope_or_return(
+        let (e, back) = *route_or_return(
             &ledger,
             d.clone(),
             Keying::Derive,
             crossbeam_channel::unbounded().0,
         )
         .unwrap_err();
-        assert!(matches!(e, EnvelopeError::Key { .. }), "{e:?}");
+        assert!(matches!(e, RouteError::Key { .. }), "{e:?}");
         assert_eq!(
             back,
             Unrouted {
@@ -646,9 +646,9 @@ mod tests {
             )
         };
         let (e, back) =
-            *envelope_or_return(&ledger, d, Keying::Derive, crossbeam_channel::unbounded().0)
+            *route_or_return(&ledger, d, Keying::Derive, crossbeam_channel::unbounded().0)
                 .unwrap_err();
-        assert!(matches!(e, EnvelopeError::Subscriber(_)), "{e:?}");
+        assert!(matches!(e, RouteError::Subscriber(_)), "{e:?}");
         assert_eq!(back.id.as_deref(), Some("e-1"));
         assert_eq!(back.payload, br#"{"a":2,"b":1}"#);
     }
@@ -660,7 +660,7 @@ mod tests {
         let d = Delivery::new(Target::Name("not a name".into()), Payload::Json(json!({})));
         assert!(matches!(
             route(&ledger, d, Keying::Derive),
-            Err(EnvelopeError::Subscriber(_))
+            Err(RouteError::Subscriber(_))
         ));
     }
 }

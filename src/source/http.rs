@@ -9,7 +9,7 @@
 //! credentials and transport headers become the message's headers, lowercased.
 //!
 //! The route that takes the request apart (`crate::admin`, the only user of axum) hands
-//! [`message`] plain header pairs; [`super::delivery::envelope`] then keys and routes the
+//! [`message`] plain header pairs; [`super::delivery::route`] then keys and routes the
 //! delivery as for every other source.
 
 use std::collections::BTreeMap;
@@ -96,7 +96,7 @@ pub struct Message {
     pub given: Option<IdempotencyKey>,
 }
 
-/// How [`super::delivery::envelope`] finds a message's key: the given one, else the
+/// How [`super::delivery::route`] finds a message's key: the given one, else the
 /// subscriber's key source.
 pub fn keying(given: Option<&IdempotencyKey>) -> Keying<'_> {
     match given {

@@ -1,7 +1,7 @@
 //! Sources of messages, and the step they share.
 //!
 //! Every source turns what it received into a [`delivery::Delivery`] and hands it to
-//! [`delivery::envelope`], which keys, fingerprints and routes it the same way for all of
+//! [`delivery::route`], which keys, fingerprints and routes it the same way for all of
 //! them (and for the replay of stored records):
 //!
 //! - pipe mode (stdin JSON lines): [`stdin`];

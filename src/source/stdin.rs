@@ -18,7 +18,7 @@ use serde::Serialize;
 use crate::config::Config;
 use crate::envelope::Envelope;
 use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome};
-use crate::source::delivery::{envelope, Delivery, EnvelopeError, Keying, Payload, Routed, Target};
+use crate::source::delivery::{route, Delivery, Keying, Payload, RouteError, Routed, Target};
 
 use crate::pipeline::Sequencer;
 
@@ -353,7 +353,7 @@ fn decide_line(
         headers: env.headers.into_iter().collect(),
         ..Delivery::new(Target::Name(sub_name), Payload::Json(env.payload))
     };
-    match envelope(ledger, delivery, Keying::Derive, ack.clone()) {
+    match route(ledger, delivery, Keying::Derive, ack.clone()) {
         Ok(mut routed) => {
             routed.job.seq = seq;
             let meta = LineMeta {
@@ -364,7 +364,7 @@ fn decide_line(
             };
             Ok((meta, routed))
         }
-        Err(EnvelopeError::Subscriber(e)) => Err((
+        Err(RouteError::Subscriber(e)) => Err((
             LineMeta {
                 subscriber: None,
                 id,
@@ -373,7 +373,7 @@ fn decide_line(
             },
             e.to_string(),
         )),
-        Err(EnvelopeError::Key { subscriber, error }) => Err((
+        Err(RouteError::Key { subscriber, error }) => Err((
             LineMeta {
                 subscriber: Some(subscriber),
                 // Never echo a huge id back; the reason already says how long it was.
@@ -383,7 +383,7 @@ fn decide_line(
             },
             error.to_string(),
         )),
-        Err(EnvelopeError::Entity {
+        Err(RouteError::Entity {
             subscriber,
             key,
             error,

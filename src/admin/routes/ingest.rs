@@ -1,6 +1,6 @@
 //! `POST /v1/subscribers/{s}/messages`: the HTTP source's route. It takes the request
 //! apart for [`crate::source::http`] (which reads it as a delivery), routes the delivery
-//! with [`envelope`], waits for the durable outcome through [`crate::admin::bridge`], and
+//! with [`delivery::route`], waits for the durable outcome through [`crate::admin::bridge`], and
 //! answers with `Idempotency-Key` semantics: 201 once processed, the same 201 with
 //! `Idempotent-Replayed: true` for a duplicate, 409 while the same key is in flight (or,
 //! with `Prefer: wait=N`, a bounded wait for it to be decided, then the answer a retry
@@ -23,7 +23,7 @@ use crate::admin::{guard, metrics, AdminState, ApiError, ErrorBody};
 use crate::config::SubscriberSettings;
 use crate::envelope::IdempotencyKey;
 use crate::ledger::{Job, Outcome, Subscriber};
-use crate::source::delivery::{envelope, key_delivery, Delivery, EnvelopeError, Routed, Target};
+use crate::source::delivery::{self, key_delivery, Delivery, RouteError, Routed, Target};
 use crate::source::http::{self, Message, IDEMPOTENCY_KEY, PARTITION_KEY};
 
 /// Set on a response that replays the stored outcome of an earlier request.
@@ -171,18 +171,18 @@ fn read_message(
 fn route(st: &AdminState, message: Message) -> ApiResult<Routed> {
     let Message { delivery, given } = message;
     let keying = http::keying(given.as_ref());
-    envelope(st.ledger(), delivery, keying, st.ingest().ack_sender()).map_err(refusal)
+    delivery::route(st.ledger(), delivery, keying, st.ingest().ack_sender()).map_err(refusal)
 }
 
-/// The answer to a message the envelope step refused.
-fn refusal(e: EnvelopeError) -> ApiError {
+/// The answer to a message the routing step refused.
+fn refusal(e: RouteError) -> ApiError {
     match e {
-        EnvelopeError::Key { error, .. } => ApiError::bad(
+        RouteError::Key { error, .. } => ApiError::bad(
             IDEMPOTENCY_KEY,
             format!("missing idempotency key: send an `Idempotency-Key` header ({error})"),
         ),
-        EnvelopeError::Entity { error, .. } => ApiError::bad(PARTITION_KEY, error.to_string()),
-        EnvelopeError::Subscriber(e) => e.into(),
+        RouteError::Entity { error, .. } => ApiError::bad(PARTITION_KEY, error.to_string()),
+        RouteError::Subscriber(e) => e.into(),
     }
 }
 

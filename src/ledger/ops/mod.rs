@@ -29,7 +29,7 @@ use super::shard::{Control, ShardMsg};
 use super::{AckSender, Ledger, LedgerError, Origin, Placement};
 use crate::config::SubscriberSettings;
 use crate::envelope::{key_hash, IdempotencyKey};
-use crate::source::delivery::{envelope, Delivery, Keying, Payload, Routed, Target};
+use crate::source::delivery::{route, Delivery, Keying, Payload, Routed, Target};
 
 fn parse_id(id: &str) -> Option<(usize, u64)> {
     let (shard, seq) = id.split_once('-')?;

@@ -262,7 +262,7 @@ impl Ledger {
             mut job,
             shard: target,
             ..
-        } = envelope(self, delivery, Keying::Given(&given), ack)
+        } = route(self, delivery, Keying::Given(&given), ack)
             .map_err(|e| LedgerError::Invalid(format!("record {id}: {e}")))?;
         job.seq = seq;
         let settle_here = target == shard;

@@ -44,7 +44,7 @@ use rdkafka::ClientContext;
 use crate::config::SubscriberSettings;
 use crate::envelope::Envelope;
 use crate::ledger::{Done, Job, Ledger, Origin, Outcome, Subscriber};
-use crate::source::delivery::{envelope, Delivery, Keying, Routed, Target};
+use crate::source::delivery::{route, Delivery, Keying, Routed, Target};
 use crate::telemetry::Latency;
 
 use super::keying::{self, raw_header_key_hash, RecordView};
@@ -502,7 +502,7 @@ impl Worker {
             ..keying::delivery(&view, Target::Resolved(self.sub.clone()))
         };
         let raw_hash = |env: &Envelope, s: &SubscriberSettings| raw_header_key_hash(&view, env, s);
-        let routed = envelope(
+        let routed = route(
             &self.ledger,
             delivery,
             Keying::DeriveThen(&raw_hash),

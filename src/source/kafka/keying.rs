@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use crate::config::{KeySource, SubscriberSettings};
 use crate::envelope::{cloudevents_hash, key_hash, Envelope, IdempotencyKey};
-use crate::source::delivery::{key_delivery, Delivery, EnvelopeError, Keying, Payload, Target};
+use crate::source::delivery::{key_delivery, Delivery, Keying, Payload, RouteError, Target};
 
 /// The parts of a record key extraction looks at.
 #[derive(Debug, Clone, Copy)]
@@ -73,11 +73,11 @@ pub fn text_of(bytes: &[u8]) -> String {
 
 /// Derives the idempotency key and routing hash of a record, or the reason it has none
 /// (the record is then dead-lettered as `rejected`). The consumer routes records with
-/// [`crate::source::delivery::envelope`], keyed the same way.
+/// [`crate::source::delivery::route`], keyed the same way.
 pub fn key_record(
     record: &RecordView<'_>,
     settings: &SubscriberSettings,
-) -> Result<Keyed, EnvelopeError> {
+) -> Result<Keyed, RouteError> {
     let d = delivery(record, Target::Name(String::new()));
     let partition_key = d.key.clone();
     let hash = |env: &Envelope, s: &SubscriberSettings| raw_header_key_hash(record, env, s);

@@ -43,7 +43,7 @@ use super::{MqttConfig, MqttError, MqttStats};
 use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
 use crate::source::delivery::{
-    envelope_or_return, Delivery, Keying, Payload, Routed, Target, Unrouted,
+    route_or_return, Delivery, Keying, Payload, Routed, Target, Unrouted,
 };
 use crate::source::settle::{
     bridge_dones, keep_dead_letter, now_ms, submit_staged, Meter, OutcomeMeters,
@@ -329,7 +329,7 @@ impl Consumer {
         };
         // A refused message comes back whole for its dead-letter record: nothing is copied
         // beforehand for the rare one refused.
-        match envelope_or_return(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
+        match route_or_return(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
             Ok(Routed { mut job, shard, .. }) => {
                 let seq = self.next_seq;
                 self.next_seq += 1;

@@ -9,7 +9,7 @@
 //! - `link.rs`: the task that polls the connection, reconnects with backoff, and the
 //!   connection generation that keeps an ack on the connection its packet id belongs to.
 //! - `consumer.rs`: every message keyed by the shared step
-//!   ([`crate::source::delivery::envelope`]) and acknowledged (PUBACK) in arrival order
+//!   ([`crate::source::delivery::route`]) and acknowledged (PUBACK) in arrival order
 //!   only after its outcome is durable (G1); what cannot be keyed is kept as a dead-letter
 //!   record first (MQTT has no reject), then acknowledged.
 //! - [`run`] (here): the runtime, the `/readyz` probe, the stop.

@@ -4,7 +4,7 @@
 //!   `[[nats.binding]]`s (stream, durable consumer, subscriber), checked offline by
 //!   `dedupd config check`.
 //! - `consumer.rs`: one durable pull consumer per binding — every message keyed by the
-//!   shared step ([`crate::source::delivery::envelope`]), acknowledged (`Ack`, or `Term`
+//!   shared step ([`crate::source::delivery::route`]), acknowledged (`Ack`, or `Term`
 //!   for dead letters) only after its outcome is durable (G1), the in-flight window
 //!   bounded by `max_ack_pending`, `Nak` with delay for what a stop gives back.
 //! - [`mod@bench`]: `dedupd nats-bench`, the source against a consume-only pull consumer.

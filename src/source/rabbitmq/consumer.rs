@@ -41,7 +41,7 @@ use super::{BindingConfig, Ended, RabbitMqConfig, RabbitMqError, RabbitMqStats};
 use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
 use crate::source::delivery::{
-    envelope_or_return, Delivery, Keying, Payload, Routed, Target, Unrouted,
+    route_or_return, Delivery, Keying, Payload, Routed, Target, Unrouted,
 };
 use crate::source::settle::{
     bridge_dones, keep_dead_letter, now_ms, submit_staged, Meter, OutcomeMeters, Settle,
@@ -433,7 +433,7 @@ impl Binding {
         };
         // A refused message comes back whole for its dead-letter record: nothing (not the
         // payload either) is copied beforehand for the rare one refused.
-        match envelope_or_return(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
+        match route_or_return(&self.ledger, delivery, Keying::Derive, self.ack_tx.clone()) {
             Ok(Routed { mut job, shard, .. }) => {
                 job.seq = self.session << TAG_BITS | tag;
                 self.pending.insert(tag, Pending::InFlight);

@@ -4,7 +4,7 @@
 //!   and `[[rabbitmq.binding]]`s (queue, subscriber, prefetch), checked offline by
 //!   `dedupd config check`.
 //! - `consumer.rs`: one channel and one consumer per binding — every message keyed by the
-//!   shared step ([`crate::source::delivery::envelope`]), acknowledged (`basic.ack`,
+//!   shared step ([`crate::source::delivery::route`]), acknowledged (`basic.ack`,
 //!   `multiple` over contiguous runs) only after its outcome is durable (G1), rejected
 //!   without requeue (`basic.reject`, to the queue's dead-letter target) when it is
 //!   dead-lettered or cannot be keyed, the in-flight window bounded by `basic.qos`
