@@ -33,7 +33,7 @@ use common::broker::{
 };
 use common::component;
 use common::tls::Pki;
-use rabbitmq_server::{shared_server, Broker, Msg, RabbitServer};
+use rabbitmq_server::{shared_server, Broker, Got, Msg, RabbitServer};
 
 fn order_msgs(range: std::ops::Range<usize>) -> Vec<Msg> {
     range
@@ -201,12 +201,49 @@ fn acked_in_log(log: &Path) -> u64 {
     last_logged(log, "rabbitmq progress", "acked").unwrap_or(0)
 }
 
+/// The `[rabbitmq.outbox]` section relaying to `exchange`.
+fn outbox_section(exchange: &str) -> String {
+    format!("\n[rabbitmq.outbox]\nenabled = true\nexchange = \"{exchange}\"\n")
+}
+
+/// What the counter handler emitted for `events` events (`order_msgs`: two per order,
+/// counted 1 then 2) arrived: every emitted id at least once (copies only of a row
+/// published again after a crash, each the same), each order's counts 1 and 2 once.
+fn assert_emitted_once_each(got: &[Got], events: usize) {
+    let mut by_id: BTreeMap<&str, &Got> = BTreeMap::new();
+    for g in got {
+        let id =
+            g.id.as_deref()
+                .expect("a message_id on every relayed message");
+        if let Some(first) = by_id.insert(id, g) {
+            assert_eq!(first, g, "copies of one emitted id differ");
+        }
+    }
+    assert_eq!(by_id.len(), events, "emitted messages lost or made up");
+    let mut counts: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for g in by_id.values() {
+        let key = g.key.as_deref().expect("the emitted key as dedupd-key");
+        counts.entry(key).or_default().push(&g.payload);
+    }
+    assert_eq!(
+        counts.len(),
+        events / 2,
+        "orders missing from the emitted messages"
+    );
+    for (order, mut c) in counts {
+        c.sort_unstable();
+        assert_eq!(c, ["1", "2"], "order {order}");
+    }
+}
+
 /// `dedupd run` on RabbitMQ with the non-idempotent `fixture-counter` handler
-/// (`count/<order>` = get + 1), killed with kill -9 in six seeded rounds (half of them just
-/// after acknowledgements were sent); every tenth event is published again. Afterwards
-/// every order's count is exactly 2 and the queue holds nothing ready or unacknowledged:
-/// an ack sent before its effect was durable would lose the effect (a count of 1), an
-/// effect applied twice would make a 3.
+/// (`count/<order>` = get + 1, one emitted message per event), killed with kill -9 in six
+/// seeded rounds (half of them just after acknowledgements were sent); every tenth event
+/// is published again. Afterwards every order's count is exactly 2 and the queue holds
+/// nothing ready or unacknowledged: an ack sent before its effect was durable would lose
+/// the effect (a count of 1), an effect applied twice would make a 3. The outbox relay
+/// publishes to an exchange meanwhile: every emitted message arrives (copies only of the
+/// same message, by id) and the outbox is empty at the end.
 #[test]
 fn counts_are_exact_after_kill_9_rounds_on_rabbitmq() {
     const EVENTS: usize = 6_000;
@@ -215,12 +252,15 @@ fn counts_are_exact_after_kill_9_rounds_on_rabbitmq() {
     let broker = Broker::connect(&server.uri);
     let q = "kill9";
     broker.declare(q, None);
+    let (exchange, emitted) = ("kill9.emitted", "kill9-counted");
+    broker.direct(exchange, emitted, Some("counted"));
     let parts = common::broker::events_with_repeats(EVENTS, ROUNDS, order_msgs);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let cfg = dir.path().join("dedupd.toml");
     let handler = component("fixture_counter");
-    std::fs::write(&cfg, config_text(&server.uri, Some(&handler), &[q], "")).unwrap();
+    let text = config_text(&server.uri, Some(&handler), &[q], "") + &outbox_section(exchange);
+    std::fs::write(&cfg, text).unwrap();
     let log = dir.path().join("run.log");
     let rounds = KillRounds {
         cfg: &cfg,
@@ -240,8 +280,61 @@ fn counts_are_exact_after_kill_9_rounds_on_rabbitmq() {
     );
     let summary = stop_gracefully(child, &log);
     eprintln!("acked at the kills: {acked_at_kills:?}; last run: {summary}");
-    assert_counts_exact(&data, &Config::load(&cfg).unwrap(), EVENTS);
+    let config = Config::load(&cfg).unwrap();
+    assert_counts_exact(&data, &config, EVENTS);
     assert_all_acked(&broker, q);
+    let got = broker.drain(emitted);
+    eprintln!("emitted messages relayed: {}", got.len());
+    assert_emitted_once_each(&got, EVENTS);
+    let ledger = Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap();
+    assert!(
+        ledger.outbox_pending(10).unwrap().is_empty(),
+        "rows left in the outbox"
+    );
+    ledger.close().unwrap();
+}
+
+/// A relayed message no queue takes (the exchange has no binding for the topic) comes
+/// back, since it is published `mandatory`: its row stays in the outbox and the run says
+/// so. Once a queue is bound, the next run publishes every row, with publisher confirms,
+/// and empties the outbox.
+#[test]
+fn an_emitted_message_no_queue_takes_stays_in_the_outbox_until_one_does() {
+    const EVENTS: usize = 40;
+    let server = shared_server();
+    let broker = Broker::connect(&server.uri);
+    let (q, exchange, emitted) = ("unroutable", "unroutable.emitted", "unroutable-counted");
+    broker.declare(q, None);
+    broker.direct(exchange, emitted, None);
+    broker.publish(q, &order_msgs(0..EVENTS), &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let handler = component("fixture_counter");
+    let text = config_text(&server.uri, Some(&handler), &[q], "")
+        .replace("drain_timeout = \"10s\"", "drain_timeout = \"1s\"")
+        + &outbox_section(exchange);
+    let config = Config::parse(&text).unwrap();
+    let processed = |ledger: &Ledger| claims(ledger) == EVENTS as u64;
+    let (summary, ledger) = run_until(&config, &data, |ledger| {
+        processed(ledger) && ledger.outbox_pending(100).unwrap().len() == EVENTS
+    });
+    assert!(summary.outbox_refused > 0, "{summary:?}");
+    assert_eq!(summary.outbox_relayed, 0, "{summary:?}");
+    assert_eq!(
+        ledger.outbox_pending(100).unwrap().len(),
+        EVENTS,
+        "rows kept"
+    );
+    ledger.close().unwrap();
+    assert!(broker.drain(emitted).is_empty());
+
+    broker.direct(exchange, emitted, Some("counted"));
+    let (summary, ledger) = run_until(&config, &data, |ledger| {
+        ledger.outbox_pending(1).unwrap().is_empty()
+    });
+    assert_eq!(summary.outbox_relayed, EVENTS as u64, "{summary:?}");
+    ledger.close().unwrap();
+    assert_emitted_once_each(&broker.drain(emitted), EVENTS);
 }
 
 /// `dedupd config check` names the field of a bad `[rabbitmq]` section and accepts a good

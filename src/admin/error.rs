@@ -42,7 +42,8 @@ pub enum ApiError {
     /// 409: the thing to create exists already (a backup name, say).
     #[error("{0}")]
     Exists(String),
-    /// 409: the outbox is relayed to Kafka, so it cannot be pulled too.
+    /// 409: the outbox is relayed to the broker (Kafka or RabbitMQ), so it cannot be pulled
+    /// too. Its code stays `relayed_to_kafka` for either.
     #[error("{0}")]
     Relayed(String),
     /// 409: a settings change the subscriber's live claims forbid (another key source).

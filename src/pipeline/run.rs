@@ -394,6 +394,8 @@ impl BrokerSource for RabbitMqConfig {
             dead_lettered = s.dead_lettered,
             rejected = s.rejected,
             reconnects = s.reconnects,
+            outbox_relayed = s.outbox_relayed,
+            outbox_refused = s.outbox_refused,
             "stopped; every acknowledgement covers a durable outcome"
         );
     }

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -253,6 +253,14 @@ pub struct Msg {
     pub payload: String,
 }
 
+/// One message taken from a queue: its `message_id`, its `dedupd-key` header and payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Got {
+    pub id: Option<String>,
+    pub key: Option<String>,
+    pub payload: String,
+}
+
 impl Broker {
     pub fn connect(uri: &str) -> Broker {
         let rt = runtime();
@@ -337,6 +345,70 @@ impl Broker {
                     .unwrap();
             });
         }
+    }
+
+    /// A durable direct exchange and `queue` (declared as dedupd does) bound to it with
+    /// `routing_key`; without `routing_key` only the exchange.
+    pub fn direct(&self, exchange: &str, queue: &str, routing_key: Option<&str>) {
+        self.rt.block_on(async {
+            self.ch
+                .exchange_declare(
+                    exchange.into(),
+                    ExchangeKind::Direct,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+        });
+        self.declare(queue, None);
+        if let Some(key) = routing_key {
+            self.rt.block_on(async {
+                self.ch
+                    .queue_bind(
+                        queue.into(),
+                        exchange.into(),
+                        key.into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .unwrap();
+            });
+        }
+    }
+
+    /// Takes every ready message of `queue` (`basic.get`, acknowledged).
+    pub fn drain(&self, queue: &str) -> Vec<Got> {
+        self.rt.block_on(async {
+            let mut out = Vec::new();
+            while let Some(m) = self
+                .ch
+                .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap()
+            {
+                let p = &m.delivery.properties;
+                let key = p
+                    .headers()
+                    .as_ref()
+                    .and_then(|h| match h.inner().get("dedupd-key") {
+                        Some(AMQPValue::LongString(s)) => {
+                            Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                        }
+                        _ => None,
+                    });
+                out.push(Got {
+                    id: p.message_id().as_ref().map(|s| s.as_str().to_string()),
+                    key,
+                    payload: String::from_utf8_lossy(&m.delivery.data).into_owned(),
+                });
+            }
+            out
+        })
     }
 
     /// Publishes persistent messages to `queue` (the default exchange) with `extra`

@@ -1,9 +1,10 @@
 //! The outbox without Kafka: what handlers emitted, pulled over HTTP and acknowledged
 //! (`GET /v1/outbox`, `POST /v1/outbox/ack`). Rows stay until acknowledged, so a consumer
 //! that crashes between a pull and its ack pulls them again (at least once; each row
-//! carries the emitted message's deterministic id to deduplicate by). While a Kafka relay
-//! consumes the outbox (`dedupd run` with `[kafka.outbox]`) both routes answer 409: two
-//! consumers would each get every row.
+//! carries the emitted message's deterministic id to deduplicate by). While a relay
+//! consumes the outbox (`dedupd run` with `[kafka.outbox]`, on by default, or
+//! `[rabbitmq.outbox]`) both routes answer 409 (code `relayed_to_kafka`, kept for either
+//! relay): two consumers would each get every row.
 
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Query, State};
@@ -73,7 +74,7 @@ pub struct Acked {
 fn not_relayed(ledger: &Ledger) -> ApiResult<()> {
     if ledger.outbox_relayed() {
         return Err(ApiError::Relayed(
-            "the outbox is relayed to Kafka ([kafka.outbox]); it cannot also be pulled".into(),
+            "the outbox is relayed to the broker ([kafka.outbox] or [rabbitmq.outbox]); it cannot also be pulled".into(),
         ));
     }
     Ok(())
@@ -86,7 +87,7 @@ fn not_relayed(ledger: &Ledger) -> ApiResult<()> {
     responses(
         (status = 200, description = "The oldest pending rows", body = Pulled),
         (status = 400, description = "A bad `limit`", body = ErrorBody),
-        (status = 409, description = "The outbox is relayed to Kafka ([kafka.outbox])", body = ErrorBody),
+        (status = 409, description = "The outbox is relayed to the broker ([kafka.outbox] or [rabbitmq.outbox])", body = ErrorBody),
     ),
     security(("bearer" = [])))]
 pub async fn pull_outbox(
@@ -133,7 +134,7 @@ pub async fn pull_outbox(
     responses(
         (status = 200, description = "Deleted (a row acknowledged twice, or gone, is no error)", body = Acked),
         (status = 400, description = "Not such an object, more than 1000 ids, or an id that is not a row id", body = ErrorBody),
-        (status = 409, description = "The outbox is relayed to Kafka ([kafka.outbox])", body = ErrorBody),
+        (status = 409, description = "The outbox is relayed to the broker ([kafka.outbox] or [rabbitmq.outbox])", body = ErrorBody),
     ),
     security(("bearer" = [])))]
 pub async fn ack_outbox(

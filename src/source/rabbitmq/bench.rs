@@ -71,6 +71,10 @@ pub struct RabbitBenchReport {
     pub engine_ratio: f64,
     pub handler_msgs_per_sec: Option<f64>,
     pub handler_ratio: Option<f64>,
+    /// Messages acknowledged per `basic.ack` frame by the engine (each frame is work for
+    /// the server), without and with the handler.
+    pub engine_acks_per_frame: f64,
+    pub handler_acks_per_frame: Option<f64>,
 }
 
 impl std::fmt::Display for RabbitBenchParams {
@@ -102,7 +106,16 @@ impl std::fmt::Display for RabbitBenchReport {
             self.consume_only_msgs_per_sec,
             (self.engine_msgs_per_sec, self.engine_ratio),
             self.handler_msgs_per_sec.zip(self.handler_ratio),
-        )
+        )?;
+        write!(
+            f,
+            "acks per basic.ack    {:>10.1} (engine)",
+            self.engine_acks_per_frame
+        )?;
+        if let Some(h) = self.handler_acks_per_frame {
+            write!(f, "  {h:.1} (engine, handler)")?;
+        }
+        writeln!(f)
     }
 }
 
@@ -151,7 +164,7 @@ pub fn run(
         }
         let publish = (params.messages * phases as u64) as f64 / publish_s;
         let baseline = rt.block_on(consume_only(&conn, &queues[0], params, progress))?;
-        let engine_s = engine(params, &queues[1], None, progress)?;
+        let (engine_s, engine_acks) = engine(params, &queues[1], None, progress)?;
         let handler = match &params.handler {
             Some(h) => Some(engine(params, &queues[2], Some(h.clone()), progress)?),
             None => None,
@@ -163,8 +176,10 @@ pub fn run(
             consume_only_msgs_per_sec: rate(baseline),
             engine_msgs_per_sec: rate(engine_s),
             engine_ratio: baseline / engine_s,
-            handler_msgs_per_sec: handler.map(rate),
-            handler_ratio: handler.map(|h| baseline / h),
+            handler_msgs_per_sec: handler.map(|(h, _)| rate(h)),
+            handler_ratio: handler.map(|(h, _)| baseline / h),
+            engine_acks_per_frame: engine_acks,
+            handler_acks_per_frame: handler.map(|(_, a)| a),
         })
     })();
     rt.block_on(async {
@@ -279,13 +294,14 @@ async fn consume_only(
     Ok(s)
 }
 
-/// The source over `queue` on a fresh ledger until every message is acknowledged.
+/// The source over `queue` on a fresh ledger until every message is acknowledged: the
+/// seconds taken and the messages acknowledged per `basic.ack` frame.
 fn engine(
     params: &RabbitBenchParams,
     queue: &str,
     handler: Option<PathBuf>,
     progress: &mut dyn FnMut(&str, u64, u64),
-) -> Result<f64, RabbitMqError> {
+) -> Result<(f64, f64), RabbitMqError> {
     let phase = if handler.is_some() {
         "engine+handler"
     } else {
@@ -328,5 +344,7 @@ fn engine(
         .map_err(|_| client("the source thread panicked"))?
         .map(|_| ())?;
     bench_common::close_ledger(ledger).map_err(|e| RabbitMqError::Ledger(e.to_string()))?;
-    Ok(elapsed.as_secs_f64())
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let per_frame = get(&s.acked) as f64 / get(&s.ack_frames).max(1) as f64;
+    Ok((elapsed.as_secs_f64(), per_frame))
 }

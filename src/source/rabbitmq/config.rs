@@ -1,6 +1,6 @@
 //! The `[rabbitmq]` section of the config file, and its offline checks.
 
-use std::num::NonZeroU16;
+use std::num::{NonZeroU16, NonZeroUsize};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -48,6 +48,37 @@ pub struct RabbitMqConfig {
     /// Queues -> subscribers; one channel and one consumer per binding.
     #[serde(rename = "binding", default)]
     pub bindings: Vec<BindingConfig>,
+    /// What handlers emit, published to an exchange after commit (off by default).
+    #[serde(default)]
+    pub outbox: RabbitOutboxConfig,
+}
+
+/// `[rabbitmq.outbox]`: the relay of what handlers emit (`emit(topic, key, headers,
+/// payload)`) to an exchange, with publisher confirms.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RabbitOutboxConfig {
+    /// Run the relay. While it runs, the outbox cannot be pulled over HTTP.
+    pub enabled: bool,
+    /// The exchange published to, with the emitted topic as the routing key. `""` (the
+    /// default exchange) delivers to the queue named by the topic.
+    pub exchange: String,
+    /// Pause between polls of the outbox when it was empty.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// Rows published per round (confirmed, then deleted, as one batch).
+    pub batch: NonZeroUsize,
+}
+
+impl Default for RabbitOutboxConfig {
+    fn default() -> Self {
+        RabbitOutboxConfig {
+            enabled: false,
+            exchange: String::new(),
+            poll_interval: Duration::from_millis(100),
+            batch: NonZeroUsize::new(1000).unwrap_or(NonZeroUsize::MIN),
+        }
+    }
 }
 
 /// One queue, feeding one subscriber.
@@ -112,6 +143,7 @@ impl RabbitMqConfig {
             reconnect_delay_max: default_reconnect_delay_max(),
             drain_timeout: default_drain_timeout(),
             bindings: Vec::new(),
+            outbox: RabbitOutboxConfig::default(),
         }
     }
 
@@ -175,6 +207,7 @@ impl RabbitMqConfig {
                 "must name at least one queue ([[rabbitmq.binding]])",
             ));
         }
+        self.outbox.validate()?;
         for (i, b) in self.bindings.iter().enumerate() {
             b.validate(&format!("rabbitmq.binding[{i}]"), config)?;
             if self.bindings[..i].iter().any(|o| o.queue == b.queue) {
@@ -183,6 +216,28 @@ impl RabbitMqConfig {
                     format!("{:?} is bound twice; one binding per queue", b.queue),
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+impl RabbitOutboxConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let x = &self.exchange;
+        if x.len() > 255 || x.contains(char::is_control) {
+            return Err(invalid(
+                "rabbitmq.outbox.exchange",
+                format!("{x:?} is not an exchange name (at most 255 bytes, no control characters)"),
+            ));
+        }
+        if self.poll_interval > Duration::from_secs(60) {
+            return Err(invalid(
+                "rabbitmq.outbox.poll_interval",
+                "must be at most 60s",
+            ));
+        }
+        if self.batch.get() > 100_000 {
+            return Err(invalid("rabbitmq.outbox.batch", "must be at most 100000"));
         }
         Ok(())
     }
@@ -253,6 +308,19 @@ queue = "orders"
         assert_eq!(b.dead_letter_queue, None);
         assert_eq!(r.drain_timeout, Duration::from_secs(30));
         assert!(!r.tls());
+        assert!(
+            !r.outbox.enabled,
+            "the outbox relay is asked for, not assumed"
+        );
+        let text = format!("{BASE}\n[rabbitmq.outbox]\nenabled = true\nexchange = \"events\"\n");
+        let o = Config::parse(&text)
+            .expect("config")
+            .rabbitmq
+            .expect("rabbitmq")
+            .outbox;
+        assert!(o.enabled);
+        assert_eq!(o.exchange, "events");
+        assert_eq!(o.batch.get(), 1000);
     }
 
     #[test]
@@ -321,6 +389,15 @@ queue = "orders"
                 format!("{BASE}\n[[rabbitmq.binding]]\nsubscriber = \"x\"\nqueue = \"orders\"\n"),
                 "rabbitmq.binding[1].queue",
             ),
+            (
+                format!("{BASE}\n[rabbitmq.outbox]\nenabled = true\nexchange = \"a\\nb\"\n"),
+                "rabbitmq.outbox.exchange",
+            ),
+            (
+                format!("{BASE}\n[rabbitmq.outbox]\npoll_interval = \"2m\"\n"),
+                "rabbitmq.outbox.poll_interval",
+            ),
+            (format!("{BASE}\n[rabbitmq.outbox]\nbatch = 0\n"), "batch"),
         ];
         assert_fields_named(cases);
     }

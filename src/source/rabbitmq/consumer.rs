@@ -6,8 +6,11 @@
 //! `processed`, `duplicate` and `quarantined` are acknowledged — one `basic.ack` with
 //! `multiple` for the run of durable messages at the front of the channel's unsettled
 //! ones (every earlier delivery tag is settled then, so `multiple` covers nothing that
-//! is not durable), a plain `basic.ack` for each durable message behind one still in
-//! flight; `dead_lettered` and `rejected` (kept in the ledger's dead letters) get
+//! is not durable). A durable message behind one still in flight waits to join that run
+//! (the other shard's commit is usually a batch away), and is acknowledged alone only
+//! when it waited [`ACK_HOLD`], when half of the window is held, or at a stop: each ack
+//! is a frame the server writes, and acknowledging every such message alone made the
+//! claims-only engine slower than the handler path; `dead_lettered` and `rejected` (kept in the ledger's dead letters) get
 //! `basic.reject` without requeue, so the queue's dead-letter exchange receives them;
 //! input that cannot be keyed is kept as a dead-letter record first, then rejected the
 //! same way. A crash, a lost connection or a closed channel before an ack leaves the
@@ -54,6 +57,9 @@ const QUEUE_INTERVAL: Duration = Duration::from_secs(5);
 /// session ended is counted but not acknowledged (the server requeued that delivery).
 const TAG_BITS: u32 = 40;
 const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
+/// How long a durable message behind one still in flight waits to be acknowledged with
+/// the run at the front before it is acknowledged alone.
+const ACK_HOLD: Duration = Duration::from_millis(50);
 
 /// Where the shards send a binding's outcomes, kept across sessions so that outcomes
 /// decided after their session ended are still counted.
@@ -139,6 +145,10 @@ struct Binding {
     session: u64,
     /// Unsettled deliveries of this session by delivery tag.
     pending: BTreeMap<u64, Pending>,
+    /// The binding's `prefetch`: the most unsettled deliveries it holds.
+    window: usize,
+    /// Since when durable messages wait behind one still in flight, if any do.
+    held_since: Option<Instant>,
     staged: Vec<Vec<Job>>,
 }
 
@@ -250,6 +260,8 @@ async fn open(
         ack_tx,
         session,
         pending: BTreeMap::new(),
+        window: usize::from(config.prefetch.get()),
+        held_since: None,
     };
     Ok((b, consumer))
 }
@@ -321,7 +333,7 @@ async fn consume(
     mut lost: watch::Receiver<Option<String>>,
     drain_timeout: Duration,
 ) -> Result<Ended, RabbitMqError> {
-    let window = usize::from(b.config.prefetch.get());
+    let window = b.window;
     let mut queue_tick = tokio::time::interval(QUEUE_INTERVAL);
     let mut last_log = Instant::now();
     let halt = loop {
@@ -342,6 +354,7 @@ async fn consume(
                 Some(Err(e)) => Err(Halt::Lost(format!("queue {:?}: {e}", b.config.queue))),
                 None => Err(Halt::Lost(format!("the server cancelled the consumer of queue {:?}", b.config.queue))),
             },
+            () = held_until(b.held_since), if b.held_since.is_some() => b.ack_durable(true).await,
             _ = queue_tick.tick() => b.report_queue().await,
         };
         if let Err(h) = step {
@@ -365,6 +378,58 @@ async fn consume(
             Ok(Ended::Lost(reason))
         }
         Some(Halt::Failed(e)) => Err(e),
+    }
+}
+
+/// When durable messages that waited since `since` behind one in flight are acknowledged
+/// alone.
+async fn held_until(since: Option<Instant>) {
+    if let Some(since) = since {
+        tokio::time::sleep_until((since + ACK_HOLD).into()).await;
+    }
+}
+
+/// The acknowledgements to send now for a binding's unsettled deliveries.
+#[derive(Debug, PartialEq, Eq)]
+struct AckPlan {
+    /// The run of durable deliveries at the front (one `basic.ack`, `multiple` when it
+    /// holds more than one).
+    front: Vec<u64>,
+    /// Durable deliveries behind one still in flight, acknowledged one by one.
+    alone: Vec<u64>,
+    /// Durable deliveries behind one still in flight left to wait for the front.
+    held: usize,
+}
+
+/// What to acknowledge of `pending`: the durable run at the front always; the durable
+/// deliveries behind an unfinished one only when `hurry` (they waited [`ACK_HOLD`], or
+/// the binding stops) or when what stays unsettled holds half of `window` (so the server
+/// keeps sending). Otherwise they wait to join the front run: one frame for all of them
+/// once the delivery before them is durable.
+fn plan_acks(pending: &BTreeMap<u64, Pending>, window: usize, hurry: bool) -> AckPlan {
+    let front: Vec<u64> = pending
+        .iter()
+        .take_while(|(_, p)| **p == Pending::Durable)
+        .map(|(tag, _)| *tag)
+        .collect();
+    let behind = pending
+        .iter()
+        .skip(front.len())
+        .filter(|(_, p)| **p == Pending::Durable)
+        .map(|(tag, _)| *tag);
+    let unsettled = pending.len() - front.len();
+    if hurry || unsettled >= window.div_ceil(2) {
+        AckPlan {
+            front,
+            alone: behind.collect(),
+            held: 0,
+        }
+    } else {
+        AckPlan {
+            front,
+            alone: Vec::new(),
+            held: behind.count(),
+        }
     }
 }
 
@@ -530,53 +595,54 @@ impl Binding {
                 }
             }
         }
-        self.ack_durable().await
+        self.ack_durable(false).await
     }
 
-    /// Acknowledges every durable message: the run at the front with one `multiple` ack
-    /// (no unsettled tag below its last is still in flight), each of the others alone.
-    async fn ack_durable(&mut self) -> Result<(), Halt> {
-        let front: Vec<u64> = self
-            .pending
-            .iter()
-            .take_while(|(_, p)| **p == Pending::Durable)
-            .map(|(tag, _)| *tag)
-            .collect();
-        if let Some(&last) = front.last() {
-            let multiple = front.len() > 1;
+    /// Acknowledges durable messages as [`plan_acks`] says: the run at the front with one
+    /// `multiple` ack (no unsettled tag below its last is still in flight), those behind
+    /// one in flight alone when `hurry` or the window asks for it.
+    async fn ack_durable(&mut self, hurry: bool) -> Result<(), Halt> {
+        let hurry = hurry
+            || self
+                .held_since
+                .is_some_and(|since| since.elapsed() >= ACK_HOLD);
+        let plan = plan_acks(&self.pending, self.window, hurry);
+        if let Some(&last) = plan.front.last() {
+            let multiple = plan.front.len() > 1;
             self.channel
                 .basic_ack(last, BasicAckOptions { multiple })
                 .await
                 .map_err(|e| lost("basic.ack", e))?;
-            for tag in &front {
+            for tag in &plan.front {
                 self.pending.remove(tag);
             }
-            self.settled_acks(front.len() as u64);
+            self.settled_acks(plan.front.len() as u64, 1);
         }
-        let behind: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| **p == Pending::Durable)
-            .map(|(tag, _)| *tag)
-            .collect();
-        if !behind.is_empty() {
-            let acks = behind.iter().map(|tag| {
+        if !plan.alone.is_empty() {
+            let acks = plan.alone.iter().map(|tag| {
                 self.channel
                     .basic_ack(*tag, BasicAckOptions { multiple: false })
             });
             for r in futures_util::future::join_all(acks).await {
                 r.map_err(|e| lost("basic.ack", e))?;
             }
-            for tag in &behind {
+            for tag in &plan.alone {
                 self.pending.remove(tag);
             }
-            self.settled_acks(behind.len() as u64);
+            self.settled_acks(plan.alone.len() as u64, plan.alone.len() as u64);
         }
+        self.held_since = match (plan.held, self.held_since) {
+            (0, _) => None,
+            (_, Some(since)) => Some(since),
+            (_, None) => Some(Instant::now()),
+        };
         Ok(())
     }
 
-    fn settled_acks(&self, n: u64) {
+    /// `n` messages acknowledged with `frames` `basic.ack` frames.
+    fn settled_acks(&self, n: u64, frames: u64) {
         self.stats.acked.fetch_add(n, Ordering::Relaxed);
+        self.stats.ack_frames.fetch_add(frames, Ordering::Relaxed);
         self.count_settled(Settled::Ack, n);
     }
 
@@ -643,6 +709,16 @@ impl Binding {
                     }
                 },
                 Ok(None) | Err(_) => break,
+            }
+        }
+        // Durable messages still held behind one that did not finish: acknowledged, not
+        // requeued (that would only make them duplicates).
+        match self.ack_durable(true).await {
+            Ok(()) => {}
+            Err(Halt::Failed(e)) => return Err(e),
+            Err(Halt::Lost(reason)) => {
+                tracing::warn!(queue = %self.config.queue, "rabbitmq drain cut short ({reason}); the server requeues what was not acknowledged");
+                return Ok(());
             }
         }
         if !self.pending.is_empty() {
@@ -723,6 +799,63 @@ fn headers_of(headers: Option<&FieldTable>) -> Vec<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pending(states: &[(u64, Pending)]) -> BTreeMap<u64, Pending> {
+        states.iter().copied().collect()
+    }
+
+    /// One shard's commit lands before the other's: the durable deliveries behind the
+    /// unfinished one wait and join the front run, one `multiple` ack for all, instead
+    /// of a frame each.
+    #[test]
+    fn durable_deliveries_behind_an_unfinished_one_wait_to_join_the_front_run() {
+        use Pending::{Durable, InFlight};
+        let mut p = pending(&[
+            (1, Durable),
+            (2, InFlight),
+            (3, Durable),
+            (4, Durable),
+            (5, InFlight),
+            (6, Durable),
+        ]);
+        let plan = plan_acks(&p, 1024, false);
+        assert_eq!(
+            plan,
+            AckPlan {
+                front: vec![1],
+                alone: vec![],
+                held: 3,
+            }
+        );
+        p.remove(&1);
+        p.insert(2, Durable);
+        p.insert(5, Durable);
+        let plan = plan_acks(&p, 1024, false);
+        assert_eq!(plan.front, vec![2, 3, 4, 5, 6], "one frame for all five");
+        assert!(plan.alone.is_empty());
+        assert_eq!(plan.held, 0);
+    }
+
+    /// A delivery that stays unfinished (a retry's backoff, a slow handler) does not hold
+    /// the ones behind it for long, nor at a stop, nor past half of the window.
+    #[test]
+    fn held_deliveries_are_acknowledged_alone_when_they_waited_or_the_window_fills() {
+        use Pending::{Durable, InFlight};
+        let p = pending(&[(7, InFlight), (8, Durable), (9, Durable), (10, InFlight)]);
+        let hurried = plan_acks(&p, 1024, true);
+        assert_eq!(
+            hurried,
+            AckPlan {
+                front: vec![],
+                alone: vec![8, 9],
+                held: 0,
+            }
+        );
+        // Four unsettled in a window of eight: half held, so the server could stall.
+        assert_eq!(plan_acks(&p, 8, false).alone, vec![8, 9]);
+        assert_eq!(plan_acks(&p, 9, false).held, 2);
+        assert!(plan_acks(&BTreeMap::new(), 8, true).front.is_empty());
+    }
 
     #[test]
     fn header_values_become_text_and_tables_are_left_out() {

@@ -9,6 +9,8 @@
 //!   without requeue (`basic.reject`, to the queue's dead-letter target) when it is
 //!   dead-lettered or cannot be keyed, the in-flight window bounded by `basic.qos`
 //!   `prefetch`, `basic.nack` with requeue for what a stop gives back.
+//! - `outbox.rs`: with `[rabbitmq.outbox]`, what handlers emitted published to an
+//!   exchange with publisher confirms, each row deleted once the server confirmed it.
 //! - `bench.rs`: `dedupd rabbitmq-bench`, the source against a consume-only consumer.
 //! - [`run`] (here): the connection and its reconnection with backoff, a probe for
 //!   `/readyz` while it is down, the bindings of one connection (a session), the stop.
@@ -30,6 +32,7 @@
 pub mod bench;
 mod config;
 mod consumer;
+mod outbox;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,7 +40,7 @@ use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
 
-pub use config::{BindingConfig, RabbitMqConfig};
+pub use config::{BindingConfig, RabbitMqConfig, RabbitOutboxConfig};
 
 use crate::ledger::Ledger;
 use crate::pipeline::{Cause, Shutdown};
@@ -70,6 +73,8 @@ pub struct RabbitMqStats {
     /// Messages acknowledged (outcome durable: processed, duplicate or quarantined); a
     /// `multiple` ack counts every message it covers.
     pub acked: AtomicU64,
+    /// `basic.ack` frames sent for them (a `multiple` ack is one frame).
+    pub ack_frames: AtomicU64,
     /// `basic.reject` without requeue sent (dead-lettered or rejected, kept in the
     /// ledger's dead letters first): to the queue's dead-letter exchange if it has one.
     pub dead_letter_rejects: AtomicU64,
@@ -85,6 +90,7 @@ pub struct RabbitMqSummary {
     pub received: u64,
     pub redelivered: u64,
     pub acked: u64,
+    pub ack_frames: u64,
     pub dead_letter_rejects: u64,
     pub requeued: u64,
     pub processed: u64,
@@ -95,6 +101,11 @@ pub struct RabbitMqSummary {
     /// Sessions that ended without a stop (connection or channel lost), each followed by
     /// a reconnection.
     pub reconnects: u64,
+    /// Outbox rows published and confirmed by the server (then deleted), with
+    /// `[rabbitmq.outbox]`.
+    pub outbox_relayed: u64,
+    /// Outbox publications the server did not take (nacked or unroutable; the rows stay).
+    pub outbox_refused: u64,
 }
 
 impl RabbitMqSummary {
@@ -103,6 +114,7 @@ impl RabbitMqSummary {
         self.received += get(&s.received);
         self.redelivered += get(&s.redelivered);
         self.acked += get(&s.acked);
+        self.ack_frames += get(&s.ack_frames);
         self.dead_letter_rejects += get(&s.dead_letter_rejects);
         self.requeued += get(&s.requeued);
         let o = &s.outcomes;
@@ -219,11 +231,12 @@ pub(crate) fn run_with(
         .map(|b| consumer::Outcomes::new(&b.subscriber))
         .collect();
     let mut reconnects = 0;
+    let relay = crate::source::kafka::RelayStats::default();
     let result = rt.block_on(run_sessions(
         ledger,
         r,
         shutdown,
-        (stats, &outcomes),
+        (stats, &outcomes, &relay),
         &mut reconnects,
     ));
     // lapin's I/O threads end with the runtime.
@@ -234,6 +247,8 @@ pub(crate) fn run_with(
     result?;
     let mut summary = RabbitMqSummary {
         reconnects,
+        outbox_relayed: relay.relayed.load(Ordering::Relaxed),
+        outbox_refused: relay.failed.load(Ordering::Relaxed),
         ..Default::default()
     };
     for s in stats {
@@ -262,9 +277,15 @@ async fn run_sessions(
     ledger: Arc<Ledger>,
     r: &RabbitMqConfig,
     shutdown: &Shutdown,
-    (stats, outcomes): (&[Arc<RabbitMqStats>], &[consumer::Outcomes]),
+    (stats, outcomes, relay): (
+        &[Arc<RabbitMqStats>],
+        &[consumer::Outcomes],
+        &crate::source::kafka::RelayStats,
+    ),
     reconnects: &mut u64,
 ) -> Result<(), RabbitMqError> {
+    // The HTTP pull of the outbox answers 409 while the relay owns it.
+    let _relaying = r.outbox.enabled.then(|| ledger.attach_outbox_relay());
     // Why the source cannot take messages now; `None` while a session runs.
     let down: Arc<Mutex<Option<String>>> =
         Arc::new(Mutex::new(Some("connecting to the RabbitMQ server".into())));
@@ -305,8 +326,12 @@ async fn run_sessions(
         set_down(None);
         delay = first_delay;
         session += 1;
-        let ended =
-            consumer::run_session(&conn, session, &ledger, r, shutdown, stats, outcomes).await;
+        let bindings = consumer::run_session(&conn, session, &ledger, r, shutdown, stats, outcomes);
+        let ended = if r.outbox.enabled {
+            with_relay(&conn, &ledger, r, relay, bindings).await
+        } else {
+            bindings.await
+        };
         match ended {
             Ok(Ended::Stopped) => {
                 if let Err(e) = conn.close(200, "dedupd stopped".into()).await {
@@ -341,6 +366,34 @@ async fn run_sessions(
             }
         }
     }
+}
+
+/// Runs the session's bindings with the outbox relay beside them; at a stop the relay
+/// goes on after the bindings drained (their last commits may have emitted), until the
+/// outbox is empty or `drain_timeout` passed.
+async fn with_relay(
+    conn: &Connection,
+    ledger: &Arc<Ledger>,
+    r: &RabbitMqConfig,
+    stats: &crate::source::kafka::RelayStats,
+    bindings: impl std::future::Future<Output = Result<Ended, RabbitMqError>>,
+) -> Result<Ended, RabbitMqError> {
+    let (finish_tx, finish_rx) = tokio::sync::watch::channel(None);
+    let relay = outbox::relay(conn, ledger, &r.outbox, stats, finish_rx);
+    tokio::pin!(relay, bindings);
+    let ended = tokio::select! {
+        ended = &mut bindings => ended,
+        relayed = &mut relay => {
+            // The relay ends early only when the ledger failed.
+            relayed?;
+            return bindings.await;
+        }
+    };
+    if let Ok(Ended::Stopped) = ended {
+        finish_tx.send_replace(Some(tokio::time::Instant::now() + r.drain_timeout));
+        relay.await?;
+    }
+    ended
 }
 
 /// The URI without its password, for logs.
