@@ -279,12 +279,35 @@ struct Interval {
     acked: u64,
 }
 
+#[derive(Default)]
 struct Acked {
     /// Every message below this seq has its outcome released.
     released: AtomicU64,
     interval: Mutex<Interval>,
     /// Every acknowledgement of the first window.
     first: Mutex<Latency>,
+}
+
+impl Acked {
+    /// Completes `s` with the interval `(from, now)`'s figures (taking them) and the
+    /// backlog of `scheduled` messages.
+    fn complete(
+        &self,
+        mut s: SoakSample,
+        (from, now): (Duration, Duration),
+        scheduled: u64,
+    ) -> SoakSample {
+        let interval =
+            std::mem::take(&mut *self.interval.lock().unwrap_or_else(|p| p.into_inner()));
+        let secs = (now - from).as_secs_f64().max(1e-9);
+        s.t_s = now.as_secs_f64();
+        s.msgs_per_sec = interval.acked as f64 / secs;
+        s.p50_ms = interval.latency.quantile_ms(0.5);
+        s.p99_ms = interval.latency.quantile_ms(0.99);
+        s.max_ms = interval.latency.max_ms();
+        s.backlog = scheduled.saturating_sub(self.released.load(Ordering::Acquire));
+        s
+    }
 }
 
 struct DriveResult {
@@ -386,11 +409,7 @@ fn drive(
     });
     let window = params.window.max(1);
     let first_window = first_window(duration);
-    let acked = Arc::new(Acked {
-        released: AtomicU64::new(0),
-        interval: Mutex::new(Interval::default()),
-        first: Mutex::new(Latency::default()),
-    });
+    let acked = Arc::new(Acked::default());
     let start = Instant::now();
     // Closed loop: latency from submission, kept per window slot.
     let submitted_at: Arc<Vec<AtomicU64>> =
@@ -450,19 +469,9 @@ fn drive(
             }
             if now >= next_sample {
                 next_sample += params.sample_every;
-                let mut s = probe(ledger);
-                let interval =
-                    std::mem::take(&mut *acked.interval.lock().unwrap_or_else(|p| p.into_inner()));
-                let secs = (now - last_sample).as_secs_f64().max(1e-9);
-                s.t_s = now.as_secs_f64();
-                s.msgs_per_sec = interval.acked as f64 / secs;
-                s.p50_ms = interval.latency.quantile_ms(0.5);
-                s.p99_ms = interval.latency.quantile_ms(0.99);
-                s.max_ms = interval.latency.max_ms();
                 let scheduled = if rate.is_some() { due } else { seq };
-                s.backlog = scheduled.saturating_sub(acked.released.load(Ordering::Acquire));
+                on_sample(acked.complete(probe(ledger), (last_sample, now), scheduled));
                 last_sample = now;
-                on_sample(s);
             }
             match rate {
                 // Paced: wake for the next millisecond's messages (or an ack that frees room).

@@ -642,15 +642,14 @@ pub fn run(
         live = lat;
     }
     let processed = stats.processed.load(Ordering::Relaxed);
-    let restore = if params.changelog && params.ttl.is_some() {
-        RestorePhase {
+    let restore = match (params.changelog, params.ttl) {
+        (true, Some(_)) => RestorePhase {
             skipped: Some(
                 "--ttl expires the claims during the run, so a restore has none to check".into(),
             ),
             ..RestorePhase::default()
-        }
-    } else if params.changelog {
-        restore_phase(
+        },
+        (true, None) => restore_phase(
             &ledger,
             &config,
             &kafka,
@@ -658,9 +657,8 @@ pub fn run(
             &super::changelog::topic_name(&changelog_prefix, "bench"),
             params.partitions,
             processed,
-        )?
-    } else {
-        RestorePhase::default()
+        )?,
+        (false, _) => RestorePhase::default(),
     };
     let baseline_rate = params.messages as f64 / baseline_s.max(1e-9);
     let report = KafkaBenchReport {

@@ -40,6 +40,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
 use tokio::sync::{mpsc, watch};
 
+use super::acks::{held_until, plan_acks, Pending, ACK_HOLD};
 use super::{BindingConfig, Ended, RabbitMqConfig, RabbitMqError, RabbitMqStats};
 use crate::ledger::{Done, Job, Ledger, Origin, Subscriber};
 use crate::pipeline::Shutdown;
@@ -57,9 +58,6 @@ const QUEUE_INTERVAL: Duration = Duration::from_secs(5);
 /// session ended is counted but not acknowledged (the server requeued that delivery).
 const TAG_BITS: u32 = 40;
 const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
-/// How long a durable message behind one still in flight waits to be acknowledged with
-/// the run at the front before it is acknowledged alone.
-const ACK_HOLD: Duration = Duration::from_millis(50);
 
 /// Where the shards send a binding's outcomes, kept across sessions so that outcomes
 /// decided after their session ended are still counted.
@@ -100,15 +98,6 @@ fn classify(conn: &Connection, what: &str, e: lapin::Error) -> Halt {
     } else {
         Halt::Lost(format!("{what}: {e}"))
     }
-}
-
-/// Settlement of one unsettled delivery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pending {
-    /// Submitted; its outcome is not durable yet.
-    InFlight,
-    /// Durable; waiting to be acknowledged with the run it belongs to.
-    Durable,
 }
 
 /// How messages were settled with the server (the `kind` label of the acked metric).
@@ -378,58 +367,6 @@ async fn consume(
             Ok(Ended::Lost(reason))
         }
         Some(Halt::Failed(e)) => Err(e),
-    }
-}
-
-/// When durable messages that waited since `since` behind one in flight are acknowledged
-/// alone.
-async fn held_until(since: Option<Instant>) {
-    if let Some(since) = since {
-        tokio::time::sleep_until((since + ACK_HOLD).into()).await;
-    }
-}
-
-/// The acknowledgements to send now for a binding's unsettled deliveries.
-#[derive(Debug, PartialEq, Eq)]
-struct AckPlan {
-    /// The run of durable deliveries at the front (one `basic.ack`, `multiple` when it
-    /// holds more than one).
-    front: Vec<u64>,
-    /// Durable deliveries behind one still in flight, acknowledged one by one.
-    alone: Vec<u64>,
-    /// Durable deliveries behind one still in flight left to wait for the front.
-    held: usize,
-}
-
-/// What to acknowledge of `pending`: the durable run at the front always; the durable
-/// deliveries behind an unfinished one only when `hurry` (they waited [`ACK_HOLD`], or
-/// the binding stops) or when what stays unsettled holds half of `window` (so the server
-/// keeps sending). Otherwise they wait to join the front run: one frame for all of them
-/// once the delivery before them is durable.
-fn plan_acks(pending: &BTreeMap<u64, Pending>, window: usize, hurry: bool) -> AckPlan {
-    let front: Vec<u64> = pending
-        .iter()
-        .take_while(|(_, p)| **p == Pending::Durable)
-        .map(|(tag, _)| *tag)
-        .collect();
-    let behind = pending
-        .iter()
-        .skip(front.len())
-        .filter(|(_, p)| **p == Pending::Durable)
-        .map(|(tag, _)| *tag);
-    let unsettled = pending.len() - front.len();
-    if hurry || unsettled >= window.div_ceil(2) {
-        AckPlan {
-            front,
-            alone: behind.collect(),
-            held: 0,
-        }
-    } else {
-        AckPlan {
-            front,
-            alone: Vec::new(),
-            held: behind.count(),
-        }
     }
 }
 
@@ -799,63 +736,6 @@ fn headers_of(headers: Option<&FieldTable>) -> Vec<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pending(states: &[(u64, Pending)]) -> BTreeMap<u64, Pending> {
-        states.iter().copied().collect()
-    }
-
-    /// One shard's commit lands before the other's: the durable deliveries behind the
-    /// unfinished one wait and join the front run, one `multiple` ack for all, instead
-    /// of a frame each.
-    #[test]
-    fn durable_deliveries_behind_an_unfinished_one_wait_to_join_the_front_run() {
-        use Pending::{Durable, InFlight};
-        let mut p = pending(&[
-            (1, Durable),
-            (2, InFlight),
-            (3, Durable),
-            (4, Durable),
-            (5, InFlight),
-            (6, Durable),
-        ]);
-        let plan = plan_acks(&p, 1024, false);
-        assert_eq!(
-            plan,
-            AckPlan {
-                front: vec![1],
-                alone: vec![],
-                held: 3,
-            }
-        );
-        p.remove(&1);
-        p.insert(2, Durable);
-        p.insert(5, Durable);
-        let plan = plan_acks(&p, 1024, false);
-        assert_eq!(plan.front, vec![2, 3, 4, 5, 6], "one frame for all five");
-        assert!(plan.alone.is_empty());
-        assert_eq!(plan.held, 0);
-    }
-
-    /// A delivery that stays unfinished (a retry's backoff, a slow handler) does not hold
-    /// the ones behind it for long, nor at a stop, nor past half of the window.
-    #[test]
-    fn held_deliveries_are_acknowledged_alone_when_they_waited_or_the_window_fills() {
-        use Pending::{Durable, InFlight};
-        let p = pending(&[(7, InFlight), (8, Durable), (9, Durable), (10, InFlight)]);
-        let hurried = plan_acks(&p, 1024, true);
-        assert_eq!(
-            hurried,
-            AckPlan {
-                front: vec![],
-                alone: vec![8, 9],
-                held: 0,
-            }
-        );
-        // Four unsettled in a window of eight: half held, so the server could stall.
-        assert_eq!(plan_acks(&p, 8, false).alone, vec![8, 9]);
-        assert_eq!(plan_acks(&p, 9, false).held, 2);
-        assert!(plan_acks(&BTreeMap::new(), 8, true).front.is_empty());
-    }
 
     #[test]
     fn header_values_become_text_and_tables_are_left_out() {

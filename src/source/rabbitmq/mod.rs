@@ -9,6 +9,8 @@
 //!   without requeue (`basic.reject`, to the queue's dead-letter target) when it is
 //!   dead-lettered or cannot be keyed, the in-flight window bounded by `basic.qos`
 //!   `prefetch`, `basic.nack` with requeue for what a stop gives back.
+//! - `acks.rs`: which durable deliveries to acknowledge now (the front run with one
+//!   `multiple` ack; those behind an unfinished one wait up to 50 ms to join it).
 //! - `outbox.rs`: with `[rabbitmq.outbox]`, what handlers emitted published to an
 //!   exchange with publisher confirms, each row deleted once the server confirmed it.
 //! - `bench.rs`: `dedupd rabbitmq-bench`, the source against a consume-only consumer.
@@ -29,6 +31,7 @@
 //! exchange on `message_id`, so every copy of an id reaches the same instance
 //! (docs/rabbitmq.md, "Several instances").
 
+mod acks;
 pub mod bench;
 mod config;
 mod consumer;
