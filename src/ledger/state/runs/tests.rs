@@ -19,24 +19,32 @@ fn runs(sizes: &[u64]) -> Vec<Arc<Run>> {
 #[test]
 fn runs_merge_by_tier_oldest_first() {
     let base = 100;
+    let (f, t1) = (FANOUT, FANOUT as u64 * 100);
     assert_eq!(tier(1, base), 0);
-    assert_eq!(tier(399, base), 0);
-    assert_eq!(tier(400, base), 1);
-    assert_eq!(tier(1600, base), 2);
-    assert_eq!(pick(&runs(&[100, 100, 100]), base), None);
-    assert_eq!(pick(&runs(&[100, 100, 100, 100]), base), Some(0..4));
-    // Four flushed runs newer than a tier-1 run: the flushed ones merge.
-    assert_eq!(pick(&runs(&[90, 100, 100, 100, 400]), base), Some(0..4));
+    assert_eq!(tier(t1 - 1, base), 0);
+    assert_eq!(tier(t1, base), 1);
+    assert_eq!(tier(t1 * FANOUT as u64, base), 2);
+    assert_eq!(pick(&runs(&vec![100; f - 1]), base), None);
+    assert_eq!(pick(&runs(&vec![100; f]), base), Some(0..f));
+    // FANOUT flushed runs newer than a tier-1 run: the flushed ones merge.
+    let mut newer = vec![90];
+    newer.extend(vec![100; f - 1]);
+    newer.push(t1);
+    assert_eq!(pick(&runs(&newer), base), Some(0..f));
     // The oldest qualifying window first.
-    assert_eq!(
-        pick(&runs(&[100, 100, 100, 100, 500, 500, 500, 500]), base),
-        Some(4..8)
-    );
-    assert_eq!(pick(&runs(&[100, 500, 100, 2000, 100]), base), None);
+    let mut two = vec![100; f];
+    two.extend(vec![t1 + 100; f]);
+    assert_eq!(pick(&runs(&two), base), Some(f..2 * f));
+    // Tiers that alternate make no window.
+    let mut alternating = Vec::new();
+    for i in 0..f as u64 {
+        alternating.push(if i % 2 == 0 { 100 } else { t1 + i });
+    }
+    assert_eq!(pick(&runs(&alternating), base), None);
     // Past MAX_RUNS the smallest adjacent window merges whatever the tiers.
     let mut mixed = Vec::new();
     for i in 0..(MAX_RUNS as u64 + 1) {
-        mixed.push(if i % 2 == 0 { 100 } else { 500 + i });
+        mixed.push(if i % 2 == 0 { 100 } else { t1 + i });
     }
     let w = pick(&runs(&mixed), base).unwrap();
     assert_eq!(w.len(), FANOUT);
@@ -92,16 +100,19 @@ fn merges_store_compressed_blocks_and_flushed_runs_raw() {
     let dir = tempfile::tempdir().unwrap();
     let db = Database::create(dir.path().join("r.redb")).unwrap();
     let base = 16;
+    let (f, b) = (FANOUT as u64, 16u64);
     let mut runs = Runs::default();
-    // Four flushed (raw) runs of tier 1 (64 entries each) merge into one of 256
-    // entries: tier 2; four of those (read compressed) into one of 1,024: tier 3.
-    for set in 0..4 {
-        for i in 0..4 {
-            let from = set * 256 + i * 64;
-            flush(&db, &mut runs, from..from + 64);
+    // FANOUT flushed (raw) runs of tier 1 (FANOUT x base entries each) merge into one
+    // of tier 2; FANOUT of those (read compressed) into one of tier 3.
+    for set in 0..f {
+        for i in 0..f {
+            let from = (set * f + i) * f * b;
+            flush(&db, &mut runs, from..from + f * b);
         }
-        assert!(runs.list[..4].iter().all(|r| tier(r.entries, base) == 1));
-        assert!(runs.list[..4]
+        assert!(runs.list[..FANOUT]
+            .iter()
+            .all(|r| tier(r.entries, base) == 1));
+        assert!(runs.list[..FANOUT]
             .iter()
             .all(|r| compressed(&db, r) == Some(false)));
         settle(&db, &mut runs, base);
@@ -111,9 +122,10 @@ fn merges_store_compressed_blocks_and_flushed_runs_raw() {
     assert_eq!(runs.list.len(), 1);
     assert_eq!(tier(runs.list[0].entries, base), 3);
     assert_eq!(compressed(&db, &runs.list[0]), Some(true));
-    // Flushed runs are raw; four of them merge into a compressed tier-1 run.
-    for i in 0..4 {
-        flush(&db, &mut runs, 1024 + i * 16..1024 + (i + 1) * 16);
+    // Flushed runs are raw; FANOUT of them merge into a compressed tier-1 run.
+    let top = f * f * f * b;
+    for i in 0..f {
+        flush(&db, &mut runs, top + i * b..top + (i + 1) * b);
         assert_eq!(compressed(&db, &runs.list[0]), Some(false));
     }
     let raw = runs.list[0].clone();
@@ -127,7 +139,7 @@ fn merges_store_compressed_blocks_and_flushed_runs_raw() {
         "compressed blocks take less than half the bytes per entry"
     );
     let txn = db.begin_read().unwrap();
-    for i in 0..1088u64 {
+    for i in 0..top + f * b {
         let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
         let holder = runs.list.iter().find(|r| {
             let t = txn
@@ -202,9 +214,10 @@ fn a_merge_frees_its_inputs_behind_its_cursor_and_survives_a_restart() {
     let base = 16;
     let mut runs = Runs::default();
     let value = |i: u64| format!("{i:0200}").into_bytes();
-    // Four runs of 64 interleaved keys (run j holds keys j, j + 4, ...), ~200-byte
-    // values: about 18 entries a block, 4 blocks a run.
-    for j in 0..4u64 {
+    let (f, total) = (FANOUT as u64, 64 * FANOUT as u64);
+    // FANOUT runs of 64 interleaved keys (run j holds keys j, j + FANOUT, ...),
+    // ~200-byte values: about 18 entries a block, 4 blocks a run.
+    for j in 0..f {
         let txn = db.begin_write().unwrap();
         let (id, order) = runs.next_flush();
         let written = {
@@ -212,7 +225,7 @@ fn a_merge_frees_its_inputs_behind_its_cursor_and_survives_a_restart() {
                 .open_table(BlockDef::new(&state_run_name("s", id)))
                 .unwrap();
             let mut w = runs.flush_writer(64);
-            for i in (j..256).step_by(4) {
+            for i in (j..total).step_by(FANOUT) {
                 let k = run::run_key(run::KIND_STATE, format!("k{i:08}").as_bytes());
                 w.push(&mut t, &k, Some(&value(i))).unwrap();
             }
@@ -224,8 +237,11 @@ fn a_merge_frees_its_inputs_behind_its_cursor_and_survives_a_restart() {
     let inputs: Vec<u64> = runs.list.iter().map(|r| r.table_id).collect();
     let input_blocks = |db: &Database| inputs.iter().map(|id| blocks(db, *id)).sum::<usize>();
     let before = input_blocks(&db);
-    assert!(before >= 12, "{before} blocks");
+    assert!(before >= 3 * FANOUT, "{before} blocks");
     let mut slices = 0;
+    // A first block of each input spans 16 of its keys, 16 x FANOUT of the merged order:
+    // at 24 entries a slice, every input has freed one by this slice.
+    let check_at = (16 * FANOUT).div_ceil(24) + 1;
     let mut restarted = false;
     let mut out_id = None;
     while runs.merging.is_some() || slices == 0 {
@@ -241,14 +257,14 @@ fn a_merge_frees_its_inputs_behind_its_cursor_and_survives_a_restart() {
         // Never much more than the state once over: a block per input may be half
         // consumed, and each slice's last output block may be short.
         assert!(
-            left + written <= before + 4 + slices,
+            left + written <= before + FANOUT + slices,
             "slice {slices}: {left} input blocks left, {written} written, {before} before"
         );
-        check_reads(&db, &runs, 256, &value);
-        if slices == 5 {
+        check_reads(&db, &runs, total, &value);
+        if slices == check_at {
             assert!(
-                left <= before - 4,
-                "slice 5: {left} of {before} input blocks left"
+                left <= before - FANOUT,
+                "slice {check_at}: {left} of {before} input blocks left"
             );
             // A restart: the merge is picked up from its progress row.
             drop(runs);
@@ -257,17 +273,17 @@ fn a_merge_frees_its_inputs_behind_its_cursor_and_survives_a_restart() {
             runs = Runs::load(&db.begin_read().unwrap(), "s").unwrap();
             assert!(runs.partial().is_some(), "the merge resumes");
             assert_eq!(runs.retired_len(), 0, "its output is not an orphan");
-            check_reads(&db, &runs, 256, &value);
+            check_reads(&db, &runs, total, &value);
             restarted = true;
         }
     }
-    assert!(restarted && slices > 6, "{slices} slices");
+    assert!(restarted && slices > check_at + 1, "{slices} slices");
     settle(&db, &mut runs, base);
     assert_eq!(runs.list.len(), 1);
     assert_eq!(Some(runs.list[0].table_id), out_id);
-    assert_eq!(runs.list[0].entries, 256);
+    assert_eq!(runs.list[0].entries, total);
     assert_eq!(input_blocks(&db), 0);
-    check_reads(&db, &runs, 256, &value);
+    check_reads(&db, &runs, total, &value);
     // The progress row is gone with the merge.
     let txn = db.begin_read().unwrap();
     let meta = txn
