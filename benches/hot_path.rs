@@ -98,7 +98,7 @@ fn log_rows(c: &mut Criterion) {
 /// and the job dropped (which its shard does after the outcome). With the one header
 /// `kafka-bench` sends, and with five more of the kind tracing and schema tools add.
 fn kafka_record_to_job(c: &mut Criterion) {
-    use dedupd::source::delivery::{envelope, Keying, Target};
+    use dedupd::source::delivery::{route, Keying, Target};
     use dedupd::source::kafka::keying::{delivery, raw_header_key_hash};
     use dedupd::source::kafka::RecordView;
 
@@ -146,7 +146,7 @@ fn kafka_record_to_job(c: &mut Criterion) {
                            s: &dedupd::config::SubscriberSettings| {
                     raw_header_key_hash(&view, env, s)
                 };
-                let routed = envelope(&ledger, d, Keying::DeriveThen(&raw), ack.clone())
+                let routed = route(&ledger, d, Keying::DeriveThen(&raw), ack.clone())
                     .expect("a keyed record");
                 assert_eq!(routed.job.headers.len(), headers.len());
                 black_box(routed.shard)
