@@ -4,7 +4,7 @@
 //!   and the format version;
 //! - `generation.rs`: the active generation (exact in-memory index + append-only log
 //!   table), sealing ones, sealed ones, and the builder thread that sorts and seals them
-//!   ([`SubClaims`], here, is a subscriber's claims on one shard, a part of
+//!   (`SubClaims`, here, is a subscriber's claims on one shard, a part of
 //!   `shard::SubState`);
 //! - `block.rs`: the sorted blocks of a sealed generation and their lookup;
 //! - `filter.rs`: the static filter of a sealed generation (and the halves other shards
