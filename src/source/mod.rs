@@ -14,6 +14,7 @@
 //! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
 //!
 //! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection);
+//! `relay` what the outbox relays to Kafka and RabbitMQ share (counters, backlog gauges);
 //! [`settle`] what the NATS, MQTT and RabbitMQ sources share between a shard's outcome and
 //! the broker's acknowledgement; `bench_common` what the broker benches (`mqtt-bench`,
 //! `nats-bench`, `rabbitmq-bench`) share: their traffic, ledger and timing of a source.
@@ -27,5 +28,6 @@ pub mod mqtt;
 pub mod nats;
 pub mod rabbitmq;
 pub mod readiness;
+pub(crate) mod relay;
 pub mod settle;
 pub mod stdin;

@@ -40,6 +40,7 @@ use std::sync::Arc;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError as RdError;
 
+pub use crate::source::relay::RelayStats;
 pub use broker::DevBroker;
 pub use check::check_clients;
 pub use config::{
@@ -48,7 +49,7 @@ pub use config::{
 pub use consumer::{run_subscription, RunOptions, SourceStats};
 pub use keying::{key_record, Keyed, RecordView};
 pub use offsets::{OffsetTracker, Released};
-pub use outbox::{run_relay, RelayStats};
+pub use outbox::run_relay;
 
 pub use changelog::ChangelogError;
 

@@ -5,7 +5,7 @@
 //! once; consumers deduplicate by the message id).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
@@ -16,15 +16,7 @@ use rdkafka::ClientContext;
 use crate::ledger::{Ledger, OutboxRow};
 
 use super::{KafkaConfig, KafkaError};
-
-/// Live counters of the relay.
-#[derive(Debug, Default)]
-pub struct RelayStats {
-    /// Rows produced and acknowledged by the broker (then deleted from the outbox).
-    pub relayed: AtomicU64,
-    /// Produce attempts that failed (the row stays and is tried again).
-    pub failed: AtomicU64,
-}
+use crate::source::relay::{report_lag, RelayStats};
 
 /// The delivery opaque of a changelog tombstone (a row's is its index in the round).
 const TOMBSTONE: usize = usize::MAX;
@@ -53,13 +45,6 @@ impl ProducerContext for RelayContext {
         };
         let _ = self.tx.send((index, r));
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// Relays outbox rows until `stop` is set and a last round found nothing more.
@@ -126,16 +111,6 @@ pub fn run_relay(
             std::thread::sleep(kafka.outbox.poll_interval);
         }
     }
-}
-
-fn report_lag(rows: &[OutboxRow]) {
-    let oldest = rows.iter().map(|r| r.written_at_ms).min();
-    metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_ROWS).set(rows.len() as f64);
-    metrics::gauge!(crate::telemetry::metric::OUTBOX_RELAY_LAG_SECONDS).set(
-        oldest
-            .map(|t| now_ms().saturating_sub(t) as f64 / 1000.0)
-            .unwrap_or(0.0),
-    );
 }
 
 /// Sleeps up to `poll_interval`, less when a handler emitted (the ledger wakes the relay)

@@ -234,7 +234,7 @@ pub(crate) fn run_with(
         .map(|b| consumer::Outcomes::new(&b.subscriber))
         .collect();
     let mut reconnects = 0;
-    let relay = crate::source::kafka::RelayStats::default();
+    let relay = crate::source::relay::RelayStats::default();
     let result = rt.block_on(run_sessions(
         ledger,
         r,
@@ -283,7 +283,7 @@ async fn run_sessions(
     (stats, outcomes, relay): (
         &[Arc<RabbitMqStats>],
         &[consumer::Outcomes],
-        &crate::source::kafka::RelayStats,
+        &crate::source::relay::RelayStats,
     ),
     reconnects: &mut u64,
 ) -> Result<(), RabbitMqError> {
@@ -378,7 +378,7 @@ async fn with_relay(
     conn: &Connection,
     ledger: &Arc<Ledger>,
     r: &RabbitMqConfig,
-    stats: &crate::source::kafka::RelayStats,
+    stats: &crate::source::relay::RelayStats,
     bindings: impl std::future::Future<Output = Result<Ended, RabbitMqError>>,
 ) -> Result<Ended, RabbitMqError> {
     let (finish_tx, finish_rx) = tokio::sync::watch::channel(None);

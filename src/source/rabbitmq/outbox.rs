@@ -26,8 +26,7 @@ use tokio::time::Instant;
 
 use super::{RabbitMqError, RabbitOutboxConfig};
 use crate::ledger::{Ledger, OutboxRow};
-use crate::source::kafka::RelayStats;
-use crate::telemetry::metric;
+use crate::source::relay::{report_lag, RelayStats};
 
 /// The longest pause after a round the server did not take whole.
 const REFUSED_MAX: Duration = Duration::from_secs(5);
@@ -152,14 +151,6 @@ async fn pending(ledger: &Arc<Ledger>, limit: usize) -> Result<Vec<OutboxRow>, R
         .await
         .map_err(|e| RabbitMqError::Ledger(format!("outbox read: {e}")))?
         .map_err(|e| RabbitMqError::Ledger(e.to_string()))
-}
-
-fn report_lag(rows: &[OutboxRow]) {
-    let now = crate::source::settle::now_ms();
-    let oldest = rows.iter().map(|r| r.written_at_ms).min();
-    metrics::gauge!(metric::OUTBOX_RELAY_LAG_ROWS).set(rows.len() as f64);
-    metrics::gauge!(metric::OUTBOX_RELAY_LAG_SECONDS)
-        .set(oldest.map_or(0.0, |t| now.saturating_sub(t) as f64 / 1000.0));
 }
 
 /// Sleeps up to `d`, less when a handler emitted (the ledger wakes the relay) or a stop
