@@ -30,21 +30,21 @@ use crate::ledger::{
 pub const BACKUP_MANIFEST: &str = "backup.json";
 
 /// The layout of backup directories this build writes and reads.
-pub const BACKUP_FORMAT: u64 = 1;
+pub(crate) const BACKUP_FORMAT: u64 = 1;
 
 /// What a backup holds (`backup.json`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct BackupManifest {
     /// Layout of the backup directory ([`BACKUP_FORMAT`]).
-    pub backup_format: u64,
+    pub(crate) backup_format: u64,
     /// The dedupd that wrote it.
     pub dedupd_version: String,
     /// Milliseconds since the Unix epoch.
-    pub created_at_ms: u64,
+    pub(crate) created_at_ms: u64,
     /// `true`: taken from a running engine (all shards at one common commit boundary).
     pub online: bool,
     /// The data directory's format and shard count (from its manifest).
-    pub data_format_version: u64,
+    pub(crate) data_format_version: u64,
     pub shards: usize,
     /// Every file of the backup but `backup.json`, sorted by path.
     pub files: Vec<BackupFile>,
@@ -54,17 +54,17 @@ pub struct BackupManifest {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct BackupFile {
     /// Relative to the backup directory, `/`-separated.
-    pub path: String,
-    pub bytes: u64,
+    pub(crate) path: String,
+    pub(crate) bytes: u64,
     /// xxh3-128 of the contents, 32 hex digits.
-    pub xxh3_128: String,
+    pub(crate) xxh3_128: String,
 }
 
 /// A backup taken: its manifest, and for an online one how long each shard's writer was
 /// paused while its file was copied.
 #[derive(Debug, Clone, Serialize)]
 pub struct BackupReport {
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     pub manifest: BackupManifest,
     pub bytes: u64,
     pub shard_copies: Vec<ledger::ShardCopy>,
@@ -124,7 +124,7 @@ pub enum Progress {
 }
 
 /// Receives [`Progress`]; `&mut |_| {}` when nobody watches.
-pub type Observer<'a> = &'a mut dyn FnMut(Progress);
+pub(crate) type Observer<'a> = &'a mut dyn FnMut(Progress);
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> BackupError + '_ {
     move |e| BackupError::Io {
@@ -133,15 +133,11 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> BackupError + '_ {
     }
 }
 
-/// Backs up a stopped engine's data directory into `to` (absent or empty). The shard
-/// files are held open read-only for the whole copy, so an engine cannot start on the
-/// directory meanwhile; one running already is [`BackupError::Running`].
-pub fn backup_offline(data_dir: &Path, to: &Path) -> Result<BackupReport, BackupError> {
-    backup_offline_observed(data_dir, to, &mut |_| {})
-}
-
-/// [`backup_offline`], reporting its progress to `observe` (one step: the shard files).
-pub fn backup_offline_observed(
+/// Backs up a stopped engine's data directory into `to` (absent or empty), reporting its
+/// progress to `observe` (one step: the shard files). The shard files are held open
+/// read-only for the whole copy, so an engine cannot start on the directory meanwhile; one
+/// running already is [`BackupError::Running`].
+pub fn backup_offline(
     data_dir: &Path,
     to: &Path,
     observe: Observer,

@@ -40,7 +40,11 @@ pub mod params;
 mod report;
 pub mod soak;
 
-pub use adversarial::{run_adversarial, AdversarialParams, AdversarialReport};
+pub use adversarial::run_adversarial;
+
+pub use adversarial::AdversarialParams;
+
+pub use adversarial::AdversarialReport;
 pub use params::ParamError;
 pub use soak::{run_soak, SoakParams, SoakReport, SoakSample};
 
@@ -112,9 +116,9 @@ impl BenchParams {
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
     pub params: BenchParams,
-    pub data_dir: PathBuf,
-    pub shards: usize,
-    pub elapsed_s: f64,
+    pub(crate) data_dir: PathBuf,
+    pub(crate) shards: usize,
+    pub(crate) elapsed_s: f64,
     pub msgs_per_sec: f64,
     pub processed: u64,
     pub duplicates: u64,
@@ -123,59 +127,59 @@ pub struct BenchReport {
     pub verified: bool,
     pub p50_ack_ms: f64,
     pub p99_ack_ms: f64,
-    pub max_ack_ms: f64,
+    pub(crate) max_ack_ms: f64,
     pub stored_keys: u64,
     /// Resident memory of the empty engine: opened with the same settings, subscribers
     /// and handler, before the first message.
-    pub rss_base_bytes: u64,
+    pub(crate) rss_base_bytes: u64,
     /// Resident memory after the last outcome, before the engine closes.
-    pub rss_end_bytes: u64,
-    pub rss_max_bytes: u64,
+    pub(crate) rss_end_bytes: u64,
+    pub(crate) rss_max_bytes: u64,
     /// `(rss_end_bytes - rss_base_bytes) / stored_keys` (0 when the end is below the
     /// base): resident bytes the run added per stored key, allocator slack included.
     pub rss_bytes_per_key: f64,
     /// Resident memory right after `rss_end_bytes`, once the allocator returned the freed
     /// memory it keeps for reuse (mimalloc's purge delay, 10 s; see `main.rs`), and the
     /// same per stored key: the live part of `rss_bytes_per_key`.
-    pub rss_collected_bytes: u64,
-    pub rss_collected_bytes_per_key: f64,
+    pub(crate) rss_collected_bytes: u64,
+    pub(crate) rss_collected_bytes_per_key: f64,
     /// The engine's own accounting of its claim indexes (active, sealing and the spare kept
     /// ready for the next generation; bucket arrays as allocated) per stored key.
-    pub index_bytes_per_key: f64,
+    pub(crate) index_bytes_per_key: f64,
     /// Longest single durable commit.
-    pub max_commit_ms: f64,
+    pub(crate) max_commit_ms: f64,
     /// Filters of sealed generations per stored key (the part that grows with keys).
-    pub filter_bytes_per_key: f64,
+    pub(crate) filter_bytes_per_key: f64,
     /// Length of the data directory's files.
-    pub disk_bytes: u64,
+    pub(crate) disk_bytes: u64,
     /// Data directory bytes per stored claim (with a handler: claim and its state).
-    pub disk_bytes_per_key: f64,
+    pub(crate) disk_bytes_per_key: f64,
     /// Bytes the data directory's files take on the disk (allocated blocks, as `du`
     /// counts): redb grows a file ahead of use, and the part not yet written is a hole.
-    pub disk_allocated_bytes: u64,
+    pub(crate) disk_allocated_bytes: u64,
     pub disk_allocated_bytes_per_key: f64,
-    pub batches: u64,
-    pub commits: u64,
-    pub mean_batch: f64,
-    pub max_batch_ms_plain: f64,
-    pub max_batch_ms_with_maintenance: f64,
+    pub(crate) batches: u64,
+    pub(crate) commits: u64,
+    pub(crate) mean_batch: f64,
+    pub(crate) max_batch_ms_plain: f64,
+    pub(crate) max_batch_ms_with_maintenance: f64,
     /// The longest batch of either kind.
-    pub max_batch_ms: f64,
-    pub seals: u64,
-    pub merges: u64,
-    pub filter_probes: u64,
-    pub filter_false_positive_rate: f64,
+    pub(crate) max_batch_ms: f64,
+    pub(crate) seals: u64,
+    pub(crate) merges: u64,
+    pub(crate) filter_probes: u64,
+    pub(crate) filter_false_positive_rate: f64,
     /// New keys of entity-placed subscribers asked of the other shard (a round trip), and
     /// those every other shard's published presence ruled out (`ledger/presence.rs`).
-    pub probed_keys: u64,
-    pub unprobed_keys: u64,
+    pub(crate) probed_keys: u64,
+    pub(crate) unprobed_keys: u64,
     /// Handler state entries at the end (labels, with `shipping-label`).
-    pub state_entries: u64,
-    pub dead_lettered: u64,
-    pub naive_messages: u64,
-    pub naive_batch: u64,
-    pub naive_msgs_per_sec: f64,
-    pub engine_over_naive: f64,
+    pub(crate) state_entries: u64,
+    pub(crate) dead_lettered: u64,
+    pub(crate) naive_messages: u64,
+    pub(crate) naive_batch: u64,
+    pub(crate) naive_msgs_per_sec: f64,
+    pub(crate) engine_over_naive: f64,
     /// Throughput over each `series_step` released messages, in order: whether the rate
     /// holds as the stored claims grow.
     pub series: Vec<SeriesPoint>,
@@ -224,13 +228,13 @@ pub enum BenchError {
 
 /// Resident bytes per key added over a base; never negative (an end below the base, when
 /// the allocator returned memory, counts as nothing added).
-pub fn bytes_per_key(end: u64, base: u64, keys: u64) -> f64 {
+pub(crate) fn bytes_per_key(end: u64, base: u64, keys: u64) -> f64 {
     end.saturating_sub(base) as f64 / keys.max(1) as f64
 }
 
 /// The config a run uses: the given one, with the documented partition key for handler
 /// runs when it configures none.
-pub fn bench_config(params: &BenchParams) -> Config {
+pub(crate) fn bench_config(params: &BenchParams) -> Config {
     let mut config = params.config.clone();
     // Configured, as a deployment with many subscribers would have them (unconfigured
     // ones are capped by `ledger.max_implicit_subscribers`).
@@ -255,7 +259,7 @@ pub fn bench_config(params: &BenchParams) -> Config {
 
 /// Routes a generated event as a source would: the entity (when the subscriber configures
 /// a partition key) comes from its JSON payload, then `Ledger::place`.
-pub fn place_event(
+pub(crate) fn place_event(
     ledger: &Ledger,
     sub: &crate::ledger::Subscriber,
     settings: &crate::config::SubscriberSettings,

@@ -68,7 +68,7 @@ impl<W: Fn() -> u64, M: Fn() -> u64> GuardedClock<W, M> {
         }
     }
 
-    pub fn now_ms(&self) -> u64 {
+    pub(crate) fn now_ms(&self) -> u64 {
         let (wall0, mono0) = *self.anchor.get_or_init(|| ((self.wall)(), (self.mono)()));
         let now = wall0 + (self.mono)().saturating_sub(mono0);
         let wall = (self.wall)();
@@ -116,14 +116,14 @@ where
 /// clock that is behind at start (a machine whose RTC lost days, an NTP step not yet made)
 /// would otherwise give every claim of the run an expiry that much too early, and their
 /// redeliveries would be processed again as soon as the clock is right.
-pub struct FloorClock {
+pub(crate) struct FloorClock {
     inner: Arc<dyn Clock>,
     /// Added to the inner clock's time; set once at open.
     offset_ms: AtomicU64,
 }
 
 impl FloorClock {
-    pub fn new(inner: Arc<dyn Clock>) -> FloorClock {
+    pub(crate) fn new(inner: Arc<dyn Clock>) -> FloorClock {
         FloorClock {
             inner,
             offset_ms: AtomicU64::new(0),
@@ -132,7 +132,7 @@ impl FloorClock {
 
     /// Moves the engine's time up to `floor_ms` if it is below it, from now on (it then
     /// advances with the inner clock). Returns how far behind the inner clock was.
-    pub fn raise_to(&self, floor_ms: u64) -> Option<u64> {
+    pub(crate) fn raise_to(&self, floor_ms: u64) -> Option<u64> {
         let now = self.now_ms();
         let behind = floor_ms.checked_sub(now).filter(|b| *b > 0)?;
         self.offset_ms.fetch_add(behind, Ordering::SeqCst);
@@ -165,10 +165,6 @@ impl ManualClock {
 
     pub fn advance_ms(&self, ms: u64) {
         self.0.fetch_add(ms, Ordering::SeqCst);
-    }
-
-    pub fn set_ms(&self, ms: u64) {
-        self.0.store(ms, Ordering::SeqCst);
     }
 }
 

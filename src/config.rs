@@ -9,12 +9,12 @@
 //!   a subscriber), its errors ([`ConfigError`]), and the small sections `[metrics]`
 //!   ([`MetricsConfig`]) and `[pipe]` ([`PipeConfig`]);
 //! - `ledger.rs`: `[ledger]`, the storage engine's settings and their bounds
-//!   ([`LedgerConfig`]);
+//!   (`LedgerConfig`);
 //! - `subscriber.rs`: `[defaults]` and `[[subscriber]]`: a subscriber's settings
 //!   ([`SubscriberSettings`]), one as written ([`SubscriberConfig`]) and what a valid one
-//!   is ([`validate_subscriber_name`] and the checks of every setting);
-//! - `keys.rs`: where an idempotency key ([`KeySource`]) and a partition key
-//!   ([`PartitionSource`]) come from, read through [`SourceSpec`];
+//!   is (`validate_subscriber_name` and the checks of every setting);
+//! - `keys.rs`: where an idempotency key (`KeySource`) and a partition key
+//!   ([`PartitionSource`]) come from, read through `SourceSpec`;
 //! - `env.rs`: `${NAME}` in strings, from the environment;
 //! - `broker.rs`: what the broker sections (`[kafka]`, `[nats]`, `[mqtt]`, `[rabbitmq]`,
 //!   each in its source's `config.rs`) check alike: the bound subscriber, TLS and other
@@ -28,7 +28,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// Keys longer than this are rejected unless a subscriber says otherwise.
-pub const DEFAULT_MAX_KEY_BYTES: usize = 1024;
+pub(crate) const DEFAULT_MAX_KEY_BYTES: usize = 1024;
 
 /// Errors found while loading or validating a configuration.
 #[derive(Debug, thiserror::Error)]
@@ -53,11 +53,13 @@ mod keys;
 mod ledger;
 mod subscriber;
 
-pub use keys::{KeySource, PartitionSource, SourceSpec};
-pub use ledger::LedgerConfig;
-pub use subscriber::{
-    validate_subscriber_name, FingerprintSpec, SubscriberConfig, SubscriberSettings,
-};
+pub(crate) use keys::KeySource;
+
+pub use keys::PartitionSource;
+
+pub(crate) use ledger::LedgerConfig;
+pub(crate) use subscriber::validate_subscriber_name;
+pub use subscriber::{FingerprintSpec, SubscriberConfig, SubscriberSettings};
 
 use subscriber::validate_settings;
 
@@ -143,14 +145,14 @@ impl Default for Config {
 pub struct PipeConfig {
     /// Longest input line in bytes (line ending excluded). A longer line is answered
     /// `rejected` without being kept in memory, and the stream goes on.
-    pub max_line_bytes: NonZeroUsize,
+    pub(crate) max_line_bytes: NonZeroUsize,
     /// Lines read but not yet printed before reading pauses. Bounds memory when the head
     /// line waits (for a handler retry, say): stdin is not read further until it is printed.
-    pub window: NonZeroUsize,
+    pub(crate) window: NonZeroUsize,
     /// Bytes of lines read but not yet printed before reading pauses (one line more may
     /// be read): with `window` alone, memory was bounded only by `window` x
     /// `max_line_bytes`, 64 GiB at the defaults.
-    pub max_bytes_in_flight: NonZeroUsize,
+    pub(crate) max_bytes_in_flight: NonZeroUsize,
 }
 
 impl Default for PipeConfig {
@@ -293,7 +295,7 @@ impl Config {
     }
 
     /// The settings for a subscriber, or `None` if it is unknown and unknown ones are refused.
-    pub fn settings_for(&self, name: &str) -> Option<SubscriberSettings> {
+    pub(crate) fn settings_for(&self, name: &str) -> Option<SubscriberSettings> {
         match self.subscribers.iter().find(|s| s.name == name) {
             Some(s) => Some(s.resolve(&self.defaults)),
             None if self.allow_unknown_subscribers => Some(self.defaults.clone()),

@@ -19,34 +19,34 @@ use crate::source::generator::{Event, Traffic, TrafficSpec};
 /// What the demo shows at the end.
 #[derive(Debug, Serialize)]
 pub struct DemoReport {
-    pub run: BenchReport,
-    pub redelivered: u64,
-    pub redelivered_processed_again: u64,
-    pub redelivered_duplicates: u64,
-    pub redelivered_quarantined: u64,
+    pub(crate) run: BenchReport,
+    pub(crate) redelivered: u64,
+    pub(crate) redelivered_processed_again: u64,
+    pub(crate) redelivered_duplicates: u64,
+    pub(crate) redelivered_quarantined: u64,
     /// Handler state entries (labels) before and after the redelivery: equal.
-    pub labels_after_redelivery: u64,
+    pub(crate) labels_after_redelivery: u64,
     /// Where the bytes on disk went, after the restart.
-    pub disk: DiskShares,
+    pub(crate) disk: DiskShares,
 }
 
 /// The data directory's bytes by what they hold, so the demo's bytes per claim can be
 /// read against the per-key figures elsewhere (which count claims alone).
 #[derive(Debug, Default, Serialize, PartialEq, Eq)]
-pub struct DiskShares {
+pub(crate) struct DiskShares {
     /// Claim blocks and logs, generations, filters, placements, key sources.
-    pub claims: u64,
+    pub(crate) claims: u64,
     /// Handler state: runs, the state log, marks, versions.
-    pub handler_state: u64,
+    pub(crate) handler_state: u64,
     /// Quarantine and dead-letter records, the outbox, changelog checkpoints, meta.
-    pub records_and_other_tables: u64,
+    pub(crate) records_and_other_tables: u64,
     /// Free pages kept for reuse and redb's own tables and headers.
-    pub free_and_redb: u64,
+    pub(crate) free_and_redb: u64,
 }
 
 impl DiskShares {
     /// Shares of `usage`, by table kind (the prefix of a table's name).
-    pub fn of(usage: &DiskUsage) -> DiskShares {
+    pub(crate) fn of(usage: &DiskUsage) -> DiskShares {
         let mut d = DiskShares {
             free_and_redb: usage.other_bytes,
             ..DiskShares::default()
@@ -64,7 +64,7 @@ impl DiskShares {
         d
     }
 
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.claims + self.handler_state + self.records_and_other_tables + self.free_and_redb
     }
 }

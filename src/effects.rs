@@ -50,32 +50,17 @@ pub struct Effects {
     /// Key -> new value (`None`: delete).
     pub state: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     /// Marks recorded by `insert-unique`, each encoded by [`unique_key`].
-    pub uniques: BTreeSet<Vec<u8>>,
+    pub(crate) uniques: BTreeSet<Vec<u8>>,
     /// Versions advanced by `advance-version`.
-    pub versions: BTreeMap<String, u64>,
+    pub(crate) versions: BTreeMap<String, u64>,
     pub outbox: Vec<OutboxMessage>,
 }
 
-impl Effects {
-    pub fn is_empty(&self) -> bool {
-        self.state.is_empty()
-            && self.uniques.is_empty()
-            && self.versions.is_empty()
-            && self.outbox.is_empty()
-    }
-
-    /// Folds a later message's effects over this one (same batch).
-    pub fn merge(&mut self, later: Effects) {
-        self.state.extend(later.state);
-        self.uniques.extend(later.uniques);
-        self.versions.extend(later.versions);
-        self.outbox.extend(later.outbox);
-    }
-}
+impl Effects {}
 
 /// An `insert-unique` mark as stored: `namespace 0x00 key`. Namespaces hold no NUL byte, so
 /// the encoding is unambiguous, and one byte string compares with a single memcmp.
-pub fn unique_key(namespace: &str, key: &str) -> Vec<u8> {
+pub(crate) fn unique_key(namespace: &str, key: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(namespace.len() + key.len() + 1);
     k.extend_from_slice(namespace.as_bytes());
     k.push(0);
@@ -89,7 +74,7 @@ pub trait StateReader: Send {
     fn get(&self, key: &[u8]) -> Option<Vec<u8>>;
     /// Entries with `prefix`, in key order, at most `limit`.
     fn scan(&self, prefix: &[u8], limit: usize) -> Vec<StateEntry>;
-    /// Whether a mark (encoded by [`unique_key`]) exists.
+    /// Whether a mark (encoded by `unique_key`) exists.
     fn unique_exists(&self, mark: &[u8]) -> bool;
     fn version(&self, key: &str) -> Option<u64>;
     /// Scopes the next call's reads and writes to an entity (`None`: the whole store).
@@ -106,8 +91,8 @@ pub trait StateReader: Send {
 #[derive(Debug, Default)]
 pub struct Absorbed {
     /// The state changes, encoded as one row of the subscriber's state log (`None`: none).
-    pub log_row: Option<Vec<u8>>,
-    pub outbox: Vec<OutboxMessage>,
+    pub(crate) log_row: Option<Vec<u8>>,
+    pub(crate) outbox: Vec<OutboxMessage>,
 }
 
 /// A reader over nothing: for handlers run outside the ledger (e.g. `handler check`).
@@ -167,12 +152,12 @@ pub enum Failure {
 impl Failure {
     /// Retryable failures are retried with backoff up to the subscriber's attempt limit;
     /// the rest are dead-lettered at once.
-    pub fn is_retryable(&self) -> bool {
+    pub(crate) fn is_retryable(&self) -> bool {
         !matches!(self, Failure::Permanent(_))
     }
 
     /// A short, stable name for metrics and dead-letter records.
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Failure::Retryable(_) => "retryable",
             Failure::Permanent(_) => "permanent",

@@ -7,7 +7,6 @@ use std::borrow::Cow;
 
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
 use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
@@ -16,22 +15,18 @@ use crate::config::{FingerprintSpec, KeySource, PartitionSource, SubscriberSetti
 mod pick;
 pub use pick::pick;
 
-/// One input message as it arrives on a line of JSON (pipe mode) or from another source.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A message as key sources read it, whatever source it came from: the parts a key, a
+/// fingerprint or an entity may be derived from (built by [`crate::source::delivery::route`]).
+#[derive(Debug, Clone, Default)]
 pub struct Envelope {
-    /// Subscriber the message is for; pipe mode falls back to the configured default.
-    pub subscriber: Option<String>,
     /// The producer's message id.
-    pub id: Option<String>,
+    pub(crate) id: Option<String>,
     /// Partition key (routing and ordering), not an idempotency key.
-    pub key: Option<String>,
+    pub(crate) key: Option<String>,
     /// String headers (`ce_id`, `ce_source`, or any header a key source names).
-    #[serde(default)]
-    pub headers: BTreeMap<String, String>,
+    pub(crate) headers: BTreeMap<String, String>,
     /// The message body.
-    #[serde(default)]
-    pub payload: Value,
+    pub(crate) payload: Value,
 }
 
 /// A derived idempotency key: its text (shown to operators) and its 128-bit hash (stored).
@@ -44,7 +39,7 @@ pub struct IdempotencyKey {
 impl IdempotencyKey {
     /// Hashes a plain id. With 128 bits the chance of any collision stays below 1e-18 at
     /// 1e10 keys, so the hash alone identifies a claim.
-    pub fn from_id(text: &str) -> Self {
+    pub(crate) fn from_id(text: &str) -> Self {
         IdempotencyKey {
             hash: key_hash(text.as_bytes()),
             text: text.to_string(),
@@ -68,7 +63,7 @@ pub fn fingerprint(payload: &[u8]) -> u64 {
 /// when it ignores nothing, else of the canonical JSON with the ignored pointers removed
 /// (`json` when the caller parsed it already — taken, not copied —, else `bytes` parsed;
 /// bytes that are not JSON have nothing to ignore and are fingerprinted as they are).
-pub fn payload_fingerprint(bytes: &[u8], json: Value, spec: &FingerprintSpec) -> u64 {
+pub(crate) fn payload_fingerprint(bytes: &[u8], json: Value, spec: &FingerprintSpec) -> u64 {
     if spec.ignore.is_empty() {
         return fingerprint(bytes);
     }
@@ -137,7 +132,7 @@ fn read_pointers(settings: &SubscriberSettings) -> impl Iterator<Item = &str> + 
 /// no key source reads the payload; only the members the key sources' pointers name
 /// ([`pick`]) when the fingerprint is of the bytes; the whole document when the
 /// fingerprint removes members from it. `Null` for bytes that are not one JSON document.
-pub fn payload_json(bytes: &[u8], settings: &SubscriberSettings) -> Value {
+pub(crate) fn payload_json(bytes: &[u8], settings: &SubscriberSettings) -> Value {
     let pointers = read_pointers(settings);
     if pointers.clone().next().is_none() {
         Value::Null
@@ -186,7 +181,7 @@ fn pointer_text<'a>(payload: &'a Value, pointer: &str) -> Result<Cow<'a, str>, K
 }
 
 /// Derives the idempotency key of an envelope under a subscriber's settings.
-pub fn derive_key(
+pub(crate) fn derive_key(
     env: &Envelope,
     canonical: &[u8],
     settings: &SubscriberSettings,
@@ -258,7 +253,7 @@ pub fn derive_key(
 /// or `None` when it configures none (the default). A handler subscriber with an entity
 /// runs each entity's messages on one shard and scopes its state to the entity
 /// (`ledger/placement.rs`); without a handler the entity is not used for routing.
-pub fn derive_entity<'e>(
+pub(crate) fn derive_entity<'e>(
     env: &'e Envelope,
     settings: &SubscriberSettings,
 ) -> Result<Option<Cow<'e, str>>, KeyError> {
@@ -304,7 +299,7 @@ pub fn cloudevents_key(source: &str, id: &str) -> IdempotencyKey {
 
 /// The stored hash of a CloudEvents identity, over raw bytes (binary-mode headers need not
 /// be UTF-8).
-pub fn cloudevents_hash(source: &[u8], id: &[u8]) -> u128 {
+pub(crate) fn cloudevents_hash(source: &[u8], id: &[u8]) -> u128 {
     let mut buf = Vec::with_capacity(source.len() + id.len() + 8);
     buf.extend_from_slice(&(source.len() as u64).to_le_bytes());
     buf.extend_from_slice(source);
@@ -358,10 +353,13 @@ mod tests {
     }
 
     use super::*;
+    use crate::source::pipe_line::PipeLine;
     use serde_json::json;
 
     fn env(v: Value) -> Envelope {
-        serde_json::from_value(v).expect("envelope")
+        serde_json::from_value::<PipeLine>(v)
+            .map(Envelope::from)
+            .expect("envelope")
     }
 
     fn settings(key: KeySource) -> SubscriberSettings {
@@ -497,7 +495,11 @@ mod tests {
 
     #[test]
     fn canonical_payload_keeps_every_digit_of_a_number() {
-        let parse = |line: &str| serde_json::from_str::<Envelope>(line).expect("envelope");
+        let parse = |line: &str| {
+            serde_json::from_str::<PipeLine>(line)
+                .map(Envelope::from)
+                .expect("envelope")
+        };
         let a = parse(r#"{"id":"n","payload":{"n":12345678901234567890123}}"#);
         let b = parse(r#"{"id":"n","payload":{"n":12345678901234567890124}}"#);
         assert_eq!(
@@ -529,10 +531,14 @@ mod tests {
             pointer: "/order".into(),
             pointers: vec![],
         });
-        let a: Envelope = serde_json::from_str(r#"{"payload":{"order":12345678901234567890123}}"#)
-            .expect("envelope");
-        let b: Envelope = serde_json::from_str(r#"{"payload":{"order":12345678901234567890124}}"#)
-            .expect("envelope");
+        let a: Envelope =
+            serde_json::from_str::<PipeLine>(r#"{"payload":{"order":12345678901234567890123}}"#)
+                .map(Envelope::from)
+                .expect("envelope");
+        let b: Envelope =
+            serde_json::from_str::<PipeLine>(r#"{"payload":{"order":12345678901234567890124}}"#)
+                .map(Envelope::from)
+                .expect("envelope");
         let ka = derive_key(&a, b"", &s).expect("key");
         assert_eq!(ka.text, "12345678901234567890123");
         assert_ne!(ka.hash, derive_key(&b, b"", &s).expect("key").hash);
@@ -552,7 +558,7 @@ mod tests {
 
     #[test]
     fn unknown_envelope_field_is_an_error() {
-        assert!(serde_json::from_str::<Envelope>(r#"{"id":"1","paylod":{}}"#).is_err());
+        assert!(serde_json::from_str::<PipeLine>(r#"{"id":"1","paylod":{}}"#).is_err());
     }
 }
 
@@ -567,6 +573,7 @@ mod fuzz {
     use crate::config::FingerprintSpec;
     use crate::fuzzing;
     use crate::source::delivery::{key_delivery, Delivery, Keying, Payload, Target};
+    use crate::source::pipe_line::PipeLine;
 
     /// Input lines as producers write them (JSON payloads, CloudEvents in the payload or
     /// in `ce_` headers, header keys), with an unknown field now and then.
@@ -693,7 +700,7 @@ mod fuzz {
             "envelope_line",
             3000,
             input,
-            |(bytes, s)| match serde_json::from_slice::<Envelope>(&bytes) {
+            |(bytes, s)| match serde_json::from_slice::<PipeLine>(&bytes).map(Envelope::from) {
                 Ok(env) => check_keys(&env, &s),
                 Err(_) => Ok(()),
             },
@@ -711,7 +718,9 @@ mod fuzz {
                     open.repeat(depth),
                     close.repeat(depth)
                 );
-                let e = serde_json::from_str::<Envelope>(&line).expect_err("too deep");
+                let e = serde_json::from_str::<PipeLine>(&line)
+                    .map(Envelope::from)
+                    .expect_err("too deep");
                 assert!(e.to_string().contains("recursion limit"), "{e}");
             }
         }
@@ -720,7 +729,7 @@ mod fuzz {
     #[test]
     fn fuzz_well_formed_lines_key_consistently() {
         fuzzing::run("envelope_keys", 2000, (line(), settings()), |(bytes, s)| {
-            match serde_json::from_slice::<Envelope>(&bytes) {
+            match serde_json::from_slice::<PipeLine>(&bytes).map(Envelope::from) {
                 Ok(env) => check_keys(&env, &s),
                 // Only the unknown field is refused.
                 Err(e) => {

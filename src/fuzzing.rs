@@ -112,7 +112,7 @@ pub(crate) fn bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
 
 /// A position in an encoding, taken modulo its length (shrinks towards the start).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct At(pub usize);
+pub(crate) struct At(pub(crate) usize);
 
 fn at() -> impl Strategy<Value = At> {
     (0usize..1 << 16).prop_map(At)

@@ -259,7 +259,7 @@ pub fn dump_state(
 
 /// Bytes as JSON: parsed JSON if they are JSON, a string if UTF-8, else hex
 /// (`{"hex": "..."}`). How `state dump` and `handler test` show keys and values.
-pub fn readable(bytes: &[u8]) -> serde_json::Value {
+pub(crate) fn readable(bytes: &[u8]) -> serde_json::Value {
     if let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) {
         return v;
     }

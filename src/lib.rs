@@ -89,6 +89,9 @@
 //! ledger.close().unwrap();
 //! ```
 
+// What the library offers is what is `pub` here; everything else is `pub(crate)`.
+#![warn(unreachable_pub)]
+
 pub mod admin;
 pub mod backup;
 pub mod bench;
@@ -98,7 +101,7 @@ pub mod demo;
 pub mod effects;
 pub mod envelope;
 #[cfg(test)]
-pub(crate) mod fuzzing;
+pub mod fuzzing;
 pub mod handler;
 pub mod harness;
 pub mod inspect;
@@ -110,7 +113,7 @@ pub mod telemetry;
 
 /// The commit this build comes from (`git rev-parse --short=12 HEAD` when it was built,
 /// `unknown` outside a git checkout).
-pub const REVISION: &str = env!("DEDUPD_REVISION");
+pub(crate) const REVISION: &str = env!("DEDUPD_REVISION");
 
 /// What `dedupd --version` and `dedupd version` print after the name: the version, the
 /// commit, and the formats this build reads and writes.

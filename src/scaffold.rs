@@ -36,7 +36,7 @@ const PY_README: &str = include_str!("scaffold/python/README.md");
 const PY_GITIGNORE: &str = include_str!("scaffold/python/gitignore");
 /// The componentize-py version the Python SDK is built and tested with (the one
 /// `plugins/build-python.sh` installs; a test keeps the two equal).
-pub const COMPONENTIZE_PY_VERSION: &str = "0.25.1";
+pub(crate) const COMPONENTIZE_PY_VERSION: &str = "0.25.1";
 
 /// Where the SDK finds the WIT in this repository, and where it is in a generated project
 /// (both relative to the SDK's manifest directory).
@@ -108,15 +108,15 @@ pub struct Project {
     /// The crate name as given.
     pub name: String,
     /// The component's file name (`NAME` with `-` as `_`, `.wasm`).
-    pub wasm: String,
-    pub lang: Lang,
+    pub(crate) wasm: String,
+    pub(crate) lang: Lang,
     /// The files written, relative to `dir`, in writing order.
     pub files: Vec<&'static str>,
 }
 
 impl Project {
     /// The component's path relative to the project directory after the documented build.
-    pub fn wasm_path(&self) -> String {
+    pub(crate) fn wasm_path(&self) -> String {
         match self.lang {
             Lang::Rust => format!("target/wasm32-wasip2/release/{}", self.wasm),
             Lang::Python => self.wasm.clone(),
@@ -147,7 +147,7 @@ impl Project {
 }
 
 /// Checks that `name` can be a crate (and package) name; the error says why not.
-pub fn validate_name(name: &str) -> Result<(), Error> {
+pub(crate) fn validate_name(name: &str) -> Result<(), Error> {
     let bad = |why: &str| Err(Error::Name(format!("invalid handler name {name:?}: {why}")));
     let Some(first) = name.chars().next() else {
         return bad("it is empty");
@@ -253,7 +253,7 @@ const RESERVED: &[&str] = &[
 ];
 
 /// The files of a project named `name`, as (relative path, contents).
-pub fn files(name: &str, lang: Lang) -> Result<Vec<(&'static str, String)>, Error> {
+pub(crate) fn files(name: &str, lang: Lang) -> Result<Vec<(&'static str, String)>, Error> {
     validate_name(name)?;
     let crate_name = name.replace('-', "_");
     let fill = |t: &str| {
@@ -424,7 +424,10 @@ fn inline(v: &Value) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use super::*;
 

@@ -28,11 +28,11 @@ impl Latency {
         self.0.value_at_quantile(q) as f64 / 1000.0
     }
 
-    pub fn max_ms(&self) -> f64 {
+    pub(crate) fn max_ms(&self) -> f64 {
         self.0.max() as f64 / 1000.0
     }
 
-    pub fn count(&self) -> u64 {
+    pub(crate) fn count(&self) -> u64 {
         self.0.len()
     }
 
@@ -62,10 +62,10 @@ fn vm_rss(status: &str) -> Option<u64> {
 
 /// Makes the allocator return the freed memory it keeps for reuse to the OS now, instead
 /// of after its purge delay (harmless when nothing was allocated through mimalloc).
-pub fn return_freed_memory() {
+pub(crate) fn return_freed_memory() {
     // SAFETY: `mi_collect` takes no pointers; it walks mimalloc's own heaps, and is safe
     // to call from any thread at any time, also when nothing was allocated through it.
-    #[allow(unsafe_code)]
+    #[allow(unsafe_code, reason = "mimalloc's collect; see SAFETY")]
     unsafe {
         libmimalloc_sys::mi_collect(true);
     }
@@ -78,185 +78,187 @@ pub mod metric {
     // Per subscriber (label `subscriber`), copied from the ledger's counters at scrape time.
 
     /// Counter: messages whose handler ran and whose claim committed.
-    pub const MESSAGES_PROCESSED_TOTAL: &str = "dedupd_messages_processed_total";
+    pub(crate) const MESSAGES_PROCESSED_TOTAL: &str = "dedupd_messages_processed_total";
     /// Counter: deliveries skipped as duplicates of a live claim (same key, same payload).
-    pub const DUPLICATES_SKIPPED_TOTAL: &str = "dedupd_duplicates_skipped_total";
+    pub(crate) const DUPLICATES_SKIPPED_TOTAL: &str = "dedupd_duplicates_skipped_total";
     /// Counter: deliveries quarantined (a live claim's key with another payload).
-    pub const QUARANTINED_TOTAL: &str = "dedupd_quarantined_total";
+    pub(crate) const QUARANTINED_TOTAL: &str = "dedupd_quarantined_total";
     /// Counter: messages dead-lettered after their handler failed for good.
-    pub const DEAD_LETTERED_TOTAL: &str = "dedupd_dead_lettered_total";
+    pub(crate) const DEAD_LETTERED_TOTAL: &str = "dedupd_dead_lettered_total";
     /// Counter: failed handler attempts that were scheduled again.
-    pub const HANDLER_RETRIES_TOTAL: &str = "dedupd_handler_retries_total";
+    pub(crate) const HANDLER_RETRIES_TOTAL: &str = "dedupd_handler_retries_total";
     /// Counter: duplicates that extended a claim's sliding TTL.
-    pub const SLIDING_REFRESHES_TOTAL: &str = "dedupd_sliding_refreshes_total";
+    pub(crate) const SLIDING_REFRESHES_TOTAL: &str = "dedupd_sliding_refreshes_total";
     /// Counter: stored records the ledger removed on its own; labels `kind` (`quarantine`,
     /// `dead_letter`) and `reason` (`retention`, `cap`).
-    pub const RECORDS_DROPPED_TOTAL: &str = "dedupd_records_dropped_total";
+    pub(crate) const RECORDS_DROPPED_TOTAL: &str = "dedupd_records_dropped_total";
     /// Counter: failed handler attempts; label `kind` (retryable, permanent, timeout,
     /// memory, trap).
-    pub const HANDLER_FAILURES_TOTAL: &str = "dedupd_handler_failures_total";
+    pub(crate) const HANDLER_FAILURES_TOTAL: &str = "dedupd_handler_failures_total";
     /// Counter: messages dead-lettered without a handler call while the subscriber's
     /// circuit breaker was open on their shard.
-    pub const HANDLER_CALLS_SKIPPED_TOTAL: &str = "dedupd_handler_calls_skipped_total";
+    pub(crate) const HANDLER_CALLS_SKIPPED_TOTAL: &str = "dedupd_handler_calls_skipped_total";
     /// Counter: handler calls set aside while the subscriber used more than its fair
     /// share of a busy shard's time (called later; one message may count several times).
-    pub const HANDLER_CALLS_DEFERRED_TOTAL: &str = "dedupd_handler_calls_deferred_total";
+    pub(crate) const HANDLER_CALLS_DEFERRED_TOTAL: &str = "dedupd_handler_calls_deferred_total";
     /// Counter: times a shard's circuit breaker of the subscriber opened
     /// (`handler_breaker_failures` sandbox failures in a row).
-    pub const HANDLER_CIRCUITS_OPENED_TOTAL: &str = "dedupd_handler_circuits_opened_total";
+    pub(crate) const HANDLER_CIRCUITS_OPENED_TOTAL: &str = "dedupd_handler_circuits_opened_total";
     /// Counter: probes of sealed-generation filters.
-    pub const FILTER_PROBES_TOTAL: &str = "dedupd_filter_probes_total";
+    pub(crate) const FILTER_PROBES_TOTAL: &str = "dedupd_filter_probes_total";
     /// Counter: filter probes that answered "maybe" without a stored match.
-    pub const FILTER_FALSE_POSITIVES_TOTAL: &str = "dedupd_filter_false_positives_total";
+    pub(crate) const FILTER_FALSE_POSITIVES_TOTAL: &str = "dedupd_filter_false_positives_total";
     /// Gauge, ratio 0-1: false positives per filter probe so far.
-    pub const FILTER_FALSE_POSITIVE_RATIO: &str = "dedupd_filter_false_positive_ratio";
+    pub(crate) const FILTER_FALSE_POSITIVE_RATIO: &str = "dedupd_filter_false_positive_ratio";
     /// Gauge, claims: claims stored, including expired ones not yet dropped.
-    pub const CLAIMS_STORED: &str = "dedupd_claims_stored";
+    pub(crate) const CLAIMS_STORED: &str = "dedupd_claims_stored";
     /// Gauge, claims: claims in the active (unsealed) generation.
-    pub const ACTIVE_CLAIMS: &str = "dedupd_active_claims";
+    pub(crate) const ACTIVE_CLAIMS: &str = "dedupd_active_claims";
     /// Gauge, generations: sealed claim generations.
-    pub const SEALED_GENERATIONS: &str = "dedupd_sealed_generations";
+    pub(crate) const SEALED_GENERATIONS: &str = "dedupd_sealed_generations";
     /// Gauge, records: stored quarantine records.
-    pub const QUARANTINE_RECORDS: &str = "dedupd_quarantine_records";
+    pub(crate) const QUARANTINE_RECORDS: &str = "dedupd_quarantine_records";
     /// Gauge, records: stored dead-letter records.
-    pub const DEAD_LETTER_RECORDS: &str = "dedupd_dead_letter_records";
+    pub(crate) const DEAD_LETTER_RECORDS: &str = "dedupd_dead_letter_records";
     /// Gauge, bytes: memory of the filters (sealed generations, handler uniqueness marks).
-    pub const FILTER_MEMORY_BYTES: &str = "dedupd_filter_memory_bytes";
+    pub(crate) const FILTER_MEMORY_BYTES: &str = "dedupd_filter_memory_bytes";
     /// Gauge, bytes: memory of the in-memory claim maps of the active and sealing
     /// generations.
-    pub const INDEX_MEMORY_BYTES: &str = "dedupd_index_memory_bytes";
+    pub(crate) const INDEX_MEMORY_BYTES: &str = "dedupd_index_memory_bytes";
 
     // Per shard (label `shard`).
 
     /// Counter: batches a shard decided.
-    pub const BATCHES_TOTAL: &str = "dedupd_batches_total";
+    pub(crate) const BATCHES_TOTAL: &str = "dedupd_batches_total";
     /// Counter: durable commits of a shard.
-    pub const COMMITS_TOTAL: &str = "dedupd_commits_total";
+    pub(crate) const COMMITS_TOTAL: &str = "dedupd_commits_total";
     /// Counter: messages a shard decided.
-    pub const SHARD_MESSAGES_TOTAL: &str = "dedupd_shard_messages_total";
+    pub(crate) const SHARD_MESSAGES_TOTAL: &str = "dedupd_shard_messages_total";
     /// Counter: claim generations sealed.
-    pub const GENERATIONS_SEALED_TOTAL: &str = "dedupd_generations_sealed_total";
+    pub(crate) const GENERATIONS_SEALED_TOTAL: &str = "dedupd_generations_sealed_total";
     /// Counter: sealed generations merged into one.
-    pub const GENERATIONS_MERGED_TOTAL: &str = "dedupd_generations_merged_total";
+    pub(crate) const GENERATIONS_MERGED_TOTAL: &str = "dedupd_generations_merged_total";
     /// Counter: sealed generations dropped once every claim in them expired.
-    pub const GENERATIONS_DROPPED_TOTAL: &str = "dedupd_generations_dropped_total";
+    pub(crate) const GENERATIONS_DROPPED_TOTAL: &str = "dedupd_generations_dropped_total";
     /// Counter: keys without a live claim on their shard asked of the other shards (a probe
     /// round trip), for subscribers whose claims may be on several shards.
-    pub const PROBED_KEYS_TOTAL: &str = "dedupd_probed_keys_total";
+    pub(crate) const PROBED_KEYS_TOTAL: &str = "dedupd_probed_keys_total";
     /// Counter: such keys decided without a probe: every other shard's published claims
     /// ruled them out.
-    pub const UNPROBED_KEYS_TOTAL: &str = "dedupd_unprobed_keys_total";
+    pub(crate) const UNPROBED_KEYS_TOTAL: &str = "dedupd_unprobed_keys_total";
     /// Gauge, seconds: the longest durable commit so far.
-    pub const COMMIT_DURATION_MAX_SECONDS: &str = "dedupd_commit_duration_max_seconds";
+    pub(crate) const COMMIT_DURATION_MAX_SECONDS: &str = "dedupd_commit_duration_max_seconds";
     /// Gauge, seconds: the longest batch so far (decide, maintenance and commit).
-    pub const BATCH_DURATION_MAX_SECONDS: &str = "dedupd_batch_duration_max_seconds";
+    pub(crate) const BATCH_DURATION_MAX_SECONDS: &str = "dedupd_batch_duration_max_seconds";
     /// Histogram, seconds: each durable commit (the fsync part of a batch or of
     /// maintenance).
-    pub const COMMIT_DURATION_SECONDS: &str = "dedupd_commit_duration_seconds";
+    pub(crate) const COMMIT_DURATION_SECONDS: &str = "dedupd_commit_duration_seconds";
     /// Histogram, seconds: each batch, from decide to commit.
-    pub const BATCH_DURATION_SECONDS: &str = "dedupd_batch_duration_seconds";
+    pub(crate) const BATCH_DURATION_SECONDS: &str = "dedupd_batch_duration_seconds";
 
     // The process.
 
     /// Gauge, bytes: everything in the data directory.
-    pub const DISK_BYTES: &str = "dedupd_disk_bytes";
+    pub(crate) const DISK_BYTES: &str = "dedupd_disk_bytes";
     /// Gauge, 0 or 1: 1 while the ledger takes writes (no storage error stopped it).
-    pub const READY: &str = "dedupd_ready";
+    pub(crate) const READY: &str = "dedupd_ready";
 
     // HTTP ingest.
 
     /// Gauge, requests: ingest requests and replays waiting for their durable outcome.
-    pub const HTTP_REQUESTS_WAITING: &str = "dedupd_http_requests_waiting";
+    pub(crate) const HTTP_REQUESTS_WAITING: &str = "dedupd_http_requests_waiting";
     /// Histogram, seconds: each ingest request, received to answered; label `outcome`.
-    pub const HTTP_INGEST_DURATION_SECONDS: &str = "dedupd_http_ingest_duration_seconds";
+    pub(crate) const HTTP_INGEST_DURATION_SECONDS: &str = "dedupd_http_ingest_duration_seconds";
 
     // Kafka.
 
     /// Gauge, messages: log end minus stored offset, from librdkafka statistics; labels
     /// `topic`, `partition`.
-    pub const KAFKA_CONSUMER_LAG: &str = "dedupd_kafka_consumer_lag";
+    pub(crate) const KAFKA_CONSUMER_LAG: &str = "dedupd_kafka_consumer_lag";
     /// Counter: Kafka records decided; label `outcome` (processed, duplicate, quarantined,
     /// dead_lettered, rejected).
-    pub const KAFKA_MESSAGES_TOTAL: &str = "dedupd_kafka_messages_total";
+    pub(crate) const KAFKA_MESSAGES_TOTAL: &str = "dedupd_kafka_messages_total";
     /// Counter: changes replayed from a subscription's changelog when partitions were
     /// assigned (`changelog = true`); label `subscriber`.
-    pub const KAFKA_CHANGELOG_RESTORED_TOTAL: &str = "dedupd_kafka_changelog_restored_total";
+    pub(crate) const KAFKA_CHANGELOG_RESTORED_TOTAL: &str = "dedupd_kafka_changelog_restored_total";
     /// Counter: tombstones produced to a subscription's changelog for the records of
     /// expired claims (compaction); label `subscriber`.
-    pub const KAFKA_CHANGELOG_TOMBSTONES_TOTAL: &str = "dedupd_kafka_changelog_tombstones_total";
+    pub(crate) const KAFKA_CHANGELOG_TOMBSTONES_TOTAL: &str =
+        "dedupd_kafka_changelog_tombstones_total";
     /// Counter: snapshot records (the current value of one item of handler state)
     /// produced to a subscription's changelog by compaction; label `subscriber`.
-    pub const KAFKA_CHANGELOG_SNAPSHOTS_TOTAL: &str = "dedupd_kafka_changelog_snapshots_total";
+    pub(crate) const KAFKA_CHANGELOG_SNAPSHOTS_TOTAL: &str =
+        "dedupd_kafka_changelog_snapshots_total";
     // NATS JetStream.
 
     /// Counter: NATS messages received (redeliveries included); label `subscriber`.
-    pub const NATS_RECEIVED_TOTAL: &str = "dedupd_nats_received_total";
+    pub(crate) const NATS_RECEIVED_TOTAL: &str = "dedupd_nats_received_total";
     /// Counter: NATS messages received that the server had delivered before
     /// (`delivered > 1`); label `subscriber`.
-    pub const NATS_REDELIVERED_TOTAL: &str = "dedupd_nats_redelivered_total";
+    pub(crate) const NATS_REDELIVERED_TOTAL: &str = "dedupd_nats_redelivered_total";
     /// Counter: acknowledgements sent after the outcome was durable; labels `subscriber`,
     /// `kind` (ack, term, nak).
-    pub const NATS_ACKED_TOTAL: &str = "dedupd_nats_acked_total";
+    pub(crate) const NATS_ACKED_TOTAL: &str = "dedupd_nats_acked_total";
     /// Counter: NATS messages decided; labels `subscriber`, `outcome` (processed,
     /// duplicate, quarantined, dead_lettered, rejected).
-    pub const NATS_MESSAGES_TOTAL: &str = "dedupd_nats_messages_total";
+    pub(crate) const NATS_MESSAGES_TOTAL: &str = "dedupd_nats_messages_total";
     /// Gauge, messages: the durable consumer's `num_pending` (not yet delivered), read
     /// every 5 s; label `subscriber`.
-    pub const NATS_CONSUMER_PENDING: &str = "dedupd_nats_consumer_pending";
+    pub(crate) const NATS_CONSUMER_PENDING: &str = "dedupd_nats_consumer_pending";
     /// Gauge, messages: the durable consumer's `num_ack_pending` (delivered, not yet
     /// acknowledged, all instances), read every 5 s; label `subscriber`.
-    pub const NATS_CONSUMER_ACK_PENDING: &str = "dedupd_nats_consumer_ack_pending";
+    pub(crate) const NATS_CONSUMER_ACK_PENDING: &str = "dedupd_nats_consumer_ack_pending";
     // MQTT.
 
     /// Counter: MQTT messages received (redeliveries included); label `subscriber`.
-    pub const MQTT_RECEIVED_TOTAL: &str = "dedupd_mqtt_received_total";
+    pub(crate) const MQTT_RECEIVED_TOTAL: &str = "dedupd_mqtt_received_total";
     /// Counter: MQTT messages received with the DUP flag (sent before, on a connection
     /// that was lost or to a run that was killed); label `subscriber`.
-    pub const MQTT_REDELIVERED_TOTAL: &str = "dedupd_mqtt_redelivered_total";
+    pub(crate) const MQTT_REDELIVERED_TOTAL: &str = "dedupd_mqtt_redelivered_total";
     /// Counter: PUBACKs queued after the outcome was durable; label `subscriber`.
-    pub const MQTT_ACKED_TOTAL: &str = "dedupd_mqtt_acked_total";
+    pub(crate) const MQTT_ACKED_TOTAL: &str = "dedupd_mqtt_acked_total";
     /// Counter: outcomes made durable after their message's connection was lost, so not
     /// acknowledged (the broker delivers them again); label `subscriber`.
-    pub const MQTT_UNACKED_LOST_TOTAL: &str = "dedupd_mqtt_unacked_lost_total";
+    pub(crate) const MQTT_UNACKED_LOST_TOTAL: &str = "dedupd_mqtt_unacked_lost_total";
     /// Counter: MQTT messages decided; labels `subscriber`, `outcome` (processed,
     /// duplicate, quarantined, dead_lettered, rejected).
-    pub const MQTT_MESSAGES_TOTAL: &str = "dedupd_mqtt_messages_total";
+    pub(crate) const MQTT_MESSAGES_TOTAL: &str = "dedupd_mqtt_messages_total";
     /// Counter: connections made to the MQTT broker (the first included).
-    pub const MQTT_CONNECTIONS_TOTAL: &str = "dedupd_mqtt_connections_total";
+    pub(crate) const MQTT_CONNECTIONS_TOTAL: &str = "dedupd_mqtt_connections_total";
 
     // RabbitMQ.
 
     /// Counter: RabbitMQ messages received (redeliveries included); labels `subscriber`,
     /// `queue`.
-    pub const RABBITMQ_RECEIVED_TOTAL: &str = "dedupd_rabbitmq_received_total";
+    pub(crate) const RABBITMQ_RECEIVED_TOTAL: &str = "dedupd_rabbitmq_received_total";
     /// Counter: RabbitMQ messages received with the `redelivered` flag; labels
     /// `subscriber`, `queue`.
-    pub const RABBITMQ_REDELIVERED_TOTAL: &str = "dedupd_rabbitmq_redelivered_total";
+    pub(crate) const RABBITMQ_REDELIVERED_TOTAL: &str = "dedupd_rabbitmq_redelivered_total";
     /// Counter: messages settled after the outcome was durable; labels `subscriber`,
     /// `queue`, `kind` (ack, reject, nack).
-    pub const RABBITMQ_ACKED_TOTAL: &str = "dedupd_rabbitmq_acked_total";
+    pub(crate) const RABBITMQ_ACKED_TOTAL: &str = "dedupd_rabbitmq_acked_total";
     /// Counter: RabbitMQ messages decided; labels `subscriber`, `queue`, `outcome`
     /// (processed, duplicate, quarantined, dead_lettered, rejected).
-    pub const RABBITMQ_MESSAGES_TOTAL: &str = "dedupd_rabbitmq_messages_total";
+    pub(crate) const RABBITMQ_MESSAGES_TOTAL: &str = "dedupd_rabbitmq_messages_total";
     /// Gauge, messages: the queue's ready messages (not yet delivered), read every 5 s;
     /// labels `subscriber`, `queue`.
-    pub const RABBITMQ_QUEUE_MESSAGES: &str = "dedupd_rabbitmq_queue_messages";
+    pub(crate) const RABBITMQ_QUEUE_MESSAGES: &str = "dedupd_rabbitmq_queue_messages";
     /// Counter: sessions lost (connection or channel) and started again.
-    pub const RABBITMQ_RECONNECTS_TOTAL: &str = "dedupd_rabbitmq_reconnects_total";
+    pub(crate) const RABBITMQ_RECONNECTS_TOTAL: &str = "dedupd_rabbitmq_reconnects_total";
     /// Gauge, rows: outbox rows pending at the relay's last poll (at most `outbox.batch`).
-    pub const OUTBOX_RELAY_LAG_ROWS: &str = "dedupd_outbox_relay_lag_rows";
+    pub(crate) const OUTBOX_RELAY_LAG_ROWS: &str = "dedupd_outbox_relay_lag_rows";
     /// Gauge, seconds: age of the oldest pending outbox row at the relay's last poll.
-    pub const OUTBOX_RELAY_LAG_SECONDS: &str = "dedupd_outbox_relay_lag_seconds";
+    pub(crate) const OUTBOX_RELAY_LAG_SECONDS: &str = "dedupd_outbox_relay_lag_seconds";
     /// Gauge, rows: outbox rows waiting to be relayed or pulled, all shards (sampled at
     /// scrape time). A warning is logged per shard at 100,000 rows and at each doubling.
-    pub const OUTBOX_ROWS: &str = "dedupd_outbox_rows";
+    pub(crate) const OUTBOX_ROWS: &str = "dedupd_outbox_rows";
 
     /// Gauge, always 1: labels `version` (the binary) and `format` (the data directory's
     /// format version), to tell which build serves.
-    pub const BUILD_INFO: &str = "dedupd_build_info";
+    pub(crate) const BUILD_INFO: &str = "dedupd_build_info";
 
     /// The `# HELP` text of every name, in the words of its documentation above.
-    pub const HELP: &[(&str, &str)] = &[
+    pub(crate) const HELP: &[(&str, &str)] = &[
         (MESSAGES_PROCESSED_TOTAL, "Messages whose handler ran and whose claim committed."),
         (DUPLICATES_SKIPPED_TOTAL, "Deliveries skipped as duplicates of a live claim (same key, same payload)."),
         (QUARANTINED_TOTAL, "Deliveries quarantined (a live claim's key with another payload)."),

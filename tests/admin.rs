@@ -5,7 +5,10 @@
 //! maintenance and metrics. Handler components come from `plugins/` (built by
 //! `plugins/build.sh`, which `scripts/test` runs first); a missing one fails the test.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 #[path = "common/schema.rs"]

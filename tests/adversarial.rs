@@ -6,7 +6,10 @@
 //! nothing of it stored, the flood held to the host's limits. The throughput ratio is
 //! printed, not asserted (a debug build on a shared 2-core machine); docs/reliability.md
 //! has the release figures.
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -11,7 +11,10 @@
 //! original disk: everything acknowledged before the backup is a duplicate, and every
 //! count ends exact.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

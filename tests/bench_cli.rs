@@ -1,6 +1,9 @@
 //! `dedupd bench` as a process: the engine alone (with the naive redb baseline), paced or
 //! not. The comparisons with other stores are the `dedupd-bench` crate's.
-#![allow(clippy::unwrap_used)] // helpers outside #[test]: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "helpers outside #[test]: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -1,7 +1,10 @@
 //! `dedupd config check FILE` as a process: a valid config passes with a summary; each kind
 //! of mistake `dedupd run` would stop on fails with the field named; the check opens no
 //! data directory and connects to no broker.
-#![allow(clippy::unwrap_used)] // helpers outside #[test]: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "helpers outside #[test]: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -7,7 +7,10 @@
 //! `--remote-debugging-pipe` (NUL-separated JSON on the browser's fds 3 and 4, wired
 //! by `sh`), so no websocket client is needed and the product page has no test hooks.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;

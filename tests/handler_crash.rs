@@ -10,7 +10,10 @@
 //! tiny state buffer, so runs are flushed and merged across the kills: any effect applied
 //! twice or lost changes a count.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -4,7 +4,10 @@
 //! and `dedupd handler test` on the generated `events.jsonl`. Plus the refusals: an existing
 //! non-empty directory, bad names and languages without a template.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

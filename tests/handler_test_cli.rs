@@ -3,7 +3,10 @@
 //! effects of every message, `--state` seeding, `--expect` comparison, subscriber settings
 //! from `--config`, and errors that name the file and line.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

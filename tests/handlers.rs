@@ -3,7 +3,10 @@
 //! outbox and deterministic operation keys. Components come from `plugins/` (built by
 //! `plugins/build.sh`, which `scripts/test` runs first); a missing one fails the test.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

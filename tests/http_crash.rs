@@ -6,7 +6,10 @@
 //! would. Afterwards every event has its `201`, no event was answered as newly processed
 //! twice, and every order's count is exactly 2 (two distinct events per order).
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

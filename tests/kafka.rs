@@ -1,7 +1,10 @@
 //! The Kafka source against librdkafka's mock cluster (or a real cluster when
 //! `KAFKA_BOOTSTRAP` is set): crash redelivery with the real binary, rebalance between two
 //! engines, dead-letter and outbox topics, poison messages.
-#![allow(clippy::unwrap_used)]
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

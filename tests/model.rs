@@ -3,7 +3,10 @@
 //! sealing and merging, forgotten claims, and restarts — checked after every step against a `BTreeMap`
 //! reference. A failure names its seed; rerun one with `DEDUPD_MODEL_SEED=N`.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

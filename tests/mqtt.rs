@@ -10,7 +10,10 @@
 //! "Every message acknowledged" is checked the way the broker sees it: after dedupd stops,
 //! a client taking over its persistent session receives nothing (the broker redelivers
 //! every unacknowledged QoS 1 message to a resumed session, and sends what it queued).
-#![allow(clippy::unwrap_used)]
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 mod mqtt_server;

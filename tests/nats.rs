@@ -5,7 +5,10 @@
 //! with the non-idempotent counter handler, `config check` of a bad section,
 //! `nats-bench` end to end, and TLS (a client certificate; a wrong CA refused, and said
 //! why).
-#![allow(clippy::unwrap_used)]
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -2,7 +2,10 @@
 //! merging and restarts), quarantine and dead-letter records (page, inspect, replay,
 //! discard), the outbox, backups and settings changes at runtime.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -3,7 +3,10 @@
 //! key is configured) under every configuration, and one `(subscriber, id)` is decided
 //! exactly once whatever partition key its deliveries carry.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -6,7 +6,10 @@
 //! Compiling the 18 MB component is the slow part (seconds, more in the test profile), so
 //! each component is compiled once per test binary and every test shares it.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -11,7 +11,10 @@
 //! A server takes seconds to start, so the tests that do not stop it or change its
 //! settings share one (each with queues of its own); it stops when the last of them ends,
 //! or when the test process dies (a watcher kills its process group).
-#![allow(clippy::unwrap_used)]
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 mod rabbitmq_server;

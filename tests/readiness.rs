@@ -2,7 +2,10 @@
 //! the reason once no broker has been reachable for the grace period (10 s), 200 while a
 //! broker answers; and an absent broker is a few log lines, not librdkafka's hundreds.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -1,7 +1,10 @@
 //! `dedupd serve` as a process: refuses an open bind without a token, serves over real
 //! TCP (keep-alive HTTP/1.1), and exits cleanly on SIGTERM.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -5,7 +5,10 @@
 //! the bounds hold (memory, disk, claims and generations; the offered rate served); the
 //! p99 criterion (a debug build on a shared machine) is printed, not asserted. The
 //! verdict's own failures are shown on synthetic series.
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 use std::time::Duration;
 

@@ -3,7 +3,10 @@
 //! shard's writer thread (here: a native handler's) stops the ledger the same way, and a
 //! shard file missing next to the manifest is refused instead of recreated empty.
 
-#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "tests: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -1,6 +1,9 @@
 //! What the binary says about itself: its version with the commit and the formats it
 //! reads, shell completions and the manual page, all from the one command tree.
-#![allow(clippy::unwrap_used)] // helpers outside #[test]: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "helpers outside #[test]: a failed unwrap is a failed test"
+)]
 
 mod common;
 

@@ -2,7 +2,10 @@
 //! either measured with figures that add up (and match the generated traffic) or skipped
 //! with a reason; dedupd's ratios follow from the rows; the plots are PNG files. Nothing
 //! here depends on how fast the machine is.
-#![allow(clippy::unwrap_used)] // helpers outside #[test]: a failed unwrap is a failed test
+#![allow(
+    clippy::unwrap_used,
+    reason = "helpers outside #[test]: a failed unwrap is a failed test"
+)]
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -10,13 +10,13 @@ use serde_json::{json, Value};
 
 /// Appends and reads operator actions.
 #[derive(Debug)]
-pub struct Audit {
+pub(crate) struct Audit {
     path: PathBuf,
     lock: Mutex<()>,
 }
 
 impl Audit {
-    pub fn new(path: PathBuf) -> Audit {
+    pub(crate) fn new(path: PathBuf) -> Audit {
         Audit {
             path,
             lock: Mutex::new(()),
@@ -24,7 +24,7 @@ impl Audit {
     }
 
     /// Records an action; `detail` is merged into the line. Blocking (fsync).
-    pub fn record(
+    pub(crate) fn record(
         &self,
         action: &str,
         subscriber: Option<&str>,
@@ -50,7 +50,7 @@ impl Audit {
     }
 
     /// The newest `limit` entries, oldest first.
-    pub fn tail(&self, limit: usize) -> std::io::Result<Vec<Value>> {
+    pub(crate) fn tail(&self, limit: usize) -> std::io::Result<Vec<Value>> {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let text = match std::fs::read_to_string(&self.path) {
             Ok(t) => t,

@@ -51,7 +51,7 @@ impl Pending {
 
 /// Why a job could not be started.
 #[derive(Debug, PartialEq, Eq)]
-pub enum StartError {
+pub(crate) enum StartError {
     /// The same key of the same subscriber is still being processed.
     InFlight,
     /// The submitter stopped (shutting down).
@@ -59,7 +59,7 @@ pub enum StartError {
 }
 
 /// Submits jobs and delivers their durable outcomes to async callers.
-pub struct Ingest {
+pub(crate) struct Ingest {
     ledger: Arc<Ledger>,
     next_seq: AtomicU64,
     pending: Arc<Mutex<Pending>>,
@@ -78,7 +78,7 @@ impl std::fmt::Debug for Ingest {
 }
 
 impl Ingest {
-    pub fn start(ledger: Arc<Ledger>) -> std::io::Result<Ingest> {
+    pub(crate) fn start(ledger: Arc<Ledger>) -> std::io::Result<Ingest> {
         let pending = Arc::new(Mutex::new(Pending::default()));
         let (ack, acks) = unbounded::<Vec<Done>>();
         let (jobs, queue) = unbounded::<Vec<(usize, Job)>>();
@@ -107,13 +107,13 @@ impl Ingest {
         })
     }
 
-    pub fn ledger(&self) -> &Arc<Ledger> {
+    pub(crate) fn ledger(&self) -> &Arc<Ledger> {
         &self.ledger
     }
 
     /// A fresh sequence number and the receiver its outcome will arrive on. `key` marks
     /// `(subscriber, key)` in flight until then.
-    pub fn register(
+    pub(crate) fn register(
         &self,
         key: Option<(SubscriberId, u128)>,
     ) -> Result<(u64, oneshot::Receiver<Outcome>), StartError> {
@@ -131,7 +131,7 @@ impl Ingest {
     }
 
     /// Forgets a registration whose job never reached a shard.
-    pub fn unregister(&self, seq: u64) {
+    pub(crate) fn unregister(&self, seq: u64) {
         let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(w) = p.waiters.remove(&seq) {
             if let Some(k) = w.key {
@@ -142,7 +142,7 @@ impl Ingest {
 
     /// Resolves when `key` is no longer in flight (at once if it is not now). A request
     /// that found its key in flight and prefers to wait registers again after this.
-    pub async fn released(&self, key: (SubscriberId, u128)) {
+    pub(crate) async fn released(&self, key: (SubscriberId, u128)) {
         let notify = {
             let p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
             match p.in_flight.get(&key) {
@@ -173,19 +173,19 @@ impl Ingest {
 
     /// Keys in flight, and requests waiting for one of them right now (`Prefer: wait`):
     /// a waiter holds memory only while it waits.
-    pub fn in_flight(&self) -> (usize, usize) {
+    pub(crate) fn in_flight(&self) -> (usize, usize) {
         let p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         let waiting = p.in_flight.values().map(|n| Arc::strong_count(n) - 1).sum();
         (p.in_flight.len(), waiting)
     }
 
     /// Where shards send outcomes for registered sequence numbers.
-    pub fn ack_sender(&self) -> AckSender {
+    pub(crate) fn ack_sender(&self) -> AckSender {
         self.ack.clone()
     }
 
     /// Hands a registered job to the submitter; never blocks.
-    pub fn send(&self, shard: usize, job: Job) -> Result<(), StartError> {
+    pub(crate) fn send(&self, shard: usize, job: Job) -> Result<(), StartError> {
         let seq = job.seq;
         let sent = match tokio::runtime::Handle::try_current() {
             Ok(rt) => self
@@ -208,7 +208,7 @@ impl Ingest {
     }
 
     /// Requests waiting for an outcome right now.
-    pub fn waiting(&self) -> usize {
+    pub(crate) fn waiting(&self) -> usize {
         self.pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -15,36 +15,36 @@ pub struct HttpConfig {
     /// Address to listen on. Loopback by default; any other address needs a token.
     pub bind: SocketAddr,
     /// Bearer token required by mutating routes and payload reads. Prefer `token_env`.
-    pub token: Option<String>,
+    pub(crate) token: Option<String>,
     /// Name of an environment variable holding the bearer token.
-    pub token_env: Option<String>,
+    pub(crate) token_env: Option<String>,
     /// Largest request body (ingest payloads, config updates), in bytes.
-    pub max_body_bytes: usize,
+    pub(crate) max_body_bytes: usize,
     /// Largest handler component accepted by an upload, in bytes.
-    pub max_handler_bytes: usize,
+    pub(crate) max_handler_bytes: usize,
     /// Requests served at once; further ones wait in a bounded queue for a slot.
-    pub max_concurrency: usize,
+    pub(crate) max_concurrency: usize,
     /// Requests that may wait for a slot; past it a request is answered 503 with
     /// `Retry-After` at once (0: never wait).
-    pub max_queued: usize,
+    pub(crate) max_queued: usize,
     /// Longest wait in that queue before a 503 with `Retry-After`.
     #[serde(with = "humantime_serde")]
-    pub queue_timeout: Duration,
+    pub(crate) queue_timeout: Duration,
     /// Longest time from a request's headers to its response (body upload included);
     /// past it the answer is 503 `timeout`. Work already handed to the engine finishes.
     #[serde(with = "humantime_serde")]
-    pub request_timeout: Duration,
+    pub(crate) request_timeout: Duration,
     /// Longest time a connection may take to send a request's headers (and to stay idle
     /// between keep-alive requests) before it is closed.
     #[serde(with = "humantime_serde")]
-    pub header_timeout: Duration,
+    pub(crate) header_timeout: Duration,
     /// Host names (without port) accepted in `Host` and `Origin`, besides the bind
     /// address and, on a loopback bind, `localhost`, `127.0.0.1` and `[::1]`. Needed when
     /// the API is reached by a DNS name (a reverse proxy, say).
-    pub allowed_hosts: Vec<String>,
+    pub(crate) allowed_hosts: Vec<String>,
     /// Where `POST /v1/maintenance/backup` creates backups (default: `DATA_DIR/backups`).
     /// A request names only a directory *inside* it.
-    pub backup_dir: Option<PathBuf>,
+    pub(crate) backup_dir: Option<PathBuf>,
 }
 
 impl Default for HttpConfig {
@@ -77,7 +77,7 @@ impl HttpConfig {
     /// Checks the limits and resolves the token (from `token` or the variable `token_env`
     /// names). Refuses a non-loopback `bind` without a token: the API can forget claims and
     /// replace handlers, so it is never open to the network.
-    pub fn resolve_token(&self) -> Result<Option<String>, ConfigError> {
+    pub(crate) fn resolve_token(&self) -> Result<Option<String>, ConfigError> {
         self.check_limits()?;
         self.check_allowed_hosts()?;
         let token = self.token()?;
@@ -179,7 +179,10 @@ impl HttpConfig {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
     use super::*;
 
     /// The sample configuration documents this section with its defaults.

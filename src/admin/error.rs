@@ -83,14 +83,14 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    pub fn bad(field: impl Into<String>, message: impl Into<String>) -> ApiError {
+    pub(crate) fn bad(field: impl Into<String>, message: impl Into<String>) -> ApiError {
         ApiError::BadRequest {
             field: Some(field.into()),
             message: message.into(),
         }
     }
 
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
@@ -114,7 +114,7 @@ impl ApiError {
     }
 
     /// The stable machine-readable code in the body.
-    pub fn code(&self) -> &'static str {
+    pub(crate) fn code(&self) -> &'static str {
         match self {
             ApiError::BadRequest { .. } => "bad_request",
             ApiError::Unauthorized => "unauthorized",

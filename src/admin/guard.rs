@@ -263,7 +263,10 @@ async fn admit_and_run(st: &AdminState, req: Request, next: Next) -> Result<Resp
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
     use super::*;
 
     fn policy(bind: &str, allowed: &[&str]) -> HostPolicy {

@@ -4,7 +4,7 @@
 //! `Idempotency-Key` semantics. [`router`] builds it; [`serve`] runs it on a listener.
 //!
 //! Security: the server binds loopback by default and refuses a non-loopback address
-//! without a token ([`HttpConfig::resolve_token`]); with a token, every mutating route and
+//! without a token (`HttpConfig::resolve_token`); with a token, every mutating route and
 //! every payload read needs `Authorization: Bearer <token>` (compared in constant time),
 //! and what could reveal a payload (claim fingerprints, failure reasons in lists) is
 //! redacted without it. Every request first passes `guard`: a `Host` check against DNS
@@ -14,15 +14,15 @@
 //! the data directory.
 //!
 //! Nothing here blocks the async runtime: ledger calls that wait for a shard or for disk
-//! run on `spawn_blocking`, and ingest goes through [`bridge::Ingest`].
+//! run on `spawn_blocking`, and ingest goes through `bridge::Ingest`.
 //!
 //! Layout: `routes/` (the [`router`] and one file per resource), `guard` (what every
-//! request passes first), `error` ([`ApiError`] and its statuses), [`bridge`] (requests
+//! request passes first), `error` ([`ApiError`] and its statuses), `bridge` (requests
 //! to shard threads and durable outcomes back), `audit`, `metrics` (`/metrics`), `openapi`, `config`
 //! (`[http]`). What a request means as a message is `crate::source::http`.
 
 mod audit;
-pub mod bridge;
+pub(crate) mod bridge;
 mod config;
 mod error;
 mod guard;
@@ -39,9 +39,13 @@ use axum::http::request::Parts;
 use axum::http::HeaderMap;
 use subtle::ConstantTimeEq;
 
-pub use crate::pipeline::{HandlerInfo, UploadError, UploadStore};
-pub use audit::Audit;
-pub use config::HttpConfig;
+pub(crate) use crate::pipeline::HandlerInfo;
+
+pub(crate) use crate::pipeline::UploadError;
+
+pub(crate) use crate::pipeline::UploadStore;
+pub(crate) use audit::Audit;
+pub(crate) use config::HttpConfig;
 pub use error::{ApiError, ErrorBody};
 pub use openapi::openapi;
 pub use routes::{metrics_router, router};
@@ -67,7 +71,7 @@ struct Inner {
 
 impl AdminState {
     /// Wires the API to a ledger opened with `config` (its `[http]` section, or the
-    /// defaults). `token` is the resolved bearer token ([`HttpConfig::resolve_token`]);
+    /// defaults). `token` is the resolved bearer token (`HttpConfig::resolve_token`);
     /// `None` leaves every route open (loopback only). Registers the configured
     /// subscribers so they are listed before their first message, and installs the
     /// uploaded handlers found in the data directory.
@@ -139,14 +143,14 @@ impl AdminState {
 /// Installs the process-wide Prometheus recorder behind `/metrics` (idempotent;
 /// [`AdminState::new`] calls it). Call it before starting sources that record through the
 /// `metrics` facade, or what they record before the admin server starts is lost.
-pub fn install_metrics() {
+pub(crate) fn install_metrics() {
     metrics::install();
 }
 
 /// A GET that carried the configured bearer token (or any request when none is set): the
 /// payload reads. Every other method is checked by `guard` before routing.
 #[derive(Debug, Clone, Copy)]
-pub struct Authorized;
+pub(crate) struct Authorized;
 
 impl FromRequestParts<AdminState> for Authorized {
     type Rejection = ApiError;
@@ -164,7 +168,7 @@ impl FromRequestParts<AdminState> for Authorized {
 /// lists and claims with what could reveal a payload (fingerprints, failure reasons)
 /// redacted; a wrong token is 403 as everywhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
+pub(crate) enum Access {
     Full,
     Redacted,
 }
@@ -220,7 +224,7 @@ pub async fn serve(
 
 /// Serves only `/metrics`, `/healthz` and `/readyz` on `listener` (the `[metrics]`
 /// listener) until `shutdown` completes.
-pub async fn serve_metrics(
+pub(crate) async fn serve_metrics(
     listener: tokio::net::TcpListener,
     state: AdminState,
     shutdown: impl Future<Output = ()> + Send + 'static,

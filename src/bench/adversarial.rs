@@ -18,7 +18,7 @@
 //! failure and nothing of it stored (G6).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -95,7 +95,7 @@ impl Behaviour {
     /// What a failing handler's dead letters say (`Failure`'s text), any one of these. A
     /// memory hog may also run out of its CPU budget before the cap stops it: it touches
     /// every byte up to 32 MiB, and on a busy machine 10 ms may end first.
-    pub fn expected_reasons(self) -> &'static [&'static str] {
+    pub(crate) fn expected_reasons(self) -> &'static [&'static str] {
         match self {
             Behaviour::Trap => &["trapped"],
             Behaviour::Loop | Behaviour::Sleep => &["CPU budget"],
@@ -151,7 +151,7 @@ pub struct Tally {
     pub duplicates: u64,
     pub dead_lettered: u64,
     /// Any other outcome (quarantined, rejected, failed): always a defect here.
-    pub other: u64,
+    pub(crate) other: u64,
     /// Claims the ledger holds for the subscriber at the end.
     pub claims: u64,
     /// Handler state entries at the end.
@@ -159,33 +159,33 @@ pub struct Tally {
     /// The first dead letter's reason, if any.
     pub first_reason: Option<String>,
     /// Dead letters whose reason lacked the behaviour's expected text.
-    pub unexpected_reasons: u64,
+    pub(crate) unexpected_reasons: u64,
     /// Seconds from the phase's start to the subscriber's last outcome.
-    pub last_outcome_s: f64,
+    pub(crate) last_outcome_s: f64,
     /// Handler calls set aside while it used more than its share of a shard's time.
-    pub calls_deferred: u64,
+    pub(crate) calls_deferred: u64,
 }
 
 /// One phase: the good subscribers alone, or with the hostile ones.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct PhaseReport {
-    pub with_hostile: bool,
-    pub shards: usize,
+    pub(crate) with_hostile: bool,
+    pub(crate) shards: usize,
     pub elapsed_s: f64,
-    pub good_messages: u64,
+    pub(crate) good_messages: u64,
     /// Seconds from the start to the good subscribers' last outcome.
-    pub good_elapsed_s: f64,
+    pub(crate) good_elapsed_s: f64,
     /// `good_messages / good_elapsed_s`.
     pub good_msgs_per_sec: f64,
     pub subscribers: Vec<Tally>,
     /// Every difference from what the traffic must give; empty when exact.
-    pub problems: Vec<String>,
+    pub(crate) problems: Vec<String>,
 }
 
 /// Both phases and their ratio.
 #[derive(Debug, Clone, Serialize)]
 pub struct AdversarialReport {
-    pub params: AdversarialParams,
+    pub(crate) params: AdversarialParams,
     pub shards: usize,
     pub baseline: PhaseReport,
     pub mixed: PhaseReport,
@@ -194,7 +194,7 @@ pub struct AdversarialReport {
     /// How much longer the good traffic took with the hostile subscribers, per hostile
     /// message sent: what one hostile message costs its neighbours (a failing one runs
     /// `max_attempts` times, each up to the CPU budget).
-    pub extra_ms_per_hostile_message: f64,
+    pub(crate) extra_ms_per_hostile_message: f64,
 }
 
 impl AdversarialReport {
@@ -642,11 +642,6 @@ impl std::fmt::Display for AdversarialReport {
             }
         }
     }
-}
-
-/// The components directory relative to a source checkout.
-pub fn default_components() -> &'static Path {
-    Path::new("plugins/target/wasm32-wasip2/release")
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ use super::BenchError;
 
 /// How much the second half's peak may exceed the first half's (memory, disk, claims,
 /// generations) before the soak calls it growth rather than noise.
-pub const GROWTH_LIMIT: f64 = 1.25;
+pub(crate) const GROWTH_LIMIT: f64 = 1.25;
 /// Sealed generations may step up by this many past `GROWTH_LIMIT` (each subscriber and
 /// shard holds up to the merge trigger, 4, between merges).
 const GENERATION_SLACK: u64 = 4;
@@ -118,7 +118,7 @@ pub struct SoakReport {
     /// Closed-loop messages per second (0 when `rate` was given).
     pub capacity_msgs_per_sec: f64,
     pub offered_msgs_per_sec: f64,
-    pub achieved_msgs_per_sec: f64,
+    pub(crate) achieved_msgs_per_sec: f64,
     pub messages: u64,
     pub processed: u64,
     pub duplicates: u64,
@@ -139,7 +139,7 @@ impl SoakReport {
 
 /// The settings a soak runs with: the given config, with the soak's TTL for every
 /// subscriber and generations small and young enough to seal, merge and expire within it.
-pub fn soak_config(params: &SoakParams) -> Config {
+pub(crate) fn soak_config(params: &SoakParams) -> Config {
     let mut config = params.config.clone();
     config.defaults.ttl = params.ttl;
     let claims = params.generation_claims.clamp(16, 1 << 24);
@@ -248,7 +248,7 @@ fn scratch(params: &SoakParams) -> Result<tempfile::TempDir, BenchError> {
 
 /// The reference window of the p99 criterion: the first minute, or the first third of a
 /// run shorter than three minutes.
-pub fn first_window(duration: Duration) -> Duration {
+pub(crate) fn first_window(duration: Duration) -> Duration {
     Duration::from_secs(60).min(duration / 3)
 }
 

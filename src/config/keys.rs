@@ -65,7 +65,7 @@ pub enum PartitionSource {
 /// [`PartitionSource`].
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct SourceSpec {
+pub(crate) struct SourceSpec {
     source: String,
     name: Option<String>,
     pointer: Option<String>,

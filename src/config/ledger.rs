@@ -19,7 +19,7 @@ pub struct LedgerConfig {
     pub max_batch: NonZeroUsize,
     /// How long a writer waits for more messages before committing a batch that is not full.
     #[serde(with = "humantime_serde")]
-    pub max_linger: Duration,
+    pub(crate) max_linger: Duration,
     /// Claims in an active generation before it is sealed into a sorted table. A busy
     /// subscriber's in-memory index is sized for this many plus one batch (a generation
     /// seals after the batch that filled it): a hash table of 49-byte slots, a power of two
@@ -51,7 +51,7 @@ pub struct LedgerConfig {
     /// directory count too). Each costs memory on every shard; past the limit a message
     /// for a new name is refused (HTTP 403 `subscriber_limit`). Configured subscribers are
     /// never limited. 0 to 65,536.
-    pub max_implicit_subscribers: usize,
+    pub(crate) max_implicit_subscribers: usize,
     /// How long a quarantine or dead-letter record is kept after it was first stored; older
     /// ones are removed between batches (the outcomes stay counted).
     #[serde(with = "humantime_serde")]
@@ -86,7 +86,7 @@ impl LedgerConfig {
     /// Claims a busy subscriber's full-size index is allocated for: a generation, plus the
     /// batch that fills it, which ends before the generation is sealed. Smaller, and the
     /// last batch rehashed the table into twice the memory inside the batch.
-    pub fn full_index_claims(&self) -> usize {
+    pub(crate) fn full_index_claims(&self) -> usize {
         self.generation_max_claims.get() + self.max_batch.get()
     }
 

@@ -17,41 +17,41 @@ pub struct SubscriberSettings {
     #[schema(value_type = String, default = default_ttl)]
     pub ttl: Duration,
     /// Refresh a claim's expiry each time a duplicate arrives.
-    pub sliding_ttl: bool,
+    pub(crate) sliding_ttl: bool,
     /// Where the idempotency key comes from.
-    pub key: KeySource,
+    pub(crate) key: KeySource,
     /// Keys longer than this are rejected.
-    pub max_key_bytes: usize,
+    pub(crate) max_key_bytes: usize,
     /// The entity of handler state (a store per value); unused without a handler. A
     /// redelivery may carry another one: its claim is still found.
-    pub partition_key: PartitionSource,
+    pub(crate) partition_key: PartitionSource,
     /// WebAssembly component run for each new message (none: claim only).
     #[schema(value_type = Option<String>)]
-    pub handler: Option<PathBuf>,
+    pub(crate) handler: Option<PathBuf>,
     /// Budget of one handler call: guest CPU and waits on the clock (a sleep) together.
     #[serde(with = "humantime_serde")]
     #[schema(value_type = String, default = default_handler_cpu_budget)]
-    pub handler_cpu_budget: Duration,
+    pub(crate) handler_cpu_budget: Duration,
     /// Cap of all linear memories of a handler instance together, in MiB.
-    pub handler_memory_mib: usize,
+    pub(crate) handler_memory_mib: usize,
     /// State writes one handler call may make (put, delete, and compare-and-set,
     /// insert-unique, advance-version when they write); more is a trap.
-    pub handler_max_writes: usize,
+    pub(crate) handler_max_writes: usize,
     /// MiB of state (keys and values) and outbox messages one handler call may write;
     /// more is a trap.
-    pub handler_max_write_mib: usize,
+    pub(crate) handler_max_write_mib: usize,
     /// Attempts before a failing message is dead-lettered (permanent errors: at once).
-    pub max_attempts: u32,
+    pub(crate) max_attempts: u32,
     /// Delay before the second attempt; doubles for each further one.
     #[serde(with = "humantime_serde")]
     #[schema(value_type = String, default = default_retry_backoff)]
-    pub retry_backoff: Duration,
+    pub(crate) retry_backoff: Duration,
     /// Longest delay between two attempts, where the doubling of `retry_backoff` stops: a
     /// message waiting for its next attempt is held in memory and holds back its source's
     /// committed offset.
     #[serde(with = "humantime_serde")]
     #[schema(value_type = String, default = default_max_backoff)]
-    pub max_backoff: Duration,
+    pub(crate) max_backoff: Duration,
     /// Handler calls in a row stopped by the sandbox (trap, CPU budget, memory cap) on one
     /// shard that open the subscriber's circuit breaker there: for
     /// `handler_breaker_cooldown` its messages use up attempts without a call and wait, so
@@ -64,7 +64,7 @@ pub struct SubscriberSettings {
     pub handler_breaker_cooldown: Duration,
     /// What of a JSON payload the fingerprint covers (G4).
     #[serde(default)]
-    pub fingerprint: FingerprintSpec,
+    pub(crate) fingerprint: FingerprintSpec,
 }
 
 /// Which parts of a JSON payload the fingerprint covers. A producer that re-stamps a
@@ -77,7 +77,7 @@ pub struct FingerprintSpec {
     /// JSON pointers (RFC 6901) left out of the fingerprint; a missing one is no error.
     /// Handlers still get the whole payload. Empty: the whole payload counts.
     #[serde(default)]
-    pub ignore: Vec<String>,
+    pub(crate) ignore: Vec<String>,
 }
 
 /// A duration setting's default as the config and the API write it (`7days`, `10ms`): the
@@ -197,7 +197,7 @@ pub struct SubscriberConfig {
 
 impl SubscriberConfig {
     /// These settings over `defaults`.
-    pub fn resolve(&self, defaults: &SubscriberSettings) -> SubscriberSettings {
+    pub(crate) fn resolve(&self, defaults: &SubscriberSettings) -> SubscriberSettings {
         SubscriberSettings {
             ttl: self.ttl.unwrap_or(defaults.ttl),
             sliding_ttl: self.sliding_ttl.unwrap_or(defaults.sliding_ttl),
@@ -384,7 +384,7 @@ fn validate_key(field: &str, key: &KeySource) -> Result<(), ConfigError> {
 }
 
 /// Subscriber names become part of table names, so they are kept to a safe alphabet.
-pub fn validate_subscriber_name(field: &str, name: &str) -> Result<(), ConfigError> {
+pub(crate) fn validate_subscriber_name(field: &str, name: &str) -> Result<(), ConfigError> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name

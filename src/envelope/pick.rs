@@ -192,7 +192,10 @@ impl<'de> Visitor<'de> for Token<'_, '_> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use super::*;
     use proptest::prelude::*;

@@ -49,7 +49,7 @@ pub(crate) struct CallClock {
 }
 
 impl CallClock {
-    pub fn new() -> Arc<CallClock> {
+    pub(crate) fn new() -> Arc<CallClock> {
         Arc::new(CallClock {
             origin: Instant::now(),
             deadline_ns: AtomicU64::new(0),
@@ -58,7 +58,7 @@ impl CallClock {
     }
 
     /// Starts a call that may wait until `budget` from now.
-    pub fn start(&self, budget: Duration) {
+    pub(crate) fn start(&self, budget: Duration) {
         let end = self.since_origin(Instant::now()).saturating_add(budget);
         let end_ns = u64::try_from(end.as_nanos()).unwrap_or(u64::MAX);
         self.deadline_ns.store(end_ns, Ordering::Relaxed);
@@ -66,7 +66,7 @@ impl CallClock {
     }
 
     /// Ends a call; returns whether one of its waits ran out of budget.
-    pub fn stop(&self) -> bool {
+    pub(crate) fn stop(&self) -> bool {
         self.deadline_ns.store(0, Ordering::Relaxed);
         self.out_of_time.swap(false, Ordering::Relaxed)
     }

@@ -39,7 +39,7 @@ pub(crate) struct CallEntropy {
 
 impl CallEntropy {
     /// Starts a call: its stream is `seed`'s from the beginning.
-    pub fn start(&mut self, seed: u128, received_at_ms: u64) {
+    pub(crate) fn start(&mut self, seed: u128, received_at_ms: u64) {
         *self = CallEntropy {
             seed,
             position: 0,
@@ -49,13 +49,13 @@ impl CallEntropy {
 
     /// Ends a call: until the next one the stream is seed zero's from its start, and the
     /// clock keeps this call's time.
-    pub fn end(&mut self) {
+    pub(crate) fn end(&mut self) {
         self.seed = 0;
         self.position = 0;
     }
 
     /// The next `len` bytes of the stream.
-    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+    pub(crate) fn bytes(&mut self, len: usize) -> Vec<u8> {
         let mut out = Vec::with_capacity(len);
         while out.len() < len {
             let block = self.position / 16;
@@ -142,7 +142,10 @@ impl wall_clock::Host for HostState {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use super::*;
 

@@ -25,7 +25,7 @@ use crate::effects::{unique_key, Effects, EmptyState, HandlerMessage, OutboxMess
 pub const MAX_KEY: usize = 1024;
 pub const MAX_VALUE: usize = 1 << 20;
 const MAX_SCAN: usize = 1000;
-pub const MAX_EMITS: usize = 1000;
+pub(crate) const MAX_EMITS: usize = 1000;
 /// Longest outbox topic name (Kafka's limit).
 pub const MAX_TOPIC: usize = 249;
 /// Headers of one outbox message: how many, and their names and values together.
@@ -45,11 +45,11 @@ pub(crate) struct MemoryCap {
     total: usize,
     /// The last granted change (from, to), undone if the growth then failed.
     pending: Option<(usize, usize)>,
-    pub denied: bool,
+    pub(crate) denied: bool,
 }
 
 impl MemoryCap {
-    pub fn new(cap: usize) -> Self {
+    pub(crate) fn new(cap: usize) -> Self {
         MemoryCap {
             cap,
             total: 0,
@@ -59,12 +59,12 @@ impl MemoryCap {
     }
 
     /// The cap of all memories together, in bytes.
-    pub fn cap_bytes(&self) -> usize {
+    pub(crate) fn cap_bytes(&self) -> usize {
         self.cap
     }
 
     /// Bytes of all memories of the instance now.
-    pub fn total_bytes(&self) -> usize {
+    pub(crate) fn total_bytes(&self) -> usize {
         self.total
     }
 }
@@ -137,13 +137,13 @@ struct Call {
 
 /// Store data of one handler instance.
 pub(crate) struct HostState {
-    pub wasi: WasiCtx,
-    pub table: ResourceTable,
-    pub limiter: MemoryCap,
+    pub(crate) wasi: WasiCtx,
+    pub(crate) table: ResourceTable,
+    pub(crate) limiter: MemoryCap,
     /// The guest's monotonic clock and the running call's wait deadline (`clock.rs`).
-    pub clock: Arc<CallClock>,
+    pub(crate) clock: Arc<CallClock>,
     /// The call's random stream and wall clock (`determinism.rs`).
-    pub entropy: CallEntropy,
+    pub(crate) entropy: CallEntropy,
     limits: Limits,
     output: GuestOutput,
     call: Call,
@@ -153,12 +153,12 @@ pub(crate) struct HostState {
     effects: Effects,
     /// Whether calls are traced (`dedupd handler test`): logs and guard answers are kept
     /// in `trace` instead of (logs) or besides (guards) going to the engine's log.
-    pub recording: bool,
+    pub(crate) recording: bool,
     trace: Option<CallTrace>,
 }
 
 impl HostState {
-    pub fn new(wasi: WasiCtx, limits: Limits, output: GuestOutput) -> Self {
+    pub(crate) fn new(wasi: WasiCtx, limits: Limits, output: GuestOutput) -> Self {
         HostState {
             wasi,
             table: ResourceTable::new(),
@@ -177,7 +177,7 @@ impl HostState {
     }
 
     /// Prepares a call: the message context and the state it reads.
-    pub fn begin(&mut self, msg: &HandlerMessage, reader: Box<dyn StateReader>) {
+    pub(crate) fn begin(&mut self, msg: &HandlerMessage, reader: Box<dyn StateReader>) {
         self.reader = reader;
         self.effects = Effects::default();
         self.limiter.denied = false;
@@ -200,7 +200,7 @@ impl HostState {
     }
 
     /// Ends a call: hands back the reader, the effects and what ran out.
-    pub fn finish(&mut self) -> Finished {
+    pub(crate) fn finish(&mut self) -> Finished {
         // Whatever runs before the next call (a rebuild after a trap) reads the stream
         // of no message, not the rest of this one's.
         self.entropy.end();
@@ -330,14 +330,14 @@ fn level_name(level: Level) -> &'static str {
 
 /// What a call left behind, from [`HostState::finish`].
 pub(crate) struct Finished {
-    pub reader: Box<dyn StateReader>,
-    pub effects: Effects,
+    pub(crate) reader: Box<dyn StateReader>,
+    pub(crate) effects: Effects,
     /// A memory growth was refused.
-    pub memory_denied: bool,
+    pub(crate) memory_denied: bool,
     /// A wait reached the end of the budget (`clock.rs`).
-    pub out_of_time: bool,
+    pub(crate) out_of_time: bool,
     /// What the call logged and how its guards answered, when recording.
-    pub trace: Option<CallTrace>,
+    pub(crate) trace: Option<CallTrace>,
 }
 
 /// `format!("{:032x}")` without the formatting machinery (2 % of a shipping-label run's

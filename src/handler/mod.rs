@@ -44,9 +44,7 @@ use crate::effects::{
     Effects, Failure, HandlerFactory, HandlerMessage, MessageHandler, StateReader,
 };
 use host::{Finished, HostState};
-pub use host::{
-    MAX_EMITS, MAX_HEADERS, MAX_HEADER_BYTES, MAX_KEY, MAX_MEMORIES, MAX_TOPIC, MAX_VALUE,
-};
+pub use host::{MAX_HEADERS, MAX_HEADER_BYTES, MAX_KEY, MAX_MEMORIES, MAX_TOPIC, MAX_VALUE};
 use output::GuestOutput;
 
 mod bindings {
@@ -163,11 +161,11 @@ fn runtime() -> Result<&'static Runtime, HandlerError> {
 /// What `dedupd handler check` reports.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CheckReport {
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     pub bytes: usize,
     /// xxh3-64 of the component bytes; recorded in every claim it processes.
-    pub version: String,
-    pub imports: Vec<String>,
+    pub(crate) version: String,
+    pub(crate) imports: Vec<String>,
     pub exports: Vec<String>,
 }
 
@@ -195,27 +193,27 @@ impl std::fmt::Display for CheckReport {
 /// What one traced call logged and how its guards answered (see
 /// [`WasmHandler::record_calls`]); its writes are in the call's [`Effects`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CallTrace {
+pub(crate) struct CallTrace {
     /// `log` host calls in order, then the lines the guest printed on stdout/stderr
     /// (level `stdout`). The engine writes these to its own log.
-    pub logs: Vec<GuestLog>,
+    pub(crate) logs: Vec<GuestLog>,
     /// `log` calls over the per-call limit of 20 lines, dropped as the engine drops them.
-    pub dropped_logs: u32,
+    pub(crate) dropped_logs: u32,
     /// Every guard call and its answer, in order.
-    pub guards: Vec<GuardCall>,
+    pub(crate) guards: Vec<GuardCall>,
 }
 
 /// One line a handler logged.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GuestLog {
+pub(crate) struct GuestLog {
     /// `trace`, `debug`, `info`, `warn`, `error`, or `stdout` for printed output.
-    pub level: &'static str,
-    pub text: String,
+    pub(crate) level: &'static str,
+    pub(crate) text: String,
 }
 
 /// A host call whose answer depends on state: what was asked and what it answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GuardCall {
+pub(crate) enum GuardCall {
     /// `insert-unique`: `inserted` is false when the mark existed.
     InsertUnique {
         namespace: String,
@@ -423,12 +421,12 @@ impl WasmHandler {
     /// output are kept for [`WasmHandler::take_trace`] instead of going to the engine's
     /// log, and its guard calls are recorded with their answers. The call itself is the
     /// same: same host, limits and results.
-    pub fn record_calls(&mut self) {
+    pub(crate) fn record_calls(&mut self) {
         self.recording = true;
     }
 
     /// The trace of the last call, when recording.
-    pub fn take_trace(&mut self) -> Option<CallTrace> {
+    pub(crate) fn take_trace(&mut self) -> Option<CallTrace> {
         self.trace.take()
     }
 

@@ -55,7 +55,7 @@ pub(crate) struct GuestOutput {
 }
 
 impl GuestOutput {
-    pub fn new(name: String) -> Self {
+    pub(crate) fn new(name: String) -> Self {
         GuestOutput {
             name: name.into(),
             inner: Arc::new(Mutex::new(Inner {
@@ -80,7 +80,7 @@ impl GuestOutput {
     /// Takes what the last call printed, as its non-blank lines, instead of logging it
     /// (`dedupd handler test`). The per-call cap applies as it does for the log; a line
     /// says how many bytes over it were dropped. No rate limit: it depends on the time.
-    pub fn take_lines(&self) -> Vec<String> {
+    pub(crate) fn take_lines(&self) -> Vec<String> {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let text = String::from_utf8_lossy(&std::mem::take(&mut g.buf)).into_owned();
         let mut lines: Vec<String> = text
@@ -99,7 +99,7 @@ impl GuestOutput {
 
     /// Whether one line of the `log` host import may reach the log now: it takes a token
     /// of the same budget as printed lines; a refused line is counted in the next notice.
-    pub fn admit_log_line(&self) -> bool {
+    pub(crate) fn admit_log_line(&self) -> bool {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         g.refill();
         g.admit()
@@ -107,7 +107,7 @@ impl GuestOutput {
 
     /// Writes what the last call printed to the log, within the rate limit, and at most
     /// once a second a notice of what was dropped since the last one.
-    pub fn flush_to_log(&self, subscriber: &str) {
+    pub(crate) fn flush_to_log(&self, subscriber: &str) {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if g.buf.is_empty() && g.dropped_bytes == 0 && g.suppressed_lines == 0 {
             return;

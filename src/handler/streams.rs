@@ -24,7 +24,7 @@ use wasmtime_wasi::p2::{StreamError, StreamResult};
 use wasmtime_wasi::runtime::{in_tokio, poll_noop};
 
 /// The handler's resource table, seen as `wasi:io/streams`.
-pub(crate) struct Streams<'a>(pub &'a mut ResourceTable);
+pub(crate) struct Streams<'a>(pub(crate) &'a mut ResourceTable);
 
 /// Links [`Streams`] into a linker (shadowing wasmtime-wasi's).
 pub(crate) struct HasStreams;

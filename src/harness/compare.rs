@@ -100,7 +100,8 @@ fn diff(path: &str, want: &Value, got: &Value, out: &mut Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::{json_lines, StateWrite};
+    use crate::harness::json_lines;
+    use crate::harness::report::StateWrite;
 
     #[test]
     fn compare_names_the_first_difference_by_pointer() {

@@ -6,34 +6,34 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::HarnessError;
-use crate::envelope::Envelope;
+use crate::source::pipe_line::PipeLine;
 
 /// The messages of an input file.
 #[derive(Debug, Clone, Default)]
 pub struct Messages {
     /// The file's name, for errors.
-    pub file: String,
-    pub lines: Vec<InputLine>,
+    pub(crate) file: String,
+    pub(crate) lines: Vec<InputLine>,
 }
 
 /// The entries of a state file.
 #[derive(Debug, Clone, Default)]
 pub struct Seed {
     /// The file's name, for errors.
-    pub file: String,
-    pub lines: Vec<SeedLine>,
+    pub(crate) file: String,
+    pub(crate) lines: Vec<SeedLine>,
 }
 
-/// One message of the input: its line number and envelope (a `dedupd pipe` line).
+/// One message of the input: its line number and the `dedupd pipe` line.
 #[derive(Debug, Clone)]
-pub struct InputLine {
-    pub line: usize,
-    pub envelope: Envelope,
+pub(crate) struct InputLine {
+    pub(crate) line: usize,
+    pub(crate) message: PipeLine,
 }
 
 /// One entry of the initial state.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SeedEntry {
+pub(crate) enum SeedEntry {
     /// A state entry, as `dedupd state dump` prints it.
     State { key: Vec<u8>, value: Vec<u8> },
     /// An `insert-unique` mark.
@@ -45,9 +45,9 @@ pub enum SeedEntry {
 /// A seed entry and the entity whose store it belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeedLine {
-    pub line: usize,
-    pub entity: Option<String>,
-    pub entry: SeedEntry,
+    pub(crate) line: usize,
+    pub(crate) entity: Option<String>,
+    pub(crate) entry: SeedEntry,
 }
 
 fn read_text(path: &Path) -> Result<String, HarnessError> {
@@ -86,10 +86,10 @@ pub fn read_messages(path: &Path) -> Result<Messages, HarnessError> {
 }
 
 /// [`read_messages`] over text; `file` names it in errors.
-pub fn parse_messages(file: &str, text: &str) -> Result<Messages, HarnessError> {
+pub(crate) fn parse_messages(file: &str, text: &str) -> Result<Messages, HarnessError> {
     let lines = numbered(text)
-        .map(|(line, l)| match serde_json::from_str::<Envelope>(l) {
-            Ok(envelope) => Ok(InputLine { line, envelope }),
+        .map(|(line, l)| match serde_json::from_str::<PipeLine>(l) {
+            Ok(message) => Ok(InputLine { line, message }),
             Err(e) => Err(HarnessError::Line {
                 file: file.to_string(),
                 line,

@@ -27,7 +27,7 @@
 //!   ([`read_messages`]) and the initial state ([`read_state`]);
 //! - `run.rs`: the run ([`run()`]): the test config, the temporary ledger, the component
 //!   wrapped to record its calls, the seeded state, one report per message;
-//! - `report.rs`: what a run reports ([`Report`] and its parts) and how it is printed
+//! - `report.rs`: what a run reports (`Report` and its parts) and how it is printed
 //!   ([`json_lines`], [`write_human`]);
 //! - `compare.rs`: the reports against an expected `--json` output ([`compare()`]).
 //!
@@ -40,14 +40,10 @@ mod report;
 mod run;
 
 pub use compare::compare;
-pub use input::{
-    parse_messages, parse_state, read_messages, read_state, InputLine, Messages, Seed, SeedEntry,
-    SeedLine,
-};
-pub use report::{
-    json_lines, write_human, CallReport, Emitted, Guard, LogLine, Report, StateWrite, UniqueMark,
-    VersionSet,
-};
+pub(crate) use input::SeedEntry;
+pub use input::SeedLine;
+pub use input::{parse_state, read_messages, read_state, Messages, Seed};
+pub use report::{json_lines, write_human, VersionSet};
 pub use run::run;
 
 use std::path::PathBuf;

@@ -10,85 +10,85 @@ use serde_json::Value;
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Report {
     /// Its line in the input file.
-    pub line: usize,
+    pub(crate) line: usize,
     /// The idempotency key's text (absent when none could be derived).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
+    pub(crate) id: Option<String>,
     /// The entity whose state the handler saw (with a partition key).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub entity: Option<String>,
+    pub(crate) entity: Option<String>,
     /// `processed`, `duplicate`, `quarantined`, `dead_lettered` or `rejected`.
-    pub outcome: &'static str,
+    pub(crate) outcome: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
+    pub(crate) reason: Option<String>,
     /// State writes committed with the claim, in key order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub state: Vec<StateWrite>,
+    pub(crate) state: Vec<StateWrite>,
     /// Uniqueness marks committed with the claim.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub uniques: Vec<UniqueMark>,
+    pub(crate) uniques: Vec<UniqueMark>,
     /// Versions committed with the claim.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub versions: Vec<VersionSet>,
+    pub(crate) versions: Vec<VersionSet>,
     /// Outbox messages committed with the claim (relayed to Kafka by the engine).
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub emitted: Vec<Emitted>,
+    pub(crate) emitted: Vec<Emitted>,
     /// Every handler call, retries included; none for a duplicate or quarantined message.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub calls: Vec<CallReport>,
+    pub(crate) calls: Vec<CallReport>,
 }
 
 /// A state write: `value`, or `deleted`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StateWrite {
-    pub key: Value,
+pub(crate) struct StateWrite {
+    pub(crate) key: Value,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub value: Option<Value>,
+    pub(crate) value: Option<Value>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub deleted: bool,
+    pub(crate) deleted: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct UniqueMark {
-    pub namespace: String,
-    pub key: String,
+pub(crate) struct UniqueMark {
+    pub(crate) namespace: String,
+    pub(crate) key: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct VersionSet {
-    pub key: String,
-    pub version: u64,
+    pub(crate) key: String,
+    pub(crate) version: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Emitted {
+pub(crate) struct Emitted {
     /// Derived from the message id and the emit's position: the same on every retry.
-    pub id: String,
-    pub topic: String,
+    pub(crate) id: String,
+    pub(crate) topic: String,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub key: Option<String>,
+    pub(crate) key: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub headers: Vec<(String, String)>,
-    pub payload: Value,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) payload: Value,
 }
 
 /// One handler call.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CallReport {
+pub(crate) struct CallReport {
     /// 1 on the first attempt.
-    pub attempt: u32,
+    pub(crate) attempt: u32,
     /// `ok`, or the failure's kind: `retryable`, `permanent`, `timeout`, `memory`, `trap`.
-    pub result: &'static str,
+    pub(crate) result: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
     /// Guard calls and their answers, in call order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub guards: Vec<Guard>,
+    pub(crate) guards: Vec<Guard>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub logs: Vec<LogLine>,
+    pub(crate) logs: Vec<LogLine>,
     /// Log lines over the per-call limit (20), dropped as the engine drops them.
     #[serde(skip_serializing_if = "is_zero")]
-    pub dropped_logs: u32,
+    pub(crate) dropped_logs: u32,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -98,7 +98,7 @@ fn is_zero(n: &u32) -> bool {
 /// A guard call and its answer.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "call", rename_all = "snake_case")]
-pub enum Guard {
+pub(crate) enum Guard {
     InsertUnique {
         namespace: String,
         key: String,
@@ -118,9 +118,9 @@ pub enum Guard {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct LogLine {
-    pub level: &'static str,
-    pub text: String,
+pub(crate) struct LogLine {
+    pub(crate) level: &'static str,
+    pub(crate) text: String,
 }
 
 /// The reports as `--json` prints them: one compact JSON object per line.

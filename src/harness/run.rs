@@ -19,7 +19,7 @@ use crate::envelope::key_hash;
 use crate::handler::{CallTrace, Component, GuardCall, WasmHandler};
 use crate::inspect::readable;
 use crate::ledger::{Job, Ledger, Outcome};
-use crate::source::delivery::{route, Delivery, Keying, Payload, RouteError, Target};
+use crate::source::delivery::{route, Keying, RouteError, Target};
 
 /// How long one message may take to be decided before the run is given up.
 const DECIDE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -211,7 +211,7 @@ fn run_on(
     )?;
     let mut reports = Vec::with_capacity(messages.lines.len());
     for input in &messages.lines {
-        if let Some(other) = input.envelope.subscriber.as_deref().filter(|s| *s != name) {
+        if let Some(other) = input.message.subscriber.as_deref().filter(|s| *s != name) {
             return Err(HarnessError::Line {
                 file: messages.file.clone(),
                 line: input.line,
@@ -220,13 +220,10 @@ fn run_on(
                 ),
             });
         }
-        let env = input.envelope.clone();
-        let delivery = Delivery {
-            id: env.id.clone(),
-            key: env.key,
-            headers: env.headers.into_iter().collect(),
-            ..Delivery::new(Target::Resolved(sub.clone()), Payload::Json(env.payload))
-        };
+        let delivery = input
+            .message
+            .clone()
+            .into_delivery(Target::Resolved(sub.clone()));
         let mut report = Report {
             line: input.line,
             id: None,
@@ -256,7 +253,7 @@ fn run_on(
                 // As pipe mode answers: the derived key when only the entity failed.
                 report.id = match &e {
                     RouteError::Entity { key, .. } => Some(key.text.clone()),
-                    _ => env.id,
+                    _ => input.message.id.clone(),
                 };
                 report.reason = Some(e.to_string());
             }

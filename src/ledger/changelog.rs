@@ -26,18 +26,18 @@ use crate::effects::{Effects, OutboxMessage};
 /// before they commit, and the current batch's.
 #[derive(Default)]
 pub(crate) struct SubChangelog {
-    pub sink: Option<Arc<dyn ChangelogSink>>,
+    pub(crate) sink: Option<Arc<dyn ChangelogSink>>,
     /// This batch's processed messages, for `sink`.
-    pub changes: Vec<Change>,
+    pub(crate) changes: Vec<Change>,
     /// Quarantine and dead-letter records stored or removed by the current transaction,
     /// for `sink` (`Some` exactly while it has one; `records/`).
-    pub record_copies: Option<Vec<RecordCopy>>,
+    pub(crate) record_copies: Option<Vec<RecordCopy>>,
 }
 
 impl SubChangelog {
     /// Sets where the subscriber's changes and record copies are published (`None`: it
     /// has no changelog).
-    pub fn set(&mut self, sink: Option<Arc<dyn ChangelogSink>>) {
+    pub(crate) fn set(&mut self, sink: Option<Arc<dyn ChangelogSink>>) {
         match (&sink, &self.record_copies) {
             (Some(_), None) => self.record_copies = Some(Vec::new()),
             (None, Some(_)) => self.record_copies = None,
@@ -102,7 +102,7 @@ pub struct RecordCopy {
     pub fingerprint: u64,
     /// The hash the message was routed by (its key, entity or subscriber), so a restore
     /// stores the record on the shard its repeats will be decided on.
-    pub route: u128,
+    pub(crate) route: u128,
     /// The stored record (JSON, as the record tables hold it); `None`: removed.
     pub body: Option<Vec<u8>>,
     /// The input partition the record's message came from: its changelog partition.
@@ -112,7 +112,7 @@ pub struct RecordCopy {
 
 impl RecordCopy {
     /// The change that carries this copy to the sink (routed by its partition).
-    pub fn into_change(self) -> Change {
+    pub(crate) fn into_change(self) -> Change {
         Change {
             key: self.key,
             id: String::new(),
@@ -158,7 +158,7 @@ impl Change {
         }
     }
 
-    pub fn claim(&self) -> ClaimRecord {
+    pub(crate) fn claim(&self) -> ClaimRecord {
         ClaimRecord {
             fingerprint: self.fingerprint,
             processed_at_ms: self.processed_at_ms,
@@ -177,7 +177,7 @@ impl Change {
         }
     }
 
-    pub fn has_effects(&self) -> bool {
+    pub(crate) fn has_effects(&self) -> bool {
         !(self.state.is_empty() && self.uniques.is_empty() && self.versions.is_empty())
     }
 
@@ -339,7 +339,10 @@ impl Job {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use super::*;
 

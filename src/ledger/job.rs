@@ -39,7 +39,7 @@ impl Outcome {
         }
     }
 
-    pub fn reason(&self) -> Option<String> {
+    pub(crate) fn reason(&self) -> Option<String> {
         match self {
             Outcome::Quarantined { stored_fingerprint } => Some(format!(
                 "same id, different payload (stored fingerprint {stored_fingerprint:016x})"
@@ -128,7 +128,7 @@ impl From<String> for Origin {
 
 /// The kinds of work a [`Job`] carries to its shard; `decide` dispatches on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Work {
+pub enum Work {
     /// A message from a source: claimed, given to the handler, committed.
     Deliver,
     /// A stored record replayed (`dedupd replay`, the admin API) as a delivery. A
@@ -176,23 +176,23 @@ impl Work {
 pub struct Job {
     /// The source's sequence number, echoed in [`Done`].
     pub seq: u64,
-    pub subscriber: SubscriberId,
+    pub(crate) subscriber: SubscriberId,
     /// 128-bit hash of the idempotency key.
-    pub key: u128,
+    pub(crate) key: u128,
     /// xxh3-64 of the canonical payload.
-    pub fingerprint: u64,
+    pub(crate) fingerprint: u64,
     /// The idempotency key's text, kept in quarantine records.
-    pub id: Box<str>,
+    pub(crate) id: Box<str>,
     /// The canonical payload, kept in quarantine records (and given to handlers).
-    pub payload: Box<[u8]>,
-    pub ack: AckSender,
+    pub(crate) payload: Box<[u8]>,
+    pub(crate) ack: AckSender,
     /// Headers and partition key, for handlers and dead-letter records.
     pub headers: Vec<(String, String)>,
-    pub partition_key: Option<String>,
+    pub(crate) partition_key: Option<String>,
     /// 1 on the first attempt; the shard counts retries.
-    pub attempt: u32,
+    pub(crate) attempt: u32,
     /// When the source received the message (0: when the shard first decides it).
-    pub received_at_ms: u64,
+    pub(crate) received_at_ms: u64,
     /// Where the message came from (e.g. `kafka:orders/3/1234`), kept in dead-letter and
     /// quarantine records.
     pub origin: Option<Origin>,
@@ -200,8 +200,8 @@ pub struct Job {
     /// work (a replayed record, a changelog change to restore, a snapshot to read).
     pub(crate) work: Work,
     /// How [`super::Ledger::place`] chose the shard.
-    pub placement: Placement,
-    /// The partition key's text under [`Placement::Entity`]: handler state is scoped to it.
+    pub(crate) placement: Placement,
+    /// The partition key's text under `Placement::Entity`: handler state is scoped to it.
     pub entity: Option<Box<str>>,
     /// The newest record the other shards hold for this key, once they were asked
     /// (`placement.rs`). While `Some`, this shard holds the key in the in-flight set.

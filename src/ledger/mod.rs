@@ -66,29 +66,31 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::effects::HandlerFactory;
 use crate::effects::StateEntry;
-pub use backends::naive::{NaiveBaseline, NaiveError};
+pub(crate) use backends::naive::NaiveBaseline;
+pub use backends::naive::NaiveError;
 pub use claims::record::{ClaimRecord, FORMAT_VERSION};
-pub use format::datadir::{
+pub(crate) use format::datadir::{
     create_private_dir_all, dir_allocated_bytes, dir_bytes, private_file, read_manifest,
     shard_path, sync_dir, tree_bytes, AUDIT_LOG, HANDLERS_DIR, MANIFEST,
 };
-pub(crate) use job::Work;
-pub use job::{AckSender, Done, Job, Origin, Outcome};
+pub use job::{AckSender, Done, Job, Origin, Outcome, Work};
 pub use offline::{close_copied_shard, hold_closed_shards, offline_report, ClosedShards};
-pub use opening::{OpenObserver, OpenProgress, REPLAY_EVERY};
-pub use ops::{
-    OutboxRelayGuard, OutboxRow, RecordKind, RecordPage, ShardCopy, StoredRecord, RECORD_PAGE_BYTES,
-};
-pub use placement::{entity_scope, Placement};
-pub use poison::PoisonHook;
-pub use records::StoredPayload;
+pub(crate) use opening::REPLAY_EVERY;
+pub use opening::{OpenObserver, OpenProgress};
+pub(crate) use ops::ShardCopy;
+pub use ops::StoredRecord;
+pub use ops::{OutboxRelayGuard, OutboxRow, RecordKind};
+pub(crate) use placement::{entity_scope, Placement};
+pub(crate) use poison::PoisonHook;
+pub(crate) use records::StoredPayload;
 pub(crate) use registry::Registry;
-pub use registry::{
-    RecordsDropped, Subscriber, SubscriberCounters, SubscriberId, HANDLER_FAILURE_KINDS,
-};
-pub use report::{LedgerReport, ShardMetrics, SubscriberReport};
+pub(crate) use registry::{Subscriber, SubscriberCounters, SubscriberId, HANDLER_FAILURE_KINDS};
+pub(crate) use report::LedgerReport;
+pub use report::{ShardMetrics, SubscriberReport};
 use shard::{Control, PeerMsg, ShardMsg};
-pub use usage::{disk_usage, DiskUsage, TableGroup};
+#[cfg(test)]
+pub(crate) use usage::TableGroup;
+pub(crate) use usage::{disk_usage, DiskUsage};
 
 /// A key source as shards record it with the claims made by it (`key_sources_v1`).
 pub(crate) fn key_source_text(key: &crate::config::KeySource) -> String {
@@ -316,7 +318,7 @@ impl Ledger {
     /// [`Ledger::open`], telling `observer` what each shard does while it opens (redb's
     /// repair of a file not closed cleanly, loading, replaying logs): an open after a kill
     /// can take long, and `dedupd inspect --repair` shows how far it is.
-    pub fn open_observed(
+    pub(crate) fn open_observed(
         data_dir: &Path,
         config: &Config,
         clock: Arc<dyn Clock>,
@@ -463,13 +465,13 @@ impl Ledger {
 
     /// Whether subscriber `name` is configured or has anything stored here; registers
     /// nothing.
-    pub fn knows_subscriber(&self, name: &str) -> bool {
+    pub(crate) fn knows_subscriber(&self, name: &str) -> bool {
         self.registry.known(name)
     }
 
     /// The settings of subscriber `name`, registered or not; registers nothing. Refuses a
     /// name the config does not allow.
-    pub fn settings_of(
+    pub(crate) fn settings_of(
         &self,
         name: &str,
     ) -> Result<Arc<crate::config::SubscriberSettings>, LedgerError> {
@@ -518,7 +520,7 @@ impl Ledger {
     }
 
     /// The handler for subscribers that take `[defaults]`, now and when they first appear.
-    pub fn set_default_handler(&self, handler: Option<Arc<dyn HandlerFactory>>) {
+    pub(crate) fn set_default_handler(&self, handler: Option<Arc<dyn HandlerFactory>>) {
         *self
             .registry
             .default_handler
@@ -541,7 +543,7 @@ impl Ledger {
     }
 
     /// All subscribers known so far (configured, seen on disk, or seen in traffic).
-    pub fn subscribers(&self) -> Vec<Arc<Subscriber>> {
+    pub(crate) fn subscribers(&self) -> Vec<Arc<Subscriber>> {
         self.registry.all()
     }
 
@@ -564,7 +566,7 @@ impl Ledger {
 
     /// Runs `hook` once with the reason when the ledger fails (a storage error or a shard
     /// writer's panic), or at once if it already has. Hooks must not block.
-    pub fn on_poison(&self, hook: PoisonHook) {
+    pub(crate) fn on_poison(&self, hook: PoisonHook) {
         self.poison.on_set(hook);
     }
 
@@ -624,7 +626,7 @@ impl Ledger {
     /// parts may still hold the ledger (a stdin reader blocked on input, say): what they
     /// submit afterwards fails, and nothing more is acknowledged. A clean exit stops the
     /// ledger one way or the other, so `inspect` and offline backups take the directory.
-    pub fn stop(&self) -> Result<(), LedgerError> {
+    pub(crate) fn stop(&self) -> Result<(), LedgerError> {
         self.shutdown();
         match self.poison_reason() {
             Some(r) => Err(LedgerError::Poisoned(r)),

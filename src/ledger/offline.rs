@@ -33,7 +33,7 @@ const OLDEST_READABLE: u64 = 3;
 /// are: closed cleanly, and unchanging.
 pub struct ClosedShards {
     /// The shard files, in shard order.
-    pub paths: Vec<PathBuf>,
+    pub(crate) paths: Vec<PathBuf>,
     _handles: Vec<ReadOnlyDatabase>,
 }
 

@@ -26,7 +26,7 @@ pub enum OpenProgress {
         generations: usize,
     },
     /// The log of a subscriber's unsealed claims is being replayed into memory: `rows`
-    /// rows read so far. Reported every [`REPLAY_EVERY`] rows and when the log ends.
+    /// rows read so far. Reported every `REPLAY_EVERY` rows and when the log ends.
     Replaying {
         shard: usize,
         subscriber: String,
@@ -37,7 +37,7 @@ pub enum OpenProgress {
 }
 
 /// How many log rows a shard replays between two [`OpenProgress::Replaying`] reports.
-pub const REPLAY_EVERY: u64 = 8192;
+pub(crate) const REPLAY_EVERY: u64 = 8192;
 
 /// Called with each step of a ledger's open, from the shards' threads.
 pub type OpenObserver = Arc<dyn Fn(OpenProgress) + Send + Sync>;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 /// Called once with the reason when the ledger fails.
-pub type PoisonHook = Box<dyn FnOnce(&str) + Send>;
+pub(crate) type PoisonHook = Box<dyn FnOnce(&str) + Send>;
 
 #[derive(Default)]
 pub(crate) struct Poison {
@@ -22,7 +22,7 @@ struct State {
 
 impl Poison {
     /// Stops the ledger; the first reason wins. Runs the registered hooks (outside the lock).
-    pub fn set(&self, reason: String) {
+    pub(crate) fn set(&self, reason: String) {
         let hooks = {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if s.reason.is_some() {
@@ -38,11 +38,11 @@ impl Poison {
         }
     }
 
-    pub fn is_set(&self) -> bool {
+    pub(crate) fn is_set(&self) -> bool {
         self.set.load(Ordering::Acquire)
     }
 
-    pub fn reason(&self) -> Option<String> {
+    pub(crate) fn reason(&self) -> Option<String> {
         if !self.is_set() {
             return None;
         }
@@ -54,7 +54,7 @@ impl Poison {
     }
 
     /// Runs `hook` when the ledger fails, or now if it already has.
-    pub fn on_set(&self, hook: PoisonHook) {
+    pub(crate) fn on_set(&self, hook: PoisonHook) {
         let reason = {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             match &s.reason {

@@ -20,11 +20,11 @@ pub struct SubscriberId(pub u32);
 pub struct SubscriberCounters {
     pub processed: AtomicU64,
     pub duplicates: AtomicU64,
-    pub quarantined: AtomicU64,
-    pub sliding_refreshes: AtomicU64,
+    pub(crate) quarantined: AtomicU64,
+    pub(crate) sliding_refreshes: AtomicU64,
     /// Probes of sealed-generation filters, and how many answered "maybe" without a match.
-    pub filter_probes: AtomicU64,
-    pub filter_false_positives: AtomicU64,
+    pub(crate) filter_probes: AtomicU64,
+    pub(crate) filter_false_positives: AtomicU64,
     pub dead_lettered: AtomicU64,
     /// Handler attempts that failed and were scheduled again.
     pub retries: AtomicU64,
@@ -34,7 +34,7 @@ pub struct SubscriberCounters {
     pub acked: AtomicU64,
     pub ack_latency_us: AtomicU64,
     /// Failed handler attempts by kind, in the order of [`HANDLER_FAILURE_KINDS`].
-    pub handler_failures: [AtomicU64; 5],
+    pub(crate) handler_failures: [AtomicU64; 5],
     /// Messages dead-lettered without a handler call while its circuit breaker was open.
     pub handler_calls_skipped: AtomicU64,
     /// Handler calls set aside while the subscriber used more than its share of a busy
@@ -45,7 +45,7 @@ pub struct SubscriberCounters {
     /// Stored quarantine records removed by retention or the cap (not by operators).
     pub quarantine_records_dropped: RecordsDropped,
     /// Stored dead-letter records removed by retention or the cap (not by operators).
-    pub dead_letter_records_dropped: RecordsDropped,
+    pub(crate) dead_letter_records_dropped: RecordsDropped,
 }
 
 /// Stored records the ledger removed on its own, by reason.
@@ -59,7 +59,7 @@ pub struct RecordsDropped {
 
 /// Kinds of handler failure counted in [`SubscriberCounters::handler_failures`]
 /// (the names of `Failure::kind`).
-pub const HANDLER_FAILURE_KINDS: [&str; 5] =
+pub(crate) const HANDLER_FAILURE_KINDS: [&str; 5] =
     ["retryable", "permanent", "timeout", "memory", "trap"];
 
 impl SubscriberCounters {
@@ -78,7 +78,7 @@ impl SubscriberCounters {
 #[derive(Debug)]
 pub struct Subscriber {
     pub id: SubscriberId,
-    pub name: Arc<str>,
+    pub(crate) name: Arc<str>,
     pub(super) settings: RwLock<Arc<SubscriberSettings>>,
     /// Bumped by every settings change; shards compare it between batches.
     pub(super) settings_epoch: AtomicU64,
@@ -111,7 +111,7 @@ impl Subscriber {
 
     /// Whether a handler is attached now (read per message: a source that reads it once
     /// for a message places that message by the same reading, [`super::Ledger::place_as`]).
-    pub fn has_handler(&self) -> bool {
+    pub(crate) fn has_handler(&self) -> bool {
         self.has_handler.load(Ordering::Acquire)
     }
 
@@ -120,7 +120,7 @@ impl Subscriber {
     }
 
     /// Where this subscriber's new messages are decided.
-    pub fn placement(&self) -> Placement {
+    pub(crate) fn placement(&self) -> Placement {
         let settings = self.settings();
         Placement::of(
             self.has_handler.load(Ordering::Acquire),
@@ -130,7 +130,7 @@ impl Subscriber {
 
     /// Whether its handler state is stored per entity (keys `entity NUL key`): it was
     /// written under an entity placement (mixing scopes is refused at start).
-    pub fn state_per_entity(&self) -> bool {
+    pub(crate) fn state_per_entity(&self) -> bool {
         self.placements.load(Ordering::Acquire) & placement::ENTITY != 0
     }
 
@@ -161,7 +161,7 @@ impl Subscriber {
     }
 
     /// Whether its processed messages are published to a changelog.
-    pub fn has_changelog(&self) -> bool {
+    pub(crate) fn has_changelog(&self) -> bool {
         self.has_changelog.load(Ordering::Acquire)
     }
 
@@ -174,7 +174,7 @@ impl Subscriber {
     }
 
     /// The handler in force, if any.
-    pub fn handler(&self) -> Option<Arc<dyn HandlerFactory>> {
+    pub(crate) fn handler(&self) -> Option<Arc<dyn HandlerFactory>> {
         self.handler
             .read()
             .unwrap_or_else(|p| p.into_inner())

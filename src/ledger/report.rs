@@ -41,7 +41,7 @@ pub struct SubscriberReport {
     pub state_buffered: u64,
     /// Runs replaced by a merge and still being emptied.
     #[serde(default)]
-    pub state_retired_runs: u64,
+    pub(crate) state_retired_runs: u64,
 }
 
 /// Each subscriber's rows of every shard summed into one, by name.
@@ -81,15 +81,15 @@ impl SubscriberReport {
 /// What `inspect` shows of the whole data directory.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LedgerReport {
-    pub data_dir: PathBuf,
-    pub format_version: u64,
-    pub shards: usize,
-    pub file_bytes: u64,
+    pub(crate) data_dir: PathBuf,
+    pub(crate) format_version: u64,
+    pub(crate) shards: usize,
+    pub(crate) file_bytes: u64,
     pub subscribers: Vec<SubscriberReport>,
     /// Where the bytes go, per kind of table: only from `dedupd inspect`, which reads it
     /// from the closed files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub disk: Option<DiskUsage>,
+    pub(crate) disk: Option<DiskUsage>,
     /// Read from the closed files without opening the engine (`dedupd inspect`): the
     /// in-memory index sizes are not known (`index_bytes` 0).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -99,14 +99,14 @@ pub struct LedgerReport {
 /// Commit-level measurements of one shard.
 #[derive(Debug, Clone, Default)]
 pub struct ShardMetrics {
-    pub batches: u64,
-    pub messages: u64,
-    pub commits: u64,
+    pub(crate) batches: u64,
+    pub(crate) messages: u64,
+    pub(crate) commits: u64,
     /// Longest batch (decide + maintenance + commit) with and without sealing/merging work.
-    pub max_batch_us_maintenance: u64,
-    pub max_batch_us_plain: u64,
+    pub(crate) max_batch_us_maintenance: u64,
+    pub(crate) max_batch_us_plain: u64,
     /// Longest durable commit (the fsync part of a batch).
-    pub max_commit_us: u64,
+    pub(crate) max_commit_us: u64,
     pub seals: u64,
     pub merges: u64,
     pub dropped_generations: u64,

@@ -14,41 +14,41 @@ use super::LedgerError;
 
 /// The tables of one kind across all shard files.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct TableGroup {
+pub(crate) struct TableGroup {
     /// The table names up to their first `/` (`claimblk_v1`, `staterun_v1`, ...), or the
     /// whole name of a shard-wide table.
-    pub kind: String,
-    pub tables: u64,
-    pub entries: u64,
+    pub(crate) kind: String,
+    pub(crate) tables: u64,
+    pub(crate) entries: u64,
     /// Key and value bytes.
-    pub stored_bytes: u64,
+    pub(crate) stored_bytes: u64,
     /// Page headers, offsets and branch pages.
-    pub metadata_bytes: u64,
+    pub(crate) metadata_bytes: u64,
     /// Unused bytes inside the table's pages.
-    pub fragmented_bytes: u64,
+    pub(crate) fragmented_bytes: u64,
 }
 
 impl TableGroup {
     /// Bytes of the pages the tables occupy.
-    pub fn page_bytes(&self) -> u64 {
+    pub(crate) fn page_bytes(&self) -> u64 {
         self.stored_bytes + self.metadata_bytes + self.fragmented_bytes
     }
 }
 
 /// Disk use of a data directory.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct DiskUsage {
+pub(crate) struct DiskUsage {
     /// Largest first.
-    pub groups: Vec<TableGroup>,
+    pub(crate) groups: Vec<TableGroup>,
     /// Sum of the shard files' sizes.
-    pub file_bytes: u64,
+    pub(crate) file_bytes: u64,
     /// File bytes no table page accounts for: free pages kept for reuse, redb's own
     /// tables and headers.
-    pub other_bytes: u64,
+    pub(crate) other_bytes: u64,
 }
 
 /// Reads the table statistics of every shard file of a closed data directory.
-pub fn disk_usage(dir: &Path, shards: usize) -> Result<DiskUsage, LedgerError> {
+pub(crate) fn disk_usage(dir: &Path, shards: usize) -> Result<DiskUsage, LedgerError> {
     let mut groups: BTreeMap<String, TableGroup> = BTreeMap::new();
     let mut file_bytes = 0;
     for index in 0..shards {

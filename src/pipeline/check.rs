@@ -52,29 +52,29 @@ pub enum CheckError {
 pub struct ConfigReport {
     /// Configured subscribers, then `defaults` (what unlisted subscribers get), if they
     /// are allowed.
-    pub subscribers: Vec<SubscriberReport>,
+    pub(crate) subscribers: Vec<SubscriberReport>,
     /// Sources `dedupd run` starts: `kafka`, `nats`, `mqtt`, `rabbitmq`, `http`, `stdin`.
-    pub sources: Vec<&'static str>,
+    pub(crate) sources: Vec<&'static str>,
     /// Where the HTTP API would listen (not bound by the check).
-    pub http_bind: Option<SocketAddr>,
+    pub(crate) http_bind: Option<SocketAddr>,
     /// Kafka subscriptions as `subscriber <- topic, topic`.
-    pub kafka_subscriptions: Vec<String>,
+    pub(crate) kafka_subscriptions: Vec<String>,
     /// NATS bindings as `subscriber <- stream/durable`.
-    pub nats_bindings: Vec<String>,
+    pub(crate) nats_bindings: Vec<String>,
     /// MQTT subscriptions as `subscriber <- filter, filter`.
-    pub mqtt_subscriptions: Vec<String>,
+    pub(crate) mqtt_subscriptions: Vec<String>,
     /// RabbitMQ bindings as `subscriber <- queue`.
-    pub rabbitmq_bindings: Vec<String>,
+    pub(crate) rabbitmq_bindings: Vec<String>,
 }
 
 /// One subscriber as it would run.
 #[derive(Debug, Clone, Serialize)]
 pub struct SubscriberReport {
-    pub name: String,
-    pub key: String,
-    pub placement: String,
+    pub(crate) name: String,
+    pub(crate) key: String,
+    pub(crate) placement: String,
     /// The component's path, or `None` for claims only.
-    pub handler: Option<PathBuf>,
+    pub(crate) handler: Option<PathBuf>,
 }
 
 /// Loads `path` and checks it like [`check`].

@@ -10,11 +10,16 @@ mod serve;
 mod shutdown;
 mod uploads;
 
-pub use check::{check, check_file, CheckError, ConfigReport, SubscriberReport};
+pub use check::check;
+
+pub use check::check_file;
+
+pub use check::SubscriberReport;
 pub use run::{run, Mode, RunError, Summary};
 pub use serve::HttpServer;
 pub use shutdown::{Cause, Shutdown};
-pub use uploads::{HandlerInfo, UploadError, UploadStore};
+pub use uploads::UploadStore;
+pub(crate) use uploads::{HandlerInfo, UploadError};
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -26,7 +31,7 @@ use crate::handler::{self, HandlerError, Limits};
 use crate::ledger::Ledger;
 
 /// Handler limits a subscriber's settings ask for.
-pub fn limits_of(s: &SubscriberSettings) -> Limits {
+pub(crate) fn limits_of(s: &SubscriberSettings) -> Limits {
     Limits {
         cpu_budget: s.handler_cpu_budget,
         memory_bytes: s.handler_memory_mib << 20,
@@ -70,4 +75,4 @@ pub fn install_handlers(ledger: &Ledger, config: &Config) -> Result<(), RunError
     }
     Ok(())
 }
-pub use sequencer::Sequencer;
+pub(crate) use sequencer::Sequencer;

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 /// A reorder window: outcomes for sequence numbers `next..` may arrive in any order;
 /// `release` hands them back strictly in order, without gaps.
 #[derive(Debug)]
-pub struct Sequencer<T> {
+pub(crate) struct Sequencer<T> {
     next: u64,
     slots: VecDeque<Option<T>>,
 }
@@ -17,7 +17,7 @@ impl<T> Default for Sequencer<T> {
 }
 
 impl<T> Sequencer<T> {
-    pub fn starting_at(first: u64) -> Self {
+    pub(crate) fn starting_at(first: u64) -> Self {
         Sequencer {
             next: first,
             slots: VecDeque::new(),
@@ -25,7 +25,7 @@ impl<T> Sequencer<T> {
     }
 
     /// Records the item for `seq`. Items below the watermark (already released) are ignored.
-    pub fn insert(&mut self, seq: u64, item: T) {
+    pub(crate) fn insert(&mut self, seq: u64, item: T) {
         if seq < self.next {
             return;
         }
@@ -37,12 +37,12 @@ impl<T> Sequencer<T> {
     }
 
     /// The sequence number `pop_ready` would return, if its item is present.
-    pub fn next_ready(&self) -> Option<u64> {
+    pub(crate) fn next_ready(&self) -> Option<u64> {
         matches!(self.slots.front(), Some(Some(_))).then_some(self.next)
     }
 
     /// Pops the next item if it is present.
-    pub fn pop_ready(&mut self) -> Option<(u64, T)> {
+    pub(crate) fn pop_ready(&mut self) -> Option<(u64, T)> {
         match self.slots.front() {
             Some(Some(_)) => {
                 let item = self.slots.pop_front().flatten()?;
@@ -55,12 +55,13 @@ impl<T> Sequencer<T> {
     }
 
     /// The first sequence number not yet released (the contiguous watermark).
-    pub fn watermark(&self) -> u64 {
+    pub(crate) fn watermark(&self) -> u64 {
         self.next
     }
 
     /// Items received but waiting for a gap to close.
-    pub fn waiting(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
 }

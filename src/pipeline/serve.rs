@@ -19,7 +19,7 @@ pub struct HttpServer {
 
 impl HttpServer {
     /// Binds `http.bind` and serves the API over `ledger` until `stop` triggers.
-    pub fn start(
+    pub(crate) fn start(
         ledger: &Arc<Ledger>,
         config: &Config,
         http: HttpConfig,
@@ -35,7 +35,7 @@ impl HttpServer {
 
     /// Binds `bind` and serves only `/metrics`, `/healthz` and `/readyz` (`[metrics]`)
     /// until `stop` triggers.
-    pub fn start_metrics(
+    pub(crate) fn start_metrics(
         ledger: &Arc<Ledger>,
         bind: std::net::SocketAddr,
         stop: Shutdown,
@@ -85,7 +85,7 @@ impl HttpServer {
     }
 
     /// Waits until the server stops (its token triggered and requests in progress ended).
-    pub fn join(self) -> Result<(), RunError> {
+    pub(crate) fn join(self) -> Result<(), RunError> {
         let HttpServer { runtime, task, .. } = self;
         let served = runtime.block_on(task);
         runtime.shutdown_timeout(Duration::from_secs(5));
@@ -95,7 +95,7 @@ impl HttpServer {
     }
 
     /// Stops accepting requests, lets requests in progress finish, and waits.
-    pub fn stop(self) -> Result<(), RunError> {
+    pub(crate) fn stop(self) -> Result<(), RunError> {
         self.stop.trigger(super::Cause::Requested);
         self.join()
     }

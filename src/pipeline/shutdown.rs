@@ -76,7 +76,7 @@ impl Shutdown {
     }
 
     /// The flag polling loops read (rdkafka consumers check it between polls).
-    pub fn flag(&self) -> &AtomicBool {
+    pub(crate) fn flag(&self) -> &AtomicBool {
         &self.0.flag
     }
 
@@ -112,7 +112,7 @@ impl Shutdown {
     }
 
     /// Resolves once triggered (for async servers' graceful shutdown).
-    pub async fn triggered(&self) {
+    pub(crate) async fn triggered(&self) {
         loop {
             let notified = self.0.notify.notified();
             tokio::pin!(notified);

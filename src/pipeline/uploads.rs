@@ -44,12 +44,12 @@ pub enum UploadError {
 /// What the handler routes show of a subscriber's handlers.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct HandlerInfo {
-    pub subscriber: String,
+    pub(crate) subscriber: String,
     /// Version (xxh3-64 of the component, hex) of the handler in force, if any.
-    pub active_version: Option<String>,
+    pub(crate) active_version: Option<String>,
     /// Uploaded versions: the one installed and the one a rollback returns to.
-    pub current: Option<String>,
-    pub previous: Option<String>,
+    pub(crate) current: Option<String>,
+    pub(crate) previous: Option<String>,
 }
 
 /// The uploaded handler components of every subscriber, under `DATA_DIR/handlers/`.
@@ -93,7 +93,7 @@ impl UploadStore {
         std::fs::File::open(&dir)?.sync_all()
     }
 
-    pub fn info(&self, ledger: &Ledger, subscriber: &str) -> HandlerInfo {
+    pub(crate) fn info(&self, ledger: &Ledger, subscriber: &str) -> HandlerInfo {
         let active = ledger
             .subscribers()
             .into_iter()
@@ -156,7 +156,11 @@ impl UploadStore {
     }
 
     /// Swaps `current` and `previous` and installs the previous component again.
-    pub fn rollback(&self, ledger: &Ledger, subscriber: &str) -> Result<HandlerInfo, UploadError> {
+    pub(crate) fn rollback(
+        &self,
+        ledger: &Ledger,
+        subscriber: &str,
+    ) -> Result<HandlerInfo, UploadError> {
         let previous = self
             .pointer(subscriber, "previous")
             .ok_or(UploadError::NoPrevious)?;
@@ -172,7 +176,7 @@ impl UploadStore {
     /// Loads the subscriber's handler again under `settings` (their limits), without
     /// installing it: the uploaded current one, else the one `settings` name. `Ok(None)`:
     /// it has none. A settings change loads first, so a failure changes nothing.
-    pub fn load_under(
+    pub(crate) fn load_under(
         &self,
         subscriber: &str,
         settings: &crate::config::SubscriberSettings,
@@ -196,7 +200,7 @@ impl UploadStore {
     /// an upload outlives a restart; [`super::install_handlers`] calls it for every run
     /// mode). A subscriber whose handler in force is that version already is left as it is.
     /// Returns the subscribers it installed.
-    pub fn install_all(&self, ledger: &Ledger) -> Result<Vec<String>, UploadError> {
+    pub(crate) fn install_all(&self, ledger: &Ledger) -> Result<Vec<String>, UploadError> {
         let mut installed = Vec::new();
         let Ok(entries) = std::fs::read_dir(&self.root) else {
             return Ok(installed);

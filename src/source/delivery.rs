@@ -70,12 +70,12 @@ pub struct Delivery {
     pub headers: Vec<(String, String)>,
     /// Header names are case-insensitive and held lowercased (HTTP): a `header` key source
     /// is matched lowercased.
-    pub lowercase_header_names: bool,
+    pub(crate) lowercase_header_names: bool,
     pub payload: Payload,
     /// Where the message came from (e.g. `kafka:orders/3/1234`), kept in records.
-    pub origin: Option<Origin>,
+    pub(crate) origin: Option<Origin>,
     /// When the source received it, ms since the epoch (0: when the shard first decides).
-    pub received_at_ms: u64,
+    pub(crate) received_at_ms: u64,
 }
 
 impl Delivery {
@@ -95,12 +95,12 @@ impl Delivery {
 }
 
 /// A hook that may replace the derived key's hash (see [`Keying::DeriveThen`]).
-pub type HashOverride<'a> = &'a dyn Fn(&Envelope, &SubscriberSettings) -> Option<u128>;
+pub(crate) type HashOverride<'a> = &'a dyn Fn(&Envelope, &SubscriberSettings) -> Option<u128>;
 
 /// How the idempotency key is found.
 #[derive(Clone, Copy)]
 pub enum Keying<'a> {
-    /// From the subscriber's key source ([`derive_key`]).
+    /// From the subscriber's key source (`derive_key`).
     Derive,
     /// The source names it: an HTTP `Idempotency-Key` header (checked by the source), the
     /// stored key of a replayed record.
@@ -146,16 +146,16 @@ pub enum RouteError {
 /// source numbers the job (`job.seq`) before submitting it.
 #[derive(Debug)]
 pub struct Routed {
-    pub sub: Arc<Subscriber>,
+    pub(crate) sub: Arc<Subscriber>,
     pub job: Job,
     pub shard: usize,
 }
 
 /// A delivery's idempotency key and entity (see [`derive_entity`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Keys {
-    pub key: IdempotencyKey,
-    pub entity: Option<String>,
+pub(crate) struct Keys {
+    pub(crate) key: IdempotencyKey,
+    pub(crate) entity: Option<String>,
 }
 
 /// The bytes fingerprinted and handed to handlers, and the JSON key sources read (see
@@ -220,7 +220,6 @@ fn open(delivery: &mut Delivery, settings: &SubscriberSettings) -> (Envelope, Ve
     );
     let lower = delivery.lowercase_header_names;
     let env = Envelope {
-        subscriber: None,
         id: delivery.id.take(),
         key: delivery.key.take(),
         headers: headers_read(&delivery.headers, settings, lower),
@@ -266,7 +265,7 @@ fn headers_read(
 }
 
 /// The key and entity a delivery would get under `settings`, without routing it.
-pub fn key_delivery(
+pub(crate) fn key_delivery(
     delivery: Delivery,
     settings: &SubscriberSettings,
     keying: Keying<'_>,
@@ -296,12 +295,12 @@ pub fn route(
 /// partition key, headers and origin as the source set them, and the payload as the bytes
 /// it would have been fingerprinted over (see [`Payload`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Unrouted {
-    pub id: Option<String>,
-    pub key: Option<String>,
-    pub headers: Vec<(String, String)>,
-    pub origin: Option<Origin>,
-    pub payload: Vec<u8>,
+pub(crate) struct Unrouted {
+    pub(crate) id: Option<String>,
+    pub(crate) key: Option<String>,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) origin: Option<Origin>,
+    pub(crate) payload: Vec<u8>,
 }
 
 impl Unrouted {
@@ -324,7 +323,7 @@ impl Unrouted {
 /// [`route`], giving a refused delivery's parts back with the refusal: a source that
 /// keeps a dead-letter record of refused input need not copy every message's id, key and
 /// headers beforehand for the rare one refused (boxed: the refusal is the rare path).
-pub fn route_or_return(
+pub(crate) fn route_or_return(
     ledger: &Ledger,
     delivery: Delivery,
     keying: Keying<'_>,
@@ -401,7 +400,10 @@ pub fn route_or_return(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use super::*;
     use crate::clock::SystemClock;

@@ -24,13 +24,13 @@ pub struct TrafficSpec {
     /// Spread new events over this many orders (each event's order picked by a hash of
     /// its index), so a handler keeping state per order mostly reads and updates state
     /// that exists: the read-modify-write case. `None`: a new order per new event (and
-    /// [`ORDER_REUSE_RATE`] of them an earlier one's).
+    /// `ORDER_REUSE_RATE` of them an earlier one's).
     pub orders: Option<u64>,
 }
 
 /// Share of new events that carry an earlier event's order id under a fresh event id (a
 /// producer-side retry): message-id dedup cannot catch these, business uniqueness can.
-pub const ORDER_REUSE_RATE: f64 = 0.02;
+pub(crate) const ORDER_REUSE_RATE: f64 = 0.02;
 
 /// What the engine must answer for an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,11 +43,11 @@ pub enum Expect {
 /// One generated event. Buffers are reused between calls to `next_into`.
 #[derive(Debug, Default)]
 pub struct Event {
-    pub subscriber: u32,
+    pub(crate) subscriber: u32,
     pub id: String,
     /// The order the event is about (`order_id` in the payload is `o-<order>`).
-    pub order: u64,
-    pub payload: Vec<u8>,
+    pub(crate) order: u64,
+    pub(crate) payload: Vec<u8>,
     pub expect: Option<Expect>,
 }
 
@@ -76,12 +76,9 @@ impl Traffic {
         }
     }
 
-    pub fn remaining(&self) -> u64 {
-        self.spec.messages - self.produced
-    }
-
     /// Distinct events generated so far.
-    pub fn unique(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn unique(&self) -> u64 {
         self.unique
     }
 

@@ -9,7 +9,7 @@
 //! credentials and transport headers become the message's headers, lowercased.
 //!
 //! The route that takes the request apart (`crate::admin`, the only user of axum) hands
-//! [`message`] plain header pairs; [`super::delivery::route`] then keys and routes the
+//! `message` plain header pairs; [`super::delivery::route`] then keys and routes the
 //! delivery as for every other source.
 
 use std::collections::BTreeMap;
@@ -21,10 +21,10 @@ use crate::config::{KeySource, SubscriberSettings};
 use crate::envelope::IdempotencyKey;
 
 /// The request header carrying the idempotency key (IETF draft `Idempotency-Key`).
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub(crate) const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// Optional request header with the partition key, for subscribers that route by it.
-pub const PARTITION_KEY: &str = "partition-key";
+pub(crate) const PARTITION_KEY: &str = "partition-key";
 
 /// Request headers that are not part of the message: credentials and transport headers
 /// never reach a handler or a dead-letter record.
@@ -45,21 +45,21 @@ const NOT_MESSAGE_HEADERS: &[&str] = &[
 
 /// A request as the HTTP source reads it.
 #[derive(Debug, Clone, Copy)]
-pub struct Request<'a> {
+pub(crate) struct Request<'a> {
     /// Header names (lowercase, as HTTP libraries hold them) in the order received, with
     /// the value as text, or `None` when it is not visible ASCII.
-    pub headers: &'a [(&'a str, Option<&'a str>)],
+    pub(crate) headers: &'a [(&'a str, Option<&'a str>)],
     /// The media type of `Content-Type`, lowercased, without parameters; `None` when absent.
-    pub media_type: Option<&'a str>,
-    pub body: &'a [u8],
+    pub(crate) media_type: Option<&'a str>,
+    pub(crate) body: &'a [u8],
     /// When the request arrived, ms since the epoch.
-    pub received_at_ms: u64,
+    pub(crate) received_at_ms: u64,
 }
 
 /// Why a request is not a message. The caller answers 400 naming [`RequestError::field`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum RequestError {
+pub(crate) enum RequestError {
     #[error("header `{0}` must be visible ASCII")]
     HeaderNotText(&'static str),
     #[error("the body is not valid JSON ({0}); send JSON, or a non-JSON payload under its own Content-Type (application/octet-stream, say)")]
@@ -76,7 +76,7 @@ pub enum RequestError {
 
 impl RequestError {
     /// The request part at fault: a header name or `body`.
-    pub fn field(&self) -> &'static str {
+    pub(crate) fn field(&self) -> &'static str {
         match self {
             RequestError::HeaderNotText(name) => name,
             RequestError::NotJson(_) => "body",
@@ -90,15 +90,15 @@ impl RequestError {
 
 /// A request read as a message: the delivery, and the key its `Idempotency-Key` names.
 #[derive(Debug)]
-pub struct Message {
-    pub delivery: Delivery,
+pub(crate) struct Message {
+    pub(crate) delivery: Delivery,
     /// The checked `Idempotency-Key`; `None`: the subscriber's key source derives it.
-    pub given: Option<IdempotencyKey>,
+    pub(crate) given: Option<IdempotencyKey>,
 }
 
 /// How [`super::delivery::route`] finds a message's key: the given one, else the
 /// subscriber's key source.
-pub fn keying(given: Option<&IdempotencyKey>) -> Keying<'_> {
+pub(crate) fn keying(given: Option<&IdempotencyKey>) -> Keying<'_> {
     match given {
         Some(k) => Keying::Given(k),
         None => Keying::Derive,
@@ -109,7 +109,7 @@ pub fn keying(given: Option<&IdempotencyKey>) -> Keying<'_> {
 /// order: the body against its content type, the `Idempotency-Key` and `Partition-Key`
 /// headers as text, then the given key (or, without one, that the subscriber's key source
 /// can find a key in this body).
-pub fn message(
+pub(crate) fn message(
     request: &Request<'_>,
     subscriber: Target,
     settings: &SubscriberSettings,
@@ -204,7 +204,7 @@ fn sf_string(rest: &str) -> Option<String> {
 }
 
 /// Whether a media type promises JSON: absent, `application/json` or `application/*+json`.
-pub fn promises_json(media_type: Option<&str>) -> bool {
+pub(crate) fn promises_json(media_type: Option<&str>) -> bool {
     match media_type {
         None => true,
         Some(t) => {

@@ -4,7 +4,8 @@
 //! [`delivery::route`], which keys, fingerprints and routes it the same way for all of
 //! them (and for the replay of stored records):
 //!
-//! - pipe mode (stdin JSON lines): [`stdin`];
+//! - pipe mode (stdin JSON lines): [`stdin`], each line a `pipe_line::PipeLine` (the wire
+//!   type `dedupd handler test` reads too);
 //! - HTTP ingest (`POST /v1/subscribers/{s}/messages`): [`http`] reads a request as a
 //!   delivery; the route itself is in `crate::admin` (the only user of axum);
 //! - Kafka: [`kafka`] (the only importer of rdkafka);
@@ -13,21 +14,22 @@
 //! - RabbitMQ (AMQP 0-9-1): [`rabbitmq`] (the only importer of lapin);
 //! - the deterministic traffic generator used by `bench` and `demo`: [`generator`].
 //!
-//! [`readiness`] holds what `/readyz` asks of the running broker sources (a connection);
+//! `readiness` holds what `/readyz` asks of the running broker sources (a connection);
 //! `relay` what the outbox relays to Kafka and RabbitMQ share (counters, backlog gauges);
 //! [`settle`] what the NATS, MQTT and RabbitMQ sources share between a shard's outcome and
 //! the broker's acknowledgement; `bench_common` what the broker benches (`mqtt-bench`,
 //! `nats-bench`, `rabbitmq-bench`) share: their traffic, ledger and timing of a source.
 
-pub(crate) mod bench_common;
+pub mod bench_common;
 pub mod delivery;
 pub mod generator;
 pub mod http;
 pub mod kafka;
 pub mod mqtt;
 pub mod nats;
+pub(crate) mod pipe_line;
 pub mod rabbitmq;
-pub mod readiness;
-pub(crate) mod relay;
+pub(crate) mod readiness;
+pub mod relay;
 pub mod settle;
 pub mod stdin;

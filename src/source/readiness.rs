@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// A probe: `None` while the source can take messages, else why not (for operators).
-pub type Probe = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+pub(crate) type Probe = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
 fn probes() -> &'static Mutex<BTreeMap<u64, (String, Probe)>> {
     static PROBES: OnceLock<Mutex<BTreeMap<u64, (String, Probe)>>> = OnceLock::new();
@@ -20,7 +20,7 @@ fn probes() -> &'static Mutex<BTreeMap<u64, (String, Probe)>> {
 /// Removes its probe when dropped (the source stopped).
 #[derive(Debug)]
 #[must_use = "the probe is removed when the registration is dropped"]
-pub struct Registration(u64);
+pub(crate) struct Registration(u64);
 
 impl Drop for Registration {
     fn drop(&mut self) {
@@ -32,7 +32,7 @@ impl Drop for Registration {
 }
 
 /// Adds a probe named `source` (`nats`) until the registration is dropped.
-pub fn register(source: &str, probe: Probe) -> Registration {
+pub(crate) fn register(source: &str, probe: Probe) -> Registration {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
     probes()
@@ -43,7 +43,7 @@ pub fn register(source: &str, probe: Probe) -> Registration {
 }
 
 /// Why a running source cannot take messages now (`source: reason`), if one cannot.
-pub fn unready() -> Option<String> {
+pub(crate) fn unready() -> Option<String> {
     let list: Vec<(String, Probe)> = probes()
         .lock()
         .unwrap_or_else(|p| p.into_inner())

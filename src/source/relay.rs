@@ -10,9 +10,9 @@ use crate::telemetry::metric;
 #[derive(Debug, Default)]
 pub struct RelayStats {
     /// Rows the broker acknowledged (then deleted from the outbox).
-    pub relayed: AtomicU64,
+    pub(crate) relayed: AtomicU64,
     /// Publications that failed or the broker refused (the row stays and is tried again).
-    pub failed: AtomicU64,
+    pub(crate) failed: AtomicU64,
 }
 
 /// Sets `dedupd_outbox_relay_lag_rows` and `_seconds` from a round's pending `rows`.

@@ -131,12 +131,12 @@ pub(crate) enum Settle {
 
 /// A binding's counts of durable outcomes.
 #[derive(Debug, Default)]
-pub struct OutcomeStats {
-    pub processed: AtomicU64,
-    pub duplicate: AtomicU64,
-    pub quarantined: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub rejected: AtomicU64,
+pub(crate) struct OutcomeStats {
+    pub(crate) processed: AtomicU64,
+    pub(crate) duplicate: AtomicU64,
+    pub(crate) quarantined: AtomicU64,
+    pub(crate) dead_lettered: AtomicU64,
+    pub(crate) rejected: AtomicU64,
 }
 
 impl OutcomeStats {
@@ -196,7 +196,10 @@ pub(crate) async fn keep_dead_letter(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use super::*;
 

@@ -16,9 +16,9 @@ use crossbeam_channel::{bounded, select, unbounded, Receiver};
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::envelope::Envelope;
 use crate::ledger::{Done, Job, Ledger, LedgerError, Outcome};
-use crate::source::delivery::{route, Delivery, Keying, Payload, RouteError, Routed, Target};
+use crate::source::delivery::{route, Keying, RouteError, Routed, Target};
+use crate::source::pipe_line::PipeLine;
 
 use crate::pipeline::Sequencer;
 
@@ -40,12 +40,12 @@ pub enum PipeError {
 /// Counts of the outcomes printed.
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
 pub struct PipeSummary {
-    pub lines: u64,
-    pub processed: u64,
-    pub duplicate: u64,
-    pub quarantined: u64,
-    pub dead_lettered: u64,
-    pub rejected: u64,
+    pub(crate) lines: u64,
+    pub(crate) processed: u64,
+    pub(crate) duplicate: u64,
+    pub(crate) quarantined: u64,
+    pub(crate) dead_lettered: u64,
+    pub(crate) rejected: u64,
 }
 
 #[derive(Serialize)]
@@ -322,7 +322,10 @@ fn trim_line(line: &[u8]) -> &[u8] {
 }
 
 /// Parses one line into a job, or says why it is rejected.
-#[allow(clippy::result_large_err)]
+#[allow(
+    clippy::result_large_err,
+    reason = "the rejection carries the line back; one per line, not worth a box"
+)]
 fn decide_line(
     ledger: &Ledger,
     config: &Config,
@@ -339,20 +342,16 @@ fn decide_line(
     if text.iter().all(|b| b.is_ascii_whitespace()) {
         return Err((none(), "empty line".into()));
     }
-    let env: Envelope = match serde_json::from_slice(text) {
-        Ok(e) => e,
+    let mut line: PipeLine = match serde_json::from_slice(text) {
+        Ok(l) => l,
         Err(e) => return Err((none(), format!("malformed JSON: {e}"))),
     };
-    let sub_name = env
+    let sub_name = line
         .subscriber
+        .take()
         .unwrap_or_else(|| config.default_subscriber.clone());
-    let id = env.id.clone();
-    let delivery = Delivery {
-        id: env.id,
-        key: env.key,
-        headers: env.headers.into_iter().collect(),
-        ..Delivery::new(Target::Name(sub_name), Payload::Json(env.payload))
-    };
+    let id = line.id.clone();
+    let delivery = line.into_delivery(Target::Name(sub_name));
     match route(ledger, delivery, Keying::Derive, ack.clone()) {
         Ok(mut routed) => {
             routed.job.seq = seq;
@@ -492,7 +491,10 @@ fn print_outcomes(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::time::Duration;

@@ -23,13 +23,13 @@ pub const HELP: &[(&str, &str)] = &[
     ),
     (THREADS, "Number of OS threads in the process."),
 ];
-pub const CPU_SECONDS_TOTAL: &str = "process_cpu_seconds_total";
-pub const RESIDENT_MEMORY_BYTES: &str = "process_resident_memory_bytes";
-pub const VIRTUAL_MEMORY_BYTES: &str = "process_virtual_memory_bytes";
-pub const OPEN_FDS: &str = "process_open_fds";
-pub const MAX_FDS: &str = "process_max_fds";
-pub const START_TIME_SECONDS: &str = "process_start_time_seconds";
-pub const THREADS: &str = "process_threads";
+pub(crate) const CPU_SECONDS_TOTAL: &str = "process_cpu_seconds_total";
+pub(crate) const RESIDENT_MEMORY_BYTES: &str = "process_resident_memory_bytes";
+pub(crate) const VIRTUAL_MEMORY_BYTES: &str = "process_virtual_memory_bytes";
+pub(crate) const OPEN_FDS: &str = "process_open_fds";
+pub(crate) const MAX_FDS: &str = "process_max_fds";
+pub(crate) const START_TIME_SECONDS: &str = "process_start_time_seconds";
+pub(crate) const THREADS: &str = "process_threads";
 
 /// `/proc/<pid>/stat` counts CPU time and the start in clock ticks of `USER_HZ`, which
 /// the kernel fixes at 100 for user space on every architecture (`sysconf(_SC_CLK_TCK)`).
@@ -37,18 +37,18 @@ const TICKS_PER_SECOND: f64 = 100.0;
 
 /// One reading of this process.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ProcessStats {
-    pub cpu_seconds: f64,
-    pub resident_bytes: u64,
-    pub virtual_bytes: u64,
-    pub open_fds: u64,
-    pub max_fds: Option<u64>,
-    pub start_time_seconds: f64,
-    pub threads: u64,
+pub(crate) struct ProcessStats {
+    pub(crate) cpu_seconds: f64,
+    pub(crate) resident_bytes: u64,
+    pub(crate) virtual_bytes: u64,
+    pub(crate) open_fds: u64,
+    pub(crate) max_fds: Option<u64>,
+    pub(crate) start_time_seconds: f64,
+    pub(crate) threads: u64,
 }
 
 /// This process now; `None` off Linux or when `/proc` is not mounted.
-pub fn read() -> Option<ProcessStats> {
+pub(crate) fn read() -> Option<ProcessStats> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     let boot = std::fs::read_to_string("/proc/stat").ok()?;
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

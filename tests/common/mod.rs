@@ -1,7 +1,7 @@
 //! Helpers shared by the integration tests (each test binary compiles its own copy, and
 //! uses only some of them); `broker.rs` has those of the broker sources' tests, `tls.rs` the
 //! certificates of their TLS listeners.
-#![allow(dead_code)]
+#![allow(dead_code, reason = "each test binary uses only some of the helpers")]
 
 pub mod broker;
 pub mod tls;

@@ -31,7 +31,7 @@ fn claim_key(sub: &Subscriber, id: &str) -> ApiResult<u128> {
 
 /// A live claim (`GET /v1/subscribers/{s}/messages/{id}`).
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Claim {
+pub(crate) struct Claim {
     subscriber: String,
     /// The message id as given.
     id: String,
@@ -45,7 +45,7 @@ pub struct Claim {
 
 /// `DELETE /v1/subscribers/{s}/messages/{id}`.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Forgotten {
+pub(crate) struct Forgotten {
     subscriber: String,
     id: String,
     /// Always `true` (no claim is a 404).
@@ -67,7 +67,7 @@ pub struct Forgotten {
         (status = 404, description = "No such subscriber, or no live claim", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn get_claim(
+pub(crate) async fn get_claim(
     _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
@@ -102,7 +102,7 @@ pub async fn get_claim(
         (status = 404, description = "No such subscriber, or no live claim", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn forget_claim(
+pub(crate) async fn forget_claim(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Forgotten>> {

@@ -27,11 +27,11 @@ use crate::source::delivery::{self, key_delivery, Delivery, RouteError, Routed, 
 use crate::source::http::{self, Message, IDEMPOTENCY_KEY, PARTITION_KEY};
 
 /// Set on a response that replays the stored outcome of an earlier request.
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+pub(crate) const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// What a processed message's response says; a replay repeats it from the claim.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Processed<'a> {
+pub(crate) struct Processed<'a> {
     subscriber: &'a str,
     /// The idempotency key's text.
     key: &'a str,
@@ -78,7 +78,7 @@ pub struct Processed<'a> {
         (status = 500, description = "The handler failed for good; the message was dead-lettered", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn ingest_message(
+pub(crate) async fn ingest_message(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     headers: HeaderMap,

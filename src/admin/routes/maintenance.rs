@@ -15,7 +15,7 @@ use crate::ledger::ShardCopy;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
-pub struct CompactQuery {
+pub(crate) struct CompactQuery {
     /// Seal the active generations first, so everything expired can be dropped now.
     #[serde(default)]
     seal_all: bool,
@@ -23,7 +23,7 @@ pub struct CompactQuery {
 
 /// A compaction done.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Compacted {
+pub(crate) struct Compacted {
     /// Always `true`.
     compacted: bool,
     seal_all: bool,
@@ -39,7 +39,7 @@ pub struct Compacted {
         (status = 400, description = "`seal_all` is not a boolean", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn compact(
+pub(crate) async fn compact(
     State(st): State<AdminState>,
     q: Result<Query<CompactQuery>, QueryRejection>,
 ) -> ApiResult<Json<Compacted>> {
@@ -65,7 +65,7 @@ pub async fn compact(
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct BackupRequest {
+pub(crate) struct BackupRequest {
     /// Directory name inside the backup directory: 1-128 of `[A-Za-z0-9._-]`, not `.` or
     /// `..`.
     #[schema(min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._-]+$")]
@@ -74,7 +74,7 @@ pub struct BackupRequest {
 
 /// A backup written.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct BackupDone {
+pub(crate) struct BackupDone {
     name: String,
     /// Bytes written.
     bytes: u64,
@@ -95,7 +95,7 @@ pub struct BackupDone {
         (status = 409, description = "A backup of that name exists already", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn backup(
+pub(crate) async fn backup(
     State(st): State<AdminState>,
     b: Result<Json<BackupRequest>, JsonRejection>,
 ) -> ApiResult<Json<BackupDone>> {
@@ -160,7 +160,7 @@ fn backup_error(e: crate::backup::BackupError) -> ApiError {
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
-pub struct AuditQuery {
+pub(crate) struct AuditQuery {
     /// How many of the newest entries (default 100; clamped to 1-10000).
     limit: Option<usize>,
 }
@@ -168,8 +168,11 @@ pub struct AuditQuery {
 /// One operator action as the audit log keeps it: when, what, on which subscriber, and the
 /// action's own details (`fields`, `id`, `kind`, `record`, `version`, ...).
 #[derive(ToSchema)]
-#[allow(dead_code)]
-pub struct AuditEntry {
+#[allow(
+    dead_code,
+    reason = "describes the audit entries for the API document; never built"
+)]
+pub(crate) struct AuditEntry {
     at_ms: u64,
     /// `config.update`, `claim.forget`, `record.discard`, `record.replay`,
     /// `handler.upload`, `handler.rollback`, `maintenance.compact`, `maintenance.backup`.
@@ -179,7 +182,7 @@ pub struct AuditEntry {
 
 /// The newest audit entries, oldest first.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct AuditLog {
+pub(crate) struct AuditLog {
     #[schema(value_type = Vec<AuditEntry>)]
     entries: Vec<Value>,
 }
@@ -192,7 +195,7 @@ pub struct AuditLog {
         (status = 400, description = "`limit` is not a number", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn audit_log(
+pub(crate) async fn audit_log(
     _auth: Authorized,
     State(st): State<AdminState>,
     q: Result<Query<AuditQuery>, QueryRejection>,

@@ -47,7 +47,7 @@ type ApiResult<T> = Result<T, ApiError>;
 /// send raw bytes rather than the JSON array of numbers utoipa makes of a `Vec<u8>`. Only
 /// a schema: the routes take the body as [`Bytes`], under whatever content type `guard`
 /// lets through.
-pub struct BinaryBody;
+pub(crate) struct BinaryBody;
 
 impl utoipa::PartialSchema for BinaryBody {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
@@ -202,7 +202,7 @@ fn audit(st: &AdminState, action: &str, subscriber: Option<&str>, detail: Value)
 
 /// What a read without the token left out (`redacted` in a record).
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
-pub struct Redacted {
+pub(crate) struct Redacted {
     /// The fields left out.
     fields: Vec<&'static str>,
     /// Always "send the bearer token to see them".

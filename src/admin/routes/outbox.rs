@@ -21,14 +21,14 @@ const MAX_PULL: usize = 1000;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
-pub struct Pull {
+pub(crate) struct Pull {
     /// Rows to return, 1-1000 (default 100).
     #[param(minimum = 1, maximum = 1000)]
     limit: Option<usize>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
-pub struct Ack {
+pub(crate) struct Ack {
     /// Row ids as `GET /v1/outbox` named them, at most 1000.
     #[schema(max_items = 1000)]
     ids: Vec<String>,
@@ -36,7 +36,7 @@ pub struct Ack {
 
 /// A message a handler emitted, waiting to be pulled and acknowledged.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct OutboxMessage {
+pub(crate) struct OutboxMessage {
     /// The row id to acknowledge.
     id: String,
     subscriber: String,
@@ -55,7 +55,7 @@ pub struct OutboxMessage {
 
 /// `GET /v1/outbox`.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Pulled {
+pub(crate) struct Pulled {
     /// Oldest first (per shard).
     messages: Vec<OutboxMessage>,
     /// Rows not yet acknowledged, these included.
@@ -64,7 +64,7 @@ pub struct Pulled {
 
 /// `POST /v1/outbox/ack`.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Acked {
+pub(crate) struct Acked {
     /// Ids given.
     acked: usize,
     /// Rows not yet acknowledged.
@@ -90,7 +90,7 @@ fn not_relayed(ledger: &Ledger) -> ApiResult<()> {
         (status = 409, description = "The outbox is relayed to the broker ([kafka.outbox] or [rabbitmq.outbox])", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn pull_outbox(
+pub(crate) async fn pull_outbox(
     _auth: Authorized,
     State(st): State<AdminState>,
     q: Result<Query<Pull>, QueryRejection>,
@@ -137,7 +137,7 @@ pub async fn pull_outbox(
         (status = 409, description = "The outbox is relayed to the broker ([kafka.outbox] or [rabbitmq.outbox])", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn ack_outbox(
+pub(crate) async fn ack_outbox(
     _auth: Authorized,
     State(st): State<AdminState>,
     body: Result<Json<Ack>, JsonRejection>,

@@ -16,7 +16,7 @@ use crate::ledger::{Outcome, RecordKind, StoredRecord};
 /// A page of a record list.
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
-pub struct Page {
+pub(crate) struct Page {
     /// The `next` of the previous page; the first page without it.
     after: Option<String>,
     /// Records per page, 1-1000 (default 50); a page also ends after about 1 MiB of
@@ -31,8 +31,11 @@ pub struct Page {
 /// is configured) they also leave out what could reveal a payload and say so in
 /// `redacted`. Records are shown from their stored JSON, so this type only describes them.
 #[derive(ToSchema)]
-#[allow(dead_code)]
-pub struct RecordView {
+#[allow(
+    dead_code,
+    reason = "describes the stored records for the API document; never built"
+)]
+pub(super) struct RecordView {
     /// `{shard}-{seq}`: stable for the record's lifetime.
     id: String,
     kind: RecordKind,
@@ -74,7 +77,7 @@ pub struct RecordView {
 
 /// A page of records.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct RecordList {
+pub(crate) struct RecordList {
     subscriber: String,
     #[schema(value_type = Vec<RecordView>)]
     records: Vec<Value>,
@@ -84,7 +87,7 @@ pub struct RecordList {
 
 /// `DELETE` of a record.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Discarded {
+pub(crate) struct Discarded {
     subscriber: String,
     record: String,
     /// Always `true` (no record is a 404).
@@ -93,7 +96,7 @@ pub struct Discarded {
 
 /// A replay's outcome.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Replayed {
+pub(crate) struct Replayed {
     subscriber: String,
     record: String,
     /// `processed`, `duplicate`, `quarantined`, `dead_lettered` or `rejected`.
@@ -270,7 +273,7 @@ async fn replay_record(
         (status = 403, description = "A wrong bearer token", body = ErrorBody),
         (status = 404, description = "No such subscriber", body = ErrorBody),
     ))]
-pub async fn list_quarantine(
+pub(crate) async fn list_quarantine(
     access: Access,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
@@ -288,7 +291,7 @@ pub async fn list_quarantine(
         (status = 403, description = "A wrong bearer token", body = ErrorBody),
         (status = 404, description = "No such subscriber", body = ErrorBody),
     ))]
-pub async fn list_deadletters(
+pub(crate) async fn list_deadletters(
     access: Access,
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
@@ -309,7 +312,7 @@ pub async fn list_deadletters(
         (status = 404, description = "No such subscriber or record", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn get_quarantine(
+pub(crate) async fn get_quarantine(
     _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
@@ -329,7 +332,7 @@ pub async fn get_quarantine(
         (status = 404, description = "No such subscriber or record", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn get_deadletter(
+pub(crate) async fn get_deadletter(
     _auth: Authorized,
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
@@ -349,7 +352,7 @@ pub async fn get_deadletter(
         (status = 404, description = "No such subscriber or record", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn discard_quarantine(
+pub(crate) async fn discard_quarantine(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Discarded>> {
@@ -368,7 +371,7 @@ pub async fn discard_quarantine(
         (status = 404, description = "No such subscriber or record", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn discard_deadletter(
+pub(crate) async fn discard_deadletter(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Discarded>> {
@@ -388,7 +391,7 @@ pub async fn discard_deadletter(
         (status = 503, description = "Shutting down, or the engine stopped", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn replay_quarantine(
+pub(crate) async fn replay_quarantine(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Replayed>> {
@@ -408,7 +411,7 @@ pub async fn replay_quarantine(
         (status = 503, description = "Shutting down, or the engine stopped", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn replay_deadletter(
+pub(crate) async fn replay_deadletter(
     State(st): State<AdminState>,
     p: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Replayed>> {

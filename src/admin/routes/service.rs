@@ -14,14 +14,14 @@ use crate::admin::{AdminState, ApiError, ErrorBody};
 
 /// `GET /healthz`.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Health {
+pub(crate) struct Health {
     /// Always `ok`.
     status: &'static str,
 }
 
 /// `GET /readyz` when ready.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Ready {
+pub(crate) struct Ready {
     /// Always `ready`.
     status: &'static str,
     shards: usize,
@@ -31,7 +31,7 @@ pub struct Ready {
 #[utoipa::path(get, path = "/healthz", tag = "service",
     summary = "The process is up",
     responses((status = 200, description = "Up", body = Health)))]
-pub async fn healthz() -> Json<Health> {
+pub(crate) async fn healthz() -> Json<Health> {
     Json(Health { status: "ok" })
 }
 
@@ -41,7 +41,7 @@ pub async fn healthz() -> Json<Health> {
         (status = 200, description = "Ready", body = Ready),
         (status = 503, description = "The engine stopped after a storage error, or a broker source is not connected", body = ErrorBody),
     ))]
-pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Ready>> {
+pub(crate) async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Ready>> {
     // Ledger::open returns only after filters are loaded and logs replayed (I5); what can
     // change afterwards is a storage error (I4).
     if let Some(reason) = st.ledger().poison_reason() {
@@ -64,14 +64,14 @@ pub async fn readyz(State(st): State<AdminState>) -> ApiResult<Json<Ready>> {
 #[utoipa::path(get, path = "/", tag = "service", operation_id = "dashboard",
     summary = "The dashboard (HTML; polls the JSON API)",
     responses((status = 200, description = "The page", content_type = "text/html", body = String)))]
-pub async fn dashboard_html() -> Html<&'static str> {
+pub(crate) async fn dashboard_html() -> Html<&'static str> {
     Html(include_str!("../assets/index.html"))
 }
 
 #[utoipa::path(get, path = "/assets/app.js", tag = "service",
     summary = "Dashboard script",
     responses((status = 200, description = "The script", content_type = "text/javascript", body = String)))]
-pub async fn dashboard_js() -> impl IntoResponse {
+pub(crate) async fn dashboard_js() -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
         include_str!("../assets/app.js"),
@@ -81,7 +81,7 @@ pub async fn dashboard_js() -> impl IntoResponse {
 #[utoipa::path(get, path = "/assets/app.css", tag = "service",
     summary = "Dashboard style sheet",
     responses((status = 200, description = "The style sheet", content_type = "text/css", body = String)))]
-pub async fn dashboard_css() -> impl IntoResponse {
+pub(crate) async fn dashboard_css() -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
         include_str!("../assets/app.css"),
@@ -91,12 +91,12 @@ pub async fn dashboard_css() -> impl IntoResponse {
 #[utoipa::path(get, path = "/openapi.json", tag = "service", operation_id = "openapi",
     summary = "This document (OpenAPI 3.1)",
     responses((status = 200, description = "The document", body = Object)))]
-pub async fn openapi_json() -> Json<&'static Value> {
+pub(crate) async fn openapi_json() -> Json<&'static Value> {
     Json(crate::admin::openapi())
 }
 
 /// 405 with a JSON body, like every other error.
-pub async fn wrong_method(method: Method, uri: Uri) -> Response {
+pub(crate) async fn wrong_method(method: Method, uri: Uri) -> Response {
     let body = json!({
         "error": "method_not_allowed",
         "message": format!("{} does not take {method}; /openapi.json lists its methods", uri.path()),
@@ -105,7 +105,7 @@ pub async fn wrong_method(method: Method, uri: Uri) -> Response {
 }
 
 /// The `[metrics]` listener's 405: its routes take GET.
-pub async fn wrong_metrics_method(method: Method, uri: Uri) -> Response {
+pub(crate) async fn wrong_metrics_method(method: Method, uri: Uri) -> Response {
     let body = json!({
         "error": "method_not_allowed",
         "message": format!("{} does not take {method}; it takes GET", uri.path()),
@@ -114,14 +114,14 @@ pub async fn wrong_metrics_method(method: Method, uri: Uri) -> Response {
 }
 
 /// The `[metrics]` listener's 404: it serves three routes and no API description.
-pub async fn no_metrics_route(method: Method, uri: Uri) -> ApiError {
+pub(crate) async fn no_metrics_route(method: Method, uri: Uri) -> ApiError {
     ApiError::NotFound(format!(
         "no route {method} {}; this listener ([metrics]) serves only /metrics, /healthz and /readyz",
         uri.path()
     ))
 }
 
-pub async fn no_route(method: Method, uri: Uri) -> ApiError {
+pub(crate) async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::NotFound(format!(
         "no route {method} {}; /openapi.json lists them",
         uri.path()

@@ -22,31 +22,31 @@ use crate::pipeline::limits_of;
 
 /// Counters and storage figures of one subscriber.
 #[derive(Debug, Serialize, Deserialize, Default, Clone, PartialEq, ToSchema)]
-pub struct Stats {
-    pub subscriber: String,
-    pub processed: u64,
-    pub duplicates: u64,
-    pub quarantined: u64,
-    pub dead_lettered: u64,
-    pub retries: u64,
-    pub sliding_refreshes: u64,
+pub(crate) struct Stats {
+    pub(crate) subscriber: String,
+    pub(crate) processed: u64,
+    pub(crate) duplicates: u64,
+    pub(crate) quarantined: u64,
+    pub(crate) dead_lettered: u64,
+    pub(crate) retries: u64,
+    pub(crate) sliding_refreshes: u64,
     /// Outcomes sent after a durable commit, and the sum of their latencies (message
     /// taken in to outcome sent) in microseconds; the dashboard plots the mean of each
     /// interval.
-    pub acked: u64,
-    pub ack_latency_us_total: u64,
-    pub claims_stored: u64,
-    pub active_claims: u64,
-    pub generations: u64,
-    pub quarantine_stored: u64,
-    pub dead_letters_stored: u64,
-    pub filter_probes: u64,
-    pub filter_false_positives: u64,
-    pub filter_false_positive_rate: f64,
-    pub filter_bytes: u64,
-    pub index_bytes: u64,
+    pub(crate) acked: u64,
+    pub(crate) ack_latency_us_total: u64,
+    pub(crate) claims_stored: u64,
+    pub(crate) active_claims: u64,
+    pub(crate) generations: u64,
+    pub(crate) quarantine_stored: u64,
+    pub(crate) dead_letters_stored: u64,
+    pub(crate) filter_probes: u64,
+    pub(crate) filter_false_positives: u64,
+    pub(crate) filter_false_positive_rate: f64,
+    pub(crate) filter_bytes: u64,
+    pub(crate) index_bytes: u64,
     /// Bytes of the whole data directory (shards are shared by all subscribers).
-    pub data_dir_bytes: u64,
+    pub(crate) data_dir_bytes: u64,
 }
 
 fn stats_of(sub: &Subscriber, report: &LedgerReport) -> Stats {
@@ -90,14 +90,14 @@ fn stats_of(sub: &Subscriber, report: &LedgerReport) -> Stats {
 
 /// `GET /v1/subscribers`.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct SubscriberList {
+pub(crate) struct SubscriberList {
     /// By name.
     subscribers: Vec<Stats>,
 }
 
 /// `GET /v1/subscribers/{s}`.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct SubscriberView {
+pub(crate) struct SubscriberView {
     name: String,
     config: SubscriberSettings,
     stats: Stats,
@@ -106,7 +106,7 @@ pub struct SubscriberView {
 
 /// A subscriber's settings (`GET` and `PUT /v1/subscribers/{s}/config`).
 #[derive(Debug, Serialize, ToSchema)]
-pub struct ConfigView {
+pub(crate) struct ConfigView {
     subscriber: String,
     config: SubscriberSettings,
 }
@@ -117,7 +117,9 @@ pub struct ConfigView {
         (status = 200, description = "Every subscriber the ledger knows", body = SubscriberList),
         (status = 503, description = "The engine stopped after a storage error", body = ErrorBody),
     ))]
-pub async fn list_subscribers(State(st): State<AdminState>) -> ApiResult<Json<SubscriberList>> {
+pub(crate) async fn list_subscribers(
+    State(st): State<AdminState>,
+) -> ApiResult<Json<SubscriberList>> {
     let ledger = st.ledger().clone();
     blocking(move || {
         let report = ledger.report()?;
@@ -137,7 +139,7 @@ pub async fn list_subscribers(State(st): State<AdminState>) -> ApiResult<Json<Su
         (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
         (status = 404, description = "No such subscriber", body = ErrorBody),
     ))]
-pub async fn get_subscriber(
+pub(crate) async fn get_subscriber(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
 ) -> ApiResult<Json<SubscriberView>> {
@@ -165,7 +167,7 @@ pub async fn get_subscriber(
         (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
         (status = 404, description = "No such subscriber", body = ErrorBody),
     ))]
-pub async fn get_config(
+pub(crate) async fn get_config(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
 ) -> ApiResult<Json<ConfigView>> {
@@ -185,7 +187,7 @@ pub async fn get_config(
 /// other field is refused (`additionalProperties: false`).
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct ConfigChange {
+pub(crate) struct ConfigChange {
     /// How long a claim is remembered (`24h`, `7days`).
     #[serde(default, with = "humantime_serde")]
     #[schema(value_type = Option<String>)]
@@ -289,7 +291,7 @@ fn failing_field(obj: &Map<String, Value>) -> Option<(String, String)> {
         (status = 413, description = "Body too large", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn put_config(
+pub(crate) async fn put_config(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     b: Result<Json<Value>, JsonRejection>,
@@ -408,7 +410,7 @@ fn check_settings(settings: &SubscriberSettings) -> ApiResult<()> {
         (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
         (status = 404, description = "No such subscriber", body = ErrorBody),
     ))]
-pub async fn get_stats(
+pub(crate) async fn get_stats(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
 ) -> ApiResult<Json<Stats>> {

@@ -19,7 +19,7 @@ use crate::admin::{AdminState, ApiError, ErrorBody, HandlerInfo, UploadError};
         (status = 400, description = "Not a valid subscriber name", body = ErrorBody),
         (status = 404, description = "No such subscriber", body = ErrorBody),
     ))]
-pub async fn get_handler(
+pub(crate) async fn get_handler(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
 ) -> ApiResult<Json<HandlerInfo>> {
@@ -51,7 +51,7 @@ pub(super) fn upload_error(e: UploadError) -> ApiError {
         (status = 413, description = "Larger than http.max_handler_bytes", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn upload_handler(
+pub(crate) async fn upload_handler(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
     b: Result<Bytes, BytesRejection>,
@@ -90,7 +90,7 @@ pub async fn upload_handler(
         (status = 404, description = "No such subscriber, or no previous handler", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn rollback_handler(
+pub(crate) async fn rollback_handler(
     State(st): State<AdminState>,
     p: Result<Path<String>, PathRejection>,
 ) -> ApiResult<Json<HandlerInfo>> {

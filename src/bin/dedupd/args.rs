@@ -9,8 +9,8 @@ use dedupd::config::Config;
 
 mod bench;
 mod brokers;
-pub use bench::{AdversarialArgs, BenchArgs, BenchCommand};
-pub use brokers::{KafkaBenchArgs, MqttBenchArgs, NatsBenchArgs, RabbitmqBenchArgs};
+pub(crate) use bench::{AdversarialArgs, BenchArgs, BenchCommand};
+pub(crate) use brokers::{KafkaBenchArgs, MqttBenchArgs, NatsBenchArgs, RabbitmqBenchArgs};
 
 #[derive(Parser)]
 #[command(
@@ -20,13 +20,13 @@ pub use brokers::{KafkaBenchArgs, MqttBenchArgs, NatsBenchArgs, RabbitmqBenchArg
     about = "Effectively-once consumer engine: durable claims, dedup, quarantine",
     after_long_help = LOG_LEVELS_HELP,
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Log lines on stderr as text or as one JSON object per line (`RUST_LOG` sets the
     /// levels: see `dedupd --help`).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
+    pub(crate) log_format: LogFormat,
     #[command(subcommand)]
-    pub command: Command,
+    pub(crate) command: Command,
 }
 
 /// Said once, under the main command's `--help`, not under every subcommand's.
@@ -44,7 +44,7 @@ Examples:
   dedupd inspect --data-dir data                what a stopped engine holds";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     /// Human-readable lines.
     Text,
     /// One JSON object per line.
@@ -52,7 +52,7 @@ pub enum LogFormat {
 }
 
 #[derive(Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// JSON lines on stdin, one durable outcome line per input line on stdout.
     #[command(after_help = "Example:\n  \
         echo '{\"subscriber\":\"orders\",\"id\":\"m-1\",\"payload\":{\"order_id\":\"o-1\"}}' \\\n    \
@@ -218,7 +218,7 @@ pub enum Command {
 }
 
 #[derive(Subcommand)]
-pub enum ConfigCommand {
+pub(crate) enum ConfigCommand {
     /// Validate FILE as `dedupd run` would (subscribers, key sources, partition keys,
     /// handler components, `[http]` rules, librdkafka options) and print a summary;
     /// opens no data directory, binds no port and connects nowhere.
@@ -233,7 +233,7 @@ pub enum ConfigCommand {
 }
 
 #[derive(Subcommand)]
-pub enum HandlerCommand {
+pub(crate) enum HandlerCommand {
     /// Validate a component against the WIT contract and the capability allow-list, and
     /// list its imports and exports.
     #[command(after_help = "Example:\n  \
@@ -273,42 +273,42 @@ pub enum HandlerCommand {
 
 /// `dedupd handler test`.
 #[derive(Args)]
-pub struct HandlerTestArgs {
+pub(crate) struct HandlerTestArgs {
     /// The component (`.wasm`).
-    pub file: PathBuf,
+    pub(crate) file: PathBuf,
     /// Messages, one JSON object per line: {"id": ..., "key": ..., "headers": {...},
     /// "payload": ...} (blank lines are skipped).
     #[arg(long)]
-    pub input: PathBuf,
+    pub(crate) input: PathBuf,
     /// Initial state, JSON lines as `dedupd state dump` prints them ({"key": ...,
     /// "value": ...}), plus {"unique": {"namespace": ..., "key": ...}} and
     /// {"version": {"key": ..., "version": N}}.
     #[arg(long)]
-    pub state: Option<PathBuf>,
+    pub(crate) state: Option<PathBuf>,
     /// One JSON object per message instead of text.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
     /// Compare the `--json` output with this file; exit 1 with the first difference.
     #[arg(long)]
-    pub expect: Option<PathBuf>,
+    pub(crate) expect: Option<PathBuf>,
     /// Config file whose subscriber settings apply (key source, partition key,
     /// fingerprint, handler limits, attempts); its handler paths are ignored.
     #[arg(long)]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// The subscriber of `--config` to run as (default: its `default_subscriber`).
     #[arg(long, requires = "config")]
-    pub subscriber: Option<String>,
+    pub(crate) subscriber: Option<String>,
     /// Replace the subscriber's `handler_cpu_budget`, e.g. `1s` on a slow CI machine.
     #[arg(long, value_parser = humantime::parse_duration)]
-    pub cpu_budget: Option<std::time::Duration>,
+    pub(crate) cpu_budget: Option<std::time::Duration>,
     /// The engine's time during the run (ms since the epoch): every message's
     /// received-at.
     #[arg(long, default_value_t = dedupd::harness::DEFAULT_NOW_MS)]
-    pub now_ms: u64,
+    pub(crate) now_ms: u64,
 }
 
 #[derive(Subcommand)]
-pub enum StateCommand {
+pub(crate) enum StateCommand {
     /// Print a subscriber's handler state as JSON lines: {"key": ..., "value": ...}.
     #[command(
         after_help = "Example:\n  dedupd state dump --data-dir data --subscriber orders | head"
@@ -327,10 +327,11 @@ pub enum StateCommand {
     },
 }
 
-pub const DEFAULT_DEMO_HANDLER: &str = "plugins/target/wasm32-wasip2/release/shipping_label.wasm";
+pub(crate) const DEFAULT_DEMO_HANDLER: &str =
+    "plugins/target/wasm32-wasip2/release/shipping_label.wasm";
 
 /// The config file, or the defaults without one.
-pub fn load_config(path: Option<&std::path::Path>) -> Result<Config> {
+pub(crate) fn load_config(path: Option<&std::path::Path>) -> Result<Config> {
     match path {
         Some(p) => Ok(Config::load(p)?),
         None => Ok(Config::default()),
@@ -338,7 +339,7 @@ pub fn load_config(path: Option<&std::path::Path>) -> Result<Config> {
 }
 
 /// The data directory: the flag, else the config's `data_dir`.
-pub fn data_dir(flag: Option<PathBuf>, config: &Config) -> Result<PathBuf> {
+pub(crate) fn data_dir(flag: Option<PathBuf>, config: &Config) -> Result<PathBuf> {
     match flag.or_else(|| config.data_dir.clone()) {
         Some(d) => Ok(d),
         None => bail!("no data directory: pass --data-dir DIR or set data_dir in the config"),
@@ -349,7 +350,7 @@ pub fn data_dir(flag: Option<PathBuf>, config: &Config) -> Result<PathBuf> {
 /// default path is relative to the repository: it is looked for in the current directory
 /// and then in the checkout the binary was built in (`target/release/dedupd` is two levels
 /// below it), so the demo finds its handler when started from anywhere.
-pub fn demo_handler(handler: &str) -> Result<Option<PathBuf>> {
+pub(crate) fn demo_handler(handler: &str) -> Result<Option<PathBuf>> {
     if handler == "none" {
         return Ok(None);
     }
@@ -373,7 +374,7 @@ pub fn demo_handler(handler: &str) -> Result<Option<PathBuf>> {
 }
 
 /// `--topic NAME` or `NAME:PARTITIONS` (4 partitions by default).
-pub fn topic(t: &str) -> Result<(&str, i32)> {
+pub(crate) fn topic(t: &str) -> Result<(&str, i32)> {
     match t.split_once(':') {
         Some((n, p)) => Ok((
             n,

@@ -19,7 +19,7 @@ fn print_report(report: &(impl Serialize + Display), json: bool) -> Result<()> {
 }
 
 /// `dedupd bench` (and `bench adversarial`).
-pub fn engine(mut args: args::BenchArgs) -> Result<()> {
+pub(crate) fn engine(mut args: args::BenchArgs) -> Result<()> {
     if let Some(args::BenchCommand::Adversarial(a)) = args.command.take() {
         return adversarial(a);
     }
@@ -60,7 +60,7 @@ fn adversarial(args: args::AdversarialArgs) -> Result<()> {
 }
 
 /// `dedupd kafka-bench`.
-pub fn kafka(args: args::KafkaBenchArgs) -> Result<()> {
+pub(crate) fn kafka(args: args::KafkaBenchArgs) -> Result<()> {
     let json = args.run.json;
     let params = args.params()?;
     eprintln!("{params}");
@@ -70,7 +70,7 @@ pub fn kafka(args: args::KafkaBenchArgs) -> Result<()> {
 }
 
 /// `dedupd mqtt-bench`.
-pub fn mqtt(args: args::MqttBenchArgs) -> Result<()> {
+pub(crate) fn mqtt(args: args::MqttBenchArgs) -> Result<()> {
     let json = args.run.json;
     let params = args.params()?;
     eprintln!("{params}");
@@ -79,7 +79,7 @@ pub fn mqtt(args: args::MqttBenchArgs) -> Result<()> {
 }
 
 /// `dedupd nats-bench`.
-pub fn nats(args: args::NatsBenchArgs) -> Result<()> {
+pub(crate) fn nats(args: args::NatsBenchArgs) -> Result<()> {
     let json = args.run.json;
     let params = args.params()?;
     eprintln!("{params}");
@@ -91,7 +91,7 @@ pub fn nats(args: args::NatsBenchArgs) -> Result<()> {
 }
 
 /// `dedupd rabbitmq-bench`.
-pub fn rabbitmq(args: args::RabbitmqBenchArgs) -> Result<()> {
+pub(crate) fn rabbitmq(args: args::RabbitmqBenchArgs) -> Result<()> {
     let json = args.run.json;
     let params = args.params()?;
     eprintln!("{params}");

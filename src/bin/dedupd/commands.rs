@@ -13,7 +13,7 @@ use dedupd::pipeline;
 use dedupd::source::kafka;
 
 /// `dedupd handler check|test|new`.
-pub fn handler(command: args::HandlerCommand) -> Result<()> {
+pub(crate) fn handler(command: args::HandlerCommand) -> Result<()> {
     match command {
         args::HandlerCommand::Check { file, json } => {
             let component = dedupd::handler::Component::load(&file, Default::default())?;
@@ -38,7 +38,7 @@ pub fn handler(command: args::HandlerCommand) -> Result<()> {
 
 /// `dedupd inspect`; with `repair` (the config file it names, if any) `--repair`, with
 /// its progress at a terminal.
-pub fn inspect(data_dir: &Path, repair: Option<Option<&Path>>, json: bool) -> Result<()> {
+pub(crate) fn inspect(data_dir: &Path, repair: Option<Option<&Path>>, json: bool) -> Result<()> {
     let report = match repair {
         None => dedupd::inspect::inspect(data_dir)?,
         Some(config) => {
@@ -58,10 +58,10 @@ pub fn inspect(data_dir: &Path, repair: Option<Option<&Path>>, json: bool) -> Re
 }
 
 /// `dedupd backup`, with its progress at a terminal.
-pub fn backup(data_dir: &Path, to: &Path, json: bool) -> Result<()> {
+pub(crate) fn backup(data_dir: &Path, to: &Path, json: bool) -> Result<()> {
     let report = {
         let mut shown = CopyProgress::new();
-        dedupd::backup::backup_offline_observed(data_dir, to, &mut |p| shown.observe(p))?
+        dedupd::backup::backup_offline(data_dir, to, &mut |p| shown.observe(p))?
     };
     match json {
         true => println!("{}", serde_json::to_string_pretty(&report)?),
@@ -123,7 +123,7 @@ fn handler_test(args: args::HandlerTestArgs) -> Result<()> {
 }
 
 /// `dedupd restore`: verify only (no data directory), or verify, restore and load.
-pub fn restore(from: &std::path::Path, data_dir: Option<PathBuf>, json: bool) -> Result<()> {
+pub(crate) fn restore(from: &std::path::Path, data_dir: Option<PathBuf>, json: bool) -> Result<()> {
     let Some(data_dir) = data_dir else {
         let mut shown = CopyProgress::new();
         let manifest = dedupd::backup::verify_observed(from, &mut |p| shown.observe(p));
@@ -171,7 +171,7 @@ pub fn restore(from: &std::path::Path, data_dir: Option<PathBuf>, json: bool) ->
     Ok(())
 }
 
-pub fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
+pub(crate) fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
     let shutdown = pipeline::Shutdown::new();
     shutdown.on_signals()?;
     let broker = kafka::DevBroker::start(brokers)?;
@@ -191,7 +191,7 @@ pub fn dev_broker(brokers: i32, topics: &[String]) -> Result<()> {
     Ok(())
 }
 
-pub fn demo(messages: u64, handler: Option<PathBuf>) -> Result<()> {
+pub(crate) fn demo(messages: u64, handler: Option<PathBuf>) -> Result<()> {
     eprintln!("dedupd demo: {messages} OrderPlaced events for 3 subscribers, 12% redeliveries, 0.2% reused ids with other payloads, 2% new events for an order seen before; durable commits on a temporary data directory");
     match &handler {
         Some(h) => eprintln!("handler: {} (one shipping label per order)", h.display()),

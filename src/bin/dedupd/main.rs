@@ -36,7 +36,7 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 fn tune_allocator() {
     // SAFETY: `mi_option_set` only stores an integer in mimalloc's option table; the index
     // is `mi_option_purge_delay` of the bundled mimalloc v3 header, and any value is valid.
-    #[allow(unsafe_code)]
+    #[allow(unsafe_code, reason = "mimalloc's option table; see SAFETY")]
     unsafe {
         libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 10_000);
     }

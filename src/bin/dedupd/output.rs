@@ -7,7 +7,7 @@ use crate::args::{Command, LogFormat};
 
 /// Logs to stderr, as text or JSON lines, at `RUST_LOG`'s levels or the command's default:
 /// the long-running commands say what they do at `info`, the others only what went wrong.
-pub fn init_logs(format: LogFormat, command: &Command) {
+pub(crate) fn init_logs(format: LogFormat, command: &Command) {
     let default = match command {
         Command::Run { .. } | Command::Serve { .. } => "info",
         _ => "warn",
@@ -29,7 +29,7 @@ pub fn init_logs(format: LogFormat, command: &Command) {
 /// A progress line: rewritten in place on a terminal; elsewhere (a log file, journald, a
 /// pipe) a plain line at most every [`PROGRESS_EVERY`], so `\r` updates never pile onto one
 /// line of a log.
-pub fn progress(line: &dyn std::fmt::Display) {
+pub(crate) fn progress(line: &dyn std::fmt::Display) {
     static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
     let mut err = std::io::stderr().lock();
     if err.is_terminal() {
@@ -45,10 +45,10 @@ pub fn progress(line: &dyn std::fmt::Display) {
 }
 
 /// How often progress is printed when stderr is not a terminal.
-pub const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+pub(crate) const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Ends a progress line on a terminal (elsewhere every progress line is whole already).
-pub fn end_progress() {
+pub(crate) fn end_progress() {
     if std::io::stderr().is_terminal() {
         eprintln!();
     }
@@ -57,7 +57,7 @@ pub fn end_progress() {
 /// An observer of a backup, a restore or a check ([`dedupd::backup::Progress`]): a bar per
 /// step at a terminal (bytes, rate, time left); elsewhere a plain line per step and at most
 /// every [`PROGRESS_EVERY`] while it lasts, then one when it ends.
-pub struct CopyProgress {
+pub(crate) struct CopyProgress {
     bar: Option<indicatif::ProgressBar>,
     step: &'static str,
     done: u64,
@@ -66,7 +66,7 @@ pub struct CopyProgress {
 }
 
 impl CopyProgress {
-    pub fn new() -> CopyProgress {
+    pub(crate) fn new() -> CopyProgress {
         CopyProgress {
             bar: None,
             step: "",
@@ -76,7 +76,7 @@ impl CopyProgress {
         }
     }
 
-    pub fn observe(&mut self, p: dedupd::backup::Progress) {
+    pub(crate) fn observe(&mut self, p: dedupd::backup::Progress) {
         use dedupd::backup::Progress;
         match p {
             Progress::Step { what, bytes } => {

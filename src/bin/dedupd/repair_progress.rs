@@ -16,7 +16,7 @@ use dedupd::ledger::{OpenObserver, OpenProgress};
 use crate::output::PROGRESS_EVERY;
 
 /// The observer of one repairing open.
-pub struct RepairProgress {
+pub(crate) struct RepairProgress {
     state: Mutex<State>,
 }
 
@@ -33,7 +33,7 @@ struct State {
 }
 
 impl RepairProgress {
-    pub fn new(dir: &Path) -> Arc<RepairProgress> {
+    pub(crate) fn new(dir: &Path) -> Arc<RepairProgress> {
         Arc::new(RepairProgress {
             state: Mutex::new(State {
                 bar: None,
@@ -48,7 +48,7 @@ impl RepairProgress {
     }
 
     /// The observer to open the ledger with.
-    pub fn observer(self: &Arc<Self>) -> OpenObserver {
+    pub(crate) fn observer(self: &Arc<Self>) -> OpenObserver {
         let this = self.clone();
         Arc::new(move |step| this.observe(step))
     }
@@ -59,7 +59,7 @@ impl RepairProgress {
     }
 
     /// Ends the display once the open is over (opened or failed).
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let secs = st.started.elapsed().as_secs_f64();
         match st.bar.take() {

@@ -56,7 +56,7 @@ pub(crate) struct FaultPlan {
 }
 
 impl FaultPlan {
-    pub fn new() -> FaultPlan {
+    pub(crate) fn new() -> FaultPlan {
         FaultPlan {
             syncs_left: AtomicI64::new(i64::MAX),
             reads_left: AtomicI64::new(i64::MAX),
@@ -72,7 +72,7 @@ impl FaultPlan {
 
     /// `fsyncs` more fsyncs succeed; then `kind` happens. A power cut keeps each unsynced
     /// write with probability 1/2 drawn from `seed`.
-    pub fn arm(&self, fsyncs: u64, kind: FaultKind, seed: u64) {
+    pub(crate) fn arm(&self, fsyncs: u64, kind: FaultKind, seed: u64) {
         self.power_loss.store(
             matches!(kind, FaultKind::PowerCut | FaultKind::TornWrite),
             Ordering::SeqCst,
@@ -87,7 +87,7 @@ impl FaultPlan {
     }
 
     /// `reads` more reads succeed (across all files); then every read fails.
-    pub fn fail_reads_after(&self, reads: u64) {
+    pub(crate) fn fail_reads_after(&self, reads: u64) {
         self.reads_left
             .store(i64::try_from(reads).unwrap_or(i64::MAX), Ordering::SeqCst);
     }
@@ -99,15 +99,15 @@ impl FaultPlan {
             && self.reads_left.fetch_sub(1, Ordering::SeqCst) <= 0
     }
 
-    pub fn lost_writes(&self) -> u64 {
+    pub(crate) fn lost_writes(&self) -> u64 {
         self.lost_writes.load(Ordering::SeqCst)
     }
 
-    pub fn fsyncs(&self) -> u64 {
+    pub(crate) fn fsyncs(&self) -> u64 {
         self.synced.load(Ordering::SeqCst)
     }
 
-    pub fn reads(&self) -> u64 {
+    pub(crate) fn reads(&self) -> u64 {
         self.reads.load(Ordering::SeqCst)
     }
 
@@ -177,7 +177,7 @@ pub(crate) struct FaultyBackend {
 }
 
 impl FaultyBackend {
-    pub fn new(file: File, plan: Arc<FaultPlan>) -> Result<Self, redb::DatabaseError> {
+    pub(crate) fn new(file: File, plan: Arc<FaultPlan>) -> Result<Self, redb::DatabaseError> {
         let synced_len = file.metadata()?.len();
         Ok(FaultyBackend {
             inner: FileBackend::new(file)?,

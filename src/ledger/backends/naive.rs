@@ -20,13 +20,13 @@ fn naive_error(e: impl std::fmt::Display) -> NaiveError {
 }
 
 /// The baseline's one table, in a file of its own.
-pub struct NaiveBaseline {
+pub(crate) struct NaiveBaseline {
     db: Database,
 }
 
 impl NaiveBaseline {
     /// Creates (or opens) the file at `path` with a page cache of `cache_mib` MiB.
-    pub fn create(path: &Path, cache_mib: usize) -> Result<NaiveBaseline, NaiveError> {
+    pub(crate) fn create(path: &Path, cache_mib: usize) -> Result<NaiveBaseline, NaiveError> {
         let db = Database::builder()
             .set_cache_size(cache_mib << 20)
             .create(path)
@@ -38,7 +38,7 @@ impl NaiveBaseline {
     /// measured run, so the run meets a table of that size, as a store that has been in use
     /// for a while would. Sorted and inserted a million at a time without fsync, then made
     /// durable by one empty durable commit: filling is not what is measured.
-    pub fn preload(&self, count: u64, seed: u64) -> Result<(), NaiveError> {
+    pub(crate) fn preload(&self, count: u64, seed: u64) -> Result<(), NaiveError> {
         const CHUNK: u64 = 1 << 20;
         let mut keys: Vec<u128> = (0..count)
             .map(|i| crate::envelope::key_hash(format!("stored-{seed}-{i}").as_bytes()))
@@ -62,7 +62,7 @@ impl NaiveBaseline {
     }
 
     /// Keys in the table.
-    pub fn stored_keys(&self) -> Result<u64, NaiveError> {
+    pub(crate) fn stored_keys(&self) -> Result<u64, NaiveError> {
         use redb::{ReadableDatabase, ReadableTableMetadata};
         let txn = self.db.begin_read().map_err(naive_error)?;
         match txn.open_table(NAIVE) {
@@ -76,7 +76,7 @@ impl NaiveBaseline {
     /// inserted with its fingerprint, and the batch is committed durably before this
     /// returns. Returns how many keys were new (the rest were duplicates), so a run can be
     /// checked against what its traffic must give.
-    pub fn claim_batch(&self, batch: &[(u128, u64)]) -> Result<u64, NaiveError> {
+    pub(crate) fn claim_batch(&self, batch: &[(u128, u64)]) -> Result<u64, NaiveError> {
         let mut txn = self.db.begin_write().map_err(naive_error)?;
         txn.set_durability(Durability::Immediate)
             .map_err(naive_error)?;

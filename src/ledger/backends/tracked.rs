@@ -32,7 +32,7 @@ pub(crate) struct WriteLog {
 
 impl WriteLog {
     /// Starts recording (forgetting anything recorded before).
-    pub fn start(&self) {
+    pub(crate) fn start(&self) {
         let mut r = self.ranges.lock().unwrap_or_else(|p| p.into_inner());
         r.clear();
         self.on.store(true, Ordering::SeqCst);
@@ -40,7 +40,7 @@ impl WriteLog {
 
     /// Stops recording; returns the ranges written since [`WriteLog::start`], sorted and
     /// merged.
-    pub fn stop(&self) -> Vec<(u64, u64)> {
+    pub(crate) fn stop(&self) -> Vec<(u64, u64)> {
         self.on.store(false, Ordering::SeqCst);
         let mut r = std::mem::take(&mut *self.ranges.lock().unwrap_or_else(|p| p.into_inner()));
         r.sort_unstable();
@@ -89,7 +89,7 @@ struct Meeting {
 }
 
 impl Rendezvous {
-    pub fn new(shards: usize, timeout: Duration) -> Rendezvous {
+    pub(crate) fn new(shards: usize, timeout: Duration) -> Rendezvous {
         Rendezvous {
             shards,
             timeout,
@@ -98,7 +98,7 @@ impl Rendezvous {
         }
     }
 
-    pub fn timeout(&self) -> Duration {
+    pub(crate) fn timeout(&self) -> Duration {
         self.timeout
     }
 
@@ -107,7 +107,7 @@ impl Rendezvous {
     /// the timeout passed (`None`: copy nothing). The count is read by the last writer to
     /// arrive, while every writer is paused: a writer that reads it after waking up may
     /// already see another shard's next commit.
-    pub fn meet(&self, commits: &std::sync::atomic::AtomicU64) -> Option<u64> {
+    pub(crate) fn meet(&self, commits: &std::sync::atomic::AtomicU64) -> Option<u64> {
         let deadline = Instant::now() + self.timeout;
         let mut m = self.state.lock().unwrap_or_else(|p| p.into_inner());
         m.arrived += 1;
@@ -145,7 +145,7 @@ pub(crate) struct TrackedBackend<B> {
 }
 
 impl<B> TrackedBackend<B> {
-    pub fn new(inner: B, log: std::sync::Arc<WriteLog>) -> Self {
+    pub(crate) fn new(inner: B, log: std::sync::Arc<WriteLog>) -> Self {
         TrackedBackend { inner, log }
     }
 }

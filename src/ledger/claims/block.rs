@@ -137,7 +137,7 @@ pub(crate) struct BlockWriter {
 
 impl BlockWriter {
     /// Adds a claim; keys must ascend strictly across pushes of one block.
-    pub fn push(&mut self, key: u128, r: &ClaimRecord) {
+    pub(crate) fn push(&mut self, key: u128, r: &ClaimRecord) {
         let life = r.expires_at_ms.wrapping_sub(r.processed_at_ms);
         if self.n == 0 {
             self.base_processed = r.processed_at_ms;
@@ -159,7 +159,7 @@ impl BlockWriter {
     }
 
     /// Whether the block reached its size and should be written.
-    pub fn is_full(&self) -> bool {
+    pub(crate) fn is_full(&self) -> bool {
         self.encoded_len() >= BLOCK_TARGET || self.n >= MAX_ENTRIES
     }
 
@@ -172,7 +172,7 @@ impl BlockWriter {
     }
 
     /// The block's last key and its encoding; the writer starts a new block.
-    pub fn take(&mut self) -> Option<(u128, Vec<u8>)> {
+    pub(crate) fn take(&mut self) -> Option<(u128, Vec<u8>)> {
         if self.n == 0 {
             return None;
         }
@@ -206,7 +206,7 @@ pub(crate) struct ClaimBlock<'a> {
 impl<'a> ClaimBlock<'a> {
     /// Checks the header, the sizes and the key order (lookups binary-search the keys, so a
     /// block out of order must not be read).
-    pub fn parse(b: &'a [u8]) -> Result<ClaimBlock<'a>, BlockDamage> {
+    pub(crate) fn parse(b: &'a [u8]) -> Result<ClaimBlock<'a>, BlockDamage> {
         let (&version, rest) = b.split_first().ok_or(BlockDamage::Empty)?;
         if version != VERSION {
             return Err(BlockDamage::Version(version));
@@ -247,7 +247,7 @@ impl<'a> ClaimBlock<'a> {
 
     /// A block as stored: its row key must be its last key, or a lookup that picked the
     /// row by that key would miss claims (a row moved or a block swapped is damage).
-    pub fn parse_row(row_key: u128, b: &'a [u8]) -> Result<ClaimBlock<'a>, BlockDamage> {
+    pub(crate) fn parse_row(row_key: u128, b: &'a [u8]) -> Result<ClaimBlock<'a>, BlockDamage> {
         let block = Self::parse(b)?;
         let last = block.key(block.n - 1);
         if last != row_key {
@@ -257,18 +257,18 @@ impl<'a> ClaimBlock<'a> {
     }
 
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.n
     }
 
-    pub fn key(&self, i: usize) -> u128 {
+    pub(crate) fn key(&self, i: usize) -> u128 {
         let mut k = [0u8; 16];
         k.copy_from_slice(&self.keys[i * 16..i * 16 + 16]);
         u128::from_le_bytes(k)
     }
 
     /// The record of `key`, if the block holds it.
-    pub fn find(&self, key: u128) -> Result<Option<ClaimRecord>, BlockDamage> {
+    pub(crate) fn find(&self, key: u128) -> Result<Option<ClaimRecord>, BlockDamage> {
         let (mut lo, mut hi) = (0, self.n);
         while lo < hi {
             let mid = (lo + hi) / 2;
@@ -288,7 +288,7 @@ impl<'a> ClaimBlock<'a> {
     }
 
     /// Every entry, in key order; the variable part must be exactly as long as its entries.
-    pub fn entries(&self) -> Result<Vec<(u128, ClaimRecord)>, BlockDamage> {
+    pub(crate) fn entries(&self) -> Result<Vec<(u128, ClaimRecord)>, BlockDamage> {
         let mut out = Vec::with_capacity(self.n);
         let mut pos = 0;
         for i in 0..self.n {

@@ -97,14 +97,14 @@ fn set_blocked(blocks: &mut [Block], h: u64) {
 /// The result is the filter [`GenFilter::from_halves`] builds for the same keys, when
 /// none was dropped; a merge that drops expired claims keeps the size of its inputs.
 #[derive(Debug)]
-pub enum FilterBuilder {
+pub(crate) enum FilterBuilder {
     /// Fewer than 64 keys at most: an exact list, as `from_halves` makes.
     Halves(Vec<u64>),
     Blocked(Box<[Block]>),
 }
 
 impl FilterBuilder {
-    pub fn for_at_most(keys: usize) -> FilterBuilder {
+    pub(crate) fn for_at_most(keys: usize) -> FilterBuilder {
         if keys < 64 {
             FilterBuilder::Halves(Vec::with_capacity(keys))
         } else {
@@ -113,14 +113,14 @@ impl FilterBuilder {
     }
 
     #[inline]
-    pub fn insert(&mut self, key: u128) {
+    pub(crate) fn insert(&mut self, key: u128) {
         match self {
             FilterBuilder::Halves(v) => v.push(half(key)),
             FilterBuilder::Blocked(blocks) => set_blocked(blocks, half(key)),
         }
     }
 
-    pub fn finish(self) -> GenFilter {
+    pub(crate) fn finish(self) -> GenFilter {
         match self {
             FilterBuilder::Halves(v) => GenFilter::from_halves(v),
             FilterBuilder::Blocked(blocks) => GenFilter::Blocked(blocks),
@@ -128,7 +128,7 @@ impl FilterBuilder {
     }
 
     /// Heap bytes held.
-    pub fn memory_bytes(&self) -> usize {
+    pub(crate) fn memory_bytes(&self) -> usize {
         match self {
             FilterBuilder::Halves(v) => v.capacity() * 8,
             FilterBuilder::Blocked(b) => b.len() * 32,
@@ -173,7 +173,7 @@ fn prefetch_read<T>(p: *const T) {
     // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has; a prefetch is a hint
     // that never faults and reads nothing into the program, whatever the address.
     #[cfg(target_arch = "x86_64")]
-    #[allow(unsafe_code)]
+    #[allow(unsafe_code, reason = "a prefetch hint; see SAFETY")]
     unsafe {
         std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
     }
@@ -190,7 +190,7 @@ impl GenFilter {
     /// Builds a filter from the keys' low 64-bit halves (`half`), in any order (sorted in
     /// place: a merge of 8M claims hands over 64 MB, not a 128 MB list of whole keys and a
     /// copy).
-    pub fn from_halves(mut halves: Vec<u64>) -> GenFilter {
+    pub(crate) fn from_halves(mut halves: Vec<u64>) -> GenFilter {
         halves.sort_unstable();
         halves.dedup();
         if halves.len() < 64 {
@@ -237,7 +237,7 @@ impl GenFilter {
     /// its next keys' slots overlaps those misses with the work on the current key. Only a
     /// hint: it reads nothing and changes nothing.
     #[inline]
-    pub fn prefetch(&self, key: u128) {
+    pub(crate) fn prefetch(&self, key: u128) {
         match self {
             GenFilter::Fuse(f) => {
                 let base = f.fingerprints.as_ptr();
@@ -254,7 +254,7 @@ impl GenFilter {
     }
 
     /// Heap bytes held.
-    pub fn memory_bytes(&self) -> usize {
+    pub(crate) fn memory_bytes(&self) -> usize {
         match self {
             GenFilter::Fuse(f) => f.fingerprints.len() * 2,
             GenFilter::Exact(v) => v.len() * 8,
@@ -266,7 +266,7 @@ impl GenFilter {
     /// fuse payload is the descriptor then LE u16s. The checksum is what catches a flipped
     /// bit: a filter that decodes but lost a key would say "certainly absent" for it, and
     /// a redelivery of that key would run again (G2).
-    pub fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut out = vec![FILTER_VERSION];
         match self {
             GenFilter::Fuse(f) => {
@@ -304,7 +304,7 @@ impl GenFilter {
     }
 
     /// Decodes a persisted filter; `Err` means "rebuild it from the table".
-    pub fn decode(b: &[u8]) -> Result<GenFilter, FilterDecodeError> {
+    pub(crate) fn decode(b: &[u8]) -> Result<GenFilter, FilterDecodeError> {
         match b.first() {
             Some(&FILTER_VERSION) => {
                 let body_len = b
@@ -431,7 +431,7 @@ impl GenFilter {
 /// generation's table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum FilterDecodeError {
+pub(crate) enum FilterDecodeError {
     #[error("filter record is truncated")]
     Truncated,
     #[error("filter record fails its checksum")]

@@ -68,61 +68,61 @@ pub(crate) fn map_bytes(map: &KeyMap) -> usize {
 
 /// The generation receiving new claims.
 pub(crate) struct ActiveGen {
-    pub table_id: u64,
-    pub order: u64,
-    pub map: KeyMap,
-    pub next_row: u64,
-    pub created_at_ms: u64,
+    pub(crate) table_id: u64,
+    pub(crate) order: u64,
+    pub(crate) map: KeyMap,
+    pub(crate) next_row: u64,
+    pub(crate) created_at_ms: u64,
 }
 
 /// A full generation being written into its sorted table.
 pub(crate) struct SealingGen {
-    pub table_id: u64,
-    pub order: u64,
-    pub created_at_ms: u64,
+    pub(crate) table_id: u64,
+    pub(crate) order: u64,
+    pub(crate) created_at_ms: u64,
     /// Exact lookups until the sealed table and filter are committed.
-    pub map: Arc<KeyMap>,
+    pub(crate) map: Arc<KeyMap>,
     /// Sorted live entries and filter, once the builder returns them.
-    pub built: Option<(Vec<(u128, ClaimRecord)>, GenFilter)>,
+    pub(crate) built: Option<(Vec<(u128, ClaimRecord)>, GenFilter)>,
     /// Entries of `built` already written.
-    pub pos: usize,
+    pub(crate) pos: usize,
     /// Older log generations folded into this one at recovery; deleted with its log.
-    pub extra_logs: Vec<u64>,
+    pub(crate) extra_logs: Vec<u64>,
 }
 
 /// A sealed generation: sorted table on disk, filter in memory.
 pub(crate) struct SealedGen {
-    pub table_id: u64,
-    pub order: u64,
-    pub count: u64,
-    pub max_expires_ms: u64,
-    pub created_at_ms: u64,
+    pub(crate) table_id: u64,
+    pub(crate) order: u64,
+    pub(crate) count: u64,
+    pub(crate) max_expires_ms: u64,
+    pub(crate) created_at_ms: u64,
     /// Shared with this shard's published presence (`presence.rs`).
-    pub filter: Arc<GenFilter>,
+    pub(crate) filter: Arc<GenFilter>,
 }
 
 /// Merging two adjacent sealed generations into a fresh table, a slice per batch.
 pub(crate) struct MergeJob {
-    pub older: u64,
-    pub newer: u64,
-    pub out_table: u64,
+    pub(crate) older: u64,
+    pub(crate) newer: u64,
+    pub(crate) out_table: u64,
     /// Last key consumed from each input; `None` before the first slice.
-    pub cursor_older: Option<u128>,
-    pub cursor_newer: Option<u128>,
-    pub older_done: bool,
-    pub newer_done: bool,
+    pub(crate) cursor_older: Option<u128>,
+    pub(crate) cursor_newer: Option<u128>,
+    pub(crate) older_done: bool,
+    pub(crate) newer_done: bool,
     /// The output's filter, built as its claims are written.
-    pub filter_builder: Option<FilterBuilder>,
+    pub(crate) filter_builder: Option<FilterBuilder>,
     /// Merged claims not yet written: the block being filled.
-    pub writer: BlockWriter,
-    pub count: u64,
-    pub max_expires_ms: u64,
+    pub(crate) writer: BlockWriter,
+    pub(crate) count: u64,
+    pub(crate) max_expires_ms: u64,
     /// The finished filter, once every claim is written: the next step records it, the
     /// one after finishes the merge.
-    pub filter: Option<GenFilter>,
+    pub(crate) filter: Option<GenFilter>,
     /// Whether the finished filter's `filters_v1` row is written (in an earlier
     /// transaction than the finish; `recover` deletes it with an unfinished output).
-    pub filter_recorded: bool,
+    pub(crate) filter_recorded: bool,
 }
 
 /// Where a lookup found the newest record of a key.
@@ -168,7 +168,7 @@ pub(crate) struct Builder {
 }
 
 impl Builder {
-    pub fn spawn() -> Builder {
+    pub(crate) fn spawn() -> Builder {
         let (tx, rx) = unbounded::<BuildJob>();
         let spawned = std::thread::Builder::new()
             .name("dedupd-builder".into())
@@ -207,7 +207,7 @@ impl Builder {
         Builder { tx }
     }
 
-    pub fn send(&self, job: BuildJob) -> bool {
+    pub(crate) fn send(&self, job: BuildJob) -> bool {
         self.tx.send(job).is_ok()
     }
 }

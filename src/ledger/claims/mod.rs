@@ -26,21 +26,21 @@ use generation::{map_bytes, ActiveGen, Found, MergeJob, SealedGen, SealingGen};
 /// A subscriber's claims on one shard: its generations, the merge in progress and the
 /// current batch's log row.
 pub(crate) struct SubClaims {
-    pub ttl_ms: u64,
-    pub sliding: bool,
-    pub active: Option<ActiveGen>,
-    pub sealing: Option<SealingGen>,
+    pub(crate) ttl_ms: u64,
+    pub(crate) sliding: bool,
+    pub(crate) active: Option<ActiveGen>,
+    pub(crate) sealing: Option<SealingGen>,
     /// Ascending by `order`.
-    pub sealed: Vec<SealedGen>,
-    pub merging: Option<MergeJob>,
-    pub next_order: u64,
+    pub(crate) sealed: Vec<SealedGen>,
+    pub(crate) merging: Option<MergeJob>,
+    pub(crate) next_order: u64,
     /// Claims of the current batch, as a log row being built.
-    pub pending_log: Vec<u8>,
+    pub(crate) pending_log: Vec<u8>,
 }
 
 impl SubClaims {
     /// No generation yet; `pending_log` is an empty log row.
-    pub fn new(pending_log: Vec<u8>) -> SubClaims {
+    pub(crate) fn new(pending_log: Vec<u8>) -> SubClaims {
         SubClaims {
             ttl_ms: 0,
             sliding: false,
@@ -55,7 +55,7 @@ impl SubClaims {
 
     /// Memory lookups, newest generation first.
     #[inline]
-    pub fn find_in_memory(&self, key: u128) -> Found {
+    pub(crate) fn find_in_memory(&self, key: u128) -> Found {
         if let Some(a) = &self.active {
             if let Some(r) = a.map.get(&key) {
                 return Found::Active(*r);
@@ -70,7 +70,7 @@ impl SubClaims {
     }
 
     /// (claims stored, of them in the active generation).
-    pub fn count(&self) -> (u64, u64) {
+    pub(crate) fn count(&self) -> (u64, u64) {
         let active = self.active.as_ref().map_or(0, |a| a.map.len() as u64);
         let sealing = self.sealing.as_ref().map_or(0, |s| s.map.len() as u64);
         let sealed: u64 = self.sealed.iter().map(|g| g.count).sum();
@@ -78,7 +78,7 @@ impl SubClaims {
     }
 
     /// Filters of sealed generations and of a merge in progress.
-    pub fn filter_bytes(&self) -> u64 {
+    pub(crate) fn filter_bytes(&self) -> u64 {
         self.sealed
             .iter()
             .map(|g| g.filter.memory_bytes() as u64)
@@ -91,11 +91,13 @@ impl SubClaims {
     }
 
     /// The sealed generations' filters, for the published presence.
-    pub fn sealed_filters(sealed: &[SealedGen]) -> impl Iterator<Item = Arc<GenFilter>> + '_ {
+    pub(crate) fn sealed_filters(
+        sealed: &[SealedGen],
+    ) -> impl Iterator<Item = Arc<GenFilter>> + '_ {
         sealed.iter().map(|g| g.filter.clone())
     }
 
-    pub fn index_bytes(&self) -> u64 {
+    pub(crate) fn index_bytes(&self) -> u64 {
         let a = self.active.as_ref().map_or(0, |a| map_bytes(&a.map));
         let s = self.sealing.as_ref().map_or(0, |s| {
             map_bytes(&s.map) + s.built.as_ref().map_or(0, |(v, _)| v.capacity() * 48)

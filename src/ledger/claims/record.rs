@@ -34,7 +34,7 @@
 pub const FORMAT_VERSION: u64 = 8;
 
 /// Bytes of an encoded [`ClaimRecord`].
-pub const CLAIM_LEN: usize = 32;
+pub(crate) const CLAIM_LEN: usize = 32;
 
 /// What a claim remembers about a processed `(subscriber, id)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +50,7 @@ pub struct ClaimRecord {
 }
 
 impl ClaimRecord {
-    pub fn encode(&self) -> [u8; CLAIM_LEN] {
+    pub(crate) fn encode(&self) -> [u8; CLAIM_LEN] {
         let mut out = [0u8; CLAIM_LEN];
         out[0..8].copy_from_slice(&self.fingerprint.to_le_bytes());
         out[8..16].copy_from_slice(&self.processed_at_ms.to_le_bytes());
@@ -59,7 +59,7 @@ impl ClaimRecord {
         out
     }
 
-    pub fn decode(b: &[u8; CLAIM_LEN]) -> Self {
+    pub(crate) fn decode(b: &[u8; CLAIM_LEN]) -> Self {
         ClaimRecord {
             fingerprint: read_u64(b, 0),
             processed_at_ms: read_u64(b, 8),
@@ -77,19 +77,19 @@ impl ClaimRecord {
     /// Whether sealing and merging must keep the record: a tombstone is kept until the
     /// claim it shadows would have expired, so that claim can never resurface.
     #[inline]
-    pub fn is_retained(&self, now_ms: u64) -> bool {
+    pub(crate) fn is_retained(&self, now_ms: u64) -> bool {
         self.expires_at_ms > now_ms
     }
 
     /// A record written by `forget`: it shadows older copies of the claim and reads as absent.
     #[inline]
-    pub fn is_tombstone(&self) -> bool {
+    pub(crate) fn is_tombstone(&self) -> bool {
         self.handler_version == TOMBSTONE
     }
 
     /// The newer of two records of one key held by different shards (I2 across shards):
     /// the later `processed_at_ms` wins; on a tie, the first.
-    pub fn newer(a: Option<ClaimRecord>, b: Option<ClaimRecord>) -> Option<ClaimRecord> {
+    pub(crate) fn newer(a: Option<ClaimRecord>, b: Option<ClaimRecord>) -> Option<ClaimRecord> {
         match (a, b) {
             (Some(x), Some(y)) if y.processed_at_ms > x.processed_at_ms => Some(y),
             (Some(x), _) => Some(x),
@@ -98,7 +98,7 @@ impl ClaimRecord {
     }
 
     /// The tombstone that forgets `claim` at `now_ms`.
-    pub fn tombstone_of(claim: &ClaimRecord, now_ms: u64) -> ClaimRecord {
+    pub(crate) fn tombstone_of(claim: &ClaimRecord, now_ms: u64) -> ClaimRecord {
         ClaimRecord {
             fingerprint: claim.fingerprint,
             processed_at_ms: now_ms,
@@ -109,7 +109,7 @@ impl ClaimRecord {
 }
 
 /// `handler_version` of a forgotten claim (no real handler version is all ones).
-pub const TOMBSTONE: u64 = u64::MAX;
+pub(crate) const TOMBSTONE: u64 = u64::MAX;
 
 #[inline]
 fn read_u64(b: &[u8], at: usize) -> u64 {
@@ -139,12 +139,12 @@ impl LogRow {
         buf[1..5].copy_from_slice(&(n as u32).to_le_bytes());
     }
 
-    pub fn is_empty(buf: &[u8]) -> bool {
+    pub(crate) fn is_empty(buf: &[u8]) -> bool {
         buf.len() <= 5
     }
 
     /// Decodes a row; `Err` names what is wrong so corruption is reported, not skipped.
-    pub fn decode(bytes: &[u8]) -> Result<Vec<(u128, ClaimRecord)>, ClaimRowError> {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<(u128, ClaimRecord)>, ClaimRowError> {
         if bytes.len() < 5 {
             return Err(ClaimRowError::LogRowShort(bytes.len()));
         }
@@ -174,7 +174,7 @@ impl LogRow {
 /// never skipped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum ClaimRowError {
+pub(crate) enum ClaimRowError {
     #[error("log row of {0} bytes is too short")]
     LogRowShort(usize),
     #[error("log row version {0} is unknown")]
@@ -189,7 +189,7 @@ pub enum ClaimRowError {
 
 /// Lifecycle of a generation as recorded in the generations table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GenState {
+pub(crate) enum GenState {
     /// Claims live in the log table and the in-memory index.
     Active = 1,
     /// Being written into its sorted table; the log is still the source of truth.
@@ -201,20 +201,20 @@ pub enum GenState {
 /// Metadata of one generation. Layout: `version u8 | state u8 | order u64 | count u64 |
 /// max_expires u64 | created_at u64`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GenMeta {
-    pub state: GenState,
+pub(crate) struct GenMeta {
+    pub(crate) state: GenState,
     /// Recency rank within a subscriber: a higher order supersedes a lower one.
-    pub order: u64,
-    pub count: u64,
-    pub max_expires_ms: u64,
-    pub created_at_ms: u64,
+    pub(crate) order: u64,
+    pub(crate) count: u64,
+    pub(crate) max_expires_ms: u64,
+    pub(crate) created_at_ms: u64,
 }
 
 const GEN_VERSION: u8 = 1;
-pub const GEN_META_LEN: usize = 34;
+pub(crate) const GEN_META_LEN: usize = 34;
 
 impl GenMeta {
-    pub fn encode(&self) -> [u8; GEN_META_LEN] {
+    pub(crate) fn encode(&self) -> [u8; GEN_META_LEN] {
         let mut out = [0u8; GEN_META_LEN];
         out[0] = GEN_VERSION;
         out[1] = self.state as u8;
@@ -225,7 +225,7 @@ impl GenMeta {
         out
     }
 
-    pub fn decode(b: &[u8]) -> Result<Self, ClaimRowError> {
+    pub(crate) fn decode(b: &[u8]) -> Result<Self, ClaimRowError> {
         if b.len() != GEN_META_LEN || b[0] != GEN_VERSION {
             return Err(ClaimRowError::Generation {
                 bytes: b.len(),

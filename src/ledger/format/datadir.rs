@@ -17,17 +17,17 @@ struct Manifest {
 }
 
 /// The manifest file that marks a directory as a dedupd data directory.
-pub const MANIFEST: &str = "dedupd.manifest.json";
+pub(crate) const MANIFEST: &str = "dedupd.manifest.json";
 
 /// Uploaded handler components, one directory per subscriber (`admin::UploadStore`).
-pub const HANDLERS_DIR: &str = "handlers";
+pub(crate) const HANDLERS_DIR: &str = "handlers";
 
 /// The operators' audit log (`admin::Audit`), one JSON line per action.
-pub const AUDIT_LOG: &str = "audit.jsonl";
+pub(crate) const AUDIT_LOG: &str = "audit.jsonl";
 
 /// Reads an existing directory's manifest without changing anything: its format version
 /// and shard count.
-pub fn read_manifest(dir: &Path) -> Result<(u64, usize), LedgerError> {
+pub(crate) fn read_manifest(dir: &Path) -> Result<(u64, usize), LedgerError> {
     let path = dir.join(MANIFEST);
     let bytes = std::fs::read(&path).map_err(|e| data_dir_error(dir, e))?;
     let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| LedgerError::Corrupt {
@@ -44,7 +44,7 @@ pub fn read_manifest(dir: &Path) -> Result<(u64, usize), LedgerError> {
 }
 
 /// The file of shard `index` inside `dir`. Part of the on-disk format.
-pub fn shard_path(dir: &Path, index: usize) -> PathBuf {
+pub(crate) fn shard_path(dir: &Path, index: usize) -> PathBuf {
     dir.join(format!("shard-{index:03}.redb"))
 }
 
@@ -194,7 +194,7 @@ pub(in crate::ledger) fn require_shard_files(dir: &Path, shards: usize) -> Resul
 
 /// Creates `dir` and its missing parents readable by the owner only (0700): data
 /// directories, handler uploads and backups hold payloads.
-pub fn create_private_dir_all(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn create_private_dir_all(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -204,7 +204,7 @@ pub fn create_private_dir_all(dir: &Path) -> std::io::Result<()> {
 
 /// Options that create a file readable by the owner only (0600; an existing file keeps
 /// its mode): shard files, manifests, uploads, the audit log and backups hold payloads.
-pub fn private_file() -> std::fs::OpenOptions {
+pub(crate) fn private_file() -> std::fs::OpenOptions {
     use std::os::unix::fs::OpenOptionsExt;
     let mut o = std::fs::OpenOptions::new();
     o.mode(0o600);
@@ -212,7 +212,7 @@ pub fn private_file() -> std::fs::OpenOptions {
 }
 
 /// Makes the entries of `dir` (files created, renamed or removed in it) durable.
-pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
@@ -239,7 +239,7 @@ fn write_durably(path: &Path, body: &[u8]) -> std::io::Result<()> {
 
 /// Sum of the sizes of the files in `dir` and every directory below it (uploaded handlers,
 /// backups kept inside it), not following symlinks.
-pub fn tree_bytes(dir: &Path) -> u64 {
+pub(crate) fn tree_bytes(dir: &Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
@@ -262,7 +262,7 @@ pub fn tree_bytes(dir: &Path) -> u64 {
 /// Bytes the files of `dir` take on the disk (allocated blocks, as `du` counts them):
 /// less than [`dir_bytes`] where a file has holes, e.g. the part of a shard file redb has
 /// grown but not yet written.
-pub fn dir_allocated_bytes(dir: &Path) -> u64 {
+pub(crate) fn dir_allocated_bytes(dir: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::read_dir(dir)
         .map(|it| {
@@ -275,7 +275,7 @@ pub fn dir_allocated_bytes(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-pub fn dir_bytes(dir: &Path) -> u64 {
+pub(crate) fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|it| {
             it.filter_map(|e| e.ok())

@@ -10,81 +10,82 @@ use crate::ledger::RecordKind;
 // ---- Shard-wide -------------------------------------------------------------------------
 
 /// The keys of [`meta`], and the outcome counters of `records/`.
-pub const META: TableDefinition<&str, u64> = TableDefinition::new("meta_v1");
+pub(crate) const META: TableDefinition<&str, u64> = TableDefinition::new("meta_v1");
 
 /// Keys of the [`META`] table (part of the on-disk format: never rename one).
-pub mod meta {
+pub(crate) mod meta {
     /// The format the file is written in (`record::FORMAT_VERSION`).
-    pub const FORMAT_VERSION: &str = "format_version";
+    pub(crate) const FORMAT_VERSION: &str = "format_version";
     /// Which shard of how many the file is (checked against the manifest at open).
-    pub const SHARD_INDEX: &str = "shard_index";
-    pub const SHARD_COUNT: &str = "shard_count";
+    pub(crate) const SHARD_INDEX: &str = "shard_index";
+    pub(crate) const SHARD_COUNT: &str = "shard_count";
     /// The next ids and sequence numbers to hand out.
-    pub const NEXT_TABLE_ID: &str = "next_table_id";
-    pub const NEXT_QUARANTINE_SEQ: &str = "next_quarantine_seq";
-    pub const NEXT_OUTBOX_SEQ: &str = "next_outbox_seq";
-    pub const NEXT_DEAD_SEQ: &str = "next_dead_seq";
+    pub(crate) const NEXT_TABLE_ID: &str = "next_table_id";
+    pub(crate) const NEXT_QUARANTINE_SEQ: &str = "next_quarantine_seq";
+    pub(crate) const NEXT_OUTBOX_SEQ: &str = "next_outbox_seq";
+    pub(crate) const NEXT_DEAD_SEQ: &str = "next_dead_seq";
     /// Engine time of the last commit (format 8): a clock behind it at open is not
     /// trusted.
-    pub const ENGINE_TIME_MS: &str = "engine_time_ms";
+    pub(crate) const ENGINE_TIME_MS: &str = "engine_time_ms";
 }
 /// Subscriber -> placement mask: the placements its claims in this shard were written
 /// under (`placement.rs`).
-pub const PLACEMENTS: TableDefinition<&str, u8> = TableDefinition::new("placements_v1");
+pub(crate) const PLACEMENTS: TableDefinition<&str, u8> = TableDefinition::new("placements_v1");
 /// Subscriber -> the key source its claims in this shard were made with (JSON, as
 /// [`crate::ledger::key_source_text`] writes it): a change while they live is refused.
-pub const KEY_SOURCES: TableDefinition<&str, &str> = TableDefinition::new("key_sources_v1");
+pub(crate) const KEY_SOURCES: TableDefinition<&str, &str> = TableDefinition::new("key_sources_v1");
 
 // ---- Claims (generations, see `claims/generation.rs`) -------------------------------------------
 
 /// `(subscriber, table id)` -> encoded `GenMeta`.
-pub const GENERATIONS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("generations_v1");
+pub(crate) const GENERATIONS: TableDefinition<(&str, u64), &[u8]> =
+    TableDefinition::new("generations_v1");
 /// `(subscriber, table id)` -> encoded filter of a sealed generation.
-pub const FILTERS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("filters_v1");
+pub(crate) const FILTERS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("filters_v1");
 
 /// Sealed generations of format 6 on: blocks of sorted claims (`claims/block.rs`).
-pub const CLAIMS_PREFIX: &str = "claimblk_v1/";
+pub(crate) const CLAIMS_PREFIX: &str = "claimblk_v1/";
 /// Sealed generations up to format 5, one row per claim; rewritten as blocks on open.
-pub const LEGACY_CLAIMS_PREFIX: &str = "claims_v1/";
-pub const LOG_PREFIX: &str = "claimlog_v1/";
+pub(crate) const LEGACY_CLAIMS_PREFIX: &str = "claims_v1/";
+pub(crate) const LOG_PREFIX: &str = "claimlog_v1/";
 
 /// Sorted claims of one sealed generation: last key of a block -> encoded block of claims.
-pub fn claims_name(subscriber: &str, table_id: u64) -> String {
+pub(crate) fn claims_name(subscriber: &str, table_id: u64) -> String {
     format!("{CLAIMS_PREFIX}{subscriber}/{table_id}")
 }
 
 /// The subscriber and table id of a [`claims_name`].
-pub fn claims_generation(table: &str) -> Option<(&str, u64)> {
+pub(crate) fn claims_generation(table: &str) -> Option<(&str, u64)> {
     let (sub, id) = table.strip_prefix(CLAIMS_PREFIX)?.rsplit_once('/')?;
     Some((sub, id.parse().ok()?))
 }
 
 /// The format-5 table of a sealed generation: key hash -> encoded claim.
-pub fn legacy_claims_name(subscriber: &str, table_id: u64) -> String {
+pub(crate) fn legacy_claims_name(subscriber: &str, table_id: u64) -> String {
     format!("{LEGACY_CLAIMS_PREFIX}{subscriber}/{table_id}")
 }
 
 /// Append-only log of one active generation: batch row number -> packed claims.
-pub fn log_name(subscriber: &str, table_id: u64) -> String {
+pub(crate) fn log_name(subscriber: &str, table_id: u64) -> String {
     format!("{LOG_PREFIX}{subscriber}/{table_id}")
 }
 
-pub type ClaimsTable<'a> = TableDefinition<'a, u128, &'static [u8]>;
-pub type LegacyClaimsTable<'a> = TableDefinition<'a, u128, [u8; CLAIM_LEN]>;
-pub type LogTable<'a> = TableDefinition<'a, u64, &'static [u8]>;
+pub(crate) type ClaimsTable<'a> = TableDefinition<'a, u128, &'static [u8]>;
+pub(crate) type LegacyClaimsTable<'a> = TableDefinition<'a, u128, [u8; CLAIM_LEN]>;
+pub(crate) type LogTable<'a> = TableDefinition<'a, u64, &'static [u8]>;
 
 /// The table of a sealed generation named by [`claims_name`].
-pub fn claims_def(name: &str) -> ClaimsTable<'_> {
+pub(crate) fn claims_def(name: &str) -> ClaimsTable<'_> {
     TableDefinition::new(name)
 }
 
 /// The format-5 table of a sealed generation named by [`legacy_claims_name`].
-pub fn legacy_claims_def(name: &str) -> LegacyClaimsTable<'_> {
+pub(crate) fn legacy_claims_def(name: &str) -> LegacyClaimsTable<'_> {
     TableDefinition::new(name)
 }
 
 /// The table of an active generation's log named by [`log_name`].
-pub fn log_def(name: &str) -> LogTable<'_> {
+pub(crate) fn log_def(name: &str) -> LogTable<'_> {
     TableDefinition::new(name)
 }
 
@@ -94,17 +95,17 @@ type RecordTable = TableDefinition<'static, (&'static str, u64), &'static [u8]>;
 type IndexTable = TableDefinition<'static, (&'static str, u128, u64), u64>;
 
 /// `(subscriber, seq)` -> JSON quarantine record (same id, different payload).
-pub const QUARANTINE: RecordTable = TableDefinition::new("quarantine_v1");
+pub(crate) const QUARANTINE: RecordTable = TableDefinition::new("quarantine_v1");
 /// `(subscriber, seq)` -> JSON dead-letter record with the reason and the message.
-pub const DEAD_LETTERS: RecordTable = TableDefinition::new("deadletters_v1");
+pub(crate) const DEAD_LETTERS: RecordTable = TableDefinition::new("deadletters_v1");
 /// `(subscriber, key hash, fingerprint)` -> seq of the quarantine record kept for that
 /// message.
-pub const QUARANTINE_INDEX: IndexTable = TableDefinition::new("quarantine_index_v1");
+pub(crate) const QUARANTINE_INDEX: IndexTable = TableDefinition::new("quarantine_index_v1");
 /// Same for dead letters.
-pub const DEAD_LETTER_INDEX: IndexTable = TableDefinition::new("dead_letter_index_v1");
+pub(crate) const DEAD_LETTER_INDEX: IndexTable = TableDefinition::new("dead_letter_index_v1");
 
 /// The records of one kind.
-pub fn record_table(kind: RecordKind) -> RecordTable {
+pub(crate) fn record_table(kind: RecordKind) -> RecordTable {
     match kind {
         RecordKind::Quarantine => QUARANTINE,
         RecordKind::DeadLetter => DEAD_LETTERS,
@@ -112,7 +113,7 @@ pub fn record_table(kind: RecordKind) -> RecordTable {
 }
 
 /// The index of the records of one kind.
-pub fn index_table(kind: RecordKind) -> IndexTable {
+pub(crate) fn index_table(kind: RecordKind) -> IndexTable {
     match kind {
         RecordKind::Quarantine => QUARANTINE_INDEX,
         RecordKind::DeadLetter => DEAD_LETTER_INDEX,
@@ -122,66 +123,66 @@ pub fn index_table(kind: RecordKind) -> IndexTable {
 // ---- Outbox (`records/outbox.rs`) ----------------------------------------------------------------
 
 /// Outbox rows: seq -> JSON, relayed after commit (see the Kafka source).
-pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox_v1");
+pub(crate) const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox_v1");
 /// Changelog checkpoints, on shard 0: `<changelog topic>/<partition>` -> an offset before
 /// which every change of the partition is in this data directory (`ledger/changelog.rs`).
-pub const CHANGELOG_CHECKPOINTS: TableDefinition<&str, u64> =
+pub(crate) const CHANGELOG_CHECKPOINTS: TableDefinition<&str, u64> =
     TableDefinition::new("changelog_checkpoints_v1");
 
 // ---- Handler state (`state/`) ------------------------------------------------------------
 
 /// A block table (`state/blocks.rs`) or the row table beside it: key -> block, or key ->
 /// value for a row table.
-pub type BlockDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
+pub(crate) type BlockDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
 /// A subscriber's state log: row number -> encoded effects of one batch.
-pub type StateLogDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
+pub(crate) type StateLogDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
 
 /// Handler key-value state: key -> value, packed into blocks.
-pub fn state_name(sub: &str) -> String {
+pub(crate) fn state_name(sub: &str) -> String {
     format!("state_v2/{sub}")
 }
 
 /// `insert-unique`: marks encoded by [`crate::effects::unique_key`] -> empty value, in
 /// blocks.
-pub fn unique_name(sub: &str) -> String {
+pub(crate) fn unique_name(sub: &str) -> String {
     format!("unique_v2/{sub}")
 }
 
 /// `advance-version`: key -> version (`u64`, little endian), in blocks.
-pub fn versions_name(sub: &str) -> String {
+pub(crate) fn versions_name(sub: &str) -> String {
     format!("versions_v2/{sub}")
 }
 
 /// The row table beside a block table: entries written one row each, for keys that land
 /// sparsely inside the blocks' range (see `state/blocks.rs`, `apply_mixed`).
-pub fn rows_name(block_table: &str) -> String {
+pub(crate) fn rows_name(block_table: &str) -> String {
     block_table.replacen("_v2/", "_v2_rows/", 1)
 }
 
 /// Buffered handler effects, one row per committed batch: row number -> encoded effects
 /// (without outbox messages, which go to `outbox_v1` at once).
-pub fn state_log_name(sub: &str) -> String {
+pub(crate) fn state_log_name(sub: &str) -> String {
     format!("statelog_v1/{sub}")
 }
 
 /// One sorted run of a subscriber's handler state (`state/run.rs`): last key of a block ->
 /// block.
-pub fn state_run_name(sub: &str, table_id: u64) -> String {
+pub(crate) fn state_run_name(sub: &str, table_id: u64) -> String {
     format!("{STATE_RUN_PREFIX}{sub}/{table_id}")
 }
 
-pub const STATE_RUN_PREFIX: &str = "staterun_v1/";
+pub(crate) const STATE_RUN_PREFIX: &str = "staterun_v1/";
 
 /// The runs of a subscriber's handler state: table id -> encoded run metadata and filter
 /// (`state/runs.rs`).
-pub fn state_runs_name(sub: &str) -> String {
+pub(crate) fn state_runs_name(sub: &str) -> String {
     format!("stateruns_v1/{sub}")
 }
 
-pub type StateRunsDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
+pub(crate) type StateRunsDef<'a> = TableDefinition<'a, u64, &'static [u8]>;
 
 /// The subscriber whose format-3 handler state a table holds (runs, run list, log).
-pub fn state_run_subscriber(table: &str) -> Option<&str> {
+pub(crate) fn state_run_subscriber(table: &str) -> Option<&str> {
     if let Some(rest) = table.strip_prefix(STATE_RUN_PREFIX) {
         return rest.rsplit_once('/').map(|(sub, _)| sub);
     }
@@ -193,12 +194,12 @@ pub fn state_run_subscriber(table: &str) -> Option<&str> {
 /// Handler state of the first layout, one redb row per entry (`state_v1/<sub>`,
 /// `unique_v1/<sub>`, `versions_v1/<sub>`): read once, by the upgrade to blocks
 /// (`state/upgrade.rs`), then deleted.
-pub type FirstLayoutStateDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
-pub type FirstLayoutUniqueDef<'a> = TableDefinition<'a, &'static [u8], ()>;
-pub type FirstLayoutVersionsDef<'a> = TableDefinition<'a, &'static str, u64>;
+pub(crate) type FirstLayoutStateDef<'a> = TableDefinition<'a, &'static [u8], &'static [u8]>;
+pub(crate) type FirstLayoutUniqueDef<'a> = TableDefinition<'a, &'static [u8], ()>;
+pub(crate) type FirstLayoutVersionsDef<'a> = TableDefinition<'a, &'static str, u64>;
 
 /// The subscriber whose handler state (any layout) a table holds, if it holds state.
-pub fn state_table_subscriber(table: &str) -> Option<&str> {
+pub(crate) fn state_table_subscriber(table: &str) -> Option<&str> {
     let (kind, sub) = table.split_once('/')?;
     matches!(
         kind,
@@ -220,10 +221,10 @@ pub fn state_table_subscriber(table: &str) -> Option<&str> {
 
 /// The bench's naive baseline (`backends/naive.rs`): key hash -> fingerprint in a 32-byte record.
 /// Lives in its own scratch file, never in a shard file.
-pub const NAIVE: TableDefinition<u128, [u8; 32]> = TableDefinition::new("naive");
+pub(crate) const NAIVE: TableDefinition<u128, [u8; 32]> = TableDefinition::new("naive");
 
 /// A table that was never created reads as absent.
-pub fn missing_is_none<T>(r: Result<T, TableError>) -> Result<Option<T>, redb::Error> {
+pub(crate) fn missing_is_none<T>(r: Result<T, TableError>) -> Result<Option<T>, redb::Error> {
     match r {
         Ok(t) => Ok(Some(t)),
         Err(TableError::TableDoesNotExist(_)) => Ok(None),

@@ -11,17 +11,17 @@ const BACKUP_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ShardCopy {
     /// The file name (`shard-NNN.redb`).
-    pub file: String,
+    pub(crate) file: String,
     pub bytes: u64,
     /// Bytes written to the shard while it was copied, copied again with its writer
     /// paused.
     pub recopied_bytes: u64,
     /// How long the shard's writer paused for the backup (microseconds): waiting for the
     /// other writers to reach a batch boundary, then copying its ranges again.
-    pub writer_paused_us: u64,
+    pub(crate) writer_paused_us: u64,
     /// The part of `writer_paused_us` spent waiting for the other writers.
     #[serde(default)]
-    pub waited_for_shards_us: u64,
+    pub(crate) waited_for_shards_us: u64,
     /// Durable commits of the whole engine (all shards) when this copy was cut: the same
     /// in every shard's copy of one backup, which is what makes it one instant.
     #[serde(default)]

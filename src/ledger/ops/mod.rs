@@ -9,9 +9,9 @@ mod backup;
 mod outbox;
 mod records;
 
-pub use backup::ShardCopy;
+pub(crate) use backup::ShardCopy;
 pub use outbox::{OutboxRelayGuard, OutboxRow};
-pub use records::{RecordKind, RecordPage, StoredRecord, RECORD_PAGE_BYTES};
+pub use records::{RecordKind, StoredRecord};
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -91,7 +91,7 @@ impl Ledger {
 
     /// The changelog checkpoint stored under `key` (`<changelog topic>/<partition>`): an
     /// offset before which every change of that partition is in this data directory.
-    pub fn changelog_checkpoint(&self, key: &str) -> Result<Option<u64>, LedgerError> {
+    pub(crate) fn changelog_checkpoint(&self, key: &str) -> Result<Option<u64>, LedgerError> {
         self.ask(0, |reply| Control::Checkpoint {
             key: key.to_string(),
             reply,
@@ -101,13 +101,17 @@ impl Ledger {
     /// Stores a changelog checkpoint, durably. Call it only once every change before
     /// `offset` is durable here: a checkpoint may lag (a restore then replays more, which
     /// is harmless) but never lead.
-    pub fn set_changelog_checkpoint(&self, key: &str, offset: u64) -> Result<(), LedgerError> {
+    pub(crate) fn set_changelog_checkpoint(
+        &self,
+        key: &str,
+        offset: u64,
+    ) -> Result<(), LedgerError> {
         self.set_changelog_checkpoints(vec![(key.to_string(), offset)])
     }
 
     /// Stores several changelog checkpoints (or values kept beside them) in one
     /// transaction: all of them durable, or none.
-    pub fn set_changelog_checkpoints(
+    pub(crate) fn set_changelog_checkpoints(
         &self,
         entries: Vec<(String, u64)>,
     ) -> Result<(), LedgerError> {

@@ -9,18 +9,18 @@ use super::*;
 pub struct OutboxRow {
     /// `{shard}-{seq}`: pass to [`Ledger::outbox_ack`] once the broker acknowledged it.
     pub id: String,
-    pub subscriber: String,
+    pub(crate) subscriber: String,
     /// Deterministic id derived from the incoming message id (the same on every redelivery).
     pub message_id: String,
     pub topic: String,
-    pub key: Option<String>,
+    pub(crate) key: Option<String>,
     pub headers: Vec<(String, String)>,
     pub payload: Vec<u8>,
     pub written_at_ms: u64,
     /// The changelog partition holding the message's emitted record: the Kafka relay
     /// tombstones it there once the broker acknowledged the message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub changelog_partition: Option<i32>,
+    pub(crate) changelog_partition: Option<i32>,
 }
 
 impl Ledger {
@@ -59,7 +59,7 @@ impl Ledger {
     /// outbox of `subscriber`, except those whose id is pending already (this data
     /// directory wrote them before), and wakes the relay. The shards write equal parts at
     /// the same time, one durable transaction each. Returns how many rows it wrote.
-    pub fn outbox_restore(
+    pub(crate) fn outbox_restore(
         &self,
         subscriber: &str,
         messages: Vec<crate::effects::OutboxMessage>,
@@ -107,7 +107,7 @@ impl Ledger {
     }
 
     /// Outbox rows pending in all shards.
-    pub fn outbox_len(&self) -> Result<u64, LedgerError> {
+    pub(crate) fn outbox_len(&self) -> Result<u64, LedgerError> {
         Ok(self
             .ask_all(|reply| Control::OutboxLen { reply })?
             .into_iter()
@@ -123,26 +123,26 @@ impl Ledger {
     }
 
     /// Whether a Kafka relay consumes the outbox.
-    pub fn outbox_relayed(&self) -> bool {
+    pub(crate) fn outbox_relayed(&self) -> bool {
         self.outbox_relay.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Makes the relay read the outbox now rather than after its poll interval.
-    pub fn wake_outbox_relay(&self) {
+    pub(crate) fn wake_outbox_relay(&self) {
         self.outbox_wakes
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// How many times [`Ledger::wake_outbox_relay`] was called (the relay sleeps while it
     /// does not change).
-    pub fn outbox_wakes(&self) -> u64 {
+    pub(crate) fn outbox_wakes(&self) -> u64 {
         self.outbox_wakes.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Waits until every outbox row pending now has been relayed (and deleted), waking
     /// the relay first, or until `deadline`. Returns the rows waited for and whether they
     /// were all relayed. Rows written meanwhile are not waited for.
-    pub fn wait_outbox_relayed(
+    pub(crate) fn wait_outbox_relayed(
         &self,
         deadline: std::time::Instant,
     ) -> Result<(u64, bool), LedgerError> {

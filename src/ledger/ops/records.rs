@@ -15,7 +15,7 @@ pub enum RecordKind {
 }
 
 impl RecordKind {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             RecordKind::Quarantine => "quarantine",
             RecordKind::DeadLetter => "dead_letter",
@@ -26,24 +26,24 @@ impl RecordKind {
 /// A quarantine or dead-letter record as stored.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct StoredRecord {
-    pub kind: RecordKind,
+    pub(crate) kind: RecordKind,
     /// `{shard}-{seq}`: stable for the record's lifetime.
     pub id: String,
-    pub subscriber: String,
+    pub(crate) subscriber: String,
     /// The stored JSON record (id, key_hash, reason, attempts, headers, payload, origin...).
     pub body: serde_json::Value,
 }
 
 /// Stored bytes of records one page holds at most (beyond its first record): a list of
 /// large records is paged by size as well as by count.
-pub const RECORD_PAGE_BYTES: usize = 1 << 20;
+pub(crate) const RECORD_PAGE_BYTES: usize = 1 << 20;
 
-/// One page of records ([`Ledger::record_page`]).
+/// One page of records (`Ledger::record_page`).
 #[derive(Debug, Clone, Serialize)]
-pub struct RecordPage {
-    pub records: Vec<StoredRecord>,
+pub(crate) struct RecordPage {
+    pub(crate) records: Vec<StoredRecord>,
     /// The id to pass as `after` for the next page; `None`: this was the last.
-    pub next: Option<String>,
+    pub(crate) next: Option<String>,
 }
 
 /// The delivery a stored record replays, and its stored idempotency key (`id` names the
@@ -99,7 +99,7 @@ fn redelivery(
 
 impl Ledger {
     /// Records of one subscriber in id order (shard, then sequence), starting after
-    /// `after`, at most `limit` (see [`Ledger::record_page`], which may return fewer).
+    /// `after`, at most `limit` (see `Ledger::record_page`, which may return fewer).
     pub fn records(
         &self,
         kind: RecordKind,
@@ -127,7 +127,7 @@ impl Ledger {
     /// Read through its own read transaction per shard, on the caller's thread: a page of
     /// large records (payloads up to the line and body limits) never holds up a writer's
     /// batches.
-    pub fn record_page(
+    pub(crate) fn record_page(
         &self,
         kind: RecordKind,
         subscriber: &str,

@@ -42,7 +42,7 @@ use super::{Job, Ledger, LedgerError, Subscriber, SubscriberId};
 
 /// How a message chose its shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Placement {
+pub(crate) enum Placement {
     /// By the idempotency key's hash (no handler).
     #[default]
     ByKey,
@@ -56,18 +56,18 @@ pub enum Placement {
 /// the key source in force and recorded, and what it publishes for the other shards.
 pub(crate) struct SubPlacement {
     /// Whether this batch asks the other shards before deciding "new".
-    pub probe: bool,
+    pub(crate) probe: bool,
     /// Placement bits recorded for this subscriber in this shard's `placements_v1`.
-    pub disk_mask: u8,
+    pub(crate) disk_mask: u8,
     /// Bits of claims written in the current batch, recorded with its commit.
-    pub mask_pending: u8,
+    pub(crate) mask_pending: u8,
     /// The key source in force ([`crate::ledger::key_source_text`]), and the one this
     /// shard's `key_sources_v1` records for the subscriber's claims.
-    pub key_source: Arc<str>,
-    pub key_source_on_disk: Option<Arc<str>>,
+    pub(crate) key_source: Arc<str>,
+    pub(crate) key_source_on_disk: Option<Arc<str>>,
     /// What this shard publishes of the subscriber's records for the other shards, while
     /// they probe for its claims (`presence.rs`).
-    pub presence: Option<presence::PresenceWriter>,
+    pub(crate) presence: Option<presence::PresenceWriter>,
 }
 
 /// Bits of a placement mask: which placements a subscriber's claims were written under.
@@ -107,7 +107,7 @@ pub(crate) fn needs_probe(mask: u8, shards: usize) -> bool {
 impl Ledger {
     /// Chooses the shard that decides a keyed job under its subscriber's placement
     /// (`placement.rs`) and records the placement in the job. `entity` is the partition
-    /// key's text when the subscriber configures one ([`crate::envelope::derive_entity`]);
+    /// key's text when the subscriber configures one (`crate::envelope::derive_entity`);
     /// it matters only to subscribers with a handler.
     pub fn place(&self, sub: &Subscriber, job: &mut Job, entity: Option<String>) -> usize {
         self.place_as(sub, sub.has_handler.load(Ordering::Acquire), job, entity)
@@ -115,7 +115,7 @@ impl Ledger {
 
     /// [`Ledger::place`] with the subscriber's handler flag as the caller read it (when
     /// it derived the entity by that same reading).
-    pub fn place_as(
+    pub(crate) fn place_as(
         &self,
         sub: &Subscriber,
         has_handler: bool,
@@ -255,7 +255,7 @@ impl InFlight {
 
 /// The prefix that scopes an entity's handler state: the entity's text and a NUL byte
 /// (entity keys hold no NUL; [`crate::envelope::derive_entity`] refuses them).
-pub fn entity_scope(entity: &str) -> Vec<u8> {
+pub(crate) fn entity_scope(entity: &str) -> Vec<u8> {
     let mut s = Vec::with_capacity(entity.len() + 1);
     s.extend_from_slice(entity.as_bytes());
     s.push(0);

@@ -15,15 +15,15 @@ fn one() -> u64 {
 
 /// A payload as records keep it: text when it is UTF-8, else base64.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct StoredPayload {
+pub(crate) struct StoredPayload {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub payload: Option<String>,
+    pub(crate) payload: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub payload_base64: Option<String>,
+    pub(crate) payload_base64: Option<String>,
 }
 
 impl StoredPayload {
-    pub fn of(bytes: &[u8]) -> Self {
+    pub(crate) fn of(bytes: &[u8]) -> Self {
         use base64::Engine as _;
         match std::str::from_utf8(bytes) {
             Ok(text) => StoredPayload {
@@ -38,7 +38,7 @@ impl StoredPayload {
     }
 
     /// The payload's bytes as they were given to [`StoredPayload::of`].
-    pub fn bytes(&self) -> Result<Vec<u8>, StoredRecordError> {
+    pub(crate) fn bytes(&self) -> Result<Vec<u8>, StoredRecordError> {
         use base64::Engine as _;
         match (&self.payload, &self.payload_base64) {
             (_, Some(b64)) => Ok(base64::engine::general_purpose::STANDARD.decode(b64)?),
@@ -51,7 +51,7 @@ impl StoredPayload {
 /// Why a stored record (an outbox row, a payload in it) cannot be read back.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum StoredRecordError {
+pub(crate) enum StoredRecordError {
     #[error("payload_base64 is not base64: {0}")]
     Base64(#[from] base64::DecodeError),
     /// The row is not the JSON of its record.
@@ -63,70 +63,70 @@ pub enum StoredRecordError {
 /// are those of the first layout, so existing data directories read unchanged; `count`,
 /// `stored_at_ms` and `last_seen_ms` came later and default when absent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct QuarantineRecord {
-    pub v: u32,
-    pub subscriber: String,
-    pub id: String,
-    pub key_hash: String,
-    pub stored_fingerprint: String,
+pub(crate) struct QuarantineRecord {
+    pub(crate) v: u32,
+    pub(crate) subscriber: String,
+    pub(crate) id: String,
+    pub(crate) key_hash: String,
+    pub(crate) stored_fingerprint: String,
     /// The quarantined payload's fingerprint; with `key_hash`, what repeats are merged by.
-    pub fingerprint: String,
-    pub reason: String,
-    pub received_at_ms: u64,
-    pub key: Option<String>,
-    pub headers: Vec<(String, String)>,
-    pub origin: Option<String>,
+    pub(crate) fingerprint: String,
+    pub(crate) reason: String,
+    pub(crate) received_at_ms: u64,
+    pub(crate) key: Option<String>,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) origin: Option<String>,
     #[serde(flatten)]
-    pub payload: StoredPayload,
+    pub(crate) payload: StoredPayload,
     /// Deliveries this record stands for.
     #[serde(default = "one")]
-    pub count: u64,
+    pub(crate) count: u64,
     #[serde(default)]
-    pub stored_at_ms: u64,
+    pub(crate) stored_at_ms: u64,
     #[serde(default)]
-    pub last_seen_ms: u64,
+    pub(crate) last_seen_ms: u64,
 }
 
 /// A message whose handler gave up. Same compatibility rules as [`QuarantineRecord`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DeadLetterRecord {
-    pub v: u32,
-    pub subscriber: String,
-    pub id: String,
-    pub key_hash: String,
+pub(crate) struct DeadLetterRecord {
+    pub(crate) v: u32,
+    pub(crate) subscriber: String,
+    pub(crate) id: String,
+    pub(crate) key_hash: String,
     /// The payload's fingerprint; with `key_hash`, what repeats are merged by.
     #[serde(default)]
-    pub fingerprint: String,
+    pub(crate) fingerprint: String,
     /// Failure kind (`Failure::kind`).
-    pub kind: String,
-    pub reason: String,
-    pub attempts: u32,
-    pub received_at_ms: u64,
-    pub failed_at_ms: u64,
-    pub key: Option<String>,
-    pub headers: Vec<(String, String)>,
-    pub origin: Option<String>,
+    pub(crate) kind: String,
+    pub(crate) reason: String,
+    pub(crate) attempts: u32,
+    pub(crate) received_at_ms: u64,
+    pub(crate) failed_at_ms: u64,
+    pub(crate) key: Option<String>,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) origin: Option<String>,
     #[serde(flatten)]
-    pub payload: StoredPayload,
+    pub(crate) payload: StoredPayload,
     #[serde(default = "one")]
-    pub count: u64,
+    pub(crate) count: u64,
     #[serde(default)]
-    pub stored_at_ms: u64,
+    pub(crate) stored_at_ms: u64,
     #[serde(default)]
-    pub last_seen_ms: u64,
+    pub(crate) last_seen_ms: u64,
 }
 
 /// A record on its way into a table, with what repeats are merged by.
 #[derive(Debug)]
 pub(crate) struct PendingRecord {
-    pub sub: SubscriberId,
-    pub key: u128,
-    pub fingerprint: u64,
-    pub at_ms: u64,
+    pub(crate) sub: SubscriberId,
+    pub(crate) key: u128,
+    pub(crate) fingerprint: u64,
+    pub(crate) at_ms: u64,
     /// The hash its message was routed by (see [`crate::ledger::changelog::RecordCopy`]).
-    pub route: u128,
+    pub(crate) route: u128,
     /// The encoded record, `count` 1.
-    pub body: Vec<u8>,
+    pub(crate) body: Vec<u8>,
 }
 
 /// The hash `job` was routed to its shard by, under its placement.

@@ -44,7 +44,7 @@ pub(crate) mod outbox;
 
 pub(crate) use layout::{dead_letter, quarantine, unusable_input, with_defaults, PendingRecord};
 use layout::{merge_key, text};
-pub use layout::{StoredPayload, StoredRecordError};
+pub(crate) use layout::{StoredPayload, StoredRecordError};
 
 /// Records removed per kind, subscriber and maintenance step by the retention sweep.
 pub(crate) const SWEEP_ROWS: usize = 64;
@@ -133,24 +133,24 @@ fn travel(
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Shelf {
     /// Records stored on this shard.
-    pub stored: u64,
+    pub(crate) stored: u64,
     /// When the oldest record falls out of the retention (0: unknown, look at the next
     /// maintenance step; `u64::MAX`: no records).
-    pub sweep_due_ms: u64,
+    pub(crate) sweep_due_ms: u64,
 }
 
 /// Both kinds of record of one subscriber on one shard.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct SubRecords {
-    pub quarantine: Shelf,
-    pub dead_letter: Shelf,
+    pub(crate) quarantine: Shelf,
+    pub(crate) dead_letter: Shelf,
     /// Outcomes counted (persisted with the records).
-    pub quarantined: u64,
-    pub dead_lettered: u64,
+    pub(crate) quarantined: u64,
+    pub(crate) dead_lettered: u64,
 }
 
 impl SubRecords {
-    pub fn shelf(&mut self, kind: RecordKind) -> &mut Shelf {
+    pub(crate) fn shelf(&mut self, kind: RecordKind) -> &mut Shelf {
         match kind {
             RecordKind::Quarantine => &mut self.quarantine,
             RecordKind::DeadLetter => &mut self.dead_letter,
@@ -160,9 +160,9 @@ impl SubRecords {
 
 /// What a subscriber's records and outcome counters are on disk.
 pub(crate) struct Loaded {
-    pub records: SubRecords,
-    pub quarantined: u64,
-    pub dead_lettered: u64,
+    pub(crate) records: SubRecords,
+    pub(crate) quarantined: u64,
+    pub(crate) dead_lettered: u64,
 }
 
 /// Up to `limit` records of `subscriber` of one kind with sequence numbers from `from`, as
@@ -233,13 +233,13 @@ pub(crate) fn load_from(txn: &ReadTransaction, subscriber: &str) -> Result<Loade
 /// Retention and cap as they apply on one shard.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
-    pub retention_ms: u64,
+    pub(crate) retention_ms: u64,
     /// Records per subscriber and kind on this shard.
-    pub max_stored: u64,
+    pub(crate) max_stored: u64,
 }
 
 impl Limits {
-    pub fn of(cfg: &LedgerConfig, shards: usize) -> Limits {
+    pub(crate) fn of(cfg: &LedgerConfig, shards: usize) -> Limits {
         Limits {
             retention_ms: cfg.record_retention.as_millis() as u64,
             max_stored: (cfg.max_records_per_subscriber.get() as u64)
@@ -414,7 +414,7 @@ pub(crate) fn store(
 /// without one removes the record kept under it. The copies themselves are not queued
 /// for the changelog again (it holds them); cap evictions are. Returns how many records
 /// were put.
-pub(crate) fn restore(
+pub(super) fn restore(
     txn: &WriteTransaction,
     st: &mut SubState,
     copies: Vec<RecordCopy>,

@@ -18,24 +18,24 @@ use crate::ledger::records::{StoredPayload, StoredRecordError};
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub(crate) struct OutboxRecord {
-    pub v: u32,
-    pub subscriber: String,
+    pub(crate) v: u32,
+    pub(crate) subscriber: String,
     /// Deterministic id derived from the incoming message id.
-    pub id: String,
-    pub topic: String,
-    pub key: Option<String>,
-    pub headers: Vec<(String, String)>,
-    pub written_at_ms: u64,
+    pub(crate) id: String,
+    pub(crate) topic: String,
+    pub(crate) key: Option<String>,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) written_at_ms: u64,
     /// The changelog partition holding the message's emitted record, if any: the relay
     /// tombstones it there once the message is relayed.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub changelog_partition: Option<i32>,
+    pub(crate) changelog_partition: Option<i32>,
     #[serde(flatten)]
-    pub payload: StoredPayload,
+    pub(crate) payload: StoredPayload,
 }
 
 impl OutboxRecord {
-    pub fn of(subscriber: &str, m: &OutboxMessage, now_ms: u64) -> OutboxRecord {
+    pub(crate) fn of(subscriber: &str, m: &OutboxMessage, now_ms: u64) -> OutboxRecord {
         OutboxRecord {
             v: 1,
             subscriber: subscriber.to_string(),
@@ -50,7 +50,7 @@ impl OutboxRecord {
     }
 
     /// Reads a stored row; `Err` says what is wrong with it.
-    pub fn decode(row: &[u8]) -> Result<OutboxRecord, StoredRecordError> {
+    pub(crate) fn decode(row: &[u8]) -> Result<OutboxRecord, StoredRecordError> {
         Ok(serde_json::from_slice(row)?)
     }
 }

@@ -45,7 +45,7 @@ fn counts(f: &Failure) -> bool {
 
 impl Breaker {
     /// `Some(failure)` while the breaker is open: the message is not given to the handler.
-    pub fn refuses(&self, now_ms: u64) -> Option<Failure> {
+    pub(crate) fn refuses(&self, now_ms: u64) -> Option<Failure> {
         match (self.open_until_ms, &self.last) {
             (Some(until), Some(last)) if now_ms < until => Some(Failure::CircuitOpen {
                 failures: self.failures,
@@ -57,7 +57,7 @@ impl Breaker {
     }
 
     /// Takes a call's result into account. `threshold` 0: never opens.
-    pub fn record(
+    pub(crate) fn record(
         &mut self,
         result: Result<(), &Failure>,
         now_ms: u64,
@@ -86,7 +86,7 @@ impl Breaker {
     }
 
     /// Sandbox failures in a row so far.
-    pub fn failures(&self) -> u32 {
+    pub(crate) fn failures(&self) -> u32 {
         self.failures
     }
 }

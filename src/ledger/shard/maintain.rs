@@ -283,7 +283,10 @@ impl Shard {
 
     /// One subscriber's maintenance: its handler state buffer, then sealing, expiry and
     /// merging of its generations. Returns whether it wrote anything.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the parts of one run, passed once"
+    )]
     fn maintain_sub(
         &mut self,
         st: &mut SubState,

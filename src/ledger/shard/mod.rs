@@ -209,35 +209,35 @@ pub(crate) enum Control {
 }
 
 pub(crate) struct ShardContext {
-    pub path: PathBuf,
-    pub index: usize,
-    pub count: usize,
-    pub config: LedgerConfig,
-    pub registry: Arc<Registry>,
-    pub clock: Arc<dyn Clock>,
-    pub poison: Arc<super::poison::Poison>,
-    pub metrics: Arc<Mutex<ShardMetrics>>,
-    pub builder: Builder,
+    pub(crate) path: PathBuf,
+    pub(crate) index: usize,
+    pub(crate) count: usize,
+    pub(crate) config: LedgerConfig,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) poison: Arc<super::poison::Poison>,
+    pub(crate) metrics: Arc<Mutex<ShardMetrics>>,
+    pub(crate) builder: Builder,
     /// Test-only fault injection (see `backends/fault.rs`).
-    pub fault: Option<Arc<crate::ledger::backends::fault::FaultPlan>>,
+    pub(crate) fault: Option<Arc<crate::ledger::backends::fault::FaultPlan>>,
     /// Every shard's peer channel, by index (set before `Ledger::open` returns).
-    pub peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>>,
+    pub(crate) peers: Arc<std::sync::OnceLock<Vec<Sender<PeerMsg>>>>,
     /// Keys being decided with a probe, shared by all shards.
-    pub inflight: Arc<InFlight>,
+    pub(crate) inflight: Arc<InFlight>,
     /// What each shard holds of probing subscribers' claims (`presence.rs`).
-    pub presences: Arc<crate::ledger::placement::presence::Presences>,
+    pub(crate) presences: Arc<crate::ledger::placement::presence::Presences>,
     /// The ranges of the file written while an online backup copies it (`backends/tracked.rs`).
-    pub writes: Arc<crate::ledger::backends::tracked::WriteLog>,
+    pub(crate) writes: Arc<crate::ledger::backends::tracked::WriteLog>,
     /// Durable commits of all shards (shared): what an online backup's copies are cut at.
-    pub engine_commits: Arc<std::sync::atomic::AtomicU64>,
+    pub(crate) engine_commits: Arc<std::sync::atomic::AtomicU64>,
     /// This open created the data directory's manifest: only then is the shard file
     /// created and initialised; otherwise a missing or empty one is refused.
-    pub create: bool,
+    pub(crate) create: bool,
     /// The newest engine time any shard committed (`engine_time_ms`), raised by each
     /// shard as it opens.
-    pub time_mark: Arc<std::sync::atomic::AtomicU64>,
+    pub(crate) time_mark: Arc<std::sync::atomic::AtomicU64>,
     /// Told what the open does (`opening.rs`); dropped once the shard is open.
-    pub observer: Option<crate::ledger::OpenObserver>,
+    pub(crate) observer: Option<crate::ledger::OpenObserver>,
 }
 
 pub(crate) struct Shard {

@@ -15,7 +15,7 @@ impl Shard {
     /// Opens or creates the shard file, checks its format, loads filters, replays logs and
     /// removes leftovers of interrupted sealing or merging. Nothing is accepted before this
     /// returns (G3).
-    pub fn open(ctx: ShardContext) -> Result<Shard, LedgerError> {
+    pub(crate) fn open(ctx: ShardContext) -> Result<Shard, LedgerError> {
         let path = ctx.path.clone();
         let err = |e: redb::Error| storage(&path, e);
         let mut builder = Database::builder();

@@ -77,7 +77,10 @@ impl Shard {
     /// Hands each subscriber's changes of this batch to its changelog; the caller waits
     /// for them before it commits. A refusal stops the shard before anything of the batch
     /// commits.
-    #[allow(clippy::type_complexity)]
+    #[allow(
+        clippy::type_complexity,
+        reason = "used once; a named type would only move it"
+    )]
     pub(super) fn publish_changes(
         &mut self,
     ) -> Result<Vec<(String, Box<dyn Published>)>, LedgerError> {
@@ -95,7 +98,10 @@ impl Shard {
     /// Hands the quarantine and dead-letter records this transaction stored or removed to
     /// their subscribers' changelogs (`records/`, [`RecordCopy`]); the caller waits for
     /// them before it commits, like for the batch's changes.
-    #[allow(clippy::type_complexity)]
+    #[allow(
+        clippy::type_complexity,
+        reason = "used once; a named type would only move it"
+    )]
     pub(super) fn publish_records(
         &mut self,
     ) -> Result<Vec<(String, Box<dyn Published>)>, LedgerError> {
@@ -141,7 +147,10 @@ impl Shard {
 
 /// Hands a subscriber's changes to its changelog sink (none: they go nowhere) and keeps
 /// the acknowledgements to wait for in `out`; a refusal stops the shard.
-#[allow(clippy::type_complexity)]
+#[allow(
+    clippy::type_complexity,
+    reason = "used once; a named type would only move it"
+)]
 fn hand_to_sink(
     st: &SubState,
     changes: &[Change],

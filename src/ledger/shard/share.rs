@@ -80,7 +80,7 @@ pub(crate) struct Shares {
 }
 
 impl Shares {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Shares {
             meters: Vec::new(),
             deferred: VecDeque::new(),
@@ -90,12 +90,12 @@ impl Shares {
         }
     }
 
-    pub fn has_deferred(&self) -> bool {
+    pub(crate) fn has_deferred(&self) -> bool {
         !self.deferred.is_empty()
     }
 
     /// Every set-aside message (when the shard fails).
-    pub fn take_deferred(&mut self) -> impl Iterator<Item = Job> + '_ {
+    pub(crate) fn take_deferred(&mut self) -> impl Iterator<Item = Job> + '_ {
         self.deferred.drain(..)
     }
 
@@ -112,7 +112,7 @@ impl Shares {
     /// Starts a batch: set-aside messages go in front of the new ones, except those of a
     /// subscriber still over its share (and its new ones behind them); with nobody else
     /// waiting, a slice of them.
-    pub fn begin_batch(&mut self, batch: &mut Vec<Job>, now: Instant) {
+    pub(crate) fn begin_batch(&mut self, batch: &mut Vec<Job>, now: Instant) {
         for m in self.meters.iter_mut().flatten() {
             m.blocked = false;
         }
@@ -174,7 +174,7 @@ impl Shares {
     /// over its share, or one of its messages already was.
     /// The clock is read only when it can matter (a subscriber whose handler ran, next to
     /// others): this is asked for every new message.
-    pub fn holds_back(&mut self, idx: usize, now: impl FnOnce() -> Instant) -> bool {
+    pub(crate) fn holds_back(&mut self, idx: usize, now: impl FnOnce() -> Instant) -> bool {
         let Some(m) = self.meter(idx) else {
             return false;
         };
@@ -186,12 +186,12 @@ impl Shares {
     }
 
     /// Sets a message aside, behind the others.
-    pub fn defer(&mut self, job: Job) {
+    pub(crate) fn defer(&mut self, job: Job) {
         self.deferred.push_back(job);
     }
 
     /// Counts a handler call's time.
-    pub fn record_call(&mut self, idx: usize, took: Duration, now: Instant) {
+    pub(crate) fn record_call(&mut self, idx: usize, took: Duration, now: Instant) {
         if self.meters.len() <= idx {
             self.meters.resize(idx + 1, None);
         }

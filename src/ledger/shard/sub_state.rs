@@ -16,21 +16,21 @@ use crate::ledger::SubscriberId;
 
 /// Everything a shard knows about one subscriber.
 pub(crate) struct SubState {
-    pub id: SubscriberId,
-    pub name: Arc<str>,
+    pub(crate) id: SubscriberId,
+    pub(crate) name: Arc<str>,
     /// The subscriber's settings epoch these values were taken from.
-    pub settings_epoch: u64,
-    pub claims: SubClaims,
-    pub records: SubRecords,
-    pub handling: SubHandling,
-    pub placement: SubPlacement,
-    pub changelog: SubChangelog,
+    pub(crate) settings_epoch: u64,
+    pub(crate) claims: SubClaims,
+    pub(crate) records: SubRecords,
+    pub(crate) handling: SubHandling,
+    pub(crate) placement: SubPlacement,
+    pub(crate) changelog: SubChangelog,
 }
 
 impl SubState {
     /// Filters of sealed generations, of a merge in progress, of handler state runs and
     /// of the published presence.
-    pub fn filter_bytes(&self) -> u64 {
+    pub(crate) fn filter_bytes(&self) -> u64 {
         self.claims.filter_bytes()
             + self.handling.state_buf.filter_bytes()
             + self

@@ -17,7 +17,7 @@ impl Shard {
     /// and commits it, sends its outcomes, schedules retries, answers peers and control
     /// requests between batches, and keeps maintenance in the gaps. Returns when told to
     /// stop or when every sender is gone.
-    pub fn run(mut self, rx: Receiver<ShardMsg>, peer_rx: Receiver<PeerMsg>) {
+    pub(crate) fn run(mut self, rx: Receiver<ShardMsg>, peer_rx: Receiver<PeerMsg>) {
         let tick = Duration::from_millis(50);
         loop {
             // Peers first: a probe waiting behind a batch of ours holds the asking shard's

@@ -48,7 +48,7 @@ pub(crate) struct Block<'a> {
 }
 
 impl<'a> Block<'a> {
-    pub fn parse(b: &'a [u8]) -> Result<Block<'a>, StorageError> {
+    pub(crate) fn parse(b: &'a [u8]) -> Result<Block<'a>, StorageError> {
         let n = u32_at(b, 0).ok_or_else(|| corrupt("no header"))?;
         let end = n
             .checked_mul(4)
@@ -62,11 +62,11 @@ impl<'a> Block<'a> {
         })
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.n
     }
 
-    pub fn entry(&self, i: usize) -> Result<(&'a [u8], &'a [u8]), StorageError> {
+    pub(crate) fn entry(&self, i: usize) -> Result<(&'a [u8], &'a [u8]), StorageError> {
         let read = || -> Option<(&'a [u8], &'a [u8])> {
             let at = u32_at(self.offsets, i * 4)?;
             let klen = u32_at(self.data, at)?;
@@ -80,7 +80,7 @@ impl<'a> Block<'a> {
     }
 
     /// Index of `key`, or where it would go (binary search: entries are sorted).
-    pub fn find(&self, key: &[u8]) -> Result<Result<usize, usize>, StorageError> {
+    pub(crate) fn find(&self, key: &[u8]) -> Result<Result<usize, usize>, StorageError> {
         let (mut lo, mut hi) = (0, self.n);
         while lo < hi {
             let mid = (lo + hi) / 2;
@@ -94,7 +94,7 @@ impl<'a> Block<'a> {
     }
 
     #[cfg(test)]
-    pub fn get(&self, key: &[u8]) -> Result<Option<&'a [u8]>, StorageError> {
+    pub(crate) fn get(&self, key: &[u8]) -> Result<Option<&'a [u8]>, StorageError> {
         match self.find(key)? {
             Ok(i) => Ok(Some(self.entry(i)?.1)),
             Err(_) => Ok(None),
@@ -102,7 +102,9 @@ impl<'a> Block<'a> {
     }
 
     #[cfg(test)]
-    pub fn entries(self) -> impl Iterator<Item = Result<(&'a [u8], &'a [u8]), StorageError>> {
+    pub(crate) fn entries(
+        self,
+    ) -> impl Iterator<Item = Result<(&'a [u8], &'a [u8]), StorageError>> {
         (0..self.n).map(move |i| self.entry(i))
     }
 }

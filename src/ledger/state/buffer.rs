@@ -48,7 +48,7 @@ impl Buffered {
     }
 
     /// Entries (what the freeze threshold counts).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.state.len() + self.uniques.len() + self.versions.len()
     }
 }
@@ -61,10 +61,10 @@ pub(super) fn lock(active: &Mutex<Buffered>) -> MutexGuard<'_, Buffered> {
 
 /// What [`StateBuffer::stats`] counts.
 pub(crate) struct StateStats {
-    pub runs: u64,
-    pub run_entries: u64,
-    pub buffered: u64,
-    pub retired_runs: u64,
+    pub(crate) runs: u64,
+    pub(crate) run_entries: u64,
+    pub(crate) buffered: u64,
+    pub(crate) retired_runs: u64,
 }
 
 /// A subscriber's handler state on one shard: effects not yet in a run, and the runs.
@@ -73,24 +73,24 @@ pub(crate) struct StateBuffer {
     /// Effects of batches committed since the last freeze, and of the current batch's
     /// calls so far: shared with the batch's view, which writes each call's effects into
     /// it as the call succeeds (`view.rs`). Locked only by the shard's own thread.
-    pub active: Arc<Mutex<Buffered>>,
+    pub(crate) active: Arc<Mutex<Buffered>>,
     /// A frozen buffer being written as a run, a slice per batch.
-    pub frozen: Option<Frozen>,
+    pub(crate) frozen: Option<Frozen>,
     /// First log row not yet deleted.
-    pub first_row: u64,
+    pub(crate) first_row: u64,
     /// First log row not covered by a run: rows before it are deleted a few at a time by
     /// later maintenance (deleting a whole buffer's rows with its run's registration held
     /// that transaction for 10-30 ms), and a restart replays only rows from here on. Kept
     /// in the run list (`Runs::log_from`), in the transaction that registers the run.
-    pub live_from: u64,
+    pub(crate) live_from: u64,
     /// Next log row to write.
-    pub next_row: u64,
+    pub(crate) next_row: u64,
     /// The sorted runs, newest first.
-    pub runs: Runs,
+    pub(crate) runs: Runs,
 }
 
 pub(crate) struct Frozen {
-    pub effects: Arc<Buffered>,
+    pub(crate) effects: Arc<Buffered>,
     /// Marks, versions and hashed state in key order, for writing: sorted on a thread of
     /// their own (the state entries of an ordered buffer are written meanwhile), since
     /// sorting a buffer's marks held the writer for 15-30 ms.
@@ -199,12 +199,12 @@ enum Cursor {
 impl StateBuffer {
     /// Rebuilds the buffer from the subscriber's log (rows left by a crash or a stop) and
     /// loads its runs.
-    pub fn load(db: &Database, sub: &str) -> Result<StateBuffer, redb::Error> {
+    pub(crate) fn load(db: &Database, sub: &str) -> Result<StateBuffer, redb::Error> {
         StateBuffer::load_from(&db.begin_read()?, sub)
     }
 
     /// [`StateBuffer::load`] through a read transaction (also of a read-only handle).
-    pub fn load_from(txn: &ReadTransaction, sub: &str) -> Result<StateBuffer, redb::Error> {
+    pub(crate) fn load_from(txn: &ReadTransaction, sub: &str) -> Result<StateBuffer, redb::Error> {
         let runs = Runs::load(txn, sub)?;
         let mut buf = StateBuffer {
             live_from: runs.log_from,
@@ -241,22 +241,22 @@ impl StateBuffer {
     }
 
     /// Whether nothing is buffered.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.frozen.is_none() && self.active_len() == 0
     }
 
     /// Entries in the active buffer.
-    pub fn active_len(&self) -> usize {
+    pub(crate) fn active_len(&self) -> usize {
         lock(&self.active).len()
     }
 
     /// Whether maintenance has work: a frozen buffer, a full active one, or runs to merge.
-    pub fn has_work(&self, threshold: usize) -> bool {
+    pub(crate) fn has_work(&self, threshold: usize) -> bool {
         self.frozen.is_some() || self.active_len() >= threshold || self.runs.has_work(threshold)
     }
 
     /// Runs, their entries, buffered entries and retired runs, for reports.
-    pub fn stats(&self) -> StateStats {
+    pub(crate) fn stats(&self) -> StateStats {
         StateStats {
             runs: self.runs.list.len() as u64,
             run_entries: self.runs.list.iter().map(|r| r.entries).sum(),
@@ -267,13 +267,13 @@ impl StateBuffer {
     }
 
     /// Heap bytes of the runs' filters.
-    pub fn filter_bytes(&self) -> u64 {
+    pub(crate) fn filter_bytes(&self) -> u64 {
         self.runs.filter_bytes() + self.frozen.as_ref().map_or(0, |f| f.writer.filter_bytes())
     }
 
     /// Writes one batch's log row, whose effects its view already wrote into the active
     /// buffer.
-    pub fn append_row(
+    pub(crate) fn append_row(
         &mut self,
         txn: &WriteTransaction,
         sub: &str,
@@ -288,7 +288,7 @@ impl StateBuffer {
     /// Writes one batch's effects as a log row and adds them to the active buffer (what a
     /// view and [`StateBuffer::append_row`] do call by call).
     #[cfg(test)]
-    pub fn append(
+    pub(crate) fn append(
         &mut self,
         txn: &WriteTransaction,
         sub: &str,
@@ -301,7 +301,7 @@ impl StateBuffer {
 
     /// Writes the whole buffer as a run in `txn` and does no merge work: a state read
     /// (dump, count) calls this before it reads; a merge due goes on in later slices.
-    pub fn flush_all(
+    pub(crate) fn flush_all(
         &mut self,
         db: &Database,
         txn: &WriteTransaction,
@@ -325,7 +325,7 @@ impl StateBuffer {
     ///
     /// The merge goes first: it reads its inputs through a read snapshot, so it must only
     /// ever see runs committed by earlier transactions, never one this call just finished.
-    pub fn maintain(
+    pub(crate) fn maintain(
         &mut self,
         db: &Database,
         txn: &WriteTransaction,

@@ -143,7 +143,7 @@ impl CoverBits {
 
     /// Adds the key of run-key hash `hash`.
     #[inline]
-    pub fn insert(&self, hash: u64) {
+    pub(crate) fn insert(&self, hash: u64) {
         let (block, mask) = self.slot(hash);
         for (w, m) in block.0.iter().zip(mask) {
             w.fetch_or(m, Ordering::Relaxed);
@@ -153,7 +153,7 @@ impl CoverBits {
 
     /// `false`: no run of this cover holds the key.
     #[inline]
-    pub fn may_contain(&self, hash: u64) -> bool {
+    pub(crate) fn may_contain(&self, hash: u64) -> bool {
         let (block, mask) = self.slot(hash);
         block
             .0
@@ -200,7 +200,7 @@ impl Default for Covers {
 impl Covers {
     /// Covers whose new members start at `keys` keys of capacity, so tests see them fill.
     #[cfg(test)]
-    pub fn with_min_capacity(keys: u64) -> Covers {
+    pub(crate) fn with_min_capacity(keys: u64) -> Covers {
         Covers {
             list: Vec::new(),
             next_id: 0,
@@ -213,7 +213,7 @@ impl Covers {
     /// (`total`: a merge's output replaces its inputs, a flush adds its entries), the one
     /// it replaces folded to what its runs hold (`entries` of a run's table id). `None`
     /// past [`MAX_COVERS`].
-    pub fn for_writer(
+    pub(crate) fn for_writer(
         &mut self,
         expected: u64,
         total: u64,
@@ -250,7 +250,7 @@ impl Covers {
 
     /// The cover holding every key of all `runs`, if one does (its id: a merge of them
     /// inserts nothing, so its output may join a folded copy).
-    pub fn shared_by(&self, runs: &[Arc<Run>]) -> Option<u64> {
+    pub(crate) fn shared_by(&self, runs: &[Arc<Run>]) -> Option<u64> {
         let first = runs.first()?;
         let c = self
             .list
@@ -264,14 +264,14 @@ impl Covers {
     /// Records that `bits` holds every key of run `table_id`, written through it. Nothing
     /// when the cover was dropped or folded meanwhile (a folded copy lacks what was
     /// inserted after the fold).
-    pub fn add_written(&mut self, bits: &Arc<CoverBits>, table_id: u64) {
+    pub(crate) fn add_written(&mut self, bits: &Arc<CoverBits>, table_id: u64) {
         if let Some(c) = self.list.iter_mut().find(|c| Arc::ptr_eq(&c.bits, bits)) {
             c.runs.insert(table_id);
         }
     }
 
     /// Records that cover `id` holds every key of run `table_id`, a merge of runs it held.
-    pub fn add_merged(&mut self, id: u64, table_id: u64) {
+    pub(crate) fn add_merged(&mut self, id: u64, table_id: u64) {
         if let Some(c) = self.list.iter_mut().find(|c| c.bits.id == id) {
             c.runs.insert(table_id);
         }
@@ -279,7 +279,7 @@ impl Covers {
 
     /// Forgets runs that are gone (merged into another), dropping every cover left without
     /// runs but the newest (a writer may be filling it).
-    pub fn remove(&mut self, table_ids: impl IntoIterator<Item = u64>) {
+    pub(crate) fn remove(&mut self, table_ids: impl IntoIterator<Item = u64>) {
         for id in table_ids {
             for c in &mut self.list {
                 c.runs.remove(&id);
@@ -295,7 +295,7 @@ impl Covers {
 
     /// What a reader of `runs` (a snapshot of the list, taken with this) needs.
     /// Only covers that hold a run of the snapshot are in it: each costs a probe.
-    pub fn view(&self, runs: &[Arc<Run>]) -> CoverView {
+    pub(crate) fn view(&self, runs: &[Arc<Run>]) -> CoverView {
         let mut view = CoverView::default();
         let mut index = [u8::MAX; MAX_COVERS];
         for r in runs {
@@ -312,13 +312,13 @@ impl Covers {
     }
 
     /// Heap bytes of the covers' bits.
-    pub fn heap_bytes(&self) -> u64 {
+    pub(crate) fn heap_bytes(&self) -> u64 {
         self.list.iter().map(|c| c.bits.heap_bytes()).sum()
     }
 
     /// Runs covered.
     #[cfg(test)]
-    pub fn covered(&self) -> usize {
+    pub(crate) fn covered(&self) -> usize {
         self.list.iter().map(|c| c.runs.len()).sum()
     }
 }
@@ -334,7 +334,7 @@ pub(crate) struct CoverView {
 impl CoverView {
     /// Which runs of the snapshot certainly do not hold the key of run-key hash `hash`:
     /// call the result with a run's position in the list.
-    pub fn absent(&self, hash: u64) -> impl Fn(usize) -> bool + '_ {
+    pub(crate) fn absent(&self, hash: u64) -> impl Fn(usize) -> bool + '_ {
         let mut no = 0u64;
         for (i, b) in self.bits.iter().enumerate() {
             if !b.may_contain(hash) {

@@ -53,7 +53,7 @@ impl RowWriter {
     }
 
     /// A state write (`None`: delete).
-    pub fn state(&mut self, key: &[&[u8]], value: Option<&[u8]>) {
+    pub(crate) fn state(&mut self, key: &[&[u8]], value: Option<&[u8]>) {
         let out = self.key(STATE, key);
         match value {
             Some(v) => {
@@ -65,17 +65,17 @@ impl RowWriter {
         }
     }
 
-    pub fn unique(&mut self, mark: &[&[u8]]) {
+    pub(crate) fn unique(&mut self, mark: &[&[u8]]) {
         self.key(UNIQUES, mark);
     }
 
-    pub fn version(&mut self, key: &[&[u8]], version: u64) {
+    pub(crate) fn version(&mut self, key: &[&[u8]], version: u64) {
         self.key(VERSIONS, key)
             .extend_from_slice(&version.to_le_bytes());
     }
 
     /// The row; `None` when nothing was written.
-    pub fn finish(self) -> Option<Vec<u8>> {
+    pub(crate) fn finish(self) -> Option<Vec<u8>> {
         if self.counts == [0; 3] {
             return None;
         }

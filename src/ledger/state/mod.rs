@@ -55,26 +55,26 @@ use view::RunTables;
 /// A subscriber's handler on one shard: the instance, its retry policy and circuit
 /// breaker (`shard/breaker.rs`), the current batch's view and the state buffer.
 pub(crate) struct SubHandling {
-    pub max_attempts: u32,
-    pub retry_backoff: std::time::Duration,
-    pub max_backoff: std::time::Duration,
+    pub(crate) max_attempts: u32,
+    pub(crate) retry_backoff: std::time::Duration,
+    pub(crate) max_backoff: std::time::Duration,
     /// `handler_breaker_failures` and `_cooldown` in ms (see `shard/breaker.rs`).
-    pub breaker_threshold: u32,
-    pub breaker_cooldown_ms: u64,
+    pub(crate) breaker_threshold: u32,
+    pub(crate) breaker_cooldown_ms: u64,
     /// The handler's circuit breaker on this shard; a new handler starts closed.
-    pub breaker: crate::ledger::shard::breaker::Breaker,
+    pub(crate) breaker: crate::ledger::shard::breaker::Breaker,
     /// The handler instance of this shard, if the subscriber has one.
-    pub handler: Option<ShardHandler>,
+    pub(crate) handler: Option<ShardHandler>,
     /// What handlers read during the current batch (opened on first use); it collects
     /// the effects of the batch's successful messages, written at commit.
-    pub view: Option<Box<dyn crate::effects::StateReader>>,
+    pub(crate) view: Option<Box<dyn crate::effects::StateReader>>,
     /// Handler effects committed (in the state log) but not yet in the sorted tables.
-    pub state_buf: StateBuffer,
+    pub(crate) state_buf: StateBuffer,
 }
 
 impl SubHandling {
     /// No handler yet; `state_buf` as loaded.
-    pub fn new(state_buf: StateBuffer) -> SubHandling {
+    pub(crate) fn new(state_buf: StateBuffer) -> SubHandling {
         SubHandling {
             max_attempts: 1,
             retry_backoff: std::time::Duration::ZERO,
@@ -91,8 +91,8 @@ impl SubHandling {
 
 /// A subscriber's handler as instantiated on one shard.
 pub(crate) struct ShardHandler {
-    pub factory: Arc<dyn HandlerFactory>,
-    pub instance: Box<dyn MessageHandler>,
+    pub(crate) factory: Arc<dyn HandlerFactory>,
+    pub(crate) instance: Box<dyn MessageHandler>,
 }
 
 /// All state entries of a subscriber in one shard file, in key order. The buffer must be

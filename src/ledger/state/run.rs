@@ -178,7 +178,7 @@ pub(crate) struct BlockCursor<'a> {
 }
 
 impl<'a> BlockCursor<'a> {
-    pub fn new(data: &'a [u8]) -> BlockCursor<'a> {
+    pub(crate) fn new(data: &'a [u8]) -> BlockCursor<'a> {
         BlockCursor {
             data,
             at: 0,
@@ -187,8 +187,11 @@ impl<'a> BlockCursor<'a> {
     }
 
     /// The next entry: its key (valid until the next call) and value (`None`: tombstone).
-    #[allow(clippy::type_complexity)]
-    pub fn next_entry(&mut self) -> Result<Option<(&[u8], Option<&'a [u8]>)>, StorageError> {
+    #[allow(
+        clippy::type_complexity,
+        reason = "used once; a named type would only move it"
+    )]
+    pub(crate) fn next_entry(&mut self) -> Result<Option<(&[u8], Option<&'a [u8]>)>, StorageError> {
         if self.at >= self.data.len() {
             return Ok(None);
         }
@@ -299,10 +302,10 @@ pub(crate) struct RunWriter {
 /// What a finished run holds: its filter, entries and bytes written, and the cover that
 /// holds every key of it, if any.
 pub(crate) struct Written {
-    pub filter: BloomFilter,
-    pub entries: u64,
-    pub bytes: u64,
-    pub cover: Option<Arc<CoverBits>>,
+    pub(crate) filter: BloomFilter,
+    pub(crate) entries: u64,
+    pub(crate) bytes: u64,
+    pub(crate) cover: Option<Arc<CoverBits>>,
 }
 
 impl RunWriter {
@@ -310,7 +313,7 @@ impl RunWriter {
     /// stores its blocks zstd-compressed. Compressing costs CPU on every write of the
     /// run and every block read, so the callers use it for the runs that hold most of
     /// the state and are rewritten least (see `runs.rs`).
-    pub fn new(expected: u64, compress: bool) -> RunWriter {
+    pub(crate) fn new(expected: u64, compress: bool) -> RunWriter {
         RunWriter {
             block: Vec::with_capacity(BLOCK_TARGET + 256),
             compressor: compress
@@ -328,24 +331,24 @@ impl RunWriter {
     }
 
     /// The same writer inserting every key it writes into `cover` too.
-    pub fn covered_by(mut self, cover: Option<Arc<CoverBits>>) -> RunWriter {
+    pub(crate) fn covered_by(mut self, cover: Option<Arc<CoverBits>>) -> RunWriter {
         debug_assert_eq!(self.entries, 0, "a cover must see every key of the run");
         self.cover = cover;
         self
     }
 
     /// Entries written so far.
-    pub fn entries(&self) -> u64 {
+    pub(crate) fn entries(&self) -> u64 {
         self.entries
     }
 
     /// Heap bytes of its filter.
-    pub fn filter_bytes(&self) -> u64 {
+    pub(crate) fn filter_bytes(&self) -> u64 {
         (self.filter.num_bits() / 8) as u64
     }
 
     /// Appends one entry; keys must come in strictly ascending order.
-    pub fn push(
+    pub(crate) fn push(
         &mut self,
         t: &mut Table<&'static [u8], &'static [u8]>,
         key: &[u8],
@@ -425,7 +428,7 @@ impl RunWriter {
 
     /// Writes the block being filled now, so the table holds every entry pushed so far:
     /// a merge does this at the end of each slice, before it frees what it consumed.
-    pub fn flush_block(
+    pub(crate) fn flush_block(
         &mut self,
         t: &mut Table<&'static [u8], &'static [u8]>,
     ) -> Result<(), StorageError> {
@@ -435,7 +438,7 @@ impl RunWriter {
     /// A writer that carries on a run already written up to its last block (a merge
     /// interrupted by a restart): its filter, counts and last key are rebuilt by reading
     /// the table once.
-    pub fn resume<T: ReadableTable<&'static [u8], &'static [u8]>>(
+    pub(crate) fn resume<T: ReadableTable<&'static [u8], &'static [u8]>>(
         t: &T,
         expected: u64,
         compress: bool,
@@ -458,7 +461,7 @@ impl RunWriter {
     }
 
     /// Writes the last block.
-    pub fn finish(
+    pub(crate) fn finish(
         mut self,
         t: &mut Table<&'static [u8], &'static [u8]>,
     ) -> Result<Written, StorageError> {
@@ -502,7 +505,7 @@ pub(crate) struct RunScan {
 
 impl RunScan {
     #[cfg(test)]
-    pub fn new(
+    pub(crate) fn new(
         t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
         kind: u8,
         from: &[u8],
@@ -511,7 +514,7 @@ impl RunScan {
     }
 
     /// Every entry from run key `from` on, keys whole.
-    pub fn all(
+    pub(crate) fn all(
         t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
         from: &[u8],
     ) -> Result<RunScan, StorageError> {
@@ -520,7 +523,7 @@ impl RunScan {
 
     /// The entries of `kind` (every entry when `None`) with run keys from `from` up to
     /// `until` (excluded; no end when `None`).
-    pub fn between(
+    pub(crate) fn between(
         t: &ReadOnlyTable<&'static [u8], &'static [u8]>,
         kind: Option<u8>,
         from: Vec<u8>,
@@ -600,7 +603,7 @@ pub(crate) struct Merge<I: Iterator<Item = Result<Entry, StorageError>>> {
 }
 
 impl<I: Iterator<Item = Result<Entry, StorageError>>> Merge<I> {
-    pub fn new(mut sources: Vec<I>) -> Result<Merge<I>, StorageError> {
+    pub(crate) fn new(mut sources: Vec<I>) -> Result<Merge<I>, StorageError> {
         let heads = sources
             .iter_mut()
             .map(|s| s.next().transpose())

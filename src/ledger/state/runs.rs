@@ -66,23 +66,23 @@ const MAX_FILTER_HASHES: u32 = 32;
 
 /// One run: its table, its age and its filter.
 pub(crate) struct Run {
-    pub table_id: u64,
+    pub(crate) table_id: u64,
     /// Higher is newer: the flush that wrote it, or the newest of the runs merged into it.
-    pub order: u64,
-    pub entries: u64,
+    pub(crate) order: u64,
+    pub(crate) entries: u64,
     /// Bytes of its blocks and block keys.
-    pub bytes: u64,
+    pub(crate) bytes: u64,
     filter: BloomFilter,
 }
 
 impl Run {
     /// `false`: the key is certainly not in this run.
     #[inline]
-    pub fn may_contain(&self, hash: u64) -> bool {
+    pub(crate) fn may_contain(&self, hash: u64) -> bool {
         self.filter.contains_hash(hash)
     }
 
-    pub fn filter_bytes(&self) -> u64 {
+    pub(crate) fn filter_bytes(&self) -> u64 {
         (self.filter.num_bits() / 8) as u64
     }
 
@@ -188,17 +188,17 @@ fn decode_progress(b: &[u8]) -> Option<Progress> {
 /// its inputs, and keys before `resume` are read from the output table `out_id` instead.
 #[derive(Clone)]
 pub(crate) struct Partial {
-    pub at: usize,
-    pub inputs: usize,
-    pub out_id: u64,
-    pub resume: Vec<u8>,
+    pub(crate) at: usize,
+    pub(crate) inputs: usize,
+    pub(crate) out_id: u64,
+    pub(crate) resume: Vec<u8>,
 }
 
 /// The runs of a subscriber on one shard.
 #[derive(Default)]
 pub(crate) struct Runs {
     /// Newest first.
-    pub list: Vec<Arc<Run>>,
+    pub(crate) list: Vec<Arc<Run>>,
     next_id: u64,
     next_order: u64,
     /// Tables no longer read: a merge's inputs, and partial runs of an interrupted flush or
@@ -208,9 +208,9 @@ pub(crate) struct Runs {
     retired: VecDeque<String>,
     merging: Option<Merging>,
     /// The first state log row no run covers, as stored ([`LOG_FROM_ROW`]).
-    pub log_from: u64,
+    pub(crate) log_from: u64,
     /// Filters over the keys of many runs (`cover.rs`), in memory only.
-    pub covers: Covers,
+    pub(crate) covers: Covers,
 }
 
 fn corrupt(what: String) -> redb::Error {
@@ -220,7 +220,7 @@ fn corrupt(what: String) -> redb::Error {
 impl Runs {
     /// Loads the run list and filters from the metadata table, and notes run tables no
     /// metadata row names (left by a crash mid-write).
-    pub fn load(txn: &ReadTransaction, sub: &str) -> Result<Runs, redb::Error> {
+    pub(crate) fn load(txn: &ReadTransaction, sub: &str) -> Result<Runs, redb::Error> {
         let mut runs = Runs::default();
         let mut progress = None;
         if let Some(t) = missing_is_none(txn.open_table(StateRunsDef::new(&state_runs_name(sub))))?
@@ -281,7 +281,10 @@ impl Runs {
 
     /// Picks up a merge a restart interrupted: its inputs must still be listed, adjacent,
     /// and its output's written blocks are read once to rebuild the writer.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the parts of one run, passed once"
+    )]
     fn resume_merge(
         &self,
         txn: &ReadTransaction,
@@ -328,7 +331,7 @@ impl Runs {
     }
 
     /// The merge in progress as readers of the last commit see it.
-    pub fn partial(&self) -> Option<Partial> {
+    pub(crate) fn partial(&self) -> Option<Partial> {
         let m = self.merging.as_ref()?;
         if m.resume.is_empty() {
             return None;
@@ -346,18 +349,18 @@ impl Runs {
     }
 
     /// Retired tables not yet deleted.
-    pub fn retired_len(&self) -> usize {
+    pub(crate) fn retired_len(&self) -> usize {
         self.retired.len()
     }
 
-    pub fn filter_bytes(&self) -> u64 {
+    pub(crate) fn filter_bytes(&self) -> u64 {
         self.list.iter().map(|r| r.filter_bytes()).sum::<u64>()
             + self.merging.as_ref().map_or(0, |m| m.writer.filter_bytes())
             + self.covers.heap_bytes()
     }
 
     /// A fresh table id and the order of a new flush (newer than every run).
-    pub fn next_flush(&mut self) -> (u64, u64) {
+    pub(crate) fn next_flush(&mut self) -> (u64, u64) {
         let ids = (self.next_id, self.next_order);
         self.next_id += 1;
         self.next_order += 1;
@@ -365,7 +368,7 @@ impl Runs {
     }
 
     /// Whether maintenance has run work to do.
-    pub fn has_work(&self, base: usize) -> bool {
+    pub(crate) fn has_work(&self, base: usize) -> bool {
         !self.retired.is_empty() || self.merging.is_some() || pick(&self.list, base).is_some()
     }
 
@@ -373,7 +376,7 @@ impl Runs {
     /// nothing), writing its metadata row in `txn`.
     /// Records the first state log row no run covers, in the transaction that registers
     /// the run covering the rows before it.
-    pub fn set_log_from(
+    pub(crate) fn set_log_from(
         &mut self,
         txn: &WriteTransaction,
         sub: &str,
@@ -385,7 +388,7 @@ impl Runs {
         Ok(())
     }
 
-    pub fn add_flushed(
+    pub(crate) fn add_flushed(
         &mut self,
         txn: &WriteTransaction,
         sub: &str,
@@ -405,7 +408,7 @@ impl Runs {
 
     /// A writer for a flushed run of about `expected` entries, inserting into the newest
     /// cover.
-    pub fn flush_writer(&mut self, expected: u64) -> RunWriter {
+    pub(crate) fn flush_writer(&mut self, expected: u64) -> RunWriter {
         RunWriter::new(expected, false).covered_by(self.cover_for(expected, expected))
     }
 
@@ -423,7 +426,7 @@ impl Runs {
     }
 
     /// The covers as of the current run list, for a reader that snapshots it.
-    pub fn cover_view(&self) -> CoverView {
+    pub(crate) fn cover_view(&self) -> CoverView {
         self.covers.view(&self.list)
     }
 
@@ -431,7 +434,7 @@ impl Runs {
     /// writes one slice of it (at most `budget` entries). Returns the work done, in entries
     /// (a block removed from a retired table counts as [`ENTRIES_PER_BLOCK`]); 0 when it
     /// wrote nothing.
-    pub fn maintain(
+    pub(crate) fn maintain(
         &mut self,
         db: &Database,
         txn: &WriteTransaction,

@@ -43,21 +43,21 @@ impl Clone for StateMap {
 
 impl StateMap {
     /// An empty map of the same kind: an ordered buffer's successor starts ordered.
-    pub fn empty_like(&self) -> StateMap {
+    pub(crate) fn empty_like(&self) -> StateMap {
         match self {
             StateMap::Hashed(_) => StateMap::default(),
             StateMap::Ordered(_) => StateMap::Ordered(BTreeMap::new()),
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             StateMap::Hashed(m) => m.len(),
             StateMap::Ordered(m) => m.len(),
         }
     }
 
-    pub fn get(&self, key: &[u8]) -> Option<&Value> {
+    pub(crate) fn get(&self, key: &[u8]) -> Option<&Value> {
         match self {
             StateMap::Hashed(m) => m.get(key),
             StateMap::Ordered(m) => m.get(key),
@@ -65,7 +65,7 @@ impl StateMap {
     }
 
     /// Sets `key` (a later write wins).
-    pub fn insert(&mut self, key: Vec<u8>, value: Value) {
+    pub(crate) fn insert(&mut self, key: Vec<u8>, value: Value) {
         match self {
             StateMap::Hashed(m) => {
                 m.insert(key, value);
@@ -76,18 +76,18 @@ impl StateMap {
         }
     }
 
-    pub fn extend(&mut self, entries: impl IntoIterator<Item = (Vec<u8>, Value)>) {
+    pub(crate) fn extend(&mut self, entries: impl IntoIterator<Item = (Vec<u8>, Value)>) {
         for (k, v) in entries {
             self.insert(k, v);
         }
     }
 
-    pub fn is_ordered(&self) -> bool {
+    pub(crate) fn is_ordered(&self) -> bool {
         matches!(self, StateMap::Ordered(_))
     }
 
     /// Puts the entries in key order, from now on (a scan of a hashed buffer).
-    pub fn make_ordered(&mut self) {
+    pub(crate) fn make_ordered(&mut self) {
         if let StateMap::Hashed(m) = self {
             let entries = std::mem::take(m);
             *self = StateMap::Ordered(entries.into_iter().collect());
@@ -97,7 +97,7 @@ impl StateMap {
     /// The entries whose key starts with `prefix`, in key order. A hashed map collects and
     /// sorts them (the views make a scanned active buffer ordered first; a frozen one is
     /// shared and stays as it is for the few batches until it is written).
-    pub fn prefixed<'a>(&'a self, prefix: &'a [u8]) -> Vec<(&'a Vec<u8>, &'a Value)> {
+    pub(crate) fn prefixed<'a>(&'a self, prefix: &'a [u8]) -> Vec<(&'a Vec<u8>, &'a Value)> {
         match self {
             StateMap::Ordered(m) => m
                 .range::<[u8], _>((
@@ -115,7 +115,7 @@ impl StateMap {
     }
 
     /// The entry at `index` of a hashed map (`None` past its end, or for an ordered map).
-    pub fn at(&self, index: usize) -> Option<(&Vec<u8>, &Value)> {
+    pub(crate) fn at(&self, index: usize) -> Option<(&Vec<u8>, &Value)> {
         match self {
             StateMap::Hashed(m) => m.get_index(index),
             StateMap::Ordered(_) => None,
@@ -123,7 +123,7 @@ impl StateMap {
     }
 
     /// The ordered map's entries after `after` (from the first with `None`).
-    pub fn ordered_after<'a>(
+    pub(crate) fn ordered_after<'a>(
         &'a self,
         after: Option<&'a [u8]>,
     ) -> impl Iterator<Item = (&'a Vec<u8>, &'a Value)> + 'a {

@@ -114,7 +114,11 @@ pub(crate) struct BatchView {
 }
 
 impl BatchView {
-    pub fn open(db: &Database, sub: &str, buffer: &StateBuffer) -> Result<BatchView, redb::Error> {
+    pub(crate) fn open(
+        db: &Database,
+        sub: &str,
+        buffer: &StateBuffer,
+    ) -> Result<BatchView, redb::Error> {
         Ok(BatchView {
             runs: RunTables::open(db, sub, buffer)?,
             active: buffer.active.clone(),

@@ -4,7 +4,7 @@
 //! 2M messages cannot be produced up front. Each phase therefore produces its `messages`
 //! generated OrderPlaced events (fixed seed, `dup_rate` redeliveries; record key = order
 //! id, header `message-id` = event id) to its own 4-partition topic *while* it consumes,
-//! the producer never more than [`WINDOW`] messages ahead of the consumer. Both phases
+//! the producer never more than `WINDOW` messages ahead of the consumer. Both phases
 //! carry the same producer load on the same machine:
 //!
 //! 1. Baseline: a plain rdkafka consumer reads every message (no processing, no offsets).
@@ -77,52 +77,52 @@ impl KafkaBenchParams {
 /// Progress of a phase.
 #[derive(Debug, Clone, Copy)]
 pub struct BenchProgress {
-    pub phase: &'static str,
-    pub done: u64,
-    pub total: u64,
-    pub elapsed: Duration,
+    pub(crate) phase: &'static str,
+    pub(crate) done: u64,
+    pub(crate) total: u64,
+    pub(crate) elapsed: Duration,
 }
 
 /// The figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct KafkaBenchReport {
-    pub params: KafkaBenchParams,
-    pub baseline_msgs_per_sec: f64,
-    pub baseline_s: f64,
-    pub engine_msgs_per_sec: f64,
-    pub engine_s: f64,
+    pub(crate) params: KafkaBenchParams,
+    pub(crate) baseline_msgs_per_sec: f64,
+    pub(crate) baseline_s: f64,
+    pub(crate) engine_msgs_per_sec: f64,
+    pub(crate) engine_s: f64,
     /// engine / baseline.
-    pub ratio: f64,
-    pub processed: u64,
-    pub duplicate: u64,
-    pub quarantined: u64,
-    pub dead_lettered: u64,
+    pub(crate) ratio: f64,
+    pub(crate) processed: u64,
+    pub(crate) duplicate: u64,
+    pub(crate) quarantined: u64,
+    pub(crate) dead_lettered: u64,
     /// Produce timestamp -> offset stored in phase 2 (includes the producer's lead).
-    pub backlog_p99_ms: f64,
+    pub(crate) backlog_p99_ms: f64,
     /// Live phase: rate produced and latency from produce timestamp to offset stored.
-    pub live_rate: f64,
-    pub live_p50_ms: f64,
-    pub live_p99_ms: f64,
-    pub live_max_ms: f64,
+    pub(crate) live_rate: f64,
+    pub(crate) live_p50_ms: f64,
+    pub(crate) live_p99_ms: f64,
+    pub(crate) live_max_ms: f64,
     /// With `--changelog`: partition 0 restored alone into an empty data directory (a
     /// member taking it over), then the others; every restored claim is checked.
-    pub takeover_changes: u64,
-    pub takeover_s: f64,
-    pub restore_changes: u64,
-    pub restore_s: f64,
-    pub restore_changes_per_sec: f64,
+    pub(crate) takeover_changes: u64,
+    pub(crate) takeover_s: f64,
+    pub(crate) restore_changes: u64,
+    pub(crate) restore_s: f64,
+    pub(crate) restore_changes_per_sec: f64,
     /// Why the restore phase did not run (with `--changelog`).
-    pub restore_skipped: Option<String>,
+    pub(crate) restore_skipped: Option<String>,
     /// Tombstones the engine phase sent for expired claims (with `--changelog --ttl`).
-    pub changelog_tombstones: u64,
+    pub(crate) changelog_tombstones: u64,
     /// Snapshot records compaction published for the handler state of expired claims.
-    pub changelog_snapshots: u64,
+    pub(crate) changelog_snapshots: u64,
 }
 
 /// Most messages the producer may be ahead of the consumer: in the engine phase, of the
 /// offsets stored, so even a paused partition stays well inside the mock broker's 5 MB
 /// per partition (about 8k messages per partition on average).
-pub const WINDOW: u64 = 32_768;
+pub(crate) const WINDOW: u64 = 32_768;
 
 impl std::fmt::Display for KafkaBenchParams {
     /// The line `dedupd kafka-bench` starts with.
@@ -386,7 +386,10 @@ fn baseline(
 }
 
 /// Runs the Kafka source on `topic` until `total` offsets are stored.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the parts of one run, passed once"
+)]
 fn engine(
     ledger: &Arc<Ledger>,
     kafka: &KafkaConfig,

@@ -14,7 +14,7 @@ use super::{KafkaConfig, KafkaConfigError, KafkaError};
 /// without OpenSSL) when a client is created, so this needs no broker and opens no connection; whether the
 /// brokers are reachable is not checked. An error names the field:
 /// `kafka.options."NAME": ...`.
-pub fn check_clients(kafka: &KafkaConfig) -> Result<(), KafkaError> {
+pub(crate) fn check_clients(kafka: &KafkaConfig) -> Result<(), KafkaError> {
     for sub in &kafka.subscriptions {
         unconnected(super::consumer::consumer_config(kafka, sub))
             .create::<BaseConsumer>()

@@ -67,19 +67,19 @@ const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a compaction pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Compacted {
+pub(crate) struct Compacted {
     /// Records read.
-    pub read: u64,
+    pub(crate) read: u64,
     /// Records of expired claims given a tombstone.
-    pub tombstones: u64,
+    pub(crate) tombstones: u64,
     /// Snapshot records published for the handler state those records wrote.
-    pub snapshots: u64,
+    pub(crate) snapshots: u64,
     /// Expired claims kept because their record carries handler state that cannot be
     /// snapshotted (see the module's doc).
-    pub kept_with_state: u64,
+    pub(crate) kept_with_state: u64,
     /// Records of emitted messages given a tombstone with their claim's record (no relay
     /// had tombstoned them). Not counted in `tombstones`.
-    pub emitted: u64,
+    pub(crate) emitted: u64,
 }
 
 impl std::ops::AddAssign for Compacted {
@@ -94,16 +94,16 @@ impl std::ops::AddAssign for Compacted {
 
 /// What a compactor needs to publish snapshots: the ledger that owns the state and the
 /// partitions this member owns.
-pub struct Snapshots {
-    pub ledger: Arc<Ledger>,
-    pub sub: Arc<Subscriber>,
+pub(crate) struct Snapshots {
+    pub(crate) ledger: Arc<Ledger>,
+    pub(crate) sub: Arc<Subscriber>,
     /// The changelog partitions of the input partitions this member owns.
-    pub owned: Arc<Mutex<Vec<i32>>>,
+    pub(crate) owned: Arc<Mutex<Vec<i32>>>,
     /// Held by a snapshot round of a partition, and by a revoke while it takes partitions
     /// out of `owned`.
-    pub gate: Arc<Mutex<()>>,
+    pub(crate) gate: Arc<Mutex<()>>,
     /// How long a round waits for its snapshots to be published and committed.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
 }
 
 /// Expired records of one partition waiting to be settled.
@@ -137,7 +137,7 @@ impl Settling {
 }
 
 /// Compacts the partitions of one changelog topic.
-pub struct Compactor {
+pub(crate) struct Compactor {
     consumer: BaseConsumer,
     producer: Arc<ChangelogProducer>,
     topic: String,
@@ -147,7 +147,7 @@ pub struct Compactor {
 
 impl Compactor {
     /// A compactor of `topic`; without `snapshots`, records with handler state are kept.
-    pub fn new(
+    pub(crate) fn new(
         kafka: &KafkaConfig,
         producer: Arc<ChangelogProducer>,
         topic: String,
@@ -174,7 +174,7 @@ impl Compactor {
 
     /// One pass over `partitions` at wall-clock time `now_ms` (see the module's doc).
     /// Stops early, with what it committed so far, when `stop` is set.
-    pub fn pass(
+    pub(crate) fn pass(
         &self,
         partitions: &[i32],
         now_ms: u64,
@@ -446,7 +446,7 @@ impl Compactor {
 
 /// The compaction thread of one subscription: a pass over the partitions this member owns
 /// every `compaction_interval`.
-pub struct CompactionThread {
+pub(crate) struct CompactionThread {
     stop: Arc<AtomicBool>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
@@ -454,7 +454,7 @@ pub struct CompactionThread {
 impl CompactionThread {
     /// Starts compacting. `owned` is kept current by the consumer (the changelog
     /// partitions of the input partitions it holds); `count` is given what each pass did.
-    pub fn spawn(
+    pub(crate) fn spawn(
         compactor: Compactor,
         subscriber: Arc<str>,
         interval: Duration,

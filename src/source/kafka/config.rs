@@ -24,7 +24,7 @@ const MANAGED_OPTIONS: &[&str] = &[
 /// Where a consumer group without committed offsets starts reading.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum StartPosition {
+pub(crate) enum StartPosition {
     /// The oldest retained message.
     #[default]
     Earliest,
@@ -47,13 +47,13 @@ impl StartPosition {
 #[serde(deny_unknown_fields)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`: comma-separated `host:port` list.
-    pub brokers: String,
+    pub(crate) brokers: String,
     /// Consumer group of subscriptions that name none.
     #[serde(default = "default_group")]
-    pub group: String,
+    pub(crate) group: String,
     /// Where a group without committed offsets starts: `earliest` or `latest`.
     #[serde(default)]
-    pub start: StartPosition,
+    pub(crate) start: StartPosition,
     /// Topic that receives dead-lettered and rejected messages (none: they stay in the
     /// ledger only).
     #[serde(default)]
@@ -61,7 +61,7 @@ pub struct KafkaConfig {
     /// Messages of one partition in flight (received, outcome not yet durable) before the
     /// partition is paused; it resumes at half.
     #[serde(default = "default_max_in_flight")]
-    pub max_in_flight_per_partition: NonZeroUsize,
+    pub(crate) max_in_flight_per_partition: NonZeroUsize,
     /// How often stored offsets are committed to the group coordinator.
     #[serde(default = "default_commit_interval", with = "humantime_serde")]
     pub commit_interval: Duration,
@@ -74,13 +74,13 @@ pub struct KafkaConfig {
     /// Raw librdkafka options for every client (security passthrough: `security.protocol`,
     /// `sasl.*`, `ssl.*`, `client.id`, ...). Options dedupd manages are refused.
     #[serde(default)]
-    pub options: BTreeMap<String, String>,
+    pub(crate) options: BTreeMap<String, String>,
     /// The outbox relay.
     #[serde(default)]
     pub outbox: OutboxRelayConfig,
     /// Where subscriptions with `changelog = true` publish (see [`ChangelogConfig`]).
     #[serde(default)]
-    pub changelog: ChangelogConfig,
+    pub(crate) changelog: ChangelogConfig,
     /// Topics -> subscriber; one consumer group member per subscription.
     #[serde(rename = "subscription", default)]
     pub subscriptions: Vec<SubscriptionConfig>,
@@ -110,12 +110,12 @@ pub struct SubscriptionConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct OutboxRelayConfig {
     /// Run the relay.
-    pub enabled: bool,
+    pub(crate) enabled: bool,
     /// Pause between polls of the outbox when it was empty.
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
     /// Rows produced per round (acknowledged as one batch).
-    pub batch: NonZeroUsize,
+    pub(crate) batch: NonZeroUsize,
 }
 
 impl Default for OutboxRelayConfig {
@@ -131,32 +131,32 @@ impl Default for OutboxRelayConfig {
 /// `[kafka.changelog]`: the topics of subscriptions with `changelog = true`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct ChangelogConfig {
+pub(crate) struct ChangelogConfig {
     /// Topics are named `<prefix>-<subscriber>-changelog`.
-    pub prefix: String,
+    pub(crate) prefix: String,
     /// Replication factor of a changelog topic dedupd creates (-1: the broker's default).
-    pub replication_factor: i32,
+    pub(crate) replication_factor: i32,
     /// How long a batch waits for the changelog's acknowledgements before the ledger stops.
     #[serde(with = "humantime_serde")]
-    pub publish_timeout: Duration,
+    pub(crate) publish_timeout: Duration,
     /// How long restoring newly assigned partitions may take before the subscription stops.
     /// The restore runs inside the consumer's poll (the rebalance callback), so it must
     /// end within `max.poll.interval.ms` or the member leaves the group.
     #[serde(with = "humantime_serde")]
-    pub restore_timeout: Duration,
+    pub(crate) restore_timeout: Duration,
     /// How often the checkpoints of owned partitions move (a restart after a crash
     /// replays the changelog from the last one).
     #[serde(with = "humantime_serde")]
-    pub checkpoint_interval: Duration,
+    pub(crate) checkpoint_interval: Duration,
     /// How often the partitions this member owns are compacted: the handler state every
     /// expired claim wrote is published again as snapshots, then its record gets a
     /// tombstone, so the broker's log cleaner can drop it.
     #[serde(with = "humantime_serde")]
-    pub compaction_interval: Duration,
+    pub(crate) compaction_interval: Duration,
     /// How long past its expiry a claim waits for its tombstone: a margin for clocks that
     /// differ between members (a restore skips a claim its own clock says has expired).
     #[serde(with = "humantime_serde")]
-    pub expiry_grace: Duration,
+    pub(crate) expiry_grace: Duration,
 }
 
 impl Default for ChangelogConfig {
@@ -209,13 +209,13 @@ impl KafkaConfig {
     }
 
     /// The group a subscription joins.
-    pub fn group_of<'a>(&'a self, sub: &'a SubscriptionConfig) -> &'a str {
+    pub(crate) fn group_of<'a>(&'a self, sub: &'a SubscriptionConfig) -> &'a str {
         sub.group.as_deref().unwrap_or(&self.group)
     }
 
     /// Checks the section against the rest of the config (subscribers must be keyable from
     /// a Kafka record).
-    pub fn validate(&self, config: &Config) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self, config: &Config) -> Result<(), ConfigError> {
         if self.brokers.trim().is_empty() {
             return Err(invalid("kafka.brokers", "must name at least one host:port"));
         }

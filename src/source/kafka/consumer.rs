@@ -67,14 +67,14 @@ const BURST: usize = 2048;
 #[derive(Debug, Default)]
 pub struct SourceStats {
     /// Messages received from Kafka.
-    pub received: AtomicU64,
+    pub(crate) received: AtomicU64,
     /// Messages whose offsets were stored (outcome durable, dead letters delivered).
     pub released: AtomicU64,
     pub processed: AtomicU64,
     pub duplicate: AtomicU64,
-    pub quarantined: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub rejected: AtomicU64,
+    pub(crate) quarantined: AtomicU64,
+    pub(crate) dead_lettered: AtomicU64,
+    pub(crate) rejected: AtomicU64,
     /// Partitions revoked from this member, and revocations whose drain timed out.
     pub revoked_partitions: AtomicU64,
     pub revoke_drain_timeouts: AtomicU64,
@@ -83,26 +83,26 @@ pub struct SourceStats {
     /// share claims, processes again what this member processed after it.
     pub revoke_commit_failures: AtomicU64,
     /// Offsets stored (calls to `store_offsets`).
-    pub offset_stores: AtomicU64,
+    pub(crate) offset_stores: AtomicU64,
     /// Partitions currently assigned to this member.
-    pub assigned_partitions: AtomicU64,
+    pub(crate) assigned_partitions: AtomicU64,
     /// Rebalances after which another member of the group held partitions of a subscribed
     /// topic: instances do not share claims, so a partition that moves is processed again
     /// (docs/kafka.md, "Without a changelog: one instance per consumer group"). Not
     /// counted with a changelog.
     pub shared_group_rebalances: AtomicU64,
     /// Changes replayed from the changelog into the ledger on assignment (`changelog = true`).
-    pub restored_changes: AtomicU64,
+    pub(crate) restored_changes: AtomicU64,
     /// Emitted messages a restore found in the changelog with no relay's tombstone and put
     /// back into this member's outbox.
-    pub restored_emitted: AtomicU64,
+    pub(crate) restored_emitted: AtomicU64,
     /// Quarantine and dead-letter records a restore found in the changelog and put into
     /// this member's ledger.
-    pub restored_records: AtomicU64,
+    pub(crate) restored_records: AtomicU64,
     /// Tombstones produced to the changelog for the records of expired claims.
-    pub changelog_tombstones: AtomicU64,
+    pub(crate) changelog_tombstones: AtomicU64,
     /// Snapshot records produced by changelog compaction.
-    pub changelog_snapshots: AtomicU64,
+    pub(crate) changelog_snapshots: AtomicU64,
 }
 
 /// What was kept of a message that may still go to the dead-letter topic.

@@ -5,14 +5,19 @@
 //! (structured: `source`/`id` in a JSON payload; binary: `ce_source`/`ce_id` headers).
 //! The payload fingerprint is over the record's raw bytes: a Kafka redelivery is
 //! byte-identical. Header values are bytes too: a key read from headers is hashed over
-//! the raw bytes (its text, shown to operators and handlers, is [`text_of`] them), so two
+//! the raw bytes (its text, shown to operators and handlers, is `text_of` them), so two
 //! ids that differ only in bytes that are not UTF-8 stay two messages.
 
 use serde_json::Value;
 
 use crate::config::{KeySource, SubscriberSettings};
-use crate::envelope::{cloudevents_hash, key_hash, Envelope, IdempotencyKey};
-use crate::source::delivery::{key_delivery, Delivery, Keying, Payload, RouteError, Target};
+use crate::envelope::{cloudevents_hash, key_hash, Envelope};
+use crate::source::delivery::{Delivery, Payload, Target};
+#[cfg(test)]
+use crate::{
+    envelope::IdempotencyKey,
+    source::delivery::{key_delivery, Keying, RouteError},
+};
 
 /// The parts of a record key extraction looks at.
 #[derive(Debug, Clone, Copy)]
@@ -24,18 +29,19 @@ pub struct RecordView<'a> {
     pub headers: &'a [(&'a str, &'a [u8])],
 }
 
-/// A keyed record: idempotency key and entity (see [`crate::envelope::derive_entity`]).
+/// A keyed record: idempotency key and entity (see `crate::envelope::derive_entity`).
+#[cfg(test)]
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Keyed {
-    pub key: IdempotencyKey,
-    pub entity: Option<String>,
+pub(crate) struct Keyed {
+    pub(crate) key: IdempotencyKey,
+    pub(crate) entity: Option<String>,
     /// The record key as text (the job's partition key).
-    pub partition_key: Option<String>,
+    pub(crate) partition_key: Option<String>,
 }
 
 /// The record as a delivery for `subscriber`: the record key is the partition key, header
-/// values and the record key become text with [`text_of`], the value is handed on as the
-/// bytes sent ([`Payload::Bytes`]).
+/// values and the record key become text with `text_of`, the value is handed on as the
+/// bytes sent (`Payload::Bytes`).
 pub fn delivery(record: &RecordView<'_>, subscriber: Target) -> Delivery {
     let partition_key = record.key.filter(|k| !k.is_empty()).map(text_of);
     Delivery {
@@ -55,7 +61,7 @@ pub fn delivery(record: &RecordView<'_>, subscriber: Target) -> Delivery {
 /// state they then shared. A NUL never starts UTF-8 text a partition key may hold
 /// ([`crate::envelope::derive_entity`] refuses it), so such a key is refused as an entity
 /// with a reason instead of being merged with another.
-pub fn text_of(bytes: &[u8]) -> String {
+pub(crate) fn text_of(bytes: &[u8]) -> String {
     match std::str::from_utf8(bytes) {
         Ok(text) => text.to_string(),
         Err(_) => {
@@ -73,8 +79,9 @@ pub fn text_of(bytes: &[u8]) -> String {
 
 /// Derives the idempotency key and routing hash of a record, or the reason it has none
 /// (the record is then dead-lettered as `rejected`). The consumer routes records with
-/// [`crate::source::delivery::route`], keyed the same way.
-pub fn key_record(
+/// [`crate::source::delivery::route`], keyed the same way; the tests key records with this.
+#[cfg(test)]
+pub(crate) fn key_record(
     record: &RecordView<'_>,
     settings: &SubscriberSettings,
 ) -> Result<Keyed, RouteError> {

@@ -5,14 +5,14 @@
 //!   flush-before-revoke, backpressure by pausing partitions, dead-letter topic
 //!   (`consumer.rs`; in `consumer/`: the subscription's thread `run.rs`, the changelog
 //!   side `changelog.rs`, `dead_letter.rs`). [`keying`] derives a record's key and routing
-//!   hash, [`OffsetTracker`] holds each partition's watermark.
+//!   hash, `OffsetTracker` holds each partition's watermark.
 //! - [`changelog`] (`changelog = true`): claims and handler state that follow their
 //!   partitions between members — the record format, the producer with its fences, the
-//!   topic, restore and checkpoints (`changelog/`); [`compaction`] snapshots state and
+//!   topic, restore and checkpoints (`changelog/`); `compaction` snapshots state and
 //!   tombstones the records of expired claims.
-//! - [`outbox`](run_relay): relays handler outbox rows with an idempotent producer.
+//! - `outbox`: relays handler outbox rows with an idempotent producer.
 //! - [`DevBroker`]: librdkafka's mock cluster for development and tests.
-//! - [`check_clients`]: the options checked by creating the clients, without connecting.
+//! - `check_clients`: the options checked by creating the clients, without connecting.
 //! - `logging.rs`: librdkafka's log lines and errors at a bounded rate; broker
 //!   reachability goes to `/readyz` through `crate::source::readiness`.
 //! - [`bench`](mod@bench): consume-only baseline against consume -> dedup -> handler -> offsets.
@@ -26,7 +26,7 @@ pub mod bench;
 mod broker;
 pub mod changelog;
 mod check;
-pub mod compaction;
+pub(crate) mod compaction;
 mod config;
 mod consumer;
 pub mod keying;
@@ -42,16 +42,13 @@ use rdkafka::error::KafkaError as RdError;
 
 pub use crate::source::relay::RelayStats;
 pub use broker::DevBroker;
-pub use check::check_clients;
-pub use config::{
-    ChangelogConfig, KafkaConfig, OutboxRelayConfig, StartPosition, SubscriptionConfig,
-};
+pub(crate) use check::check_clients;
+pub use config::{KafkaConfig, SubscriptionConfig};
 pub use consumer::{run_subscription, RunOptions, SourceStats};
-pub use keying::{key_record, Keyed, RecordView};
-pub use offsets::{OffsetTracker, Released};
-pub use outbox::run_relay;
+pub use keying::RecordView;
+pub(crate) use outbox::run_relay;
 
-pub use changelog::ChangelogError;
+pub(crate) use changelog::ChangelogError;
 
 use crate::ledger::{Ledger, LedgerError};
 use crate::pipeline::{Cause, Shutdown};
@@ -193,32 +190,32 @@ fn producer_config(kafka: &KafkaConfig) -> ClientConfig {
 /// What a stopped Kafka source did.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct KafkaSummary {
-    pub received: u64,
-    pub released: u64,
+    pub(crate) received: u64,
+    pub(crate) released: u64,
     pub processed: u64,
     pub duplicate: u64,
-    pub quarantined: u64,
+    pub(crate) quarantined: u64,
     pub dead_lettered: u64,
     pub rejected: u64,
-    pub revoked_partitions: u64,
+    pub(crate) revoked_partitions: u64,
     /// Revocations whose commit was refused (see [`SourceStats::revoke_commit_failures`]).
-    pub revoke_commit_failures: u64,
+    pub(crate) revoke_commit_failures: u64,
     /// Rebalances after which other members of the group held partitions (see
     /// [`SourceStats::shared_group_rebalances`]).
     pub shared_group_rebalances: u64,
     /// Changes replayed from changelogs on assignment (`changelog = true`).
-    pub restored_changes: u64,
+    pub(crate) restored_changes: u64,
     /// Emitted messages put back into the outbox by restores (see
     /// [`SourceStats::restored_emitted`]).
-    pub restored_emitted: u64,
+    pub(crate) restored_emitted: u64,
     /// Quarantine and dead-letter records put into the ledger by restores (see
     /// [`SourceStats::restored_records`]).
-    pub restored_records: u64,
+    pub(crate) restored_records: u64,
     /// Tombstones produced by changelog compaction.
-    pub changelog_tombstones: u64,
+    pub(crate) changelog_tombstones: u64,
     /// Snapshot records produced by changelog compaction.
-    pub changelog_snapshots: u64,
-    pub outbox_relayed: u64,
+    pub(crate) changelog_snapshots: u64,
+    pub(crate) outbox_relayed: u64,
 }
 
 impl KafkaSummary {

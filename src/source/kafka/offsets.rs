@@ -20,7 +20,7 @@ struct Entry<R> {
 
 /// The in-flight messages of one partition, oldest first.
 #[derive(Debug)]
-pub struct OffsetTracker<R> {
+pub(crate) struct OffsetTracker<R> {
     order: Sequencer<()>,
     entries: VecDeque<Entry<R>>,
     /// Local number of `entries[0]`.
@@ -41,18 +41,18 @@ impl<R> Default for OffsetTracker<R> {
 
 /// What a watermark advance released.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct Released {
+pub(crate) struct Released {
     /// The offset to store: one past the last released message.
-    pub store: Option<i64>,
+    pub(crate) store: Option<i64>,
     /// Messages released.
-    pub count: u64,
+    pub(crate) count: u64,
     /// Produce timestamps (ms) of the released messages.
-    pub timestamps_ms: Vec<i64>,
+    pub(crate) timestamps_ms: Vec<i64>,
 }
 
 impl<R> OffsetTracker<R> {
     /// Records a received message; returns its local number.
-    pub fn push(&mut self, offset: i64, timestamp_ms: i64, retained: Option<R>) -> u64 {
+    pub(crate) fn push(&mut self, offset: i64, timestamp_ms: i64, retained: Option<R>) -> u64 {
         let local = self.next_local;
         self.next_local += 1;
         self.entries.push_back(Entry {
@@ -64,23 +64,23 @@ impl<R> OffsetTracker<R> {
     }
 
     /// The local number the next message will get.
-    pub fn next_local(&self) -> u64 {
+    pub(crate) fn next_local(&self) -> u64 {
         self.next_local
     }
 
     /// Messages released so far: every local number below it has a durable outcome.
-    pub fn released(&self) -> u64 {
+    pub(crate) fn released(&self) -> u64 {
         self.base
     }
 
     /// Takes what was retained of a message still in flight.
-    pub fn take_retained(&mut self, local: u64) -> Option<R> {
+    pub(crate) fn take_retained(&mut self, local: u64) -> Option<R> {
         let at = local.checked_sub(self.base)? as usize;
         self.entries.get_mut(at)?.retained.take()
     }
 
     /// Puts back a retained record (a dead-letter produce that must be tried again).
-    pub fn put_retained(&mut self, local: u64, r: R) {
+    pub(crate) fn put_retained(&mut self, local: u64, r: R) {
         if let Some(e) = local
             .checked_sub(self.base)
             .and_then(|at| self.entries.get_mut(at as usize))
@@ -90,20 +90,20 @@ impl<R> OffsetTracker<R> {
     }
 
     /// The offset of a message still in flight.
-    pub fn offset_of(&self, local: u64) -> Option<i64> {
+    pub(crate) fn offset_of(&self, local: u64) -> Option<i64> {
         let at = local.checked_sub(self.base)? as usize;
         self.entries.get(at).map(|e| e.offset)
     }
 
     /// Marks a message's outcome durable (and, for dead letters, delivered).
-    pub fn resolve(&mut self, local: u64) {
+    pub(crate) fn resolve(&mut self, local: u64) {
         if local < self.next_local {
             self.order.insert(local, ());
         }
     }
 
     /// Releases the contiguous prefix of resolved messages.
-    pub fn advance(&mut self, with_timestamps: bool) -> Released {
+    pub(crate) fn advance(&mut self, with_timestamps: bool) -> Released {
         let mut out = Released::default();
         while let Some((local, ())) = self.order.pop_ready() {
             debug_assert_eq!(local, self.base);
@@ -121,7 +121,7 @@ impl<R> OffsetTracker<R> {
     }
 
     /// Messages received and not yet released.
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         self.entries.len()
     }
 }

@@ -48,7 +48,7 @@ impl ProducerContext for RelayContext {
 }
 
 /// Relays outbox rows until `stop` is set and a last round found nothing more.
-pub fn run_relay(
+pub(crate) fn run_relay(
     ledger: &Ledger,
     kafka: &KafkaConfig,
     stop: &AtomicBool,

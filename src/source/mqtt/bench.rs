@@ -64,12 +64,12 @@ impl MqttBenchParams {
 /// The figures (messages per second, from the consumer's connection to its last message).
 #[derive(Debug, Clone, Serialize)]
 pub struct MqttBenchReport {
-    pub params: MqttBenchParams,
-    pub baseline_msgs_per_sec: f64,
-    pub engine_msgs_per_sec: f64,
-    pub engine_ratio: f64,
-    pub handler_msgs_per_sec: Option<f64>,
-    pub handler_ratio: Option<f64>,
+    pub(crate) params: MqttBenchParams,
+    pub(crate) baseline_msgs_per_sec: f64,
+    pub(crate) engine_msgs_per_sec: f64,
+    pub(crate) engine_ratio: f64,
+    pub(crate) handler_msgs_per_sec: Option<f64>,
+    pub(crate) handler_ratio: Option<f64>,
 }
 
 impl std::fmt::Display for MqttBenchReport {

@@ -11,7 +11,7 @@ use crate::config::{invalid, Config, ConfigError, KeySource};
 
 /// The MQTT protocol version the session speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Protocol {
+pub(crate) enum Protocol {
     /// MQTT 3.1.1: no user properties (a `header` key source finds nothing), the broker's
     /// `max_inflight_messages` bounds what it sends unacknowledged.
     #[serde(rename = "3.1.1")]
@@ -27,65 +27,65 @@ pub enum Protocol {
 #[serde(deny_unknown_fields)]
 pub struct MqttConfig {
     /// The broker: `mqtt://host:1883` or `mqtts://host:8883` (TLS).
-    pub broker: String,
+    pub(crate) broker: String,
     /// `"3.1.1"` (default) or `"5"`.
     #[serde(default = "default_protocol")]
-    pub protocol: Protocol,
+    pub(crate) protocol: Protocol,
     /// The client id, the name of the persistent session: the broker keeps its
     /// subscriptions and unacknowledged messages under it while dedupd is away. Stable
     /// across restarts; one instance per id (a second connection takes the session over).
-    pub client_id: String,
+    pub(crate) client_id: String,
     /// User name (the broker's password file or auth plugin).
     #[serde(default)]
-    pub username: Option<String>,
+    pub(crate) username: Option<String>,
     /// The environment variable holding the password (never the password itself).
     #[serde(default)]
-    pub password_env: Option<String>,
+    pub(crate) password_env: Option<String>,
     /// PEM file of the CA that signed the broker's certificate (else the system's roots).
     #[serde(default)]
-    pub tls_ca_file: Option<PathBuf>,
+    pub(crate) tls_ca_file: Option<PathBuf>,
     /// PEM client certificate and key (mutual TLS); both or neither.
     #[serde(default)]
-    pub tls_cert_file: Option<PathBuf>,
+    pub(crate) tls_cert_file: Option<PathBuf>,
     #[serde(default)]
-    pub tls_key_file: Option<PathBuf>,
+    pub(crate) tls_key_file: Option<PathBuf>,
     /// Keep-alive interval: the broker drops a session silent for 1.5 times it.
     #[serde(default = "default_keep_alive", with = "humantime_serde")]
-    pub keep_alive: Duration,
+    pub(crate) keep_alive: Duration,
     /// MQTT 5: how long the broker keeps the session (its subscriptions and the messages
     /// queued for it) after dedupd disconnects. MQTT 3.1.1 sessions do not expire by the
     /// protocol (see the broker's `persistent_client_expiration`).
     #[serde(default = "default_session_expiry", with = "humantime_serde")]
-    pub session_expiry: Duration,
+    pub(crate) session_expiry: Duration,
     /// The in-flight window: messages held unacknowledged. MQTT 5 sends it to the broker
     /// as Receive Maximum; with 3.1.1 set the broker's `max_inflight_messages` to at most
     /// this (dedupd stops reading the connection while the window is full).
     #[serde(default = "default_receive_maximum")]
-    pub receive_maximum: NonZeroU16,
+    pub(crate) receive_maximum: NonZeroU16,
     /// The largest packet accepted. MQTT 5 tells the broker, which then drops bigger
     /// messages for this session; with 3.1.1 a bigger message breaks the connection, so
     /// set the broker's `message_size_limit` to at most this.
     #[serde(default = "default_max_packet_bytes")]
-    pub max_packet_bytes: u32,
+    pub(crate) max_packet_bytes: u32,
     /// Longest wait for a TCP (and TLS) connection and the broker's CONNACK.
     #[serde(default = "default_connect_timeout", with = "humantime_serde")]
-    pub connect_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
     /// Longest pause between reconnection attempts (the pause doubles from 100 ms).
     #[serde(default = "default_reconnect_max", with = "humantime_serde")]
-    pub reconnect_backoff_max: Duration,
+    pub(crate) reconnect_backoff_max: Duration,
     /// Longest wait for in-flight work at shutdown; what is not durable by then stays
     /// unacknowledged in the session and is delivered again at the next start.
     #[serde(default = "default_drain_timeout", with = "humantime_serde")]
-    pub drain_timeout: Duration,
+    pub(crate) drain_timeout: Duration,
     /// Topic filters -> subscribers.
     #[serde(rename = "subscription", default)]
-    pub subscriptions: Vec<SubscriptionConfig>,
+    pub(crate) subscriptions: Vec<SubscriptionConfig>,
 }
 
 /// Topic filters of the session feeding one subscriber.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct SubscriptionConfig {
+pub(crate) struct SubscriptionConfig {
     /// The subscriber (its key source, partition key and handler apply).
     pub subscriber: String,
     /// Topic filters (`sensors/+/reading`, `orders/#`), or shared subscriptions
@@ -93,11 +93,11 @@ pub struct SubscriptionConfig {
     pub topics: Vec<String>,
     /// The subscription's QoS: 1 (at least once). QoS 2 is refused (see docs/mqtt.md).
     #[serde(default = "default_qos")]
-    pub qos: u8,
+    pub(crate) qos: u8,
     /// The topic level (0-based) that is the message's `id`, read by an `id` key source:
     /// 1 in `orders/A-17/created` is `A-17`.
     #[serde(default)]
-    pub id_topic_level: Option<usize>,
+    pub(crate) id_topic_level: Option<usize>,
 }
 
 fn default_protocol() -> Protocol {
@@ -130,16 +130,16 @@ fn default_qos() -> u8 {
 
 /// Where the broker is, from `mqtt.broker`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BrokerAddr {
-    pub host: String,
-    pub port: u16,
-    pub tls: bool,
+pub(crate) struct BrokerAddr {
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    pub(crate) tls: bool,
 }
 
 /// Why `mqtt.broker` is not a broker URL.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum BrokerUrlError {
+pub(crate) enum BrokerUrlError {
     #[error("{url:?} is not a broker URL (mqtt://host:1883 or mqtts://host:8883)")]
     Scheme { url: String },
     #[error("{url:?}: the port {port:?} is not a number")]
@@ -150,7 +150,7 @@ pub enum BrokerUrlError {
 
 impl BrokerAddr {
     /// `mqtt://host[:1883]` or `mqtts://host[:8883]`.
-    pub fn parse(url: &str) -> Result<BrokerAddr, BrokerUrlError> {
+    pub(crate) fn parse(url: &str) -> Result<BrokerAddr, BrokerUrlError> {
         let (tls, rest) = if let Some(r) = url.strip_prefix("mqtts://") {
             (true, r)
         } else if let Some(r) = url.strip_prefix("mqtt://") {
@@ -182,30 +182,8 @@ impl BrokerAddr {
 }
 
 impl MqttConfig {
-    /// A config with defaults for everything but the broker and client id.
-    pub fn new(broker: &str, client_id: &str) -> MqttConfig {
-        MqttConfig {
-            broker: broker.to_string(),
-            protocol: default_protocol(),
-            client_id: client_id.to_string(),
-            username: None,
-            password_env: None,
-            tls_ca_file: None,
-            tls_cert_file: None,
-            tls_key_file: None,
-            keep_alive: default_keep_alive(),
-            session_expiry: default_session_expiry(),
-            receive_maximum: default_receive_maximum(),
-            max_packet_bytes: default_max_packet_bytes(),
-            connect_timeout: default_connect_timeout(),
-            reconnect_backoff_max: default_reconnect_max(),
-            drain_timeout: default_drain_timeout(),
-            subscriptions: Vec::new(),
-        }
-    }
-
     /// The password from the variable `password_env` names (none without it).
-    pub fn password(&self) -> Result<Option<String>, ConfigError> {
+    pub(crate) fn password(&self) -> Result<Option<String>, ConfigError> {
         let Some(var) = &self.password_env else {
             return Ok(None);
         };
@@ -220,7 +198,7 @@ impl MqttConfig {
 
     /// Checks the section against the rest of the config, without connecting. An error
     /// names the field (`mqtt.subscription[0].topics`).
-    pub fn validate(&self, config: &Config) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self, config: &Config) -> Result<(), ConfigError> {
         let addr =
             BrokerAddr::parse(&self.broker).map_err(|e| invalid("mqtt.broker", e.to_string()))?;
         let id_ok = !self.client_id.is_empty()

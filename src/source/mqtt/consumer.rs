@@ -113,7 +113,7 @@ struct Consumer {
 
 /// Runs the session until `shutdown` triggers, then drains; returns the connections
 /// made. An error leaves every message it did not acknowledge in the session.
-pub(crate) async fn run(
+pub(super) async fn run(
     ledger: Arc<Ledger>,
     mqtt: &MqttConfig,
     shutdown: &Shutdown,

@@ -1,6 +1,6 @@
 //! The MQTT source (3.1.1 and 5): the only module that imports rumqttc.
 //!
-//! - [`MqttConfig`] (`config.rs`): the `[mqtt]` section — broker, protocol, client id,
+//! - `MqttConfig` (`config.rs`): the `[mqtt]` section — broker, protocol, client id,
 //!   credentials, TLS, the window and `[[mqtt.subscription]]`s (topic filters ->
 //!   subscriber), checked offline by `dedupd config check`.
 //! - `session.rs`: rumqttc's 3.1.1 and 5 clients behind one face — a persistent session
@@ -35,7 +35,7 @@ mod session;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-pub use config::{MqttConfig, Protocol, SubscriptionConfig};
+pub(crate) use config::MqttConfig;
 
 use crate::ledger::Ledger;
 use crate::pipeline::{Cause, Shutdown};
@@ -59,20 +59,20 @@ pub enum MqttError {
 
 /// Live counters of one subscription.
 #[derive(Debug, Default)]
-pub struct MqttStats {
+pub(crate) struct MqttStats {
     /// Messages received from the broker (redeliveries included).
-    pub received: AtomicU64,
+    pub(crate) received: AtomicU64,
     /// Messages received with the DUP flag: the broker sent them before (on a connection
     /// that was lost, or to a run that was killed).
-    pub redelivered: AtomicU64,
+    pub(crate) redelivered: AtomicU64,
     /// PUBACKs queued after the outcome was durable (processed, duplicate, quarantined,
     /// dead-lettered or rejected: MQTT has no reject).
-    pub acked: AtomicU64,
+    pub(crate) acked: AtomicU64,
     /// Outcomes made durable after the connection their message came on was lost: not
     /// acknowledged (its packet id is void); the broker delivers the message again.
-    pub unacked_lost: AtomicU64,
+    pub(crate) unacked_lost: AtomicU64,
     /// Durable outcomes by kind.
-    pub outcomes: OutcomeStats,
+    pub(crate) outcomes: OutcomeStats,
 }
 
 /// What a stopped MQTT source did, all subscriptions together.
@@ -84,11 +84,11 @@ pub struct MqttSummary {
     pub unacked_lost: u64,
     pub processed: u64,
     pub duplicate: u64,
-    pub quarantined: u64,
-    pub dead_lettered: u64,
+    pub(crate) quarantined: u64,
+    pub(crate) dead_lettered: u64,
     pub rejected: u64,
     /// Connections made (the first included).
-    pub connections: u64,
+    pub(crate) connections: u64,
 }
 
 impl MqttSummary {
@@ -109,7 +109,7 @@ impl MqttSummary {
 
 /// `dedupd config check`: reads the password variable and the TLS files, builds the TLS
 /// config, without connecting.
-pub fn check_options(mqtt: &MqttConfig) -> Result<(), MqttError> {
+pub(crate) fn check_options(mqtt: &MqttConfig) -> Result<(), MqttError> {
     session::check(mqtt)
 }
 
@@ -129,7 +129,7 @@ pub fn run(
 }
 
 /// [`run`] counting into `stats`, one per subscription (`mqtt-bench` watches them).
-pub fn run_with(
+pub(crate) fn run_with(
     ledger: Arc<Ledger>,
     mqtt: &MqttConfig,
     shutdown: &Shutdown,

@@ -35,14 +35,14 @@ pub(crate) enum AckError {
 
 /// A received message, as the consumer keys it.
 pub(crate) struct Message {
-    pub topic: String,
-    pub payload: Bytes,
+    pub(crate) topic: String,
+    pub(crate) payload: Bytes,
     /// The broker sent it before (DUP): a redelivery after a reconnect.
-    pub dup: bool,
+    pub(crate) dup: bool,
     /// MQTT 5 user properties in the order sent (none with 3.1.1).
-    pub properties: Vec<(String, String)>,
+    pub(crate) properties: Vec<(String, String)>,
     /// What [`Client::ack`] needs.
-    pub ack: AckHandle,
+    pub(crate) ack: AckHandle,
 }
 
 /// The packet a PUBACK answers.
@@ -132,7 +132,7 @@ pub(crate) fn tls_config(m: &MqttConfig) -> Result<rustls::ClientConfig, MqttErr
 
 /// Checks what `dedupd config check` can without connecting: the password variable and
 /// the TLS files.
-pub(crate) fn check(m: &MqttConfig) -> Result<(), MqttError> {
+pub(super) fn check(m: &MqttConfig) -> Result<(), MqttError> {
     m.password().map_err(|e| MqttError::Config(e.to_string()))?;
     let addr = BrokerAddr::parse(&m.broker).map_err(|e| MqttError::Config(e.to_string()))?;
     if addr.tls {

@@ -4,7 +4,7 @@
 //! Each phase has a stream of its own (file storage), filled first with the same generated
 //! OrderPlaced events (fixed seed, `dup_rate` redeliveries; header `message-id` = event id,
 //! four subjects by order), published with JetStream acks in pipelined batches of
-//! [`PUBLISH_BATCH`]. Then each stream is consumed to the end through a durable pull
+//! `PUBLISH_BATCH`. Then each stream is consumed to the end through a durable pull
 //! consumer (`AckPolicy::Explicit`) with the same in-flight window (`MaxAckPending`) and
 //! pull batch:
 //!
@@ -38,7 +38,7 @@ use crate::source::bench_common::{self, SetupError};
 use crate::source::generator::Event;
 
 /// Publish acks awaited together: the messages of a batch are all in flight at once.
-pub const PUBLISH_BATCH: usize = 2048;
+pub(crate) const PUBLISH_BATCH: usize = 2048;
 
 /// What to measure.
 #[derive(Debug, Clone, Serialize)]
@@ -80,20 +80,20 @@ impl NatsBenchParams {
 /// (delivered again after `AckWait`: a message lost on the way costs that much time).
 #[derive(Debug, Clone, Serialize)]
 pub struct NatsBenchReport {
-    pub params: NatsBenchParams,
-    pub publish_msgs_per_sec: f64,
-    pub consume_only_msgs_per_sec: f64,
-    pub consume_only_acked: u64,
-    pub consume_only_redelivered: u64,
-    pub engine_msgs_per_sec: f64,
+    pub(crate) params: NatsBenchParams,
+    pub(crate) publish_msgs_per_sec: f64,
+    pub(crate) consume_only_msgs_per_sec: f64,
+    pub(crate) consume_only_acked: u64,
+    pub(crate) consume_only_redelivered: u64,
+    pub(crate) engine_msgs_per_sec: f64,
     /// Engine / consume-only.
-    pub engine_ratio: f64,
-    pub engine_acked: u64,
-    pub engine_redelivered: u64,
-    pub handler_msgs_per_sec: Option<f64>,
-    pub handler_ratio: Option<f64>,
-    pub handler_acked: Option<u64>,
-    pub handler_redelivered: Option<u64>,
+    pub(crate) engine_ratio: f64,
+    pub(crate) engine_acked: u64,
+    pub(crate) engine_redelivered: u64,
+    pub(crate) handler_msgs_per_sec: Option<f64>,
+    pub(crate) handler_ratio: Option<f64>,
+    pub(crate) handler_acked: Option<u64>,
+    pub(crate) handler_redelivered: Option<u64>,
 }
 
 impl std::fmt::Display for NatsBenchParams {

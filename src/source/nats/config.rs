@@ -15,79 +15,79 @@ use crate::config::{invalid, Config, ConfigError};
 pub struct NatsConfig {
     /// Server URLs (`nats://host:4222`, `tls://host:4222`, or `host:port`); the client
     /// reconnects to any of them.
-    pub servers: Vec<String>,
+    pub(crate) servers: Vec<String>,
     /// Client name shown by the server (`nats server report connections`).
     #[serde(default = "default_name")]
-    pub name: String,
+    pub(crate) name: String,
     /// A `.creds` file (user JWT and NKey seed) for decentralised auth.
     #[serde(default)]
-    pub credentials_file: Option<PathBuf>,
+    pub(crate) credentials_file: Option<PathBuf>,
     /// A token (`--auth` of nats-server). Not with `user` or `credentials_file`.
     #[serde(default)]
-    pub token: Option<String>,
+    pub(crate) token: Option<String>,
     /// User name; `password` goes with it.
     #[serde(default)]
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
     #[serde(default)]
-    pub password: Option<String>,
+    pub(crate) password: Option<String>,
     /// Connect with TLS even when the URL says `nats://`.
     #[serde(default)]
-    pub require_tls: bool,
+    pub(crate) require_tls: bool,
     /// PEM file of the CA that signed the server's certificate (else the system's roots).
     #[serde(default)]
-    pub tls_ca_file: Option<PathBuf>,
+    pub(crate) tls_ca_file: Option<PathBuf>,
     /// PEM client certificate and key (mutual TLS); both or neither.
     #[serde(default)]
-    pub tls_cert_file: Option<PathBuf>,
+    pub(crate) tls_cert_file: Option<PathBuf>,
     #[serde(default)]
-    pub tls_key_file: Option<PathBuf>,
+    pub(crate) tls_key_file: Option<PathBuf>,
     /// Longest wait for the first connection at start.
     #[serde(default = "default_connect_timeout", with = "humantime_serde")]
-    pub connect_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
     /// Longest wait for in-flight work at shutdown; what is not durable by then is `Nak`ed
     /// and redelivered.
     #[serde(default = "default_drain_timeout", with = "humantime_serde")]
-    pub drain_timeout: Duration,
+    pub(crate) drain_timeout: Duration,
     /// Streams and durable consumers -> subscribers; one pull consumer per binding.
     #[serde(rename = "binding", default)]
-    pub bindings: Vec<BindingConfig>,
+    pub(crate) bindings: Vec<BindingConfig>,
 }
 
 /// One durable pull consumer of one stream, feeding one subscriber.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BindingConfig {
+pub(crate) struct BindingConfig {
     /// The subscriber (its key source, partition key and handler apply). Its `id` key
     /// source reads the `Nats-Msg-Id` header; a `header`, `json_pointer`, `cloudevents` or
     /// `content_hash` source reads the message as for any other source.
-    pub subscriber: String,
+    pub(crate) subscriber: String,
     /// The JetStream stream.
-    pub stream: String,
+    pub(crate) stream: String,
     /// The durable consumer's name; several dedupd instances naming the same one share
     /// its messages.
-    pub durable: String,
+    pub(crate) durable: String,
     /// Create the durable consumer when it does not exist (with the settings below). A
     /// consumer that exists is used as it is.
     #[serde(default = "yes")]
-    pub create: bool,
+    pub(crate) create: bool,
     /// Subjects of the stream the consumer takes (created consumers only; empty: all).
     #[serde(default)]
-    pub filter_subject: Option<String>,
+    pub(crate) filter_subject: Option<String>,
     /// `MaxAckPending` of a created consumer, and the messages this instance holds
     /// unacknowledged: the in-flight window.
     #[serde(default = "default_max_ack_pending")]
-    pub max_ack_pending: NonZeroUsize,
+    pub(crate) max_ack_pending: NonZeroUsize,
     /// Messages asked for per pull request (at most `max_ack_pending`).
     #[serde(default = "default_batch")]
-    pub batch: NonZeroUsize,
+    pub(crate) batch: NonZeroUsize,
     /// `AckWait` of a created consumer: a message not acknowledged within it is delivered
     /// again (to this or another instance); the redelivery is a `duplicate` once durable.
     #[serde(default = "default_ack_wait", with = "humantime_serde")]
-    pub ack_wait: Duration,
+    pub(crate) ack_wait: Duration,
     /// The delay of a `Nak`: how long a message given back (not durable at shutdown)
     /// waits before it is delivered again.
     #[serde(default = "default_nak_delay", with = "humantime_serde")]
-    pub nak_delay: Duration,
+    pub(crate) nak_delay: Duration,
 }
 
 fn yes() -> bool {
@@ -117,7 +117,7 @@ fn default_nak_delay() -> Duration {
 
 impl NatsConfig {
     /// A config with defaults for everything but the servers.
-    pub fn new(servers: Vec<String>) -> NatsConfig {
+    pub(crate) fn new(servers: Vec<String>) -> NatsConfig {
         NatsConfig {
             servers,
             name: default_name(),
@@ -137,7 +137,7 @@ impl NatsConfig {
 
     /// Checks the section against the rest of the config, without connecting. An error
     /// names the field (`nats.binding[0].stream`).
-    pub fn validate(&self, config: &Config) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self, config: &Config) -> Result<(), ConfigError> {
         if self.servers.is_empty() {
             return Err(invalid("nats.servers", "must name at least one server URL"));
         }

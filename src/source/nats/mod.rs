@@ -1,6 +1,6 @@
 //! The NATS JetStream source: the only module that imports async-nats.
 //!
-//! - [`NatsConfig`] (`config.rs`): the `[nats]` section — servers, credentials, TLS and
+//! - `NatsConfig` (`config.rs`): the `[nats]` section — servers, credentials, TLS and
 //!   `[[nats.binding]]`s (stream, durable consumer, subscriber), checked offline by
 //!   `dedupd config check`.
 //! - `consumer.rs`: one durable pull consumer per binding — every message keyed by the
@@ -32,7 +32,7 @@ use std::sync::Arc;
 use async_nats::connection::State;
 use async_nats::{Client, ConnectOptions};
 
-pub use config::{BindingConfig, NatsConfig};
+pub(crate) use config::{BindingConfig, NatsConfig};
 
 use crate::ledger::Ledger;
 use crate::pipeline::{Cause, Shutdown};
@@ -56,19 +56,19 @@ pub enum NatsError {
 
 /// Live counters of one binding.
 #[derive(Debug, Default)]
-pub struct NatsStats {
+pub(crate) struct NatsStats {
     /// Messages received from the server (redeliveries included).
-    pub received: AtomicU64,
+    pub(crate) received: AtomicU64,
     /// Messages received with `delivered > 1`: the server delivered them before.
-    pub redelivered: AtomicU64,
+    pub(crate) redelivered: AtomicU64,
     /// `Ack`s sent (outcome durable: processed, duplicate or quarantined).
-    pub acked: AtomicU64,
+    pub(crate) acked: AtomicU64,
     /// `Term`s sent (dead-lettered or rejected, kept in the ledger's dead letters).
-    pub terminated: AtomicU64,
+    pub(crate) terminated: AtomicU64,
     /// `Nak`s sent (given back at stop, not durable).
-    pub naked: AtomicU64,
+    pub(crate) naked: AtomicU64,
     /// Durable outcomes by kind.
-    pub outcomes: OutcomeStats,
+    pub(crate) outcomes: OutcomeStats,
 }
 
 /// What a stopped NATS source did, all bindings together.
@@ -81,8 +81,8 @@ pub struct NatsSummary {
     pub naked: u64,
     pub processed: u64,
     pub duplicate: u64,
-    pub quarantined: u64,
-    pub dead_lettered: u64,
+    pub(crate) quarantined: u64,
+    pub(crate) dead_lettered: u64,
     pub rejected: u64,
 }
 
@@ -105,7 +105,7 @@ impl NatsSummary {
 
 /// The client options of the section: name, credentials, TLS. Reads the credentials
 /// file (no connection).
-pub async fn connect_options(nats: &NatsConfig) -> Result<ConnectOptions, NatsError> {
+pub(crate) async fn connect_options(nats: &NatsConfig) -> Result<ConnectOptions, NatsError> {
     let mut o = match &nats.credentials_file {
         Some(path) => ConnectOptions::with_credentials_file(path)
             .await
@@ -141,7 +141,7 @@ pub async fn connect_options(nats: &NatsConfig) -> Result<ConnectOptions, NatsEr
 
 /// `dedupd config check`: builds the client options (reading the credentials file)
 /// without connecting.
-pub fn check_options(nats: &NatsConfig) -> Result<(), NatsError> {
+pub(crate) fn check_options(nats: &NatsConfig) -> Result<(), NatsError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .map_err(|e| NatsError::Client(format!("cannot start a runtime: {e}")))?;

@@ -35,11 +35,11 @@ pub(super) async fn held_until(since: Option<Instant>) {
 pub(super) struct AckPlan {
     /// The run of durable deliveries at the front (one `basic.ack`, `multiple` when it
     /// holds more than one).
-    pub front: Vec<u64>,
+    pub(crate) front: Vec<u64>,
     /// Durable deliveries behind one still in flight, acknowledged one by one.
-    pub alone: Vec<u64>,
+    pub(crate) alone: Vec<u64>,
     /// Durable deliveries behind one still in flight left to wait for the front.
-    pub held: usize,
+    pub(crate) held: usize,
 }
 
 /// What to acknowledge of `pending`: the durable run at the front always; the durable

@@ -63,18 +63,18 @@ impl RabbitBenchParams {
 /// The figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct RabbitBenchReport {
-    pub params: RabbitBenchParams,
-    pub publish_msgs_per_sec: f64,
-    pub consume_only_msgs_per_sec: f64,
-    pub engine_msgs_per_sec: f64,
+    pub(crate) params: RabbitBenchParams,
+    pub(crate) publish_msgs_per_sec: f64,
+    pub(crate) consume_only_msgs_per_sec: f64,
+    pub(crate) engine_msgs_per_sec: f64,
     /// Engine / consume-only.
-    pub engine_ratio: f64,
-    pub handler_msgs_per_sec: Option<f64>,
-    pub handler_ratio: Option<f64>,
+    pub(crate) engine_ratio: f64,
+    pub(crate) handler_msgs_per_sec: Option<f64>,
+    pub(crate) handler_ratio: Option<f64>,
     /// Messages acknowledged per `basic.ack` frame by the engine (each frame is work for
     /// the server), without and with the handler.
-    pub engine_acks_per_frame: f64,
-    pub handler_acks_per_frame: Option<f64>,
+    pub(crate) engine_acks_per_frame: f64,
+    pub(crate) handler_acks_per_frame: Option<f64>,
 }
 
 impl std::fmt::Display for RabbitBenchParams {

@@ -16,58 +16,58 @@ pub struct RabbitMqConfig {
     /// The server: `amqp://host:5672/vhost` or `amqps://host:5671/vhost` (TLS). Query
     /// parameters of the AMQP URI spec apply (`?heartbeat=10`). Put no password here:
     /// give `user` and `password = "${RABBITMQ_PASSWORD}"` instead.
-    pub uri: String,
+    pub(crate) uri: String,
     /// User name (overrides the URI's; else the URI's, else `guest`).
     #[serde(default)]
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
     /// The user's password, usually `"${RABBITMQ_PASSWORD}"` (read from the environment).
     #[serde(default)]
-    pub password: Option<String>,
+    pub(crate) password: Option<String>,
     /// PEM file of the CA that signed the server's certificate (`amqps://` only), trusted
     /// beside the system's roots (lapin adds it to them).
     #[serde(default)]
-    pub tls_ca_file: Option<PathBuf>,
+    pub(crate) tls_ca_file: Option<PathBuf>,
     /// PEM client certificate and PKCS#8 key (mutual TLS, `amqps://` only); both or neither.
     #[serde(default)]
-    pub tls_cert_file: Option<PathBuf>,
+    pub(crate) tls_cert_file: Option<PathBuf>,
     #[serde(default)]
-    pub tls_key_file: Option<PathBuf>,
+    pub(crate) tls_key_file: Option<PathBuf>,
     /// Connection name shown by the server (`rabbitmqctl list_connections client_properties`).
     #[serde(default = "default_name")]
-    pub name: String,
+    pub(crate) name: String,
     /// Longest wait for one connection attempt.
     #[serde(default = "default_connect_timeout", with = "humantime_serde")]
-    pub connect_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
     /// Longest pause between reconnection attempts (the pause doubles from 100ms up to it).
     #[serde(default = "default_reconnect_delay_max", with = "humantime_serde")]
-    pub reconnect_delay_max: Duration,
+    pub(crate) reconnect_delay_max: Duration,
     /// Longest wait for in-flight work at shutdown; what is not durable by then is
     /// requeued (`basic.nack`) and delivered again.
     #[serde(default = "default_drain_timeout", with = "humantime_serde")]
-    pub drain_timeout: Duration,
+    pub(crate) drain_timeout: Duration,
     /// Queues -> subscribers; one channel and one consumer per binding.
     #[serde(rename = "binding", default)]
-    pub bindings: Vec<BindingConfig>,
+    pub(crate) bindings: Vec<BindingConfig>,
     /// What handlers emit, published to an exchange after commit (off by default).
     #[serde(default)]
-    pub outbox: RabbitOutboxConfig,
+    pub(crate) outbox: RabbitOutboxConfig,
 }
 
 /// `[rabbitmq.outbox]`: the relay of what handlers emit (`emit(topic, key, headers,
 /// payload)`) to an exchange, with publisher confirms.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RabbitOutboxConfig {
+pub(crate) struct RabbitOutboxConfig {
     /// Run the relay. While it runs, the outbox cannot be pulled over HTTP.
-    pub enabled: bool,
+    pub(crate) enabled: bool,
     /// The exchange published to, with the emitted topic as the routing key. `""` (the
     /// default exchange) delivers to the queue named by the topic.
-    pub exchange: String,
+    pub(crate) exchange: String,
     /// Pause between polls of the outbox when it was empty.
     #[serde(with = "humantime_serde")]
-    pub poll_interval: Duration,
+    pub(crate) poll_interval: Duration,
     /// Rows published per round (confirmed, then deleted, as one batch).
-    pub batch: NonZeroUsize,
+    pub(crate) batch: NonZeroUsize,
 }
 
 impl Default for RabbitOutboxConfig {
@@ -84,29 +84,29 @@ impl Default for RabbitOutboxConfig {
 /// One queue, feeding one subscriber.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BindingConfig {
+pub(crate) struct BindingConfig {
     /// The subscriber (its key source, partition key and handler apply). Its `id` key
     /// source reads the `message_id` property; a `header`, `json_pointer`, `cloudevents`
     /// or `content_hash` source reads the message as for any other source.
-    pub subscriber: String,
+    pub(crate) subscriber: String,
     /// The queue consumed.
-    pub queue: String,
+    pub(crate) queue: String,
     /// Declare the queue (durable) when it does not exist. A queue that exists must have
     /// the same arguments (a different `dead_letter_queue` is refused by the server); with
     /// `false` it must exist and is used as it is (a passive declare checks it).
     #[serde(default = "yes")]
-    pub declare: bool,
+    pub(crate) declare: bool,
     /// With `declare`: a durable queue that receives what dedupd rejects (`basic.reject`
     /// without requeue), declared too and set as the queue's dead-letter target through
     /// the default exchange. Without it, a queue's own dead-letter exchange (an argument
     /// or a policy) applies, or the server drops rejected messages (dedupd keeps a
     /// dead-letter record of each in the ledger first either way).
     #[serde(default)]
-    pub dead_letter_queue: Option<String>,
+    pub(crate) dead_letter_queue: Option<String>,
     /// `basic.qos` prefetch count: the messages the server sends before acknowledgements,
     /// and so the in-flight window of this binding.
     #[serde(default = "default_prefetch")]
-    pub prefetch: NonZeroU16,
+    pub(crate) prefetch: NonZeroU16,
 }
 
 fn yes() -> bool {
@@ -130,7 +130,7 @@ fn default_prefetch() -> NonZeroU16 {
 
 impl RabbitMqConfig {
     /// A config with defaults for everything but the URI.
-    pub fn new(uri: impl Into<String>) -> RabbitMqConfig {
+    pub(crate) fn new(uri: impl Into<String>) -> RabbitMqConfig {
         RabbitMqConfig {
             uri: uri.into(),
             user: None,
@@ -148,7 +148,7 @@ impl RabbitMqConfig {
     }
 
     /// The URI as the client takes it, with `user` and `password` applied.
-    pub fn amqp_uri(&self) -> Result<lapin::uri::AMQPUri, ConfigError> {
+    pub(crate) fn amqp_uri(&self) -> Result<lapin::uri::AMQPUri, ConfigError> {
         let mut uri: lapin::uri::AMQPUri = self.uri.parse().map_err(|e| {
             invalid(
                 "rabbitmq.uri",
@@ -165,7 +165,7 @@ impl RabbitMqConfig {
     }
 
     /// Whether the URI asks for TLS (`amqps://`).
-    pub fn tls(&self) -> bool {
+    pub(crate) fn tls(&self) -> bool {
         self.uri
             .trim_start()
             .to_ascii_lowercase()
@@ -174,7 +174,7 @@ impl RabbitMqConfig {
 
     /// Checks the section against the rest of the config, without connecting. An error
     /// names the field (`rabbitmq.binding[0].queue`).
-    pub fn validate(&self, config: &Config) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self, config: &Config) -> Result<(), ConfigError> {
         let lower = self.uri.trim_start().to_ascii_lowercase();
         if !(lower.starts_with("amqp://") || lower.starts_with("amqps://")) {
             return Err(invalid(

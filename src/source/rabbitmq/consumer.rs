@@ -143,7 +143,10 @@ struct Binding {
 
 /// Runs the bindings of one connection until `shutdown` triggers (they drain), the
 /// connection or a channel is lost, or one fails.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the parts of one run, passed once"
+)]
 pub(crate) async fn run_session(
     conn: &Connection,
     session: u64,

@@ -1,6 +1,6 @@
 //! The RabbitMQ source (AMQP 0-9-1): the only module that imports lapin.
 //!
-//! - [`RabbitMqConfig`] (`config.rs`): the `[rabbitmq]` section — URI, credentials, TLS
+//! - `RabbitMqConfig` (`config.rs`): the `[rabbitmq]` section — URI, credentials, TLS
 //!   and `[[rabbitmq.binding]]`s (queue, subscriber, prefetch), checked offline by
 //!   `dedupd config check`.
 //! - `consumer.rs`: one channel and one consumer per binding — every message keyed by the
@@ -43,7 +43,7 @@ use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
 
-pub use config::{BindingConfig, RabbitMqConfig, RabbitOutboxConfig};
+pub(crate) use config::{BindingConfig, RabbitMqConfig, RabbitOutboxConfig};
 
 use crate::ledger::Ledger;
 use crate::pipeline::{Cause, Shutdown};
@@ -68,23 +68,23 @@ pub enum RabbitMqError {
 
 /// Live counters of one binding (all sessions).
 #[derive(Debug, Default)]
-pub struct RabbitMqStats {
+pub(crate) struct RabbitMqStats {
     /// Messages received from the server (redeliveries included).
-    pub received: AtomicU64,
+    pub(crate) received: AtomicU64,
     /// Messages received with the `redelivered` flag: the server delivered them before.
-    pub redelivered: AtomicU64,
+    pub(crate) redelivered: AtomicU64,
     /// Messages acknowledged (outcome durable: processed, duplicate or quarantined); a
     /// `multiple` ack counts every message it covers.
-    pub acked: AtomicU64,
+    pub(crate) acked: AtomicU64,
     /// `basic.ack` frames sent for them (a `multiple` ack is one frame).
-    pub ack_frames: AtomicU64,
+    pub(crate) ack_frames: AtomicU64,
     /// `basic.reject` without requeue sent (dead-lettered or rejected, kept in the
     /// ledger's dead letters first): to the queue's dead-letter exchange if it has one.
-    pub dead_letter_rejects: AtomicU64,
+    pub(crate) dead_letter_rejects: AtomicU64,
     /// `basic.nack` with requeue sent (given back at stop, not durable).
-    pub requeued: AtomicU64,
+    pub(crate) requeued: AtomicU64,
     /// Durable outcomes by kind.
-    pub outcomes: OutcomeStats,
+    pub(crate) outcomes: OutcomeStats,
 }
 
 /// What a stopped RabbitMQ source did, all bindings together.
@@ -93,13 +93,13 @@ pub struct RabbitMqSummary {
     pub received: u64,
     pub redelivered: u64,
     pub acked: u64,
-    pub ack_frames: u64,
+    pub(crate) ack_frames: u64,
     pub dead_letter_rejects: u64,
     pub requeued: u64,
     pub processed: u64,
     pub duplicate: u64,
-    pub quarantined: u64,
-    pub dead_lettered: u64,
+    pub(crate) quarantined: u64,
+    pub(crate) dead_lettered: u64,
     pub rejected: u64,
     /// Sessions that ended without a stop (connection or channel lost), each followed by
     /// a reconnection.
@@ -162,7 +162,7 @@ fn tls_config(r: &RabbitMqConfig) -> Result<lapin::tcp::OwnedTLSConfig, RabbitMq
 }
 
 /// `dedupd config check`: parses the URI and reads the TLS files without connecting.
-pub fn check_options(r: &RabbitMqConfig) -> Result<(), RabbitMqError> {
+pub(crate) fn check_options(r: &RabbitMqConfig) -> Result<(), RabbitMqError> {
     r.amqp_uri()
         .map_err(|e| RabbitMqError::Config(e.to_string()))?;
     tls_config(r).map(|_| ())

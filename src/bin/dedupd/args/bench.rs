@@ -13,33 +13,33 @@ use dedupd::config::Config;
 
 /// The generated traffic, as every bench but `bench adversarial` takes it.
 #[derive(Args)]
-pub struct TrafficFlags {
+pub(crate) struct TrafficFlags {
     /// Fraction of messages that redeliver an earlier message.
     #[arg(long, default_value_t = 0.1)]
-    pub dup_rate: f64,
+    pub(crate) dup_rate: f64,
     /// Seed of the generated traffic: the same seed gives the same messages.
     #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    pub(crate) seed: u64,
 }
 
 /// Where a bench puts its data and how it prints its report, as every bench but `bench
 /// adversarial` takes them.
 #[derive(Args)]
-pub struct RunFlags {
+pub(crate) struct RunFlags {
     /// Directory in which the temporary data directory is created.
     #[arg(long, default_value = ".")]
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// Print one JSON object instead of a table.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 /// `--shards`, of the benches that open a ledger with a shard count of their choosing.
 #[derive(Args)]
-pub struct ShardFlags {
+pub(crate) struct ShardFlags {
     /// Shards (default: number of cores).
     #[arg(long)]
-    pub shards: Option<usize>,
+    pub(crate) shards: Option<usize>,
 }
 
 impl ShardFlags {
@@ -57,9 +57,9 @@ impl ShardFlags {
 /// `dedupd bench`.
 #[derive(Args)]
 #[command(args_conflicts_with_subcommands = true)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     #[command(subcommand)]
-    pub command: Option<BenchCommand>,
+    pub(crate) command: Option<BenchCommand>,
     /// Messages offered (redeliveries included).
     #[arg(long, default_value_t = 10_000_000)]
     messages: u64,
@@ -105,7 +105,7 @@ pub struct BenchArgs {
     /// Also print the throughput of every `--series-step` messages, to see whether the
     /// rate holds as claims accumulate (always in `--json`, as `series`).
     #[arg(long)]
-    pub series: bool,
+    pub(crate) series: bool,
     /// Messages per point of the series.
     #[arg(long, default_value_t = 1_000_000)]
     series_step: u64,
@@ -116,12 +116,12 @@ pub struct BenchArgs {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     rate: Option<u64>,
     #[command(flatten)]
-    pub run: RunFlags,
+    pub(crate) run: RunFlags,
 }
 
 impl BenchArgs {
     /// The run's parameters, checked by the library, with `--config` loaded.
-    pub fn params(self) -> Result<BenchParams> {
+    pub(crate) fn params(self) -> Result<BenchParams> {
         let mut params = BenchParams {
             config: Config::default(),
             messages: self.messages,
@@ -150,7 +150,7 @@ impl BenchArgs {
 /// workspace's `dedupd-bench` binary (`cargo run -p dedupd-bench -- compare`), so the
 /// product builds without their clients.
 #[derive(Subcommand)]
-pub enum BenchCommand {
+pub(crate) enum BenchCommand {
     /// Fifteen well-behaved handlers next to five hostile ones (trap, endless loop, memory
     /// hog, log flood, sleep in a host call): the good subscribers' throughput with the
     /// hostile ones over without, and exact outcomes, claims and counts for every subscriber.
@@ -159,7 +159,7 @@ pub enum BenchCommand {
 
 /// `dedupd bench adversarial`.
 #[derive(Args)]
-pub struct AdversarialArgs {
+pub(crate) struct AdversarialArgs {
     /// Messages per well-behaved subscriber (redeliveries included), in each phase.
     #[arg(long, default_value_t = 20_000)]
     messages: u64,
@@ -192,12 +192,12 @@ pub struct AdversarialArgs {
     shards: ShardFlags,
     /// Print one JSON object instead of the table.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 impl AdversarialArgs {
     /// The run's parameters, checked by the library, with `--config` loaded.
-    pub fn params(self) -> Result<AdversarialParams> {
+    pub(crate) fn params(self) -> Result<AdversarialParams> {
         let mut params = AdversarialParams {
             config: Config::default(),
             good_subscribers: self.good_subscribers,

@@ -20,7 +20,7 @@ const DIRS_HELP: &str = "Directory in which the temporary data directories are c
 
 /// `dedupd kafka-bench`.
 #[derive(Args)]
-pub struct KafkaBenchArgs {
+pub(crate) struct KafkaBenchArgs {
     /// Messages produced to the input topic (redeliveries included).
     #[arg(long, default_value_t = 2_000_000)]
     messages: u64,
@@ -52,12 +52,12 @@ pub struct KafkaBenchArgs {
     #[arg(long, value_parser = humantime::parse_duration)]
     ttl: Option<std::time::Duration>,
     #[command(flatten)]
-    pub run: RunFlags,
+    pub(crate) run: RunFlags,
 }
 
 impl KafkaBenchArgs {
     /// The run's parameters, checked by the library.
-    pub fn params(self) -> Result<KafkaBenchParams> {
+    pub(crate) fn params(self) -> Result<KafkaBenchParams> {
         let params = KafkaBenchParams {
             messages: self.messages,
             dup_rate: self.traffic.dup_rate,
@@ -82,7 +82,7 @@ impl KafkaBenchArgs {
     mut_arg("seed", |a| a.help("Seed of the generated traffic")),
     mut_arg("dir", |a| a.help(DIRS_HELP))
 )]
-pub struct MqttBenchArgs {
+pub(crate) struct MqttBenchArgs {
     /// The broker (loopback for the figures): its `max_queued_messages` must hold
     /// `--messages` for an offline session.
     #[arg(long, default_value = "mqtt://127.0.0.1:1883")]
@@ -99,18 +99,18 @@ pub struct MqttBenchArgs {
     window: u16,
     /// Messages queued for a session at a time: each phase is published and consumed in
     /// rounds of this many (see `--messages`).
-    #[arg(long, default_value_t = 50_000)]
+    #[arg(long, default_value_t = dedupd::source::mqtt::bench::ROUND)]
     round: usize,
     /// Handler component: a third phase runs it for every new message.
     #[arg(long)]
     handler: Option<PathBuf>,
     #[command(flatten)]
-    pub run: RunFlags,
+    pub(crate) run: RunFlags,
 }
 
 impl MqttBenchArgs {
     /// The run's parameters, checked by the library.
-    pub fn params(self) -> Result<MqttBenchParams> {
+    pub(crate) fn params(self) -> Result<MqttBenchParams> {
         let params = MqttBenchParams {
             broker: self.broker,
             messages: self.messages,
@@ -129,7 +129,7 @@ impl MqttBenchArgs {
 /// `dedupd rabbitmq-bench`.
 #[derive(Args)]
 #[command(mut_arg("dir", |a| a.help(DIRS_HELP)))]
-pub struct RabbitmqBenchArgs {
+pub(crate) struct RabbitmqBenchArgs {
     /// The server (`amqp://host:5672/%2f`); the bench declares and deletes queues of its own.
     #[arg(long, default_value = "amqp://127.0.0.1:5672/%2f")]
     uri: String,
@@ -147,12 +147,12 @@ pub struct RabbitmqBenchArgs {
     #[command(flatten)]
     shards: ShardFlags,
     #[command(flatten)]
-    pub run: RunFlags,
+    pub(crate) run: RunFlags,
 }
 
 impl RabbitmqBenchArgs {
     /// The run's parameters, checked by the library.
-    pub fn params(self) -> Result<RabbitBenchParams> {
+    pub(crate) fn params(self) -> Result<RabbitBenchParams> {
         let params = RabbitBenchParams {
             uri: self.uri,
             messages: self.messages,
@@ -171,7 +171,7 @@ impl RabbitmqBenchArgs {
 /// `dedupd nats-bench`.
 #[derive(Args)]
 #[command(mut_arg("dir", |a| a.help(DIRS_HELP)))]
-pub struct NatsBenchArgs {
+pub(crate) struct NatsBenchArgs {
     /// The server, with JetStream enabled (`nats-server -js`); the bench creates and
     /// deletes streams of its own.
     #[arg(long, default_value = "nats://127.0.0.1:4222")]
@@ -191,12 +191,12 @@ pub struct NatsBenchArgs {
     #[arg(long)]
     handler: Option<PathBuf>,
     #[command(flatten)]
-    pub run: RunFlags,
+    pub(crate) run: RunFlags,
 }
 
 impl NatsBenchArgs {
     /// The run's parameters, checked by the library.
-    pub fn params(self) -> Result<NatsBenchParams> {
+    pub(crate) fn params(self) -> Result<NatsBenchParams> {
         let params = NatsBenchParams {
             server: self.server,
             messages: self.messages,

@@ -8,15 +8,15 @@
 //!   and an offset (stored after the local commit, G1) never passes a message whose claim
 //!   and state are not in the changelog.
 //! - **Record.** Key: the claim key and the time it was processed (24 bytes, big-endian;
-//!   [`record_key`]). Value: a format byte, then the [`Change`](crate::ledger::changelog::Change) (claim, entity, state
+//!   `record_key`). Value: a format byte, then the [`Change`](crate::ledger::changelog::Change) (claim, entity, state
 //!   written, marks, versions) in bincode's standard encoding. One record per processed
 //!   message, so a record is all of one message's effects or none of them. No two
 //!   processings share a key, so the log cleaner drops a record only once it has a
 //!   tombstone: `compaction.rs` sends one for every expired claim, after publishing the
 //!   handler state it wrote as **snapshots** — one record per item, keyed by the item
-//!   ([`snapshot_key`]), holding its current value as a change with no claim.
+//!   (`snapshot_key`), holding its current value as a change with no claim.
 //! - **Emitted.** Every message a handler emitted (an outbox row) is a record of its own in
-//!   the same partition, keyed `O` + the hash of its deterministic id ([`emitted_key`]),
+//!   the same partition, keyed `O` + the hash of its deterministic id (`emitted_key`),
 //!   holding the message and its claim's expiry. The outbox relay tombstones it once the
 //!   broker acknowledged the message. A restore puts every emitted message with no
 //!   tombstone back into the new owner's outbox (unless it is pending there already), so a
@@ -25,7 +25,7 @@
 //!   just before the crash, before its tombstone, is relayed twice with one id).
 //! - **Records.** Every quarantine and dead-letter record of a message from partition p is a
 //!   record of its own there, keyed `R` + its kind + the key hash and payload fingerprint it
-//!   is merged by ([`record_copy_key`]), holding its current body (a repeat publishes the
+//!   is merged by (`record_copy_key`), holding its current body (a repeat publishes the
 //!   bumped `count` again); a record removed by its owner (discarded, settled by a replay,
 //!   swept by the retention, evicted by the cap) gets a tombstone. A restore puts every
 //!   record without one into the new owner's tables, so a member that dies with its disk
@@ -38,9 +38,9 @@
 //!   ledger that already holds a prefix of it (this member owned the partition before)
 //!   ends in exactly the changelog's claims and state.
 //! - **Fences.** A member that is assigned partition p first produces a fence record there
-//!   ([`fence_key`]) and waits for its offset, its **epoch** for p; only then does it
+//!   (`fence_key`) and waits for its offset, its **epoch** for p; only then does it
 //!   restore (to an end offset read after the fence) and process. Every value it publishes
-//!   for p afterwards starts with that epoch ([`EPOCH_FORMAT`]). A restore skips a value
+//!   for p afterwards starts with that epoch (`EPOCH_FORMAT`). A restore skips a value
 //!   whose epoch is older than the newest fence before it: it came from a member that lost
 //!   p and kept publishing (a "zombie", paused past its session timeout), after the new
 //!   owner had taken p over. Every restore — the new owner's and any later one — so ends
@@ -52,8 +52,8 @@
 //!   messages, quarantine and dead-letter records, fences), epochs, value encoding;
 //! - `producer.rs`: [`ChangelogProducer`], publishing a batch's records under this
 //!   member's epochs, fences and tombstones, and the acknowledgements a shard waits for;
-//! - `error.rs`: [`ChangelogError`], why a publish failed or a record could not be read
-//!   (a record's own faults are [`RecordError`]s, in `record.rs`);
+//! - `error.rs`: `ChangelogError`, why a publish failed or a record could not be read
+//!   (a record's own faults are `RecordError`s, in `record.rs`);
 //! - `topics.rs`: the changelog topic's name, partition count and creation;
 //! - `restore.rs`: reading the changelog back into the ledger ([`restore()`]) and the
 //!   checkpoints that let the next restore start where this one ended.
@@ -64,14 +64,12 @@ mod record;
 mod restore;
 mod topics;
 
-pub use error::ChangelogError;
+pub(crate) use error::ChangelogError;
 pub(crate) use producer::Acked;
 pub use producer::ChangelogProducer;
-pub use record::{
-    decode, decode_emitted, decode_record, emitted_key, encode, encode_emitted, encode_record,
-    fence_key, is_emitted_key, is_fence_key, is_record_key, is_snapshot_key, record_copy_key,
-    record_key, removed_record, snapshot_key, split_epoch, Emitted, RecordError, EPOCH_FORMAT,
-};
+pub use record::is_fence_key;
+pub(crate) use record::{decode, decode_emitted, emitted_key, is_emitted_key};
+pub(crate) use record::{is_record_key, is_snapshot_key, split_epoch, RecordError, EPOCH_FORMAT};
+pub use restore::restore;
 pub(crate) use restore::{checkpoint, checkpoint_key};
-pub use restore::{restore, Restored};
 pub(crate) use topics::{create_topic, partition_count, topic_name};

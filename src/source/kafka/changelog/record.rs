@@ -48,7 +48,7 @@ fn bincode_config() -> bincode::config::Configuration {
 /// A change's record key: the claim key and when it was processed (both big-endian). A
 /// message processed again after its claim expired is a new record, so compaction never
 /// drops the state an earlier processing wrote.
-pub fn record_key(change: &Change) -> [u8; 24] {
+pub(crate) fn record_key(change: &Change) -> [u8; 24] {
     let mut k = [0u8; 24];
     k[..16].copy_from_slice(&change.key.to_be_bytes());
     k[16..].copy_from_slice(&change.processed_at_ms.to_be_bytes());
@@ -60,7 +60,7 @@ const SNAPSHOT_KEY: u8 = b'S';
 
 /// A snapshot record's key: `S` and the xxh3-128 of the item's identity (big-endian), the
 /// same for every snapshot of the item, so the log cleaner keeps only the newest.
-pub fn snapshot_key(item: &SnapshotItem<'_>) -> [u8; 17] {
+pub(crate) fn snapshot_key(item: &SnapshotItem<'_>) -> [u8; 17] {
     let mut k = [0u8; 17];
     k[0] = SNAPSHOT_KEY;
     k[1..].copy_from_slice(&xxhash_rust::xxh3::xxh3_128(&item.identity()).to_be_bytes());
@@ -68,7 +68,7 @@ pub fn snapshot_key(item: &SnapshotItem<'_>) -> [u8; 17] {
 }
 
 /// Whether a record key is a snapshot's.
-pub fn is_snapshot_key(key: &[u8]) -> bool {
+pub(crate) fn is_snapshot_key(key: &[u8]) -> bool {
     key.len() == 17 && key[0] == SNAPSHOT_KEY
 }
 
@@ -80,7 +80,7 @@ pub(super) const FENCE_FORMAT: u8 = 5;
 /// A fence record's key: `F` and 16 bytes no other fence has (the producing member's
 /// nonce), so the log cleaner keeps every fence: a restore needs the newest fence before
 /// each record, not only the newest of the partition.
-pub fn fence_key(nonce: u128) -> [u8; 17] {
+pub(crate) fn fence_key(nonce: u128) -> [u8; 17] {
     let mut k = [0u8; 17];
     k[0] = FENCE_KEY;
     k[1..].copy_from_slice(&nonce.to_be_bytes());
@@ -95,11 +95,11 @@ pub fn is_fence_key(key: &[u8]) -> bool {
 /// The first byte of a value published under an epoch: then the epoch (8 bytes,
 /// big-endian: the offset of the publishing member's fence in this partition), then the
 /// value itself, with its own format byte.
-pub const EPOCH_FORMAT: u8 = 4;
+pub(crate) const EPOCH_FORMAT: u8 = 4;
 
 /// A record value's epoch (`None`: published with no fence, by an earlier version) and
 /// the value under it.
-pub fn split_epoch(value: &[u8]) -> Result<(Option<u64>, &[u8]), RecordError> {
+pub(crate) fn split_epoch(value: &[u8]) -> Result<(Option<u64>, &[u8]), RecordError> {
     match value.split_first() {
         Some((&EPOCH_FORMAT, rest)) => {
             let (epoch, inner) = rest
@@ -118,7 +118,7 @@ pub(super) const EMITTED_FORMAT: u8 = 2;
 
 /// An emitted record's key: `O` and the xxh3-128 of the message's id (deterministic, the
 /// same for every processing that emits it), so the relay's tombstone names it.
-pub fn emitted_key(message_id: &str) -> [u8; 17] {
+pub(crate) fn emitted_key(message_id: &str) -> [u8; 17] {
     let mut k = [0u8; 17];
     k[0] = EMITTED_KEY;
     k[1..].copy_from_slice(&xxhash_rust::xxh3::xxh3_128(message_id.as_bytes()).to_be_bytes());
@@ -126,7 +126,7 @@ pub fn emitted_key(message_id: &str) -> [u8; 17] {
 }
 
 /// Whether a record key is an emitted record's.
-pub fn is_emitted_key(key: &[u8]) -> bool {
+pub(crate) fn is_emitted_key(key: &[u8]) -> bool {
     key.len() == 17 && key[0] == EMITTED_KEY
 }
 
@@ -135,13 +135,14 @@ pub fn is_emitted_key(key: &[u8]) -> bool {
 /// compaction tombstones one that nothing relayed (an outbox read over HTTP) with that
 /// claim's record.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Emitted {
-    pub expires_at_ms: u64,
-    pub message: crate::effects::OutboxMessage,
+pub(crate) struct Emitted {
+    pub(crate) expires_at_ms: u64,
+    pub(crate) message: crate::effects::OutboxMessage,
 }
 
 /// An emitted message as a record value.
-pub fn encode_emitted(emitted: &Emitted) -> Result<Vec<u8>, RecordError> {
+#[cfg(test)]
+pub(crate) fn encode_emitted(emitted: &Emitted) -> Result<Vec<u8>, RecordError> {
     encode_value(EMITTED_FORMAT, EMITTED, emitted)
 }
 
@@ -154,7 +155,7 @@ pub(super) struct EmittedRef<'a> {
 }
 
 /// An emitted record's value; an error names what is wrong with it.
-pub fn decode_emitted(value: &[u8]) -> Result<Emitted, RecordError> {
+pub(crate) fn decode_emitted(value: &[u8]) -> Result<Emitted, RecordError> {
     decode_value(value, EMITTED_FORMAT, EMITTED)
 }
 
@@ -167,7 +168,7 @@ const RECORD_KEY_LEN: usize = 2 + 16 + 8;
 /// A quarantine or dead-letter record's key: `R`, `q` or `d`, then the key hash and the
 /// payload fingerprint its repeats are merged by (big-endian), so a repeat's record
 /// replaces it and the owner's tombstone names it.
-pub fn record_copy_key(copy: &RecordCopy) -> [u8; RECORD_KEY_LEN] {
+pub(crate) fn record_copy_key(copy: &RecordCopy) -> [u8; RECORD_KEY_LEN] {
     let mut k = [0u8; RECORD_KEY_LEN];
     k[0] = RECORD_KEY;
     k[1] = match copy.kind {
@@ -180,13 +181,13 @@ pub fn record_copy_key(copy: &RecordCopy) -> [u8; RECORD_KEY_LEN] {
 }
 
 /// Whether a record key is a quarantine or dead-letter record's.
-pub fn is_record_key(key: &[u8]) -> bool {
+pub(crate) fn is_record_key(key: &[u8]) -> bool {
     key.len() == RECORD_KEY_LEN && key[0] == RECORD_KEY
 }
 
 /// The removal a tombstone with `key` stands for (a copy with no body), if the key is a
 /// quarantine or dead-letter record's.
-pub fn removed_record(key: &[u8], partition: i32) -> Option<RecordCopy> {
+pub(crate) fn removed_record(key: &[u8], partition: i32) -> Option<RecordCopy> {
     if !is_record_key(key) {
         return None;
     }
@@ -206,32 +207,35 @@ pub fn removed_record(key: &[u8], partition: i32) -> Option<RecordCopy> {
 }
 
 /// A stored quarantine or dead-letter record as a record value.
-pub fn encode_record(copy: &RecordCopy) -> Result<Vec<u8>, RecordError> {
+#[cfg(test)]
+pub(crate) fn encode_record(copy: &RecordCopy) -> Result<Vec<u8>, RecordError> {
     encode_value(RECORD_FORMAT, RECORD, copy)
 }
 
 /// A quarantine or dead-letter record's value; an error names what is wrong with it.
-pub fn decode_record(value: &[u8]) -> Result<RecordCopy, RecordError> {
+pub(crate) fn decode_record(value: &[u8]) -> Result<RecordCopy, RecordError> {
     decode_value(value, RECORD_FORMAT, RECORD)
 }
 
 /// A change as a record value.
-pub fn encode(change: &Change) -> Result<Vec<u8>, RecordError> {
+#[cfg(test)]
+pub(crate) fn encode(change: &Change) -> Result<Vec<u8>, RecordError> {
     encode_value(FORMAT, CHANGE, change)
 }
 
 /// A record value as a change; an error names what is wrong with it.
-pub fn decode(value: &[u8]) -> Result<Change, RecordError> {
+pub(crate) fn decode(value: &[u8]) -> Result<Change, RecordError> {
     decode_value(value, FORMAT, CHANGE)
 }
 
 /// What a record value holds, as errors name it: (article, noun, format name).
-pub type Kind = (&'static str, &'static str, &'static str);
+pub(crate) type Kind = (&'static str, &'static str, &'static str);
 pub(super) const CHANGE: Kind = ("a", "change", "change");
 pub(super) const EMITTED: Kind = ("an", "emitted message", "emitted-message");
 pub(super) const RECORD: Kind = ("a", "quarantine or dead-letter record", "record");
 
 /// A record value: the format byte, then `v` in bincode's standard encoding.
+#[cfg(test)]
 fn encode_value<T: serde::Serialize>(
     format: u8,
     kind: Kind,
@@ -285,7 +289,10 @@ fn decode_value<T: serde::de::DeserializeOwned>(
 
 #[cfg(test)]
 pub(super) mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use super::*;
 

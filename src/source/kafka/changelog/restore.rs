@@ -27,11 +27,11 @@ const MAX_IN_FLIGHT: usize = 32 * 1024;
 #[derive(Debug, Default, Clone)]
 pub struct Restored {
     /// Each partition's end offset when the restore began: its checkpoint now.
-    pub ends: Vec<(i32, i64)>,
+    pub(crate) ends: Vec<(i32, i64)>,
     /// Changelog records read and replayed.
     pub changes: u64,
     /// Records not read because this data directory's checkpoint covers them.
-    pub skipped: u64,
+    pub(crate) skipped: u64,
     /// Tombstones read (not replayed: they mark expired claims the cleaner may drop).
     pub tombstones: u64,
     /// Values skipped because a member that had lost the partition published them after
@@ -39,11 +39,11 @@ pub struct Restored {
     pub fenced: u64,
     /// Messages handlers emitted that the changelog holds with no tombstone (not relayed
     /// yet, as far as it knows), put back into this member's outbox.
-    pub emitted: u64,
+    pub(crate) emitted: u64,
     /// Quarantine and dead-letter records the changelog holds with no tombstone, put
     /// into this member's tables.
-    pub records: u64,
-    pub elapsed: Duration,
+    pub(crate) records: u64,
+    pub(crate) elapsed: Duration,
 }
 
 /// The checkpoint key of a changelog partition.
@@ -398,7 +398,10 @@ fn flush(ledger: &Ledger, staged: &mut [Vec<Job>]) -> Result<(), KafkaError> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+    #![allow(
+        clippy::unwrap_used,
+        reason = "tests: a failed unwrap is a failed test"
+    )]
 
     use super::super::record::emitted_key;
     use super::*;

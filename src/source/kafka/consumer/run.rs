@@ -25,7 +25,7 @@ use crate::telemetry::Latency;
 pub struct RunOptions {
     /// Record the latency from each message's produce timestamp to its offset being
     /// stored (the benchmark's end-to-end figure).
-    pub record_latency: bool,
+    pub(crate) record_latency: bool,
 }
 
 /// Consumes one subscription until `stop` is set, then drains in-flight work, stores and
