@@ -191,7 +191,7 @@ async fn publish(
         let props = match properties(row) {
             Ok(props) => props,
             Err(why) => {
-                confirms.push(Err(why));
+                confirms.push(Err(why.to_string()));
                 continue;
             }
         };
@@ -230,16 +230,20 @@ async fn publish(
     Ok(out)
 }
 
+/// Why a row cannot be published as a message.
+#[derive(Debug, thiserror::Error)]
+enum Unpublishable {
+    #[error("header name of {0} bytes: AMQP allows at most 255")]
+    HeaderName(usize),
+}
+
 /// The row's message properties: persistent, its id, its key and headers.
-fn properties(row: &OutboxRow) -> Result<BasicProperties, String> {
+fn properties(row: &OutboxRow) -> Result<BasicProperties, Unpublishable> {
     let mut headers = FieldTable::default();
     let text = |v: &str| AMQPValue::LongString(v.as_bytes().to_vec().into());
     for (name, value) in &row.headers {
         if name.len() > 255 {
-            return Err(format!(
-                "header name of {} bytes: AMQP allows at most 255",
-                name.len()
-            ));
+            return Err(Unpublishable::HeaderName(name.len()));
         }
         headers.insert(ShortString::from(name.as_str()), text(value));
     }
@@ -298,6 +302,7 @@ mod tests {
     #[test]
     fn a_header_name_amqp_cannot_carry_keeps_the_row() {
         let e = properties(&row(vec![("h".repeat(256), "v".into())], None)).unwrap_err();
-        assert!(e.contains("at most 255"), "{e}");
+        assert!(matches!(e, Unpublishable::HeaderName(256)), "{e}");
+        assert!(e.to_string().contains("at most 255"), "{e}");
     }
 }
