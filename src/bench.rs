@@ -148,6 +148,13 @@ pub struct BenchReport {
     pub(crate) index_bytes_per_key: f64,
     /// Longest single durable commit.
     pub(crate) max_commit_ms: f64,
+    /// The process's CPU time (user and system) over the engine run, per message.
+    pub(crate) cpu_us_per_msg: f64,
+    /// Seconds the process's threads spent on a CPU, and runnable but waiting for one,
+    /// over the engine run (`telemetry::sched`; 0 off Linux). The waiting is what other
+    /// work on the machine cost the run: it is how busy the machine was.
+    pub(crate) threads_running_s: f64,
+    pub(crate) threads_waiting_s: f64,
     /// Filters of sealed generations per stored key (the part that grows with keys).
     pub(crate) filter_bytes_per_key: f64,
     /// Length of the data directory's files.
@@ -294,6 +301,8 @@ pub fn run(
     let ledger = Ledger::open(&data_dir, &bench_config(params), Arc::new(SystemClock))?;
     let subs = bench_subscribers(&ledger, params)?;
     let rss_base = rss_bytes();
+    let cpu_base = crate::telemetry::process::read().map(|p| p.cpu_seconds);
+    let sched_base = crate::telemetry::sched::threads();
     let spec = TrafficSpec {
         seed: params.seed,
         messages: params.messages,
@@ -315,6 +324,13 @@ pub fn run(
     let driven = drive(&ledger, &subs, spec, &live, ack_tx, &mut progress)?;
     let elapsed = live.start.elapsed();
     let rss_end = rss_bytes();
+    let cpu_s = cpu_base
+        .zip(crate::telemetry::process::read())
+        .map_or(0.0, |(base, end)| end.cpu_seconds - base);
+    let sched = sched_base
+        .zip(crate::telemetry::sched::threads())
+        .map(|(base, end)| end.since(&base))
+        .unwrap_or_default();
     // What of it is freed memory the allocator keeps for reuse (its purge delay).
     crate::telemetry::return_freed_memory();
     let rss_collected = rss_bytes();
@@ -326,6 +342,9 @@ pub fn run(
     let rss = (rss_base, rss_end, rss_collected);
     let mut report = assemble(params, &driven, &acked, &measured, elapsed, rss);
     report.data_dir = data_dir;
+    report.cpu_us_per_msg = cpu_s * 1e6 / driven.messages.max(1) as f64;
+    report.threads_running_s = sched.running_ns as f64 / 1e9;
+    report.threads_waiting_s = sched.waiting_ns as f64 / 1e9;
     report.disk_bytes = crate::ledger::dir_bytes(&report.data_dir);
     report.disk_bytes_per_key = report.disk_bytes as f64 / report.stored_keys.max(1) as f64;
     report.disk_allocated_bytes = crate::ledger::dir_allocated_bytes(&report.data_dir);
@@ -452,6 +471,9 @@ fn assemble(
         rss_collected_bytes: rss_collected,
         rss_collected_bytes_per_key: bytes_per_key(rss_collected, rss_base, stored_keys),
         max_commit_ms: max_ms(|m| m.max_commit_us),
+        cpu_us_per_msg: 0.0,
+        threads_running_s: 0.0,
+        threads_waiting_s: 0.0,
         rss_bytes_per_key: bytes_per_key(rss_end, rss_base, stored_keys),
         index_bytes_per_key: index_bytes as f64 / stored_keys.max(1) as f64,
         filter_bytes_per_key: filter_bytes as f64 / stored_keys.max(1) as f64,
@@ -709,5 +731,18 @@ mod tests {
         assert!(r.index_bytes_per_key > 0.0);
         assert!(r.max_batch_ms >= r.max_batch_ms_plain);
         assert!(r.naive_msgs_per_sec > 0.0);
+        // 20,000 messages cost some CPU, and not more than a whole core-second each.
+        assert!(
+            r.cpu_us_per_msg > 0.0 && r.cpu_us_per_msg < 1e6,
+            "{}",
+            r.cpu_us_per_msg
+        );
+        #[cfg(target_os = "linux")]
+        assert!(
+            r.threads_running_s > 0.0 && r.threads_waiting_s >= 0.0,
+            "{} {}",
+            r.threads_running_s,
+            r.threads_waiting_s
+        );
     }
 }

@@ -4,6 +4,7 @@
 use hdrhistogram::Histogram;
 
 pub mod process;
+pub(crate) mod sched;
 
 /// Latency histogram in microseconds, 1 µs to 1 h, 3 significant digits.
 pub struct Latency(Histogram<u64>);

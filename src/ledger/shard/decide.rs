@@ -89,6 +89,11 @@ impl Shard {
     ) -> Result<(Vec<Decision>, bool), LedgerError> {
         self.sync_handlers(jobs)?;
         let txn = self.durable_txn()?;
+        // The thread's scheduler figures, for the "slow batch" line: how much of a slow
+        // batch was spent waiting for a core that other work held.
+        let sched0 = tracing::enabled!(tracing::Level::DEBUG)
+            .then(crate::telemetry::sched::thread)
+            .flatten();
         let t0 = Instant::now();
         let mut tally = Tally::default();
         let mut decisions = Vec::with_capacity(jobs.len());
@@ -143,9 +148,15 @@ impl Shard {
             m.max_commit_us = m.max_commit_us.max(commit.as_micros() as u64);
             drop(m);
             if t0.elapsed() > Duration::from_millis(40) {
+                let sched = sched0
+                    .zip(crate::telemetry::sched::thread())
+                    .map(|(a, b)| b.since(a))
+                    .unwrap_or_default();
                 tracing::debug!(
                     shard = self.ctx.index,
                     jobs = jobs.len(),
+                    running_ms = sched.running_ns / 1_000_000,
+                    waiting_for_a_core_ms = sched.waiting_ns / 1_000_000,
                     decide_ms = (t1 - t0).as_millis() as u64,
                     log_ms = (t2 - t1).as_millis() as u64,
                     maintenance_ms = (t3 - t2).as_millis() as u64,

@@ -300,6 +300,7 @@ impl Shard {
         // Step times for the "slow maintenance" debug line, taken only when it can print.
         let timed = tracing::enabled!(tracing::Level::DEBUG);
         let stamp = || timed.then(Instant::now);
+        let sched0 = timed.then(crate::telemetry::sched::thread).flatten();
         let t0 = stamp();
         let mut did = st
             .handling
@@ -335,7 +336,13 @@ impl Shard {
         }
         if let (Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) = (t0, t1, t2, t3, stamp()) {
             if t4 - t0 > Duration::from_millis(15) {
+                let sched = sched0
+                    .zip(crate::telemetry::sched::thread())
+                    .map(|(a, b)| b.since(a))
+                    .unwrap_or_default();
                 tracing::debug!(shard = self.ctx.index, subscriber = %st.name,
+                    running_ms = sched.running_ns / 1_000_000,
+                    waiting_for_a_core_ms = sched.waiting_ns / 1_000_000,
                     state_and_seal_start_ms = (t1 - t0).as_millis() as u64,
                     seal_ms = (t2 - t1).as_millis() as u64,
                     expiry_ms = (t3 - t2).as_millis() as u64,
