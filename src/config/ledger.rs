@@ -17,7 +17,10 @@ pub struct LedgerConfig {
     /// Most messages in one commit. A batch grows while the previous commit's fsync runs.
     /// 1 to 1,048,576.
     pub max_batch: NonZeroUsize,
-    /// How long a writer waits for more messages before committing a batch that is not full.
+    /// How long a writer waits for more messages before committing a small batch (under
+    /// 256 jobs), while they keep coming (a pause of half of it ends the wait): fewer
+    /// commits, and less CPU a message, at moderate load, for up to this much ack latency.
+    /// 0 (the default) commits at once. At most 1 s.
     #[serde(with = "humantime_serde")]
     pub(crate) max_linger: Duration,
     /// Claims in an active generation before it is sealed into a sorted table. A busy
