@@ -151,8 +151,10 @@ pub struct BenchReport {
     /// The process's CPU time (user and system) over the engine run, per message.
     pub(crate) cpu_us_per_msg: f64,
     /// Seconds the process's threads spent on a CPU, and runnable but waiting for one,
-    /// over the engine run (`telemetry::sched`; 0 off Linux). The waiting is what other
-    /// work on the machine cost the run: it is how busy the machine was.
+    /// over the engine run (`telemetry::sched`; 0 off Linux). A thread waits when every
+    /// core is held, by the process's other threads (more runnable threads than cores) or
+    /// by other work on the machine: the part above what a quiet machine gives is how busy
+    /// it was.
     pub(crate) threads_running_s: f64,
     pub(crate) threads_waiting_s: f64,
     /// Filters of sealed generations per stored key (the part that grows with keys).

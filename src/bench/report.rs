@@ -66,7 +66,7 @@ impl fmt::Display for BenchReport {
         writeln!(f, "batches  longest {:.1} ms plain, {:.1} ms with sealing/merging ({} seals, {} merges); longest commit {:.1} ms", r.max_batch_ms_plain, r.max_batch_ms_with_maintenance, r.seals, r.merges, r.max_commit_ms)?;
         writeln!(
             f,
-            "cpu      {:.2} core-µs/msg (user + system); threads ran {:.1} s and waited {:.1} s for a core (other work on the machine)",
+            "cpu      {:.2} core-µs/msg (user + system); threads ran {:.1} s and waited {:.1} s for a core (held by its other threads or other work)",
             r.cpu_us_per_msg, r.threads_running_s, r.threads_waiting_s
         )?;
         if r.probed_keys + r.unprobed_keys > 0 {

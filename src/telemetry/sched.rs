@@ -1,8 +1,9 @@
 //! Time on a CPU and time spent waiting for one, per thread, from Linux's scheduler
 //! statistics (`/proc/<pid>/task/<tid>/schedstat`: nanoseconds running, nanoseconds
-//! runnable but waiting in a run queue, timeslices). On a machine shared with other work
-//! the waiting is what that work cost the engine: a batch that took 20 ms of which 15 were
-//! spent waiting for a core was not slow because of anything it did. `dedupd bench`
+//! runnable but waiting in a run queue, timeslices). A thread waits while every core is
+//! held, by the process's other threads or by other work on the machine: a batch that
+//! took 20 ms of which 15 were spent waiting for a core was not slow because of anything
+//! it did. `dedupd bench`
 //! prints the whole process's figures, and the shard's "slow batch" debug line its
 //! thread's.
 
