@@ -22,11 +22,12 @@ mod rabbitmq_server;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
+use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::rabbitmq::{self, RabbitMqSummary};
 
 use common::broker::{
@@ -35,6 +36,7 @@ use common::broker::{
     wait_logged, wait_until, KillRounds,
 };
 use common::component;
+use common::stall::StallingRelay;
 use common::tls::Pki;
 use rabbitmq_server::{shared_server, Broker, Got, Msg, RabbitServer};
 
@@ -145,6 +147,53 @@ fn each_event_is_processed_once_across_two_queues_with_redeliveries() {
     ledger.close().unwrap();
     assert_all_acked(&broker, qa);
     assert_all_acked(&broker, qb);
+}
+
+/// A stop while the server answers nothing (the path to it went silent, the connection
+/// still open) ends within the drain timeout and a few seconds: each wait for the server
+/// at a stop is bounded (`STOP_REPLY`, 2 s). Before, the stop waited for a cancel-ok, a
+/// close-ok or a publisher confirm for ever, and `dedupd run` ended only by its watchdog,
+/// exit 1 (seen once in the kill -9 rounds, 2026-12-07).
+#[test]
+fn a_stop_while_the_server_answers_nothing_ends_in_seconds() {
+    let server = shared_server();
+    let broker = Broker::connect(&server.uri);
+    let q = "silent-stop";
+    broker.declare(q, None);
+    broker.publish(q, &order_msgs(0..50), &[]);
+    let port = server
+        .uri
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap();
+    let relay = StallingRelay::start(port.parse().unwrap());
+    let uri = format!("amqp://127.0.0.1:{}/%2f", relay.port);
+    let text = config_text(&uri, None, &[q], "").replace("\"10s\"", "\"1s\"");
+    let config = Config::parse(&text).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let ledger = Arc::new(Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap());
+    let (shutdown, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
+    let (l, s, r) = (
+        ledger.clone(),
+        shutdown.clone(),
+        config.rabbitmq.clone().unwrap(),
+    );
+    std::thread::spawn(move || tx.send(rabbitmq::run(l, &r, &s)));
+    wait_until("the messages claimed", Duration::from_secs(60), || {
+        claims(&ledger) == 50
+    });
+    relay.stall();
+    let stopping = Instant::now();
+    shutdown.trigger(Cause::Requested);
+    let ended = rx.recv_timeout(Duration::from_secs(20));
+    let took = stopping.elapsed();
+    let summary = ended.expect("the stop still waits for a server that answers nothing");
+    assert!(took < Duration::from_secs(12), "the stop took {took:?}");
+    assert_eq!(summary.unwrap().processed, 50);
 }
 
 /// A message with no `message_id` (the subscriber keys by it) is kept as a dead-letter

@@ -1,9 +1,10 @@
 //! Helpers shared by the integration tests (each test binary compiles its own copy, and
 //! uses only some of them); `broker.rs` has those of the broker sources' tests, `tls.rs` the
-//! certificates of their TLS listeners.
+//! certificates of their TLS listeners, `stall.rs` a TCP relay that can go silent.
 #![allow(dead_code, reason = "each test binary uses only some of the helpers")]
 
 pub mod broker;
+pub mod stall;
 pub mod tls;
 
 use std::path::PathBuf;

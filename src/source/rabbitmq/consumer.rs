@@ -626,15 +626,15 @@ impl Binding {
         done_rx: &mut mpsc::UnboundedReceiver<Vec<Done>>,
         timeout: Duration,
     ) -> Result<(), RabbitMqError> {
-        if let Err(e) = self
-            .channel
-            .basic_cancel(
-                self.consumer_tag.as_str().into(),
-                BasicCancelOptions::default(),
-            )
-            .await
-        {
-            tracing::debug!(queue = %self.config.queue, "basic.cancel at stop: {e}");
+        let cancel = self.channel.basic_cancel(
+            self.consumer_tag.as_str().into(),
+            BasicCancelOptions::default(),
+        );
+        match tokio::time::timeout(super::STOP_REPLY, cancel).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(queue = %self.config.queue, "basic.cancel at stop: {e}"),
+            Err(_) => tracing::warn!(queue = %self.config.queue,
+                "the server did not answer basic.cancel within {:?}; draining without it", super::STOP_REPLY),
         }
         self.flush()?;
         let deadline = tokio::time::Instant::now() + timeout;
@@ -681,8 +681,12 @@ impl Binding {
             self.stats.requeued.fetch_add(sent, Ordering::Relaxed);
             self.count_settled(Settled::Nack, sent);
         }
-        if let Err(e) = self.channel.close(200, "dedupd stopped".into()).await {
-            tracing::debug!(queue = %self.config.queue, "channel close at stop: {e}");
+        let close = self.channel.close(200, "dedupd stopped".into());
+        match tokio::time::timeout(super::STOP_REPLY, close).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(queue = %self.config.queue, "channel close at stop: {e}"),
+            Err(_) => tracing::warn!(queue = %self.config.queue,
+                "the server did not answer the channel's close within {:?}", super::STOP_REPLY),
         }
         Ok(())
     }

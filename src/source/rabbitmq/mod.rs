@@ -50,6 +50,11 @@ use crate::pipeline::{Cause, Shutdown};
 use crate::source::settle::OutcomeStats;
 use crate::telemetry::metric;
 
+/// How long a stop waits for each answer of the server (a cancel, a channel's or the
+/// connection's close) before it goes on without it: nothing durable depends on them, and
+/// a server that stalled without closing the connection must not hold the stop.
+pub(crate) const STOP_REPLY: Duration = Duration::from_secs(2);
+
 /// Why the RabbitMQ source stopped.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
@@ -337,8 +342,14 @@ async fn run_sessions(
         };
         match ended {
             Ok(Ended::Stopped) => {
-                if let Err(e) = conn.close(200, "dedupd stopped".into()).await {
-                    tracing::debug!("rabbitmq close at stop: {e}");
+                match tokio::time::timeout(STOP_REPLY, conn.close(200, "dedupd stopped".into()))
+                    .await
+                {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!("rabbitmq close at stop: {e}"),
+                    Err(_) => tracing::warn!(
+                        "rabbitmq: the server did not answer the connection's close within {STOP_REPLY:?}; stopping without it"
+                    ),
                 }
                 return Ok(());
             }
@@ -393,8 +404,16 @@ async fn with_relay(
         }
     };
     if let Ok(Ended::Stopped) = ended {
-        finish_tx.send_replace(Some(tokio::time::Instant::now() + r.drain_timeout));
-        relay.await?;
+        let deadline = tokio::time::Instant::now() + r.drain_timeout;
+        finish_tx.send_replace(Some(deadline));
+        // The relay checks its deadline between rounds; a round waiting for publisher
+        // confirms the server never sends is cut here (its rows stay in the outbox).
+        match tokio::time::timeout_at(deadline + STOP_REPLY, &mut relay).await {
+            Ok(relayed) => relayed?,
+            Err(_) => tracing::warn!(
+                "rabbitmq outbox relay: no publisher confirms within rabbitmq.drain_timeout; stopping with rows not yet published (relayed by the next run)"
+            ),
+        }
     }
     ended
 }
