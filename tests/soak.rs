@@ -1,6 +1,6 @@
 //! The soak in its short form (issue 14, item 7; `dedupd-bench soak --minutes 2` and the
 //! 30-minute run are the long forms, in `scripts/reliability`): a capacity measurement,
-//! then a paced run at 70 % of it with a 4 s TTL and small generations, so claims are
+//! then a paced run at half of it with a 4 s TTL and small generations, so claims are
 //! sealed, merged and dropped by expiry many times over. Asserts the samples are sane and
 //! the bounds hold (memory, disk, claims and generations; the offered rate served); the
 //! p99 criterion (a debug build on a shared machine) is printed, not asserted. The
@@ -24,7 +24,10 @@ fn a_short_soak_stays_bounded_while_generations_seal_merge_and_expire() {
     let params = SoakParams {
         duration: Duration::from_secs(40),
         capacity_duration: Duration::from_secs(4),
-        load: 0.7,
+        // Half, not the long forms' 70 %: the capacity is a 4 s closed loop, and when the
+        // shared machine got busier after it, 70 % of it was more than the engine then had
+        // (2026-12-07: offered 394k, served 322-395k, a backlog of 1M after 40 s).
+        load: 0.5,
         rate: None,
         sample_every: Duration::from_secs(2),
         ttl: Duration::from_secs(4),
