@@ -3,9 +3,8 @@
 //! runnable but waiting in a run queue, timeslices). A thread waits while every core is
 //! held, by the process's other threads or by other work on the machine: a batch that
 //! took 20 ms of which 15 were spent waiting for a core was not slow because of anything
-//! it did. `dedupd bench`
-//! prints the whole process's figures, and the shard's "slow batch" debug line its
-//! thread's.
+//! it did. `dedupd bench` prints the whole process's figures, and the shard's "slow batch"
+//! debug line its thread's.
 
 use std::collections::HashMap;
 
@@ -38,6 +37,15 @@ impl Sched {
 /// The calling thread now; `None` off Linux or without `/proc`.
 pub(crate) fn thread() -> Option<Sched> {
     parse(&std::fs::read_to_string("/proc/thread-self/schedstat").ok()?)
+}
+
+/// What the calling thread did since `start` (its [`thread`] reading); nothing when either
+/// reading is missing.
+pub(crate) fn thread_since(start: Option<Sched>) -> Sched {
+    start
+        .zip(thread())
+        .map(|(a, b)| b.since(a))
+        .unwrap_or_default()
 }
 
 /// Every live thread of this process now, by thread id.

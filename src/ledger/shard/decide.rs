@@ -148,10 +148,7 @@ impl Shard {
             m.max_commit_us = m.max_commit_us.max(commit.as_micros() as u64);
             drop(m);
             if t0.elapsed() > Duration::from_millis(40) {
-                let sched = sched0
-                    .zip(crate::telemetry::sched::thread())
-                    .map(|(a, b)| b.since(a))
-                    .unwrap_or_default();
+                let sched = crate::telemetry::sched::thread_since(sched0);
                 tracing::debug!(
                     shard = self.ctx.index,
                     jobs = jobs.len(),

@@ -336,10 +336,7 @@ impl Shard {
         }
         if let (Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) = (t0, t1, t2, t3, stamp()) {
             if t4 - t0 > Duration::from_millis(15) {
-                let sched = sched0
-                    .zip(crate::telemetry::sched::thread())
-                    .map(|(a, b)| b.since(a))
-                    .unwrap_or_default();
+                let sched = crate::telemetry::sched::thread_since(sched0);
                 tracing::debug!(shard = self.ctx.index, subscriber = %st.name,
                     running_ms = sched.running_ns / 1_000_000,
                     waiting_for_a_core_ms = sched.waiting_ns / 1_000_000,

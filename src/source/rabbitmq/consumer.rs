@@ -630,12 +630,7 @@ impl Binding {
             self.consumer_tag.as_str().into(),
             BasicCancelOptions::default(),
         );
-        match tokio::time::timeout(super::STOP_REPLY, cancel).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!(queue = %self.config.queue, "basic.cancel at stop: {e}"),
-            Err(_) => tracing::warn!(queue = %self.config.queue,
-                "the server did not answer basic.cancel within {:?}; draining without it", super::STOP_REPLY),
-        }
+        super::at_stop("basic.cancel", &self.config.queue, cancel).await;
         self.flush()?;
         let deadline = tokio::time::Instant::now() + timeout;
         while self.pending.values().any(|p| *p == Pending::InFlight) {
@@ -682,12 +677,7 @@ impl Binding {
             self.count_settled(Settled::Nack, sent);
         }
         let close = self.channel.close(200, "dedupd stopped".into());
-        match tokio::time::timeout(super::STOP_REPLY, close).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!(queue = %self.config.queue, "channel close at stop: {e}"),
-            Err(_) => tracing::warn!(queue = %self.config.queue,
-                "the server did not answer the channel's close within {:?}", super::STOP_REPLY),
-        }
+        super::at_stop("the channel's close", &self.config.queue, close).await;
         Ok(())
     }
 

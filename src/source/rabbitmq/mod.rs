@@ -55,6 +55,23 @@ use crate::telemetry::metric;
 /// a server that stalled without closing the connection must not hold the stop.
 pub(crate) const STOP_REPLY: Duration = Duration::from_secs(2);
 
+/// Waits for the server's answer to `what` at a stop, at most [`STOP_REPLY`]; a failure is
+/// logged (debug: the stop goes on either way), a silence too (warn).
+pub(crate) async fn at_stop<E: std::fmt::Display>(
+    what: &str,
+    queue: &str,
+    answer: impl std::future::Future<Output = Result<(), E>>,
+) {
+    match tokio::time::timeout(STOP_REPLY, answer).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(queue, "rabbitmq {what} at stop: {e}"),
+        Err(_) => tracing::warn!(
+            queue,
+            "the RabbitMQ server did not answer {what} within {STOP_REPLY:?}; stopping without it"
+        ),
+    }
+}
+
 /// Why the RabbitMQ source stopped.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
@@ -342,15 +359,12 @@ async fn run_sessions(
         };
         match ended {
             Ok(Ended::Stopped) => {
-                match tokio::time::timeout(STOP_REPLY, conn.close(200, "dedupd stopped".into()))
-                    .await
-                {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::debug!("rabbitmq close at stop: {e}"),
-                    Err(_) => tracing::warn!(
-                        "rabbitmq: the server did not answer the connection's close within {STOP_REPLY:?}; stopping without it"
-                    ),
-                }
+                at_stop(
+                    "the connection's close",
+                    "",
+                    conn.close(200, "dedupd stopped".into()),
+                )
+                .await;
                 return Ok(());
             }
             Ok(Ended::Lost(reason)) => {
