@@ -2,8 +2,8 @@
 //! JetStream; `scripts/test` installs it), started by each test on a free port with its
 //! store in a temporary directory: end to end with duplicates past the stream's own
 //! duplicate window and redeliveries, a poison message, kill -9 rounds of `dedupd run`
-//! with the non-idempotent counter handler, `config check` of a bad section,
-//! `nats-bench` end to end, and TLS (a client certificate; a wrong CA refused, and said
+//! with the non-idempotent counter handler, `config check` of a bad section, a stop
+//! after the server went away (ends in seconds), `nats-bench` end to end, and TLS (a client certificate; a wrong CA refused, and said
 //! why).
 #![allow(
     clippy::unwrap_used,
@@ -14,13 +14,16 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
 use futures_util::StreamExt;
 
+use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
+use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::nats::{self, NatsSummary};
 
 use common::broker::{
@@ -645,6 +648,45 @@ fn a_stop_naks_unfinished_messages_and_the_next_run_processes_each_once() {
     assert_eq!(claims(&ledger), 8);
     ledger.close().unwrap();
     assert_eq!(broker.pending(STREAM, DURABLE), (0, 0));
+}
+
+/// A stop after the server went away (killed, as when the host it runs on goes down
+/// first) ends within seconds: the client is reconnecting then and answers no flush or
+/// request, so every wait for the server at a stop is bounded. Before that bound the stop
+/// waited for a reconnection that never came.
+#[test]
+fn a_stop_after_the_server_went_away_ends_in_seconds() {
+    let mut server = NatsServer::start();
+    let broker = Broker::connect(&server.url);
+    broker.create_stream(STREAM, Duration::from_secs(120));
+    assert_eq!(broker.publish(&order_msgs(0..50)), 50);
+    let text = config_text(&server.url, None, "2s")
+        .replace("drain_timeout = \"10s\"", "drain_timeout = \"1s\"");
+    let config = Config::parse(&text).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let ledger = Arc::new(Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap());
+    let (shutdown, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
+    let (l, s, n) = (
+        ledger.clone(),
+        shutdown.clone(),
+        config.nats.clone().unwrap(),
+    );
+    std::thread::spawn(move || tx.send(nats::run(l, &n, &s)));
+    wait_until("the messages acknowledged", Duration::from_secs(60), || {
+        claims(&ledger) == 50 && broker.pending(STREAM, DURABLE) == (0, 0)
+    });
+    drop(broker);
+    server.stop();
+    // The client notices the closed connection and starts reconnecting.
+    std::thread::sleep(Duration::from_millis(500));
+    let stopping = Instant::now();
+    shutdown.trigger(Cause::Requested);
+    let ended = rx.recv_timeout(Duration::from_secs(20));
+    let took = stopping.elapsed();
+    let summary = ended.expect("the stop still waits for a server that is gone");
+    assert!(took < Duration::from_secs(12), "the stop took {took:?}");
+    assert_eq!(summary.unwrap().processed, 50);
 }
 
 /// `dedupd nats-bench --json` end to end with the shipping-label handler: every phase

@@ -46,6 +46,12 @@ use crate::telemetry::metric;
 pub(crate) const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 /// How often the consumer's pending counts are read for the metrics.
 const INFO_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a stop waits for each thing it asks of the client (the acks of what finished,
+/// the gives-back, the flush), and the run loop for the consumer's info, before going on
+/// without it. A server that went away leaves the client reconnecting, and until it is
+/// back the client takes no more commands once its queue is full and answers no flush or
+/// request; whatever was not sent is delivered again and answered `duplicate`.
+const SERVER_REPLY: Duration = Duration::from_secs(2);
 
 /// The binding's metric counters, each looked up once (see [`Meter`]).
 #[derive(Default)]
@@ -159,10 +165,14 @@ pub(crate) async fn run_binding(
 
 /// Sends the acknowledgements still buffered in the client.
 async fn js_flush(js: &jetstream::Context) {
-    if let Err(e) = js.client().flush().await {
-        tracing::warn!(
+    match tokio::time::timeout(SERVER_REPLY, js.client().flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(
             "nats flush at stop failed (unsent acks mean redeliveries, answered duplicate): {e}"
-        );
+        ),
+        Err(_) => tracing::warn!(
+            "nats flush at stop not done within {SERVER_REPLY:?} (the client is not connected); stopping without it: unsent acks mean redeliveries, answered duplicate"
+        ),
     }
 }
 
@@ -372,8 +382,8 @@ impl Binding {
 
     /// The consumer's pending counts as gauges (the lag the server reports).
     async fn report_pending(&self, consumer: &mut PullConsumer) {
-        match consumer.info().await {
-            Ok(info) => {
+        match tokio::time::timeout(SERVER_REPLY, consumer.info()).await {
+            Ok(Ok(info)) => {
                 metrics::gauge!(metric::NATS_CONSUMER_PENDING,
                     "subscriber" => self.sub.name.to_string())
                 .set(info.num_pending as f64);
@@ -381,7 +391,10 @@ impl Binding {
                     "subscriber" => self.sub.name.to_string())
                 .set(info.num_ack_pending as f64);
             }
-            Err(e) => tracing::debug!(subscriber = %self.sub.name, "nats consumer info: {e}"),
+            Ok(Err(e)) => tracing::debug!(subscriber = %self.sub.name, "nats consumer info: {e}"),
+            Err(_) => {
+                tracing::debug!(subscriber = %self.sub.name, "nats consumer info: no answer within {SERVER_REPLY:?}")
+            }
         }
     }
 
@@ -393,17 +406,35 @@ impl Binding {
     ) -> Result<(), NatsError> {
         self.flush()?;
         let deadline = tokio::time::Instant::now() + timeout;
-        while !self.in_flight.is_empty() {
-            match tokio::time::timeout_at(deadline, done_rx.recv()).await {
-                Ok(Some(dones)) => self.on_done(dones).await?,
-                Ok(None) | Err(_) => break,
+        let finishing = async {
+            while !self.in_flight.is_empty() {
+                match tokio::time::timeout_at(deadline, done_rx.recv()).await {
+                    Ok(Some(dones)) => self.on_done(dones).await?,
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            Ok::<(), NatsError>(())
+        };
+        match tokio::time::timeout_at(deadline + SERVER_REPLY, finishing).await {
+            Ok(finished) => finished?,
+            Err(_) => {
+                tracing::warn!(subscriber = %self.sub.name, "the nats client took no acks within {SERVER_REPLY:?} past nats.drain_timeout (not connected); what was not sent is delivered again, answered duplicate")
             }
         }
         if !self.in_flight.is_empty() {
             tracing::error!(subscriber = %self.sub.name, left = self.in_flight.len(), "in-flight nats messages did not finish within nats.drain_timeout; given back (Nak) to be delivered again");
             let delay = Some(self.config.nak_delay);
-            for (_, acker) in std::mem::take(&mut self.in_flight) {
-                self.ack(&acker, AckKind::Nak(delay)).await;
+            let left = std::mem::take(&mut self.in_flight);
+            let giving_back = async {
+                for acker in left.values() {
+                    self.ack(acker, AckKind::Nak(delay)).await;
+                }
+            };
+            if tokio::time::timeout(SERVER_REPLY, giving_back)
+                .await
+                .is_err()
+            {
+                tracing::warn!(subscriber = %self.sub.name, "the nats client took no Nak within {SERVER_REPLY:?} (not connected); the rest return after ack_wait");
             }
         }
         Ok(())
