@@ -1,6 +1,6 @@
 //! The Kafka source against librdkafka's mock cluster (or a real cluster when
 //! `KAFKA_BOOTSTRAP` is set): crash redelivery with the real binary, rebalance between two
-//! engines, dead-letter and outbox topics, poison messages.
+//! engines, dead-letter and outbox topics, poison messages, a stop after the broker went away.
 #![allow(
     clippy::unwrap_used,
     reason = "tests: a failed unwrap is a failed test"
@@ -483,6 +483,45 @@ fn consume_to_end(
         stop.trigger(Cause::Requested);
         run.join().unwrap().unwrap()
     })
+}
+
+/// A stop after the broker went away (as when the host it runs on goes down first) ends
+/// within seconds, the source's work durable: every wait for the cluster at a stop (the
+/// last offset commit, leaving the group) is bounded, as a process manager expects.
+#[test]
+fn a_stop_after_the_broker_went_away_ends_in_seconds() {
+    logs();
+    // A mock cluster of the test's own: its broker is taken down below.
+    let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
+    let bootstrap = mock.bootstrap_servers();
+    let t = topic("gone");
+    mock.create_topic(&t, 2, 1).unwrap();
+    let recs: Vec<Rec<'_>> = (0..50)
+        .map(|n| Rec {
+            key: ["a", "b"][n % 2],
+            headers: vec![("message-id", format!("m-{n}"))],
+            payload: format!(r#"{{"n":{n}}}"#),
+        })
+        .collect();
+    produce(&bootstrap, &t, &recs);
+    let (config, k) = header_keyed_config(&bootstrap, &t);
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
+    let (stop, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
+    let (l, s) = (ledger.clone(), stop.clone());
+    std::thread::spawn(move || tx.send(kafka::run(l, &k, &s)));
+    wait_until("offsets at the log end", Duration::from_secs(60), || {
+        at_log_end(&bootstrap, &format!("g-{t}"), &t)
+    });
+    mock.broker_down(1).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let stopping = Instant::now();
+    stop.trigger(Cause::Requested);
+    let ended = rx.recv_timeout(Duration::from_secs(60));
+    let took = stopping.elapsed();
+    let summary = ended.expect("the stop still waits for a broker that is gone");
+    assert!(took < Duration::from_secs(15), "the stop took {took:?}");
+    assert_eq!(summary.unwrap().processed, 50);
 }
 
 /// A record with no usable key is kept in the ledger as a dead letter; a binary payload
