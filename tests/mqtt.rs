@@ -2,7 +2,8 @@
 //! installs it), started by each test on a free port with persistence in a temporary
 //! directory: end to end over MQTT 5 with user-property keys and repeats, a poison message,
 //! kill -9 rounds of `dedupd run` with the non-idempotent counter handler over MQTT 3.1.1,
-//! the broker restarted under load, a slow handler cut short by a stop, a shared
+//! the broker restarted under load, a slow handler cut short by a stop, a stop after the
+//! broker went away (ends in seconds), a shared
 //! subscription over two instances, `config check` of a bad section, and TLS (`mqtts`
 //! with a client certificate; a wrong CA and a missing client certificate refused, and
 //! said why).
@@ -25,6 +26,7 @@ use std::time::{Duration, Instant};
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
+use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::mqtt::{self, MqttSummary};
 
 use common::broker::{
@@ -418,6 +420,43 @@ fn a_slow_handler_cut_short_by_a_stop_has_no_double_effect() {
         left_in_session(broker.port, CLIENT_ID, Duration::from_secs(1)),
         0
     );
+}
+
+/// A stop after the broker went away ends within seconds: no DISCONNECT can be written to
+/// a connection that is gone, so the stop does not wait `drain_timeout` for one (before,
+/// it waited the whole 20 s here; the stop watchdog of `dedupd run` allows 50).
+#[test]
+fn a_stop_after_the_broker_went_away_ends_in_seconds() {
+    let mut broker = Mosquitto::start();
+    create_session(broker.port, CLIENT_ID, "orders/#");
+    publish(broker.port, &order_msgs(0..50));
+    let text = config_text(&broker.url, "5", BY_PROPERTY, None)
+        .replace("drain_timeout = \"10s\"", "drain_timeout = \"20s\"");
+    let config = Config::parse(&text).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let ledger = Arc::new(Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap());
+    let (shutdown, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
+    let (l, s, m) = (
+        ledger.clone(),
+        shutdown.clone(),
+        config.mqtt.clone().unwrap(),
+    );
+    std::thread::spawn(move || tx.send(mqtt::run(l, &m, &s)));
+    wait_until("the messages claimed", Duration::from_secs(60), || {
+        claims(&ledger) == 50
+    });
+    // Their PUBACKs go out as the claims commit; a moment for the last ones.
+    std::thread::sleep(Duration::from_millis(300));
+    broker.stop();
+    std::thread::sleep(Duration::from_millis(500));
+    let stopping = Instant::now();
+    shutdown.trigger(Cause::Requested);
+    let ended = rx.recv_timeout(Duration::from_secs(60));
+    let took = stopping.elapsed();
+    let summary = ended.expect("the stop still waits for a broker that is gone");
+    assert!(took < Duration::from_secs(8), "the stop took {took:?}");
+    assert_eq!(summary.unwrap().processed, 50);
 }
 
 /// Two engines with their own client ids and data directories on one shared subscription

@@ -27,7 +27,8 @@
 //!
 //! Stop: no new messages are taken (those still arriving stay unacknowledged in the
 //! session); in-flight ones are acknowledged as their outcomes become durable, up to
-//! `mqtt.drain_timeout`; then a DISCONNECT after the queued acks, which keeps the session.
+//! `mqtt.drain_timeout`; then a DISCONNECT after the queued acks, which keeps the session
+//! (none when the connection is gone: the stop then ends without waiting for one).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -519,21 +520,13 @@ impl Consumer {
         if self.held() > 0 {
             tracing::error!(left = self.held(), "in-flight mqtt messages did not finish within mqtt.drain_timeout; left unacknowledged in the session (delivered again at the next start)");
         }
-        self.client.disconnect();
-        // The DISCONNECT goes out after every queued PUBACK: after a large backlog tens of
-        // thousands may still be queued, so the wait is the drain's, at least 5 s.
-        let deadline = tokio::time::Instant::now() + timeout.max(DISCONNECT_WAIT);
-        loop {
-            tokio::select! {
-                ev = rx.recv() => match ev {
-                    Some(LinkEvent::Disconnected) => break,
-                    ev => if !self.at_stop(ev) { break },
-                },
-                () = tokio::time::sleep_until(deadline) => {
-                    tracing::warn!("the mqtt DISCONNECT was not written in time; acks still queued are lost (those messages come again, answered duplicate)");
-                    break;
-                }
+        match self.link.unready() {
+            // No connection to write a DISCONNECT (or queued PUBACKs) to: waiting for one
+            // would only hold the stop for the whole drain.
+            Some(reason) => {
+                tracing::warn!(%reason, "mqtt not connected at the stop; no DISCONNECT sent (what was not acknowledged stays in the session, delivered again and answered duplicate)")
             }
+            None => self.disconnect(rx, timeout).await,
         }
         if self.left_at_stop > 0 {
             tracing::info!(
@@ -542,6 +535,32 @@ impl Consumer {
             );
         }
         Ok(())
+    }
+
+    /// Sends the DISCONNECT after the queued acks and waits until it is written, the
+    /// connection is lost, or `timeout` (at least [`DISCONNECT_WAIT`]) passes.
+    async fn disconnect(&mut self, rx: &mut mpsc::Receiver<LinkEvent>, timeout: Duration) {
+        self.client.disconnect();
+        // The DISCONNECT goes out after every queued PUBACK: after a large backlog tens of
+        // thousands may still be queued, so the wait is the drain's, at least 5 s.
+        let deadline = tokio::time::Instant::now() + timeout.max(DISCONNECT_WAIT);
+        loop {
+            tokio::select! {
+                ev = rx.recv() => match ev {
+                    Some(LinkEvent::Disconnected) => break,
+                    Some(LinkEvent::Lost { reason }) => {
+                        self.lose();
+                        tracing::warn!(%reason, "the mqtt connection was lost during the stop; no DISCONNECT sent, and acks still queued are lost with it (those messages come again, answered duplicate)");
+                        break;
+                    }
+                    ev => if !self.at_stop(ev) { break },
+                },
+                () = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!("the mqtt DISCONNECT was not written in time; acks still queued are lost (those messages come again, answered duplicate)");
+                    break;
+                }
+            }
+        }
     }
 
     /// An event during the stop: messages are left to the session. False when the
