@@ -509,7 +509,9 @@ fn a_stop_after_the_broker_went_away_ends_in_seconds() {
     let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
     let (stop, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
     let (l, s) = (ledger.clone(), stop.clone());
-    std::thread::spawn(move || tx.send(kafka::run(l, &k, &s)));
+    std::thread::spawn(move || {
+        let _ = tx.send(kafka::run(l, &k, &s));
+    });
     wait_until("offsets at the log end", Duration::from_secs(60), || {
         at_log_end(&bootstrap, &format!("g-{t}"), &t)
     });
