@@ -441,14 +441,18 @@ fn a_handler_that_prints_then_traps_gets_one_output_budget_across_rebuilds() {
     // instance let every one of the 60 calls' lines through.
     let lines = GuestLines::default();
     let subscriber = tracing_subscriber::registry().with(lines.clone());
+    // tracing caches each callsite's interest for the whole process, and while one
+    // dispatcher is registered it asks only the current thread's: a test on another
+    // thread that reached the guest-output callsite first, with no subscriber, left it
+    // "never", and this test then saw no line at all (seen twice under load, once after
+    // the rebuild below alone). With a second live dispatcher every registration asks all
+    // of them, this test's included.
+    let _second = tracing::Dispatch::new(tracing_subscriber::registry());
     let c = load("fixture_trap", Limits::default());
     let mut h = c.handler();
     let start = Instant::now();
     tracing::subscriber::with_default(subscriber, || {
-        // tracing caches each callsite's interest for the whole process: a test on another
-        // thread that reached the guest-output callsite first, with no subscriber, left it
-        // "never", and this test then saw no line at all (seen once under load). Ask every
-        // callsite again now that this thread's subscriber is in place.
+        // Callsites cached before this thread's subscriber was registered are asked again.
         tracing::callsite::rebuild_interest_cache();
         for i in 0..60 {
             let (_, r) = h.handle(&msg(&format!("m{i}"), "{}"), Box::new(EmptyState));

@@ -1035,13 +1035,14 @@ fn failing_reads_while_running_never_make_a_claimed_message_new() {
     };
     eprintln!("the stream read the disk {healthy} times on a healthy disk");
     // The lookups do read the disk: a 1 MiB cache does not hold 40,000 sealed claims
-    // (83 reads for the 400 lookups when this was written).
-    assert!(healthy >= 40, "the lookups read the disk {healthy} times");
+    // (83 reads for the 400 lookups when this was written, 38 in one loaded run of the
+    // whole suite: how many blocks the lookups need depends on the merges the fill did).
+    assert!(healthy >= 20, "the lookups read the disk {healthy} times");
     let mut stopped = 0;
     // Up to three quarters of the healthy count: a margin for reads that background
     // maintenance may or may not do, depending on timing.
     let budgets: Vec<u64> = (0..healthy * 3 / 4)
-        .step_by(healthy as usize / 40)
+        .step_by((healthy as usize / 40).max(1))
         .collect();
     for &reads in &budgets {
         let dir = copy_dir(filled.path());
