@@ -30,6 +30,7 @@ use dedupd::source::kafka::{
     self, DevBroker, KafkaConfig, RunOptions, SourceStats, SubscriptionConfig,
 };
 
+use common::broker::start_source;
 use common::component;
 
 /// A cluster for one test: the mock broker, or the one `KAFKA_BOOTSTRAP` names.
@@ -506,22 +507,13 @@ fn a_stop_after_the_broker_went_away_ends_in_seconds() {
     produce(&bootstrap, &t, &recs);
     let (config, k) = header_keyed_config(&bootstrap, &t);
     let dir = tempfile::tempdir().unwrap();
-    let ledger = Arc::new(Ledger::open(dir.path(), &config, Arc::new(SystemClock)).unwrap());
-    let (stop, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
-    let (l, s) = (ledger.clone(), stop.clone());
-    std::thread::spawn(move || {
-        let _ = tx.send(kafka::run(l, &k, &s));
-    });
+    let running = start_source(&config, dir.path(), move |l, s| kafka::run(l, &k, s));
     wait_until("offsets at the log end", Duration::from_secs(60), || {
         at_log_end(&bootstrap, &format!("g-{t}"), &t)
     });
     mock.broker_down(1).unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    let stopping = Instant::now();
-    stop.trigger(Cause::Requested);
-    let ended = rx.recv_timeout(Duration::from_secs(60));
-    let took = stopping.elapsed();
-    let summary = ended.expect("the stop still waits for a broker that is gone");
+    let (summary, took) = running.stop_timed(Duration::from_secs(60));
     assert!(took < Duration::from_secs(15), "the stop took {took:?}");
     assert_eq!(summary.unwrap().processed, 50);
 }

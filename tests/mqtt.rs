@@ -26,13 +26,12 @@ use std::time::{Duration, Instant};
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
-use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::mqtt::{self, MqttSummary};
 
 use common::broker::{
     assert_counts_exact, assert_metrics_of_orders, claims, config_check, dedupd_run, free_port,
     handler_lines, http_get, last_logged, logged_with_certificate, refused_over_tls,
-    run_source_until, stop_gracefully, wait_until, KillRounds,
+    run_source_until, start_source, stop_gracefully, wait_until, KillRounds,
 };
 use common::component;
 use common::tls::Pki;
@@ -434,27 +433,18 @@ fn a_stop_after_the_broker_went_away_ends_in_seconds() {
         .replace("drain_timeout = \"10s\"", "drain_timeout = \"20s\"");
     let config = Config::parse(&text).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let ledger = Arc::new(Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap());
-    let (shutdown, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
-    let (l, s, m) = (
-        ledger.clone(),
-        shutdown.clone(),
-        config.mqtt.clone().unwrap(),
-    );
-    std::thread::spawn(move || tx.send(mqtt::run(l, &m, &s)));
+    let m = config.mqtt.clone().unwrap();
+    let running = start_source(&config, &dir.path().join("data"), move |l, s| {
+        mqtt::run(l, &m, s)
+    });
     wait_until("the messages claimed", Duration::from_secs(60), || {
-        claims(&ledger) == 50
+        claims(&running.ledger) == 50
     });
     // Their PUBACKs go out as the claims commit; a moment for the last ones.
     std::thread::sleep(Duration::from_millis(300));
     broker.stop();
     std::thread::sleep(Duration::from_millis(500));
-    let stopping = Instant::now();
-    shutdown.trigger(Cause::Requested);
-    let ended = rx.recv_timeout(Duration::from_secs(60));
-    let took = stopping.elapsed();
-    let summary = ended.expect("the stop still waits for a broker that is gone");
+    let (summary, took) = running.stop_timed(Duration::from_secs(60));
     assert!(took < Duration::from_secs(8), "the stop took {took:?}");
     assert_eq!(summary.unwrap().processed, 50);
 }

@@ -14,22 +14,19 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
 use futures_util::StreamExt;
 
-use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
-use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::nats::{self, NatsSummary};
 
 use common::broker::{
     assert_counts_exact, assert_metrics_of_orders, claims, config_check, current_thread_runtime,
-    dedupd_run, free_port, handler_lines, http_get, last_logged, run_source_until, stop_gracefully,
-    wait_until, KillRounds,
+    dedupd_run, free_port, handler_lines, http_get, last_logged, run_source_until, start_source,
+    stop_gracefully, wait_until, KillRounds,
 };
 use common::component;
 use common::tls::Pki;
@@ -664,27 +661,18 @@ fn a_stop_after_the_server_went_away_ends_in_seconds() {
         .replace("drain_timeout = \"10s\"", "drain_timeout = \"1s\"");
     let config = Config::parse(&text).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let ledger = Arc::new(Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap());
-    let (shutdown, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
-    let (l, s, n) = (
-        ledger.clone(),
-        shutdown.clone(),
-        config.nats.clone().unwrap(),
-    );
-    std::thread::spawn(move || tx.send(nats::run(l, &n, &s)));
+    let n = config.nats.clone().unwrap();
+    let running = start_source(&config, &dir.path().join("data"), move |l, s| {
+        nats::run(l, &n, s)
+    });
     wait_until("the messages acknowledged", Duration::from_secs(60), || {
-        claims(&ledger) == 50 && broker.pending(STREAM, DURABLE) == (0, 0)
+        claims(&running.ledger) == 50 && broker.pending(STREAM, DURABLE) == (0, 0)
     });
     drop(broker);
     server.stop();
     // The client notices the closed connection and starts reconnecting.
     std::thread::sleep(Duration::from_millis(500));
-    let stopping = Instant::now();
-    shutdown.trigger(Cause::Requested);
-    let ended = rx.recv_timeout(Duration::from_secs(20));
-    let took = stopping.elapsed();
-    let summary = ended.expect("the stop still waits for a server that is gone");
+    let (summary, took) = running.stop_timed(Duration::from_secs(20));
     assert!(took < Duration::from_secs(12), "the stop took {took:?}");
     assert_eq!(summary.unwrap().processed, 50);
 }

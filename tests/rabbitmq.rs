@@ -22,18 +22,17 @@ mod rabbitmq_server;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dedupd::clock::SystemClock;
 use dedupd::config::Config;
 use dedupd::ledger::{Ledger, RecordKind};
-use dedupd::pipeline::{Cause, Shutdown};
 use dedupd::source::rabbitmq::{self, RabbitMqSummary};
 
 use common::broker::{
     assert_counts_exact, claims, config_check, dedupd_run, free_port, handler_lines, http_get,
-    last_logged, logged_with_certificate, refused_over_tls, run_source_until, stop_gracefully,
-    wait_logged, wait_until, KillRounds,
+    last_logged, logged_with_certificate, refused_over_tls, run_source_until, start_source,
+    stop_gracefully, wait_logged, wait_until, KillRounds,
 };
 use common::component;
 use common::stall::StallingRelay;
@@ -174,24 +173,15 @@ fn a_stop_while_the_server_answers_nothing_ends_in_seconds() {
     let text = config_text(&uri, None, &[q], "").replace("\"10s\"", "\"1s\"");
     let config = Config::parse(&text).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let ledger = Arc::new(Ledger::open(&data, &config, Arc::new(SystemClock)).unwrap());
-    let (shutdown, (tx, rx)) = (Shutdown::new(), std::sync::mpsc::channel());
-    let (l, s, r) = (
-        ledger.clone(),
-        shutdown.clone(),
-        config.rabbitmq.clone().unwrap(),
-    );
-    std::thread::spawn(move || tx.send(rabbitmq::run(l, &r, &s)));
+    let r = config.rabbitmq.clone().unwrap();
+    let running = start_source(&config, &dir.path().join("data"), move |l, s| {
+        rabbitmq::run(l, &r, s)
+    });
     wait_until("the messages claimed", Duration::from_secs(60), || {
-        claims(&ledger) == 50
+        claims(&running.ledger) == 50
     });
     relay.stall();
-    let stopping = Instant::now();
-    shutdown.trigger(Cause::Requested);
-    let ended = rx.recv_timeout(Duration::from_secs(20));
-    let took = stopping.elapsed();
-    let summary = ended.expect("the stop still waits for a server that answers nothing");
+    let (summary, took) = running.stop_timed(Duration::from_secs(20));
     assert!(took < Duration::from_secs(12), "the stop took {took:?}");
     assert_eq!(summary.unwrap().processed, 50);
 }

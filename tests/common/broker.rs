@@ -1,6 +1,6 @@
 //! What the broker tests (`tests/nats.rs`, `tests/mqtt.rs`, `tests/rabbitmq.rs`) share
 //! around their servers: waiting, free ports, `GET` of `/readyz` and `/metrics`, a source
-//! run in the test's process until a condition holds, `dedupd run` as a child (started,
+//! run in the test's process until a condition holds or with its stop timed, `dedupd run` as a child (started,
 //! killed in kill -9 rounds, stopped gracefully), the counts of the `fixture-counter`
 //! handler, and `config check` of a section.
 
@@ -138,6 +138,48 @@ where
     let summary = summary.unwrap();
     let ledger = Arc::try_unwrap(ledger).ok().unwrap();
     (summary, ledger)
+}
+
+/// A source running in the test's process on a thread of its own (not a scoped one: a
+/// stop that never returns must fail the test, not hold it), for tests that time its stop.
+pub struct Running<S> {
+    pub ledger: Arc<Ledger>,
+    shutdown: Shutdown,
+    ended: std::sync::mpsc::Receiver<S>,
+}
+
+/// Opens the ledger in `data` with `config`'s handlers and starts `run` on it.
+pub fn start_source<S: Send + 'static>(
+    config: &Config,
+    data: &Path,
+    run: impl FnOnce(Arc<Ledger>, &Shutdown) -> S + Send + 'static,
+) -> Running<S> {
+    let ledger = Arc::new(Ledger::open(data, config, Arc::new(SystemClock)).unwrap());
+    dedupd::pipeline::install_handlers(&ledger, config).unwrap();
+    let (shutdown, (tx, ended)) = (Shutdown::new(), std::sync::mpsc::channel());
+    let (l, s) = (ledger.clone(), shutdown.clone());
+    std::thread::spawn(move || {
+        let _ = tx.send(run(l, &s));
+    });
+    Running {
+        ledger,
+        shutdown,
+        ended,
+    }
+}
+
+impl<S> Running<S> {
+    /// Stops the source: what it returned and how long the stop took; fails the test if it
+    /// has not returned within `wait`.
+    pub fn stop_timed(self, wait: Duration) -> (S, Duration) {
+        let stopping = Instant::now();
+        self.shutdown.trigger(Cause::Requested);
+        let ended = self.ended.recv_timeout(wait);
+        let took = stopping.elapsed();
+        let ended =
+            ended.unwrap_or_else(|_| panic!("the stop still waits for the server after {took:?}"));
+        (ended, took)
+    }
 }
 
 /// Kills a child process when dropped.
