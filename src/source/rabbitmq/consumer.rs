@@ -602,16 +602,21 @@ impl Binding {
     /// The queue's ready messages (not yet delivered to any consumer) as a gauge: the lag
     /// the server reports. A passive declare; a queue deleted meanwhile closes the channel
     /// and ends the session.
+    ///
+    /// Its answer is awaited at most [`super::STOP_REPLY`]: the loop awaits it and notices
+    /// nothing else meanwhile, so a server that went silent would otherwise hold the loop,
+    /// and a stop, for ever (the heartbeat ends such a session in time).
     async fn report_queue(&self) -> Result<(), Halt> {
-        let q = self
-            .channel
-            .queue_declare(
-                self.config.queue.as_str().into(),
-                QueueDeclareOptions::default().passive(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| Halt::Lost(format!("queue {:?}: {e}", self.config.queue)))?;
+        let declare = self.channel.queue_declare(
+            self.config.queue.as_str().into(),
+            QueueDeclareOptions::default().passive(),
+            FieldTable::default(),
+        );
+        let Ok(answer) = tokio::time::timeout(super::STOP_REPLY, declare).await else {
+            tracing::debug!(queue = %self.config.queue, "rabbitmq queue report: no answer within {:?}", super::STOP_REPLY);
+            return Ok(());
+        };
+        let q = answer.map_err(|e| Halt::Lost(format!("queue {:?}: {e}", self.config.queue)))?;
         metrics::gauge!(metric::RABBITMQ_QUEUE_MESSAGES,
             "subscriber" => self.sub.name.to_string(), "queue" => self.config.queue.clone())
         .set(f64::from(q.message_count()));

@@ -52,7 +52,8 @@ use crate::telemetry::metric;
 
 /// How long a stop waits for each answer of the server (a cancel, a channel's or the
 /// connection's close) before it goes on without it: nothing durable depends on them, and
-/// a server that stalled without closing the connection must not hold the stop.
+/// a server that stalled without closing the connection must not hold the stop. The run
+/// loop's queue report waits no longer either (the loop notices a stop only between steps).
 pub(crate) const STOP_REPLY: Duration = Duration::from_secs(2);
 
 /// Waits for the server's answer to `what` at a stop, at most [`STOP_REPLY`]; a failure is
